@@ -1,0 +1,51 @@
+"""Starting or joining the Ray cluster the driver runs on."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from typing import Iterator
+
+import ray
+
+
+def _driver_pythonpath() -> str:
+    """The driver's import path, so that worker processes import the same modules (a script's own workers too)."""
+    entries = [p for p in sys.path if p and os.path.isdir(p)]
+    if os.getcwd() not in entries:
+        entries.insert(0, os.getcwd())
+    existing = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(entries + ([existing] if existing else []))
+
+
+def driver_runtime_env() -> dict:
+    return {"env_vars": {"PYTHONPATH": _driver_pythonpath(), "RAY_DEDUP_LOGS": "0"}}
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> bool:
+    """Start a local Ray cluster (``address`` None) or join one. Returns whether this call started Ray.
+
+    A local cluster gets at least 8 logical CPUs, so that small worker groups fit on a small
+    machine; threads per worker are what bound real CPU use.
+    """
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    kwargs: dict = {"runtime_env": driver_runtime_env(), "include_dashboard": False, "log_to_driver": True}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, 8), num_gpus=num_gpus, **kwargs)
+    return True
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> Iterator[None]:
+    """Ray for the duration of a block; a cluster this block started is shut down when it ends, error or not."""
+    started = start_ray(address, num_cpus, num_gpus)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

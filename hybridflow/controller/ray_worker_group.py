@@ -1,0 +1,179 @@
+"""Worker groups on Ray: one Ray actor per rank, hosting one or several (colocated) roles.
+
+Each rank's actor is a ``WorkerHost``. It joins the group's torch.distributed process group,
+then builds the role objects it hosts. Colocated roles share that process (and its process
+group): the actor and the reference model can share memory, and the driver reaches each role
+through its own ``RayWorkerGroup`` view.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridflow.controller.decorator import MeshCoord, registered_methods
+from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.resource_pool import RayResourcePool
+from hybridflow.controller.worker import DistEnv, Worker, free_port, init_distributed
+from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.protocol import materialize
+
+
+@dataclass
+class RoleSpec:
+    """A worker class with the arguments its constructor takes on every rank."""
+
+    cls: type[Worker]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cls, type) and issubclass(self.cls, Worker)):
+            raise TypeError(f"a role's class must subclass hybridflow.controller.Worker, got {self.cls!r}")
+
+
+class _HostedError(Exception):
+    """An exception raised inside a hosted role, with its traceback rendered as text on the worker."""
+
+    def __init__(self, cause: BaseException, rendered: str):
+        try:
+            pickle.dumps(cause)
+        except Exception:
+            cause = RuntimeError(f"{type(cause).__name__}: {cause}")
+        super().__init__(cause, rendered)
+        self.cause = cause
+        self.rendered = rendered
+
+    def __str__(self) -> str:
+        return f"{type(self.cause).__name__}: {self.cause}"
+
+
+class WorkerHost:
+    """The process of one rank: the distributed environment plus the role objects it hosts."""
+
+    def __init__(self, specs: dict[str, RoleSpec]):
+        self.specs = specs
+        self.roles: dict[str, Worker] = {}
+        self.methods = {name: set(registered_methods(spec.cls)) for name, spec in specs.items()}
+
+    def node_address(self) -> tuple[str, int, str]:
+        return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
+
+    def setup(self, env: DistEnv) -> int:
+        try:
+            init_distributed(env)
+            for name, spec in self.specs.items():
+                self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
+        except BaseException as error:
+            raise _HostedError(error, traceback.format_exc()) from error
+        return os.getpid()
+
+    def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+        if method not in self.methods.get(role, ()):
+            raise AttributeError(f"role '{role}' has no @register'ed method '{method}'")
+        try:
+            args = tuple(materialize(a) for a in args)
+            kwargs = {k: materialize(v) for k, v in kwargs.items()}
+            return getattr(self.roles[role], method)(*args, **kwargs)
+        except BaseException as error:
+            raise _HostedError(error, traceback.format_exc()) from error
+
+    def mesh_coord(self, role: str, mesh_name: str) -> MeshCoord:
+        return self.roles[role].dispatch_mesh(mesh_name)
+
+
+_RemoteHost = ray.remote(WorkerHost)
+
+
+def _wait_all(group: str, method: str, futures: list, ranks: list[int]) -> list:
+    """ray.get that fails fast: the first rank to raise ends the wait, even while peers block in a collective."""
+    rank_of = {ref: rank for ref, rank in zip(futures, ranks)}
+    pending = list(futures)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayTaskError as error:
+                cause = error.cause
+                if isinstance(cause, _HostedError):
+                    raise WorkerError(group, method, rank_of[ref], cause.cause, cause.rendered) from cause.cause
+                raise WorkerError(group, method, rank_of[ref], cause or error, str(error)) from error
+            except RayActorError as error:
+                raise WorkerError(group, method, rank_of[ref], error, str(error)) from error
+    return ray.get(list(futures))
+
+
+def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: str) -> list:
+    """One WorkerHost actor per rank of ``pool``, joined into one torch.distributed group."""
+    placements = pool.placements()
+    resources = pool.actor_resources
+    hosts = [
+        _RemoteHost.options(
+            num_cpus=resources["num_cpus"],
+            num_gpus=resources["num_gpus"],
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+        ).remote(specs)
+        for pg, index in placements
+    ]
+    addresses = ray.get([h.node_address.remote() for h in hosts])
+    master_addr, master_port, _ = addresses[0]
+    local_ranks, seen = [], {}
+    for _, _, node in addresses:
+        local_ranks.append(seen.get(node, 0))
+        seen[node] = local_ranks[-1] + 1
+    device = "cuda" if pool.use_gpu else "cpu"
+    envs = [
+        DistEnv(rank, len(hosts), local_ranks[rank], master_addr, master_port, device) for rank in range(len(hosts))
+    ]
+    ranks = list(range(len(hosts)))
+    _wait_all(group_name, "__init__", [h.setup.remote(env) for h, env in zip(hosts, envs)], ranks)
+    return hosts
+
+
+class RayWorkerGroup(WorkerGroup):
+    """A worker group of one role, one Ray actor per rank of the resource pool."""
+
+    def __init__(self, resource_pool: RayResourcePool, spec: RoleSpec, name: str | None = None):
+        name = name or spec.cls.__name__
+        self._attach(spawn_hosts(resource_pool, {name: spec}, name), name, spec.cls)
+
+    @classmethod
+    def colocated(
+        cls, resource_pool: RayResourcePool, specs: dict[str, RoleSpec], name: str = "colocated"
+    ) -> dict[str, RayWorkerGroup]:
+        """Several roles fused into one process per rank; returns one group view per role."""
+        if not specs:
+            raise ValueError("colocated() needs at least one role")
+        hosts = spawn_hosts(resource_pool, specs, name)
+        groups = {}
+        for role, spec in specs.items():
+            group = cls.__new__(cls)
+            group._attach(hosts, role, spec.cls)
+            groups[role] = group
+        return groups
+
+    def _attach(self, hosts: list, role: str, worker_cls: type) -> None:
+        self.hosts = hosts
+        self.role = role
+        self._bind_methods(role, worker_cls, len(hosts))
+
+    def _execute(self, rank: int, method_name: str, args: tuple, kwargs: dict) -> Any:
+        return self.hosts[rank].call.remote(self.role, method_name, args, kwargs)
+
+    def _wait(self, method_name: str, futures: list, ranks: list[int]) -> list:
+        return _wait_all(self.name, method_name, futures, ranks)
+
+    def _fetch_mesh(self, mesh_name: str) -> list[MeshCoord]:
+        return ray.get([h.mesh_coord.remote(self.role, mesh_name) for h in self.hosts])
+
+    def kill(self) -> None:
+        for host in self.hosts:
+            ray.kill(host)

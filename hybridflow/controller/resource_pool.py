@@ -1,0 +1,126 @@
+"""Resource pools: where a worker group's ranks run.
+
+A pool is a list of processes per node. On Ray each node's share is one placement group of
+bundles (``{"CPU": c}`` or ``{"CPU": c, "GPU": 1}``), packed on one node; rank r runs in bundle r.
+Several worker groups may share a pool: each actor takes ``1 / max_colocate_count`` of its bundle.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+
+
+class Role(enum.Enum):
+    """The model roles of an RL dataflow."""
+
+    ActorRollout = "actor_rollout"
+    ActorRolloutRef = "actor_rollout_ref"
+    RefPolicy = "ref"
+    Critic = "critic"
+    RewardModel = "reward_model"
+
+
+class ResourcePool:
+    """Processes per node, independent of any backend."""
+
+    def __init__(self, process_on_nodes: list[int], use_gpu: bool = False, max_colocate_count: int = 1):
+        if not process_on_nodes or any(n <= 0 for n in process_on_nodes):
+            raise ValueError(f"process_on_nodes must list a positive process count per node, got {process_on_nodes}")
+        if max_colocate_count < 1:
+            raise ValueError(f"max_colocate_count must be at least 1, got {max_colocate_count}")
+        self.process_on_nodes = list(process_on_nodes)
+        self.use_gpu = use_gpu
+        self.max_colocate_count = max_colocate_count
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.process_on_nodes)
+
+
+class RayResourcePool(ResourcePool):
+    def __init__(
+        self,
+        process_on_nodes: list[int],
+        use_gpu: bool = False,
+        max_colocate_count: int = 1,
+        cpus_per_worker: float = 1.0,
+        name: str = "pool",
+        ready_timeout_s: float = 60.0,
+    ):
+        super().__init__(process_on_nodes, use_gpu, max_colocate_count)
+        self.cpus_per_worker = cpus_per_worker
+        self.name = name
+        self.ready_timeout_s = ready_timeout_s
+        self._placement_groups: list[PlacementGroup] | None = None
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.cpus_per_worker, **({"GPU": 1.0} if self.use_gpu else {})}
+
+    @property
+    def actor_resources(self) -> dict[str, float]:
+        """What one actor asks of its bundle, so that ``max_colocate_count`` actors fit in it."""
+        share = 1.0 / self.max_colocate_count
+        return {"num_cpus": self.cpus_per_worker * share, "num_gpus": share if self.use_gpu else 0.0}
+
+    def placement_groups(self) -> list[PlacementGroup]:
+        if self._placement_groups is None:
+            groups = [
+                placement_group([self.bundle] * count, strategy="STRICT_PACK", name=f"{self.name}_{uuid.uuid4().hex[:8]}_node{i}")
+                for i, count in enumerate(self.process_on_nodes)
+            ]
+            ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=self.ready_timeout_s)
+            if len(ready) < len(groups):
+                for g in groups:
+                    ray.util.remove_placement_group(g)
+                raise RuntimeError(
+                    f"resource pool '{self.name}' needs {self.process_on_nodes} processes per node, each "
+                    f"{self.bundle}, but the Ray cluster ({ray.available_resources()}) could not place them in "
+                    f"{self.ready_timeout_s:.0f}s; lower the worker count per node, or start Ray with more CPUs/GPUs"
+                )
+            self._placement_groups = groups
+        return self._placement_groups
+
+    def placements(self) -> list[tuple[PlacementGroup, int]]:
+        """(placement group, bundle index) for every rank, in rank order."""
+        return [(g, i) for g, count in zip(self.placement_groups(), self.process_on_nodes) for i in range(count)]
+
+    def release(self) -> None:
+        for g in self._placement_groups or []:
+            ray.util.remove_placement_group(g)
+        self._placement_groups = None
+
+
+@dataclass
+class ResourcePoolManager:
+    """Pools by name, and which pool each role runs in. Several roles may share one pool."""
+
+    pool_spec: dict[str, list[int]]
+    role_to_pool: dict[Role, str]
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    max_colocate_count: int = 3
+    pools: dict[str, RayResourcePool] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        unknown = {r.name: p for r, p in self.role_to_pool.items() if p not in self.pool_spec}
+        if unknown:
+            raise ValueError(f"roles {unknown} name pools that pool_spec does not define ({sorted(self.pool_spec)})")
+
+    def create_pools(self) -> None:
+        for name, nodes in self.pool_spec.items():
+            self.pools[name] = RayResourcePool(
+                nodes, self.use_gpu, self.max_colocate_count, self.cpus_per_worker, name=name
+            )
+
+    def get_pool(self, role: Role) -> RayResourcePool:
+        if role not in self.role_to_pool:
+            raise KeyError(f"role {role.name} has no resource pool; assigned: {[r.name for r in self.role_to_pool]}")
+        if not self.pools:
+            self.create_pools()
+        return self.pools[self.role_to_pool[role]]

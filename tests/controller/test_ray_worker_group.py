@@ -1,0 +1,251 @@
+"""Real worker groups on a local Ray cluster: torch.distributed inside, dispatch from the driver."""
+
+import os
+import time
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from hybridflow.controller import (
+    Dispatch,
+    Execute,
+    RayResourcePool,
+    RayWorkerGroup,
+    ResourcePoolManager,
+    Role,
+    RoleSpec,
+    Worker,
+    register,
+    start_ray,
+)
+from hybridflow.protocol import DataProto, DataProtoFuture
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    started = start_ray(num_cpus=8)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def pool():
+    """Makes resource pools and gives their CPUs back to the cluster after the test."""
+    made = []
+
+    def make(*args, **kwargs) -> RayResourcePool:
+        made.append(RayResourcePool(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.release()
+
+
+class SumWorker(Worker):
+    """Each rank sums its chunk; an all-reduce makes the total known to every rank."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def total(self, data: DataProto) -> DataProto:
+        local = data.batch["x"].sum() * self.scale
+        dist.all_reduce(local)
+        n = len(data)
+        return DataProto.from_dict(
+            {"total": local.expand(n).clone(), "rank": torch.full((n,), self.rank), "x": data.batch["x"]}
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def whoami(self) -> tuple[int, int, int]:
+        return self.rank, self.world_size, os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
+    def rank_zero_only(self) -> int:
+        return self.rank
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def chunk_metrics(self, data: DataProto) -> dict:
+        return {"rank": self.rank, "rows": data.batch["x"].tolist()}
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO_WITH_FUNC)
+    def apply(self, fn, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"x": fn(data.batch["x"])})
+
+
+def _square(x: torch.Tensor) -> torch.Tensor:
+    return x * x
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_reduce_driven_by_one_dp_compute_proto_call(world_size, pool):
+    group = RayWorkerGroup(pool([world_size]), RoleSpec(SumWorker, kwargs={"scale": 2.0}))
+    assert group.whoami()[-1][:2] == (world_size - 1, world_size)
+    data = DataProto.from_dict({"x": torch.arange(1.0, 8.0)})  # 7 rows: padding on both sizes
+    out = group.total(data)
+    # Padding repeats the first rows: 7 rows -> 8, the extra row is x=1.0.
+    expected = 2.0 * (sum(range(1, 8)) + 1.0)
+    assert out.batch["x"].tolist() == list(range(1, 8))
+    assert out.batch["total"].tolist() == [expected] * 7
+    per_rank = 8 // world_size
+    assert out.batch["rank"].tolist() == [i // per_rank for i in range(7)]
+    group.kill()
+
+
+def test_other_dispatch_and_execute_modes_on_real_workers(pool):
+    group = RayWorkerGroup(pool([2]), RoleSpec(SumWorker), name="modes")
+    assert group.rank_zero_only() == 0
+    metrics = group.chunk_metrics(DataProto.from_dict({"x": torch.arange(4.0)}))
+    assert metrics == [{"rank": 0, "rows": [0.0, 1.0]}, {"rank": 1, "rows": [2.0, 3.0]}]
+    squared = group.apply(_square, DataProto.from_dict({"x": torch.arange(3.0)}))
+    assert squared.batch["x"].tolist() == [0.0, 1.0, 4.0]
+    group.kill()
+
+
+class MeshWorker(Worker):
+    """dp=2 x tp=2: tensor-parallel peers must see the same chunk."""
+
+    def __init__(self):
+        super().__init__()
+        self.mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        self.register_dispatch_mesh("train", self.mesh, dp_dim="dp")
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO("train"))
+    def forward(self, data: DataProto) -> DataProto:
+        rows = data.batch["x"].clone()
+        peer_sum = rows.clone()
+        dist.all_reduce(peer_sum, group=self.mesh.get_group("tp"))
+        n = len(data)
+        return DataProto.from_dict(
+            {"x": rows, "seen_by": torch.full((n,), self.rank), "tp_sum": peer_sum}
+        )
+
+    @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO("train"), blocking=False)
+    def forward_async(self, data: DataProto) -> DataProto:
+        return self.forward(data)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def coords(self) -> tuple[int, int]:
+        return self.mesh.get_local_rank("dp"), self.mesh.get_local_rank("tp")
+
+
+def test_mesh_aware_dispatch_dp2_tp2(pool):
+    group = RayWorkerGroup(pool([4]), RoleSpec(MeshWorker))
+    assert group.coords() == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    out = group.forward(DataProto.from_dict({"x": torch.arange(6.0)}))
+    assert out.batch["x"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    # dp rank 0 (ranks 0, 1) had rows 0-2, dp rank 1 (ranks 2, 3) rows 3-5; ranks 0 and 2 are collected.
+    assert out.batch["seen_by"].tolist() == [0, 0, 0, 2, 2, 2]
+    # Both tp peers saw the same rows, so the sum over the tp group is twice each row.
+    assert out.batch["tp_sum"].tolist() == [2 * v for v in range(6)]
+    future = group.forward_async(DataProto.from_dict({"x": torch.arange(4.0)}))
+    assert isinstance(future, DataProtoFuture) and len(future.futures) == 2
+    assert future.get().batch["seen_by"].tolist() == [0, 0, 2, 2]
+    group.kill()
+
+
+class ActorRole(Worker):
+    def __init__(self, value: int):
+        super().__init__()
+        self.weights = torch.full((3,), float(value))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_address(self) -> int:
+        return self.weights.data_ptr()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def score(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"actor": data.batch["x"] * self.weights[0]})
+
+
+class RefRole(Worker):
+    """Reads the actor's tensor through the process it shares with the actor role."""
+
+    def __init__(self, value: int):
+        super().__init__()
+        self.weights = torch.full((3,), float(value))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def pid(self) -> int:
+        return os.getpid()
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def score(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"ref": data.batch["x"] * self.weights[0]})
+
+
+def test_colocated_roles_share_one_process_per_rank(pool):
+    groups = RayWorkerGroup.colocated(
+        pool([2]), {"actor": RoleSpec(ActorRole, (3,)), "ref": RoleSpec(RefRole, (5,))}
+    )
+    actor_pids, ref_pids = groups["actor"].pid(), groups["ref"].pid()
+    assert actor_pids == ref_pids and len(set(actor_pids)) == 2
+    data = DataProto.from_dict({"x": torch.tensor([1.0, 2.0])})
+    assert groups["actor"].score(data).batch["actor"].tolist() == [3.0, 6.0]
+    assert groups["ref"].score(data).batch["ref"].tolist() == [5.0, 10.0]
+    assert hasattr(groups["actor"], "weight_address") and not hasattr(groups["ref"], "weight_address")
+    groups["actor"].kill()
+
+
+class GatedProducer(Worker):
+    """Produces its output only once the gate file exists: a driver that waited would deadlock."""
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def produce(self, data: DataProto, gate: str) -> DataProto:
+        deadline = time.time() + 60
+        while not os.path.exists(gate):
+            if time.time() > deadline:
+                raise TimeoutError("the gate never opened")
+            time.sleep(0.05)
+        return DataProto.from_dict({"y": data.batch["x"] + 100, "producer": torch.full((len(data),), self.rank)})
+
+
+class Consumer(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def consume(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"z": data.batch["y"] * 2, "consumer": torch.full((len(data),), self.rank)})
+
+
+def test_future_passes_from_one_group_to_another_without_the_driver(tmp_path, pool):
+    shared = pool([2], max_colocate_count=2)
+    producer = RayWorkerGroup(shared, RoleSpec(GatedProducer))
+    consumer = RayWorkerGroup(shared, RoleSpec(Consumer))
+    gate = tmp_path / "gate"
+    started = time.time()
+    produced = producer.produce(DataProto.from_dict({"x": torch.arange(4.0)}), str(gate))
+    consumed = consumer.consume(produced)
+    assert isinstance(produced, DataProtoFuture) and isinstance(consumed, DataProtoFuture)
+    assert time.time() - started < 5  # nothing waited for the gated producer
+    gate.touch()
+    out = consumed.get()
+    assert out.batch["z"].tolist() == [200.0, 202.0, 204.0, 206.0]
+    assert out.batch["consumer"].tolist() == [0, 0, 1, 1]
+    producer.kill()
+    consumer.kill()
+
+
+def test_resource_pool_manager_maps_roles_to_shared_pools():
+    manager = ResourcePoolManager(
+        pool_spec={"global": [2]}, role_to_pool={Role.ActorRollout: "global", Role.Critic: "global"}
+    )
+    assert manager.get_pool(Role.ActorRollout) is manager.get_pool(Role.Critic)
+    with pytest.raises(KeyError, match="RewardModel"):
+        manager.get_pool(Role.RewardModel)
+    with pytest.raises(ValueError, match="pool_spec does not define"):
+        ResourcePoolManager(pool_spec={"a": [1]}, role_to_pool={Role.Critic: "b"})
+
+
+def test_pool_too_large_for_the_cluster_fails_clearly():
+    too_big = RayResourcePool([1], cpus_per_worker=1000, ready_timeout_s=2)
+    with pytest.raises(RuntimeError, match="could not place them"):
+        RayWorkerGroup(too_big, RoleSpec(SumWorker))
