@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -66,8 +67,9 @@ class WorkerHost:
     def node_address(self) -> tuple[str, int, str]:
         return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
-    def setup(self, env: DistEnv) -> int:
+    def setup(self, env: DistEnv, num_threads: int) -> int:
         try:
+            torch.set_num_threads(num_threads)
             init_distributed(env)
             for name, spec in self.specs.items():
                 self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
@@ -134,7 +136,7 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
         DistEnv(rank, len(hosts), local_ranks[rank], master_addr, master_port, device) for rank in range(len(hosts))
     ]
     ranks = list(range(len(hosts)))
-    _wait_all(group_name, "__init__", [h.setup.remote(env) for h, env in zip(hosts, envs)], ranks)
+    _wait_all(group_name, "__init__", [h.setup.remote(env, pool.threads_per_worker) for h, env in zip(hosts, envs)], ranks)
     return hosts
 
 

@@ -51,9 +51,11 @@ class RayResourcePool(ResourcePool):
         cpus_per_worker: float = 1.0,
         name: str = "pool",
         ready_timeout_s: float = 60.0,
+        threads_per_worker: int | None = None,
     ):
         super().__init__(process_on_nodes, use_gpu, max_colocate_count)
         self.cpus_per_worker = cpus_per_worker
+        self.threads_per_worker = threads_per_worker or max(1, int(cpus_per_worker))
         self.name = name
         self.ready_timeout_s = ready_timeout_s
         self._placement_groups: list[PlacementGroup] | None = None

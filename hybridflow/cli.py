@@ -1,0 +1,30 @@
+"""The ``hybridflow`` command."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: hybridflow <command> [args]
+
+commands:
+  train [--config FILE] key=value ...   run PPO/GRPO training (keys: hybridflow/config/ppo_trainer.yaml)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command == "train":
+        from hybridflow.trainer.main import main as train
+
+        train(rest)
+        return 0
+    print(f"unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""RLHFDataset: prompt rows from parquet/jsonl, chat-templated and tokenized once, up front.
+
+Each row has `prompt` (chat messages), `data_source`, `reward_model` ({"ground_truth": ...,
+"style": "rule"}) and optionally `extra_info` (a dict). Tokenizing everything at load time
+makes the length filter exact (it sees the templated prompt, system prompt included) and
+keeps `__getitem__` and the per-step `collate` cheap.
+
+`collate` left-pads to the longest prompt *of the batch*, not to `max_prompt_length`:
+prompts vary in length, so a fixed width would make the rollout and every log-prob pass
+work on pad tokens; a fixed shape would only help compiled graphs, which nothing here uses.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from hybridflow.data.config import DatasetConfig
+from hybridflow.data.io import read_rows
+from hybridflow.protocol import DataProto
+
+logger = logging.getLogger(__name__)
+
+NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "index")
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-d object array holding each value as is (numpy would turn nested lists into 2-d)."""
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
+
+
+def _check_messages(messages: Any, row: int, key: str) -> list[dict]:
+    ok = isinstance(messages, list) and messages and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    )
+    if not ok:
+        raise ValueError(
+            f"row {row}: column {key!r} (data.prompt_key) must be a non-empty list of "
+            f'{{"role": str, "content": str}} messages, got {messages!r:.200}'
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+class RLHFDataset:
+    """Chat prompts with their reward information, ready to collate into DataProto batches."""
+
+    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, config: DatasetConfig) -> None:
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; collate needs one to left-pad prompts")
+        self.tokenizer = tokenizer
+        self.config = config
+        self.files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        if not self.files:
+            raise ValueError("RLHFDataset needs at least one data file")
+        rows = [row for file in self.files for row in read_rows(file)]
+        if not rows:
+            raise ValueError(f"no rows in {[str(f) for f in self.files]}")
+        messages = [_check_messages(row.get(config.prompt_key), i, config.prompt_key) for i, row in enumerate(rows)]
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        # the template already holds every special token; the tokenizer must not add a BOS
+        token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        self.rows = self._keep_short(rows, messages, token_ids)
+
+    def _keep_short(self, rows: list[dict], messages: list[list[dict]], token_ids: list[list[int]]) -> list[dict]:
+        limit = self.config.max_prompt_length
+        kept = []
+        for index, (row, chat, ids) in enumerate(zip(rows, messages, token_ids, strict=True)):
+            if len(ids) > limit:
+                if not self.config.filter_overlong_prompts:
+                    raise ValueError(
+                        f"row {index} has a templated prompt of {len(ids)} tokens, longer than "
+                        f"data.max_prompt_length={limit}; raise data.max_prompt_length or set "
+                        "data.filter_overlong_prompts=true to drop such rows"
+                    )
+                continue
+            for key in ("data_source", "reward_model"):
+                if key not in row:
+                    raise ValueError(f"row {index} has no {key!r} column; columns: {sorted(row)}")
+            kept.append(
+                {
+                    "input_ids": ids,
+                    "raw_prompt": chat,
+                    "data_source": row["data_source"],
+                    "reward_model": row["reward_model"],
+                    "extra_info": row.get("extra_info") or {},
+                    "index": index,  # the row's position in the files, stable under filtering
+                }
+            )
+        dropped = len(rows) - len(kept)
+        if dropped:
+            logger.warning(
+                "dropped %d of %d rows whose templated prompt is longer than data.max_prompt_length=%d tokens",
+                dropped,
+                len(rows),
+                limit,
+            )
+        if not kept:
+            raise ValueError(f"every row is longer than data.max_prompt_length={limit} tokens; raise it")
+        return kept
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One row: `input_ids` (list of ints), `raw_prompt`, `data_source`, `reward_model`, `extra_info`, `index`."""
+        return self.rows[i]
+
+    def collate(self, rows: Sequence[dict[str, Any]]) -> DataProto:
+        """Left-pad the rows' prompts to the batch's longest into a DataProto.
+
+        Tensors (B, P), int64: `input_ids`, `attention_mask` (1 on prompt tokens),
+        `position_ids` (0, 1, ... from the first real token; 0 on padding).
+        """
+        if not rows:
+            raise ValueError("collate needs at least one row")
+        width = max(len(row["input_ids"]) for row in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, P)
+        for i, row in enumerate(rows):
+            ids = row["input_ids"]
+            input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            attention_mask[i, width - len(ids) :] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
+        return DataProto.from_dict(
+            tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            non_tensors={key: _object_array([row[key] for row in rows]) for key in NON_TENSOR_KEYS},
+        )

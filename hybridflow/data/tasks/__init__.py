@@ -1,0 +1,39 @@
+"""Built-in RL tasks that generate their own data: `arithmetic` and `countdown`.
+
+    python -m hybridflow.data.tasks arithmetic --out data/arithmetic --train 5000 --test 200 --seed 0
+
+writes DIR/train.parquet and DIR/test.parquet in the RLHFDataset row format; each task's
+scorer is registered in hybridflow.reward under the same data_source name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from hybridflow.data.io import write_rows
+from hybridflow.data.tasks import arithmetic, countdown
+
+TASKS: dict[str, Callable[[int, str, int], list[dict[str, Any]]]] = {
+    "arithmetic": arithmetic.make_rows,
+    "countdown": countdown.make_rows,
+}
+
+
+def make_task_rows(task: str, count: int, split: str, seed: int) -> list[dict[str, Any]]:
+    """`count` rows of a built-in task's `split` ("train" or "test"), deterministic in `seed`."""
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; known: {sorted(TASKS)}")
+    return TASKS[task](count, split, seed)
+
+
+def write_task(task: str, out: str | Path, train: int, test: int, seed: int = 0) -> dict[str, Path]:
+    """Write OUT/train.parquet and OUT/test.parquet; returns their paths by split."""
+    out = Path(out)
+    return {
+        split: write_rows(make_task_rows(task, count, split, seed), out / f"{split}.parquet")
+        for split, count in (("train", train), ("test", test))
+    }
+
+
+__all__ = ["TASKS", "make_task_rows", "write_task"]

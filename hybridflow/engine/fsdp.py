@@ -1,0 +1,54 @@
+"""FSDP2 wrapping, kept apart from the model code: each decoder layer, then the root, is one shard unit."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from hybridflow.engine.config import FSDPConfig
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype '{name}'; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def data_parallel_mesh(device: torch.device) -> DeviceMesh:
+    return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a Hugging Face model (the natural FSDP units)."""
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and "Layer" in type(module[0]).__name__:
+            return list(module)
+    return []
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
+    """Shard parameters over ``mesh`` (fp32 masters); forward and backward run in ``param_dtype``."""
+    policy = MixedPrecisionPolicy(param_dtype=parse_dtype(config.param_dtype), reduce_dtype=parse_dtype(config.reduce_dtype))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for each parameter and buffer, gathered one at a time on every rank."""
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -1,0 +1,79 @@
+"""The on-disk cache of built-in models: one finished Hugging Face directory per model.
+
+A directory appears in the cache only when it is complete: it is built in a temporary
+sibling directory and renamed into place (an atomic rename on one filesystem), so a crash
+or Ctrl-C mid-build leaves at most a `.tmp-*` folder, never a half model that later loads
+wrong. A lock file serialises builders, so when several worker processes resolve the same
+name at start-up, one builds and the others wait and reuse it.
+
+Each directory holds `hybridflow_source.json`, the fingerprint of what it was built from;
+a directory whose fingerprint differs from the requested one (a newer GGUF, a changed
+builder) is rebuilt and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+FINGERPRINT_FILE = "hybridflow_source.json"
+
+
+def cache_root() -> Path:
+    """`$HYBRIDFLOW_CACHE`, or `~/.cache/hybridflow` when unset."""
+    root = os.environ.get("HYBRIDFLOW_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "hybridflow"
+
+
+def model_cache_dir(key: str) -> Path:
+    """Where the built-in model with this cache key lives (it may not exist yet)."""
+    return cache_root() / "models" / key
+
+
+@contextlib.contextmanager
+def _exclusive_lock(lock_path: Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _read_fingerprint(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / FINGERPRINT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None]) -> Path:
+    """Return `target`, first building it with `build(tmp_dir)` unless it is already there.
+
+    `build` writes a complete Hugging Face directory into the empty folder it is given.
+    """
+    if _read_fingerprint(target) == fingerprint:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(target.parent / f".{target.name}.lock"):
+        if _read_fingerprint(target) == fingerprint:  # another process built it while we waited
+            return target
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            build(tmp)
+            (tmp / FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
+            if target.exists():  # stale: built from something else; move it aside, then drop it
+                stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
+                os.rename(target, stale / "old")
+                shutil.rmtree(stale, ignore_errors=True)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target

@@ -1,0 +1,137 @@
+"""Built-in tiny models for tests: `tiny-llama` and `tiny-qwen2`.
+
+Random-initialised (seeded) Llama / Qwen2 models with the tiny byte-level tokenizer of
+`tiny_tokenizer.py`, written to the cache as ordinary Hugging Face directories so that the
+rest of hybridflow only ever sees a directory path. `tiny-llama` keeps a separate `lm_head`
+and `tiny-qwen2` ties it to the input embedding (as Llama and small Qwen2 models do), so
+tests cover both layouts; Qwen2 also has biases on q/k/v.
+
+Default size (about 140k / 108k parameters) is set by `TinyModelSpec`; any field can be
+overridden, e.g. `resolve_model_path("tiny-llama", hidden_size=128, num_hidden_layers=4)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from hybridflow.models import tiny_tokenizer
+from hybridflow.models.cache import materialise, model_cache_dir
+
+# Bump when the way a tiny model is built changes, so that old cache entries are not reused.
+BUILD_VERSION = 1
+
+TINY_FAMILIES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelSpec:
+    """The size of a tiny model; field names are those of the Hugging Face config."""
+
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_hidden_layers: int = 2
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Query heads; must divide `hidden_size`."""
+    num_key_value_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide `num_attention_heads`."""
+    intermediate_size: int = 128
+    """Width of the SwiGLU MLP."""
+    vocab_size: int = 512
+    """Tokenizer and embedding size (reserved tokens fill what the corpus cannot)."""
+    max_position_embeddings: int = 2048
+    """Longest sequence (also the tokenizer's `model_max_length`)."""
+    seed: int = 0
+    """Seed of the random initialisation."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}"
+            )
+        if self.vocab_size < tiny_tokenizer.MIN_VOCAB_SIZE:
+            raise ValueError(f"vocab_size must be at least {tiny_tokenizer.MIN_VOCAB_SIZE}, got {self.vocab_size}")
+
+    @classmethod
+    def with_overrides(cls, **overrides: int) -> TinyModelSpec:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown tiny-model size override(s) {unknown}; known: {sorted(known)}")
+        return cls(**overrides)
+
+
+def tiny_cache_key(name: str, spec: TinyModelSpec) -> str:
+    """A directory name that shows the size and changes with anything the build depends on.
+
+    The short digest covers the whole spec, the builder version, the tokenizer corpus and
+    the chat template, so editing any of them never reuses a stale cached model.
+    """
+    recipe = json.dumps(
+        {
+            "name": name,
+            "spec": dataclasses.asdict(spec),
+            "build_version": BUILD_VERSION,
+            "corpus": tiny_tokenizer.tiny_corpus(),
+            "chat_template": tiny_tokenizer.CHAT_TEMPLATE,
+        },
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:8]
+    s = spec
+    return (
+        f"{name}-h{s.hidden_size}-l{s.num_hidden_layers}-a{s.num_attention_heads}-kv{s.num_key_value_heads}"
+        f"-i{s.intermediate_size}-v{s.vocab_size}-s{s.seed}-{digest}"
+    )
+
+
+def tiny_config(name: str, spec: TinyModelSpec, pad_token_id: int, eos_token_id: int) -> PretrainedConfig:
+    """The Hugging Face config of a tiny model."""
+    family = TINY_FAMILIES[name]
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+    )
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    return Qwen2Config(**common, tie_word_embeddings=True)
+
+
+def build_tiny_model_dir(name: str, spec: TinyModelSpec, out_dir: Path) -> None:
+    """Write tokenizer, config, generation config and seeded random weights to `out_dir`."""
+    tokenizer = tiny_tokenizer.build_tiny_tokenizer(spec.vocab_size, spec.max_position_embeddings)
+    config = tiny_config(name, spec, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    # Seed a private copy of the global RNG: transformers initialises weights from it, and the
+    # caller's random stream should not depend on whether the model was cached.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=False
+    )
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def materialise_tiny(name: str, **overrides: int) -> Path:
+    """The cached directory of tiny model `name` at the requested size, built on first use."""
+    spec = TinyModelSpec.with_overrides(**overrides)
+    key = tiny_cache_key(name, spec)
+    fingerprint = {"builtin": name, "spec": dataclasses.asdict(spec), "build_version": BUILD_VERSION}
+    return materialise(model_cache_dir(key), fingerprint, lambda out: build_tiny_model_dir(name, spec, out))

@@ -1,0 +1,163 @@
+"""The reward manager: decode each response, score it, put the score on its last token.
+
+    manager = RewardManager(tokenizer)                # scorers chosen by data_source
+    manager = RewardManager(tokenizer, custom_fn=fn)  # fn(data_source, solution_str, ground_truth, extra_info)
+    result = manager(batch)                           # batch: a rollout DataProto
+    result.token_level_scores                         # (B, R) float32, one nonzero column per row at most
+
+A scorer that raises, or returns something that is not a finite number (or a dict with
+one under "score"), must not stop a training run of many hours: that sample scores 0, the
+failure is counted in `reward/scorer_failures`, and each kind of failure (data source and
+exception type) is logged once with its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import hybridflow.reward.scorers  # noqa: F401  (registers the built-in scorers)
+from hybridflow.protocol import DataProto
+from hybridflow.reward.registry import get_scorer
+
+logger = logging.getLogger(__name__)
+
+CustomRewardFn = Callable[[str, str, Any, dict | None], float | dict]
+
+
+@dataclass
+class RewardResult:
+    """What the manager returns for one batch."""
+
+    token_level_scores: torch.Tensor  # (B, R) float32: each sample's score at its last response token
+    extra: dict[str, list[Any]] = field(default_factory=dict)  # per-sample values: score, acc, failed, scorer extras
+    metrics: dict[str, float] = field(default_factory=dict)  # reward/scorer_failures, reward/<data_source>/mean, ...
+
+
+class ScorerFailure(Exception):
+    """A scorer returned something that is not a usable score."""
+
+
+def _as_score(result: Any) -> tuple[float, dict[str, Any]]:
+    """(score, extras) from a scorer's return value; ScorerFailure if there is no finite number."""
+    extras: dict[str, Any] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ScorerFailure(f"the scorer returned a dict without a 'score' key: keys {sorted(result)}")
+        extras = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, np.generic) or (isinstance(result, torch.Tensor) and result.numel() == 1):
+        result = result.item()  # numpy and torch scalars (np.bool_ is not a numbers.Real)
+    if not isinstance(result, numbers.Real) or not math.isfinite(float(result)):
+        raise ScorerFailure(f"the scorer returned {result!r} ({type(result).__name__}), not a finite number")
+    return float(result), extras
+
+
+class RewardManager:
+    """Scores a rollout batch with rule-based scorers (or one custom function)."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        custom_fn: CustomRewardFn | None = None,
+        num_examine: int = 0,
+        data_source_key: str = "data_source",
+    ) -> None:
+        """`num_examine`: print this many decoded responses per data source on each call (0: none).
+
+        `data_source_key`: the non-tensor key that names each sample's data source (picks the scorer).
+        """
+        self.tokenizer = tokenizer
+        self.custom_fn = custom_fn
+        self.num_examine = num_examine
+        self.data_source_key = data_source_key
+        self._logged_failures: set[tuple[str, str]] = set()
+
+    def __call__(self, data: DataProto) -> RewardResult:
+        responses = data.batch["responses"]  # (B, R)
+        response_mask = data.batch["response_mask"]  # (B, R)
+        batch_size, length = responses.shape
+        positions = torch.arange(length).expand(batch_size, length)
+        # the last real token; a row with no real token (empty response) gets its score at
+        # position 0, where the mask hides it from every loss
+        last = torch.where(response_mask.bool().cpu(), positions, -1).max(dim=1).values  # (B,)
+        response_ids = responses.cpu()
+        texts = self.tokenizer.batch_decode(
+            [response_ids[i, : int(last[i]) + 1].tolist() for i in range(batch_size)], skip_special_tokens=True
+        )
+        sources = data.non_tensor_batch[self.data_source_key]
+        reward_models = data.non_tensor_batch["reward_model"]
+        extra_infos = data.non_tensor_batch.get("extra_info", np.full(batch_size, None, dtype=object))
+
+        scores = torch.zeros(batch_size, dtype=torch.float32)
+        per_sample: list[dict[str, Any]] = []
+        for i in range(batch_size):
+            score, extras, failed = self._score_one(str(sources[i]), texts[i], reward_models[i], extra_infos[i])
+            scores[i] = score
+            per_sample.append({**extras, "score": score, "acc": extras.get("acc", score), "failed": failed})
+
+        token_level_scores = torch.zeros(batch_size, length, dtype=torch.float32)
+        token_level_scores[torch.arange(batch_size), last.clamp(min=0)] = scores
+        self._examine(sources, texts, reward_models, per_sample)
+        return RewardResult(
+            token_level_scores=token_level_scores.to(responses.device),
+            extra=_columns(per_sample),
+            metrics=_metrics(sources, per_sample),
+        )
+
+    def _score_one(self, source: str, text: str, reward_model: Any, extra_info: Any) -> tuple[float, dict, bool]:
+        """(score, extras, failed) for one sample; a failure scores 0 and is logged once per kind."""
+        try:
+            ground_truth = reward_model["ground_truth"]
+            if self.custom_fn is not None:
+                result = self.custom_fn(source, text, ground_truth, extra_info)
+            else:
+                result = get_scorer(source)(text, ground_truth, extra_info)
+            score, extras = _as_score(result)
+            return score, extras, False
+        except Exception as error:  # noqa: BLE001  (any scorer bug must not end the run)
+            kind = (source, type(error).__name__)
+            if kind not in self._logged_failures:
+                self._logged_failures.add(kind)
+                logger.warning(
+                    "reward scorer for data_source %r failed; the sample scores 0 and later failures of this "
+                    "kind are only counted (reward/scorer_failures): %r",
+                    source,
+                    error,
+                    exc_info=error,
+                )
+            return 0.0, {}, True
+
+    def _examine(self, sources: np.ndarray, texts: list[str], reward_models: np.ndarray, rows: list[dict]) -> None:
+        shown: dict[str, int] = defaultdict(int)
+        for source, text, reward_model, row in zip(sources, texts, reward_models, rows, strict=True):
+            if shown[source] < self.num_examine:
+                shown[source] += 1
+                truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else reward_model
+                print(f"[{source}] score={row['score']:.3f} ground_truth={truth!r}\n{text}\n")
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Per-sample dicts to per-key lists of length B (None where a sample lacks a key)."""
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def _metrics(sources: np.ndarray, rows: list[dict[str, Any]]) -> dict[str, float]:
+    metrics: dict[str, float] = {"reward/scorer_failures": float(sum(row["failed"] for row in rows))}
+    by_source: dict[str, list[dict]] = defaultdict(list)
+    for source, row in zip(sources, rows, strict=True):
+        by_source[str(source)].append(row)
+    for source, group in sorted(by_source.items()):
+        metrics[f"reward/{source}/mean"] = float(np.mean([row["score"] for row in group]))
+        accs = [row["acc"] for row in group if isinstance(row["acc"], numbers.Real)]
+        if accs:
+            metrics[f"reward/{source}/acc"] = float(np.mean(accs))
+    return metrics

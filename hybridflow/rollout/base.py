@@ -1,0 +1,60 @@
+"""The interface every generation backend implements, and the response post-processing they share."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.protocol import DataProto
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    do_sample: bool
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+
+
+class Rollout(ABC):
+    """Generates responses for left-padded prompts; the batch layout is the same for every backend."""
+
+    @abstractmethod
+    def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """prompts: input_ids, attention_mask, position_ids (B, P). Returns a DataProto with
+        prompts (B, P), responses (B, R), input_ids / attention_mask / position_ids (B, P+R),
+        response_mask (B, R) and rollout_log_probs (B, R), R = params.max_new_tokens."""
+
+
+def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 on response tokens up to and including the first EOS, 0 after: (B, R) -> (B, R) long."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    eos_seen_before = (is_eos.cumsum(dim=1) - is_eos.long()) > 0
+    return (~eos_seen_before).long()
+
+
+def assemble_batch(
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    pad_token_id: int,
+) -> dict[str, torch.Tensor]:
+    """The training batch of prompts + responses: positions count real tokens from the first one."""
+    responses = responses.masked_fill(response_mask == 0, pad_token_id)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "prompts": prompt_ids,
+        "responses": responses,
+        "input_ids": torch.cat([prompt_ids, responses], dim=1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "response_mask": response_mask,
+        "rollout_log_probs": rollout_log_probs * response_mask,
+    }

@@ -1,0 +1,110 @@
+"""``hybridflow train key=value ...``: check the config, start Ray, build the worker groups, run the loop.
+
+Also runnable as ``python -m hybridflow.trainer.main key=value ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from hybridflow.algorithms import get_adv_estimator
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
+from hybridflow.data import DatasetConfig, PromptDataLoader, RLHFDataset
+from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.reward import RewardManager, load_custom_reward_fn
+from hybridflow.trainer.check_config import check_config
+from hybridflow.trainer.config import HybridFlowConfig, load_config, to_yaml
+from hybridflow.trainer.ppo_trainer import RayPPOTrainer, RoleGroups
+from hybridflow.trainer.tracking import Tracking
+from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
+
+
+def resolve_models(config: HybridFlowConfig) -> None:
+    """Turn built-in model names into their cached directories once, on the driver, before workers start."""
+    config.actor_rollout_ref.model.path = str(resolve_model_path(config.actor_rollout_ref.model.path))
+    critic_model = config.critic.model
+    critic_model.path = str(resolve_model_path(critic_model.path)) if critic_model.path else config.actor_rollout_ref.model.path
+    if config.reward_model.enable:
+        config.reward_model.model.path = str(resolve_model_path(config.reward_model.model.path))
+
+
+def uses_reference(config: HybridFlowConfig) -> bool:
+    return config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss
+
+
+def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
+    """All roles colocated: one process per rank holds the actor (+ rollout), reference, critic, reward model."""
+    trainer = config.trainer
+    pool = RayResourcePool(
+        [trainer.n_workers_per_node] * trainer.nnodes,
+        use_gpu=trainer.device == "cuda",
+        cpus_per_worker=trainer.cpus_per_worker,
+        threads_per_worker=trainer.threads_per_worker or None,
+        name="hybridflow",
+    )
+    seed, arr = trainer.seed, config.actor_rollout_ref
+    specs = {"actor_rollout": RoleSpec(ActorRolloutWorker, (arr, total_steps, seed))}
+    if uses_reference(config):
+        specs["ref"] = RoleSpec(RefPolicyWorker, (arr, seed))
+    if get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+        specs["critic"] = RoleSpec(CriticWorker, (config.critic, arr.rollout.n, total_steps, seed))
+    if config.reward_model.enable:
+        specs["reward_model"] = RoleSpec(RewardModelWorker, (config.reward_model, arr.model.path, seed))
+    groups = RayWorkerGroup.colocated(pool, specs, name="hybridflow")
+    return RoleGroups(**groups)
+
+
+def run(config: HybridFlowConfig) -> dict[str, float]:
+    console = Console()
+    check_config(config)
+    resolve_models(config)
+    tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
+    data = config.data
+    dataset_config = DatasetConfig(
+        prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts
+    )
+    train_loader = PromptDataLoader(
+        RLHFDataset(data.train_files, tokenizer, dataset_config), data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
+    )
+    val_loader = None
+    if data.val_files:
+        val_dataset = RLHFDataset(data.val_files, tokenizer, dataset_config)
+        val_loader = PromptDataLoader(val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * config.trainer.total_epochs
+    if config.trainer.total_training_steps > 0:
+        total_steps = min(total_steps, config.trainer.total_training_steps)
+    run_dir = Path(config.trainer.default_local_dir) / config.trainer.project_name / config.trainer.experiment_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(to_yaml(config))
+    custom = config.custom_reward_function
+    reward_fn = RewardManager(tokenizer, load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
+    console.print(f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} workers; run dir {run_dir}")
+
+    def train_batches():
+        for _ in range(config.trainer.total_epochs):
+            yield from train_loader
+
+    with ray_session(config.trainer.ray_address or None, config.trainer.ray_num_cpus or None):
+        groups = build_groups(config, total_steps)
+        trainer = RayPPOTrainer(
+            config, groups, reward_fn, train_batches, (lambda: iter(val_loader)) if val_loader else None,
+            Tracking(config.trainer.logger, run_dir), total_steps,
+        )
+        return trainer.fit()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    config_file = None
+    if args and args[0] == "--config":
+        config_file, args = args[1], args[2:]
+    run(load_config(args, config_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The driver's RL loop: the dataflow of one PPO/GRPO step, one named call per stage.
+
+    prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
+            -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from hybridflow.algorithms import AdvantageConfig, apply_kl_penalty, get_adv_estimator, make_kl_controller
+from hybridflow.controller import RayWorkerGroup
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.config import HybridFlowConfig
+from hybridflow.trainer.metrics import data_metrics, reduce_worker_metrics, throughput_metrics, timer
+from hybridflow.trainer.tracking import Tracking
+
+PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
+RewardFn = Callable[[DataProto], "object"]
+
+
+@dataclass
+class RoleGroups:
+    """The worker groups of a run; roles a config does not need are None."""
+
+    actor_rollout: RayWorkerGroup
+    ref: RayWorkerGroup | None = None
+    critic: RayWorkerGroup | None = None
+    reward_model: RayWorkerGroup | None = None
+
+
+class RayPPOTrainer:
+    def __init__(
+        self,
+        config: HybridFlowConfig,
+        groups: RoleGroups,
+        reward_fn: RewardFn,
+        train_batches: Callable[[], Iterator[DataProto]],
+        val_batches: Callable[[], Iterator[DataProto]] | None,
+        tracking: Tracking,
+        total_steps: int,
+    ):
+        self.config = config
+        self.groups = groups
+        self.reward_fn = reward_fn
+        self.train_batches = train_batches
+        self.val_batches = val_batches
+        self.tracking = tracking
+        self.total_steps = total_steps
+        algo = config.algorithm
+        self.estimator = get_adv_estimator(algo.adv_estimator)
+        self.adv_config = AdvantageConfig(
+            algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo, algo.epsilon, algo.gae_whiten, algo.pass_k, algo.gpg_norm_by_std
+        )
+        self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+        self.global_step = 0
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    def fit(self) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if self.val_batches is not None and self.config.trainer.val_before_train:
+            self.tracking.log(self.validate(), step=0)
+        for prompts in self.train_batches():
+            self.global_step += 1
+            metrics = self.train_step(prompts)
+            last = self.global_step >= self.total_steps
+            test_freq = self.config.trainer.test_freq
+            if self.val_batches is not None and (last or (test_freq > 0 and self.global_step % test_freq == 0)):
+                metrics.update(self.validate())
+            self.tracking.log(metrics, step=self.global_step)
+            if last:
+                break
+        return metrics
+
+    def train_step(self, prompts: DataProto) -> dict[str, float]:
+        groups, metrics, timings = self.groups, {}, {}
+        with timer("step", timings):
+            with timer("gen", timings):
+                batch = self.rollout(prompts)
+            if self.estimator.needs_baseline:
+                with timer("gen_baseline", timings):
+                    batch.batch["reward_baselines"] = self.greedy_baseline(prompts)
+            with timer("reward", timings):
+                batch.batch["token_level_scores"] = self.score(batch, metrics)
+            with timer("old_log_prob", timings):
+                batch.union(groups.actor_rollout.compute_log_prob(batch))
+            if groups.ref is not None:
+                with timer("ref", timings):
+                    batch.union(groups.ref.compute_ref_log_prob(batch))
+            if groups.critic is not None:
+                with timer("values", timings):
+                    batch.union(groups.critic.compute_values(batch))
+            with timer("adv", timings):
+                self.compute_advantage(batch, metrics)
+            if groups.critic is not None:
+                with timer("update_critic", timings):
+                    metrics.update(reduce_worker_metrics(groups.critic.update_critic(batch)))
+            if self.global_step > self.config.trainer.critic_warmup:
+                with timer("update_actor", timings):
+                    metrics.update(reduce_worker_metrics(groups.actor_rollout.update_actor(batch)))
+        metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
+        metrics.update(throughput_metrics(batch, timings, self.config.world_size))
+        return metrics
+
+    # ---- the stages -----------------------------------------------------------------------
+
+    def rollout(self, prompts: DataProto, sampling: str = "train") -> DataProto:
+        """n responses per prompt, with a group id (uid) shared by the samples of one prompt.
+
+        ``sampling``: "train" (rollout.n samples, training settings), "validate" (val_kwargs), "greedy" (1 greedy).
+        """
+        rollout_config = self.config.actor_rollout_ref.rollout
+        n = {"train": rollout_config.n, "validate": rollout_config.val_kwargs.n, "greedy": 1}[sampling]
+        prompts.non_tensor_batch["uid"] = np.array([f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object)
+        gen_input = prompts.pop(batch_keys=PROMPT_TENSORS)
+        gen_input.meta_info = {"global_step": self.global_step, "sampling": sampling}
+        generated = self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True))
+        batch = prompts.repeat(n, interleave=True).union(generated)
+        batch.meta_info = {"global_step": self.global_step}
+        return batch
+
+    def greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
+        """ReMax's baseline: the reward of one greedy response per prompt, repeated over its n samples."""
+        greedy = self.rollout(prompts.select(deepcopy=True), sampling="greedy")
+        scores = self.score(greedy, {}).sum(dim=1)
+        return scores.repeat_interleave(self.config.actor_rollout_ref.rollout.n)
+
+    def score(self, batch: DataProto, metrics: dict[str, float]) -> torch.Tensor:
+        """Token-level scores (B, R): rule-based or custom reward, plus the reward model's when enabled."""
+        result = self.reward_fn(batch)
+        metrics.update(result.metrics)
+        scores = result.token_level_scores
+        if self.groups.reward_model is not None:
+            scores = scores + self.groups.reward_model.compute_rm_score(batch).batch["rm_scores"]
+        return scores
+
+    def compute_advantage(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        tensors = batch.batch
+        if self.config.algorithm.use_kl_in_reward:
+            rewards, kl_metrics = apply_kl_penalty(
+                tensors["token_level_scores"], tensors["old_log_probs"], tensors["ref_log_prob"],
+                tensors["response_mask"], self.kl_ctrl, self.config.algorithm.kl_penalty,
+            )
+            metrics.update(kl_metrics)
+        else:
+            rewards = tensors["token_level_scores"]
+        tensors["token_level_rewards"] = rewards
+        advantages, returns = self.estimator(
+            rewards,
+            tensors["response_mask"].float(),
+            batch.non_tensor_batch["uid"],
+            self.adv_config,
+            values=tensors.get("values", None),
+            reward_baselines=tensors.get("reward_baselines", None),
+        )
+        tensors["advantages"], tensors["returns"] = advantages, returns
+
+    def validate(self) -> dict[str, float]:
+        """Mean score per data source on the held-out prompts, with the validation sampling settings."""
+        scores: dict[str, list[float]] = defaultdict(list)
+        for prompts in self.val_batches():
+            batch = self.rollout(prompts, sampling="validate")
+            sequence_scores = self.score(batch, {}).sum(dim=1).tolist()
+            for source, value in zip(batch.non_tensor_batch["data_source"], sequence_scores):
+                scores[source].append(value)
+        metrics = {f"val/{source}/score_mean": float(np.mean(values)) for source, values in scores.items()}
+        metrics["val/score/mean"] = float(np.mean([v for values in scores.values() for v in values]))
+        return metrics

@@ -1,0 +1,16 @@
+"""Role classes that worker groups run; one role per class."""
+
+from hybridflow.workers.actor_rollout import ActorRolloutWorker
+from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
+from hybridflow.workers.critic import CriticWorker
+from hybridflow.workers.reference import RefPolicyWorker
+from hybridflow.workers.reward_model import RewardModelWorker
+
+__all__ = [
+    "ActorRolloutRefConfig",
+    "ActorRolloutWorker",
+    "CriticWorker",
+    "RefPolicyWorker",
+    "RewardModelConfig",
+    "RewardModelWorker",
+]

@@ -1,0 +1,74 @@
+"""The hybrid actor: trains with FSDP2 and generates in the same process, on the same devices."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.fsdp import full_parameters, parse_dtype
+from hybridflow.engine.policy import PolicyEngine
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.workers.config import ActorRolloutRefConfig
+from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
+
+
+class ActorRolloutWorker(Worker):
+    def __init__(self, config: ActorRolloutRefConfig, total_training_steps: int, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.seed = seed
+        self.tokenizer = load_tokenizer(config.model.path)
+        model, optimizer, scheduler = build_trainable(
+            load_causal_lm, config.model, config.actor.fsdp, config.actor.optim, self.device, seed, total_training_steps
+        )
+        self.actor = PolicyEngine(model, optimizer, scheduler, config.actor)
+        generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
+        self.rollout = HFRollout(generator, self.tokenizer)
+
+    def _sync_rollout_weights(self) -> None:
+        """Copy the current trained weights into the generator in place, one gathered tensor at a time."""
+        target = self.rollout.model.state_dict()
+        with torch.no_grad():
+            for name, full in full_parameters(self.actor.model):
+                if name in target:
+                    target[name].copy_(full)
+
+    def _sampling(self, meta_info: dict) -> SamplingParams:
+        cfg = self.config.rollout
+        step = int(meta_info.get("global_step", 0))
+        seed = cfg.seed + 100_003 * step + 1_009 * self.rank
+        sampling = meta_info.get("sampling", "train")
+        if sampling == "greedy":
+            return SamplingParams(False, 1.0, 1.0, -1, cfg.response_length, seed)
+        source = cfg.val_kwargs if sampling == "validate" else cfg
+        return SamplingParams(source.do_sample, source.temperature, source.top_p, source.top_k, cfg.response_length, seed)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        self._sync_rollout_weights()
+        output = self.rollout.generate_sequences(prompts, self._sampling(prompts.meta_info))
+        gc.collect()
+        return output
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The trained weights gathered from the shards (fp32, on CPU) on rank 0; every rank takes part."""
+        weights = {name: tensor.detach().cpu().clone() for name, tensor in full_parameters(self.actor.model)}
+        return weights if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_log_prob(self, data: DataProto) -> DataProto:
+        log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_actor(self, data: DataProto) -> dict[str, float]:
+        cfg = self.config
+        mini_batch = samples_per_rank(cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size")
+        step = int(data.meta_info.get("global_step", 0))
+        return self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)

@@ -1,0 +1,32 @@
+"""The critic: a value head on the policy's backbone, trained on the returns."""
+
+from __future__ import annotations
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.config import CriticConfig
+from hybridflow.engine.critic import CriticEngine
+from hybridflow.models import load_critic
+from hybridflow.protocol import DataProto
+from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
+
+
+class CriticWorker(Worker):
+    def __init__(self, config: CriticConfig, n_samples: int, total_training_steps: int, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.n_samples = n_samples
+        self.seed = seed
+        model, optimizer, scheduler = build_trainable(
+            load_critic, config.model, config.fsdp, config.optim, self.device, seed, total_training_steps
+        )
+        self.critic = CriticEngine(model, optimizer, scheduler, config)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_values(self, data: DataProto) -> DataProto:
+        return DataProto.from_dict({"values": self.critic.compute_values(data)})
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
+    def update_critic(self, data: DataProto) -> dict[str, float]:
+        mini_batch = samples_per_rank(self.config.ppo_mini_batch_size, self.n_samples, self.world_size, "critic.ppo_mini_batch_size")
+        step = int(data.meta_info.get("global_step", 0))
+        return self.critic.update_critic(data, mini_batch, seed=self.seed + step)

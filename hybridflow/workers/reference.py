@@ -1,0 +1,25 @@
+"""The frozen reference policy, for the KL term."""
+
+from __future__ import annotations
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.forward import batched_log_probs
+from hybridflow.models import load_causal_lm
+from hybridflow.protocol import DataProto
+from hybridflow.workers.config import ActorRolloutRefConfig
+from hybridflow.workers.sharded_model import build_sharded
+
+
+class RefPolicyWorker(Worker):
+    def __init__(self, config: ActorRolloutRefConfig, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed).eval()
+        self.model.requires_grad_(False)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        log_probs, _ = batched_log_probs(
+            self.model, data, self.config.ref.log_prob_micro_batch_size_per_gpu, self.config.rollout.temperature, False
+        )
+        return DataProto.from_dict({"ref_log_prob": log_probs})

@@ -1,0 +1,56 @@
+"""A learned reward model: a sequence classifier reading the conversation in its own chat template."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.models import load_reward_model, load_tokenizer
+from hybridflow.protocol import DataProto
+from hybridflow.workers.config import RewardModelConfig
+from hybridflow.workers.sharded_model import build_sharded
+
+
+def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) sequence scores placed at each response's last real token: (B, R)."""
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    last = (response_mask.sum(dim=1) - 1).clamp(min=0)
+    token_scores[torch.arange(len(scores)), last] = scores.float()
+    return token_scores * (response_mask.sum(dim=1, keepdim=True) > 0)
+
+
+class RewardModelWorker(Worker):
+    def __init__(self, config: RewardModelConfig, policy_model_path: str, seed: int = 0):
+        super().__init__()
+        self.config = config
+        self.policy_tokenizer = load_tokenizer(policy_model_path)
+        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer.truncation_side = "left"
+        self.tokenizer.padding_side = "right"
+        self.model = build_sharded(load_reward_model, config.model, config.fsdp, self.device, seed).eval()
+
+    def _conversations(self, data: DataProto) -> list[str]:
+        responses = data.batch["responses"]
+        lengths = data.batch["response_mask"].sum(dim=1)
+        texts = []
+        for i in range(len(data)):
+            response = self.policy_tokenizer.decode(responses[i, : int(lengths[i])], skip_special_tokens=True)
+            messages = [*data.non_tensor_batch["raw_prompt"][i], {"role": "assistant", "content": response}]
+            texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+        return texts
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @torch.no_grad()
+    def compute_rm_score(self, data: DataProto) -> DataProto:
+        if "raw_prompt" not in data.non_tensor_batch:
+            raise KeyError("the reward model needs the chat messages of each prompt in non-tensor key 'raw_prompt'")
+        texts = self._conversations(data)
+        scores = []
+        for start in range(0, len(texts), self.config.micro_batch_size_per_gpu):
+            chunk = texts[start : start + self.config.micro_batch_size_per_gpu]
+            encoded = self.tokenizer(
+                chunk, return_tensors="pt", padding=True, truncation=True, max_length=self.config.max_length, add_special_tokens=False
+            ).to(self.device)
+            scores.append(self.model(**encoded).logits[:, 0].float().cpu())
+        rm_scores = last_token_scores(torch.cat(scores), data.batch["response_mask"])
+        return DataProto.from_dict({"rm_scores": rm_scores})

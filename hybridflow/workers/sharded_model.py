@@ -1,0 +1,48 @@
+"""Building a role's model the same way everywhere: load, optional checkpointing, FSDP2 shard, optimizer."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+import transformers
+from torch import nn
+
+from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
+from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+
+
+def quiet_libraries() -> None:
+    """Worker processes print what matters: no per-load weight reports or known-harmless warnings."""
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+def build_sharded(
+    load: Callable[..., nn.Module], model: ModelConfig, fsdp: FSDPConfig, device: torch.device, seed: int
+) -> nn.Module:
+    quiet_libraries()
+    torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
+    module = load(model.path, dtype=torch.float32)
+    if model.enable_gradient_checkpointing:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.config.use_cache = False
+    return shard_model(module.to(device), data_parallel_mesh(device), fsdp)
+
+
+def build_trainable(
+    load: Callable[..., nn.Module], model: ModelConfig, fsdp: FSDPConfig, optim: OptimConfig, device: torch.device, seed: int, total_steps: int
+) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    module = build_sharded(load, model, fsdp, device, seed)
+    optimizer = build_optimizer(module, optim)
+    return module, optimizer, build_lr_scheduler(optimizer, optim, total_steps)
+
+
+def samples_per_rank(prompts: int, n: int, world_size: int, what: str) -> int:
+    samples = prompts * n
+    if samples % world_size:
+        raise ValueError(f"{what}: {prompts} prompts x {n} samples = {samples} does not divide over {world_size} ranks")
+    return samples // world_size

@@ -1,0 +1,72 @@
+"""The cache: build once, atomically; a failed build leaves nothing; a stale entry is replaced."""
+
+import threading
+import time
+
+import pytest
+
+from hybridflow.models import cache_root
+from hybridflow.models.cache import FINGERPRINT_FILE, materialise, model_cache_dir
+
+
+def writer(calls: list, text: str, delay: float = 0.0):
+    def build(out):
+        calls.append(out)
+        time.sleep(delay)
+        (out / "config.json").write_text(text)
+
+    return build
+
+
+def test_cache_root_follows_the_environment(model_cache, monkeypatch):
+    assert cache_root() == model_cache
+    assert model_cache_dir("x") == model_cache / "models" / "x"
+    monkeypatch.delenv("HYBRIDFLOW_CACHE")
+    assert cache_root().parts[-2:] == (".cache", "hybridflow")
+
+
+def test_builds_once():
+    calls = []
+    target = model_cache_dir("once")
+    assert materialise(target, {"v": 1}, writer(calls, "a")) == target
+    assert materialise(target, {"v": 1}, writer(calls, "b")) == target
+    assert len(calls) == 1 and (target / "config.json").read_text() == "a"
+    assert (target / FINGERPRINT_FILE).is_file()
+
+
+def test_failed_build_leaves_nothing():
+    target = model_cache_dir("crash")
+
+    def crash(out):
+        (out / "half.safetensors").write_text("partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        materialise(target, {"v": 1}, crash)
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".crash.tmp")] == []
+    calls = []
+    materialise(target, {"v": 1}, writer(calls, "ok"))
+    assert (target / "config.json").read_text() == "ok"
+
+
+def test_stale_entry_is_rebuilt():
+    target = model_cache_dir("stale")
+    materialise(target, {"v": 1}, writer([], "old"))
+    materialise(target, {"v": 2}, writer([], "new"))
+    assert (target / "config.json").read_text() == "new"
+    assert [p.name for p in target.parent.iterdir() if p.name.startswith(".stale.")] == [".stale.lock"]
+
+
+def test_concurrent_builders_build_once():
+    calls, results = [], []
+    target = model_cache_dir("race")
+    threads = [
+        threading.Thread(target=lambda: results.append(materialise(target, {"v": 1}, writer(calls, "x", 0.2))))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [target] * 3 and len(calls) == 1
