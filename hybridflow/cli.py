@@ -8,6 +8,7 @@ USAGE = """usage: hybridflow <command> [args]
 
 commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (keys: hybridflow/config/ppo_trainer.yaml)
+  export CHECKPOINT OUT_DIR             write a checkpoint's actor as a Hugging Face model directory
 """
 
 
@@ -22,7 +23,12 @@ def main(argv: list[str] | None = None) -> int:
 
         train(rest)
         return 0
-    print(f"unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+    if command == "export" and len(rest) == 2:
+        from hybridflow.trainer.export import export_checkpoint
+
+        print(f"exported to {export_checkpoint(rest[0], rest[1])}")
+        return 0
+    print(f"unknown command or arguments: {' '.join(args)}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

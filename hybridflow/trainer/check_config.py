@@ -11,6 +11,7 @@ from hybridflow.engine.fsdp import DTYPES
 from hybridflow.engine.optim import SCHEDULES
 from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
+from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 
 ROLLOUT_BACKENDS = ("hf",)
@@ -125,6 +126,11 @@ def check_config(cfg: HybridFlowConfig) -> None:
     for name in trainer.logger:
         _check_choice(name, LOGGERS, "trainer.logger")
     _check(trainer.total_epochs > 0, "trainer.total_epochs", "must be positive")
+    if trainer.resume_mode not in ("auto", "disable"):
+        try:
+            CheckpointManager(Path(trainer.default_local_dir)).resume_from(trainer.resume_mode)
+        except FileNotFoundError as error:
+            raise ConfigError("trainer.resume_mode", str(error)) from None
 
 
 def _check_custom_reward(path: str, name: str) -> None:

@@ -76,8 +76,10 @@ class TrainerConfig:
     logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl
     val_before_train: bool = True  # validate once before the first step
     test_freq: int = -1  # validate every N steps (-1: only before training and at the end)
-    save_freq: int = -1  # checkpoint every N steps (-1: never)
-    default_local_dir: str = "runs"  # run outputs go to <default_local_dir>/<project_name>/<experiment_name>
+    save_freq: int = -1  # checkpoint every N steps and after the last one (-1: never)
+    max_ckpt_to_keep: int = -1  # keep only the newest N checkpoints (-1: all)
+    resume_mode: str = "auto"  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
+    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # the run's directory: metrics, config, checkpoints
     critic_warmup: int = 0  # steps that train only the critic before the actor starts
     seed: int = 0  # seeds data order, sampling and initialisation
 

@@ -78,21 +78,17 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     total_steps = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.total_training_steps > 0:
         total_steps = min(total_steps, config.trainer.total_training_steps)
-    run_dir = Path(config.trainer.default_local_dir) / config.trainer.project_name / config.trainer.experiment_name
+    run_dir = Path(config.trainer.default_local_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(config))
     custom = config.custom_reward_function
     reward_fn = RewardManager(tokenizer, load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
     console.print(f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} workers; run dir {run_dir}")
 
-    def train_batches():
-        for _ in range(config.trainer.total_epochs):
-            yield from train_loader
-
     with ray_session(config.trainer.ray_address or None, config.trainer.ray_num_cpus or None):
         groups = build_groups(config, total_steps)
         trainer = RayPPOTrainer(
-            config, groups, reward_fn, train_batches, (lambda: iter(val_loader)) if val_loader else None,
+            config, groups, reward_fn, train_loader, (lambda: iter(val_loader)) if val_loader else None,
             Tracking(config.trainer.logger, run_dir), total_steps,
         )
         return trainer.fit()

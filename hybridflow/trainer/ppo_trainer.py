@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -15,13 +16,16 @@ import torch
 
 from hybridflow.algorithms import AdvantageConfig, apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridflow.controller import RayWorkerGroup
+from hybridflow.data import PromptDataLoader
 from hybridflow.protocol import DataProto
+from hybridflow.reward import RewardResult
+from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import data_metrics, reduce_worker_metrics, throughput_metrics, timer
 from hybridflow.trainer.tracking import Tracking
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
-RewardFn = Callable[[DataProto], "object"]
+RewardFn = Callable[[DataProto], RewardResult]
 
 
 @dataclass
@@ -40,7 +44,7 @@ class RayPPOTrainer:
         config: HybridFlowConfig,
         groups: RoleGroups,
         reward_fn: RewardFn,
-        train_batches: Callable[[], Iterator[DataProto]],
+        train_loader: PromptDataLoader,
         val_batches: Callable[[], Iterator[DataProto]] | None,
         tracking: Tracking,
         total_steps: int,
@@ -48,7 +52,7 @@ class RayPPOTrainer:
         self.config = config
         self.groups = groups
         self.reward_fn = reward_fn
-        self.train_batches = train_batches
+        self.train_loader = train_loader
         self.val_batches = val_batches
         self.tracking = tracking
         self.total_steps = total_steps
@@ -59,24 +63,62 @@ class RayPPOTrainer:
         )
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
         self.global_step = 0
+        self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
 
     # ---- the loop -------------------------------------------------------------------------
 
     def fit(self) -> dict[str, float]:
+        trainer = self.config.trainer
         metrics: dict[str, float] = {}
-        if self.val_batches is not None and self.config.trainer.val_before_train:
+        self.resume()
+        if self.global_step >= self.total_steps:
+            print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
+            return metrics
+        if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
             self.tracking.log(self.validate(), step=0)
         for prompts in self.train_batches():
             self.global_step += 1
             metrics = self.train_step(prompts)
             last = self.global_step >= self.total_steps
-            test_freq = self.config.trainer.test_freq
-            if self.val_batches is not None and (last or (test_freq > 0 and self.global_step % test_freq == 0)):
+            if self.val_batches is not None and (last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)):
                 metrics.update(self.validate())
+            if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
+                timings: dict[str, float] = {}
+                with timer("save_checkpoint", timings):
+                    self.save_checkpoint()
+                metrics["timing_s/save_checkpoint"] = timings["save_checkpoint"]
             self.tracking.log(metrics, step=self.global_step)
             if last:
                 break
         return metrics
+
+    def train_batches(self) -> Iterator[DataProto]:
+        while self.train_loader.state_dict()["epoch"] < self.config.trainer.total_epochs:
+            yield from self.train_loader
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def save_checkpoint(self) -> Path:
+        def write_roles(directory: Path) -> None:
+            self.groups.actor_rollout.save_checkpoint(str(directory))
+            if self.groups.critic is not None:
+                self.groups.critic.save_checkpoint(str(directory))
+
+        state = {"global_step": self.global_step, "data_loader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        return self.checkpoints.save(self.global_step, write_roles, state)
+
+    def resume(self) -> None:
+        checkpoint = self.checkpoints.resume_from(self.config.trainer.resume_mode)
+        if checkpoint is None:
+            return
+        self.groups.actor_rollout.load_checkpoint(str(checkpoint))
+        if self.groups.critic is not None:
+            self.groups.critic.load_checkpoint(str(checkpoint))
+        state = read_trainer_state(checkpoint)
+        self.global_step = state["global_step"]
+        self.train_loader.load_state_dict(state["data_loader"])
+        self.kl_ctrl.value = state["kl_coef"]
+        print(f"resumed from {checkpoint} at step {self.global_step}")
 
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         groups, metrics, timings = self.groups, {}, {}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import torch
 
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters, parse_dtype
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
@@ -60,6 +62,20 @@ class ActorRolloutWorker(Worker):
         """The trained weights gathered from the shards (fp32, on CPU) on rank 0; every rank takes part."""
         weights = {name: tensor.detach().cpu().clone() for name, tensor in full_parameters(self.actor.model)}
         return weights if self.rank == 0 else None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        """The actor's training state under ``directory/actor``, plus its HF config and tokenizer for export."""
+        target = Path(directory) / "actor"
+        save_training_state(target, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
+        if self.rank == 0:
+            self.rollout.model.config.save_pretrained(target / "huggingface")
+            self.rollout.model.generation_config.save_pretrained(target / "huggingface")
+            self.tokenizer.save_pretrained(target / "huggingface")
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        load_training_state(Path(directory) / "actor", self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

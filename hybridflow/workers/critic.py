@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
 from hybridflow.models import load_critic
@@ -20,6 +23,14 @@ class CriticWorker(Worker):
             load_critic, config.model, config.fsdp, config.optim, self.device, seed, total_training_steps
         )
         self.critic = CriticEngine(model, optimizer, scheduler, config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, directory: str) -> None:
+        save_training_state(Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, directory: str) -> None:
+        load_training_state(Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

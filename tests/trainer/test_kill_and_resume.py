@@ -1,0 +1,81 @@
+"""A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from hybridflow.data.tasks import write_task
+
+DETERMINISTIC = ("timing_s/", "perf/tokens_per_second", "perf/generated_tokens_per_second")
+
+
+def args(files, run_dir) -> list[str]:
+    train, test = files
+    return [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",  # 8 prompts: 2 steps per epoch, 2 epochs
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.response_length=6",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        "trainer.total_epochs=2",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def train(arguments: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hybridflow.trainer.main", *arguments],
+        start_new_session=True,  # its own process group: the kill takes Ray's processes too
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def records(run_dir) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(DETERMINISTIC)}
+
+
+def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
+    data = tmp_path / "data"
+    write_task("arithmetic", data, train=8, test=4, seed=0)
+    files = (data / "train.parquet", data / "test.parquet")
+
+    reference_dir = tmp_path / "reference"
+    reference = train(args(files, reference_dir))
+    assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()[-3000:]
+
+    run_dir = tmp_path / "interrupted"
+    victim = train(args(files, run_dir))
+    deadline = time.time() + 240
+    while 2 not in records(run_dir):  # step 2 is logged after its checkpoint is complete
+        assert time.time() < deadline and victim.poll() is None, "the run ended before step 2"
+        time.sleep(0.05)
+    time.sleep(0.3)  # into step 3: the first step of the second epoch
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert 3 not in records(run_dir), "the kill came too late to interrupt step 3"
+
+    resumed = train(args(files, run_dir))  # resume_mode=auto
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+
+    expected, got = records(reference_dir), records(run_dir)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for step in (3, 4):
+        want, have = comparable(expected[step]), comparable(got[step])
+        assert want.keys() == have.keys()
+        for key, value in want.items():
+            assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)

@@ -1,0 +1,105 @@
+"""Whole runs through real Ray worker groups of 2 ranks on tiny-llama."""
+
+import json
+import math
+
+import pytest
+
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main import run
+
+STAGES_GRPO = ["gen", "reward", "old_log_prob", "adv", "update_actor", "step"]
+STAGES_PPO = STAGES_GRPO + ["ref", "values", "update_critic"]
+
+
+def short_run(arithmetic_files, tmp_path, *extra: str) -> list[dict]:
+    train, test = arithmetic_files
+    config = load_config(
+        [
+            f"data.train_files=[{train}]",
+            f"data.val_files=[{test}]",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.response_length=6",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={tmp_path}",
+            *extra,
+        ]
+    )
+    run(config)
+    run_dir = tmp_path
+    assert (run_dir / "config.yaml").is_file()
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_all_finite(records: list[dict]) -> None:
+    for record in records:
+        for key, value in record.items():
+            assert isinstance(value, (int, float)) and math.isfinite(value), (record["step"], key, value)
+
+
+def test_grpo_run_every_stage_and_metric(arithmetic_files, tmp_path):
+    records = short_run(arithmetic_files, tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2]  # validation before training, then two steps
+    assert "val/arithmetic/score_mean" in records[0] and "val/score/mean" in records[2]
+    assert_all_finite(records)
+    for stage in STAGES_GRPO:
+        assert records[1][f"timing_s/{stage}"] > 0, stage
+    assert "timing_s/ref" not in records[1] and "critic/vf_loss" not in records[1]
+
+
+def test_ppo_run_with_critic_and_kl(arithmetic_files, tmp_path):
+    records = short_run(
+        arithmetic_files,
+        tmp_path,
+        "algorithm.adv_estimator=gae",
+        "critic.ppo_mini_batch_size=2",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+    )
+    assert_all_finite(records)
+    step = records[1]
+    for stage in STAGES_PPO:
+        assert step[f"timing_s/{stage}"] > 0, stage
+    for key in ["critic/vf_loss", "critic/vf_explained_var", "actor/kl_loss", "actor/reward_kl_penalty", "actor/entropy_loss", "critic/values/mean"]:
+        assert key in step, key
+
+
+DIGITS_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    text = solution_str.replace(" ", "")
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+'''
+
+
+def test_grpo_learns_to_emit_digits(arithmetic_files, tmp_path):
+    """A random tiny model rarely writes digits (about 1% of characters); rewarded for them, it learns to."""
+    reward_file = tmp_path / "digits.py"
+    reward_file.write_text(DIGITS_REWARD)
+    train, _ = arithmetic_files
+    config = load_config(
+        [
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.rollout.response_length=8",
+            "actor_rollout_ref.actor.optim.lr=2e-2",
+            "trainer.total_training_steps=10",
+            "trainer.total_epochs=2",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={tmp_path}",
+            f"custom_reward_function.path={reward_file}",
+        ]
+    )
+    run(config)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    scores = [json.loads(line)["critic/score/mean"] for line in lines]
+    assert len(scores) == 10
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert first < 0.1 and last > first + 0.5, scores

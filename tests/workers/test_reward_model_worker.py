@@ -1,0 +1,64 @@
+"""The reward-model worker scores each conversation as the model does alone, at the response's last token."""
+
+import pytest
+import ray
+import torch
+
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, start_ray
+from hybridflow.models import load_reward_model, load_tokenizer, resolve_model_path
+from hybridflow.protocol import DataProto
+from hybridflow.workers import RewardModelConfig, RewardModelWorker
+from hybridflow.workers.reward_model import last_token_scores
+
+
+def test_last_token_scores_by_hand():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert last_token_scores(torch.tensor([2.0, -1.0, 5.0]), mask).tolist() == [[0, 2.0, 0], [0, 0, -1.0], [0, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def reward_model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(1)
+    model = load_reward_model("tiny-llama")
+    torch.nn.init.normal_(model.score.weight, std=1.0)  # a head that tells conversations apart
+    model.save_pretrained(directory)
+    load_tokenizer("tiny-llama").save_pretrained(directory)
+    return directory
+
+
+def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
+    started = start_ray(num_cpus=8)
+    policy_path = str(resolve_model_path("tiny-llama"))
+    tokenizer = load_tokenizer(policy_path)
+    answers = ["4", "The answer is 12", "no idea at all, sorry"]
+    encoded = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
+    width = max(len(e) for e in encoded) + 2
+    responses = torch.full((3, width), tokenizer.pad_token_id)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, ids in enumerate(encoded):
+        responses[i, : len(ids)] = torch.tensor(ids)
+        mask[i, : len(ids)] = 1
+    prompts = [[{"role": "user", "content": q}] for q in ["2+2?", "What is 3 * 4?", "Solve x"]]
+    data = DataProto.from_dict({"responses": responses, "response_mask": mask}, {"raw_prompt": prompts})
+    config = RewardModelConfig(enable=True)
+    config.model.path = str(reward_model_dir)
+    config.fsdp.param_dtype = "fp32"
+    pool = RayResourcePool([2])
+    group = RayWorkerGroup(pool, RoleSpec(RewardModelWorker, (config, policy_path)))
+    scores = group.compute_rm_score(data).batch["rm_scores"]
+    group.kill()
+    pool.release()
+    if started:
+        ray.shutdown()
+
+    model = load_reward_model(reward_model_dir).eval()
+    for i, (messages, answer) in enumerate(zip(prompts, answers)):
+        text = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": answer}], tokenize=False)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            expected = model(**ids).logits[0, 0].item()
+        last = len(encoded[i]) - 1
+        assert scores[i, last].item() == pytest.approx(expected, abs=1e-4)
+        assert scores[i].abs().sum().item() == pytest.approx(abs(expected), abs=1e-4)  # nothing elsewhere
+    assert len({round(scores[i].sum().item(), 4) for i in range(3)}) == 3
