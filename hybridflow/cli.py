@@ -9,6 +9,7 @@ USAGE = """usage: hybridflow <command> [args]
 commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (keys: hybridflow/config/ppo_trainer.yaml)
   export CHECKPOINT OUT_DIR             write a checkpoint's actor as a Hugging Face model directory
+  report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
 """
 
 
@@ -28,6 +29,10 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"exported to {export_checkpoint(rest[0], rest[1])}")
         return 0
+    if command == "report":
+        from hybridflow.report import main as report
+
+        return report(rest)
     print(f"unknown command or arguments: {' '.join(args)}\n\n{USAGE}", file=sys.stderr)
     return 2
 

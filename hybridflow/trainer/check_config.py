@@ -13,9 +13,9 @@ from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.tracking import KNOWN_LOGGERS, check_loggers
 
 ROLLOUT_BACKENDS = ("hf",)
-LOGGERS = ("console", "jsonl")
 
 
 def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
@@ -124,7 +124,11 @@ def check_config(cfg: HybridFlowConfig) -> None:
     _check(trainer.device == "cpu" or torch.cuda.is_available(), "trainer.device", "cuda asked for but no GPU is visible", "trainer.device=cpu")
     _check(trainer.nnodes > 0 and trainer.n_workers_per_node > 0, "trainer.n_workers_per_node", "nnodes and n_workers_per_node must be positive")
     for name in trainer.logger:
-        _check_choice(name, LOGGERS, "trainer.logger")
+        _check_choice(name, KNOWN_LOGGERS, "trainer.logger")
+    try:
+        check_loggers(trainer.logger)
+    except ImportError as error:
+        raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
     _check(trainer.total_epochs > 0, "trainer.total_epochs", "must be positive")
     if trainer.resume_mode not in ("auto", "disable"):
         try:

@@ -73,7 +73,7 @@ class TrainerConfig:
     threads_per_worker: int = 0  # torch threads per rank (0: cpus_per_worker)
     ray_address: str = ""  # join this Ray cluster ("": start a local one)
     ray_num_cpus: int = 0  # logical CPUs of a local Ray cluster (0: max(cores, 8))
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl
+    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb | mlflow
     val_before_train: bool = True  # validate once before the first step
     test_freq: int = -1  # validate every N steps (-1: only before training and at the end)
     save_freq: int = -1  # checkpoint every N steps and after the last one (-1: never)

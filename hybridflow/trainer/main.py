@@ -87,11 +87,14 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
 
     with ray_session(config.trainer.ray_address or None, config.trainer.ray_num_cpus or None):
         groups = build_groups(config, total_steps)
+        tracking = Tracking(config.trainer.logger, run_dir, dataclasses.asdict(config))
         trainer = RayPPOTrainer(
-            config, groups, reward_fn, train_loader, (lambda: iter(val_loader)) if val_loader else None,
-            Tracking(config.trainer.logger, run_dir), total_steps,
+            config, groups, reward_fn, train_loader, (lambda: iter(val_loader)) if val_loader else None, tracking, total_steps
         )
-        return trainer.fit()
+        try:
+            return trainer.fit()
+        finally:
+            tracking.finish()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -22,7 +21,9 @@ from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import data_metrics, reduce_worker_metrics, throughput_metrics, timer
+from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.tracking import Tracking
+from hybridflow.trainer.val_metrics import validation_metrics
 
 PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 RewardFn = Callable[[DataProto], RewardResult]
@@ -63,6 +64,7 @@ class RayPPOTrainer:
         )
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
         self.global_step = 0
+        self.progress = RunProgress(total_steps, enabled=False)
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
 
     # ---- the loop -------------------------------------------------------------------------
@@ -74,22 +76,24 @@ class RayPPOTrainer:
         if self.global_step >= self.total_steps:
             print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
             return metrics
-        if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
-            self.tracking.log(self.validate(), step=0)
-        for prompts in self.train_batches():
-            self.global_step += 1
-            metrics = self.train_step(prompts)
-            last = self.global_step >= self.total_steps
-            if self.val_batches is not None and (last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)):
-                metrics.update(self.validate())
-            if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
-                timings: dict[str, float] = {}
-                with timer("save_checkpoint", timings):
-                    self.save_checkpoint()
-                metrics["timing_s/save_checkpoint"] = timings["save_checkpoint"]
-            self.tracking.log(metrics, step=self.global_step)
-            if last:
-                break
+        with RunProgress(self.total_steps, start_step=self.global_step) as self.progress:
+            if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
+                self.tracking.log(self.validate(), step=0)
+            for prompts in self.train_batches():
+                self.global_step += 1
+                metrics = self.train_step(prompts)
+                last = self.global_step >= self.total_steps
+                if self.val_batches is not None and (last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)):
+                    metrics.update(self.validate())
+                if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
+                    timings: dict[str, float] = {}
+                    with timer("save_checkpoint", timings), self.progress.stage("checkpoint"):
+                        self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = timings["save_checkpoint"]
+                self.tracking.log(metrics, step=self.global_step)
+                self.progress.step_done(self.global_step, metrics)
+                if last:
+                    break
         return metrics
 
     def train_batches(self) -> Iterator[DataProto]:
@@ -123,7 +127,7 @@ class RayPPOTrainer:
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         groups, metrics, timings = self.groups, {}, {}
         with timer("step", timings):
-            with timer("gen", timings):
+            with timer("gen", timings), self.progress.stage("generation"):
                 batch = self.rollout(prompts)
             if self.estimator.needs_baseline:
                 with timer("gen_baseline", timings):
@@ -141,10 +145,10 @@ class RayPPOTrainer:
             with timer("adv", timings):
                 self.compute_advantage(batch, metrics)
             if groups.critic is not None:
-                with timer("update_critic", timings):
+                with timer("update_critic", timings), self.progress.stage("critic update"):
                     metrics.update(reduce_worker_metrics(groups.critic.update_critic(batch)))
             if self.global_step > self.config.trainer.critic_warmup:
-                with timer("update_actor", timings):
+                with timer("update_actor", timings), self.progress.stage("actor update"):
                     metrics.update(reduce_worker_metrics(groups.actor_rollout.update_actor(batch)))
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(throughput_metrics(batch, timings, self.config.world_size))
@@ -205,12 +209,11 @@ class RayPPOTrainer:
 
     def validate(self) -> dict[str, float]:
         """Mean score per data source on the held-out prompts, with the validation sampling settings."""
-        scores: dict[str, list[float]] = defaultdict(list)
-        for prompts in self.val_batches():
-            batch = self.rollout(prompts, sampling="validate")
-            sequence_scores = self.score(batch, {}).sum(dim=1).tolist()
-            for source, value in zip(batch.non_tensor_batch["data_source"], sequence_scores):
-                scores[source].append(value)
-        metrics = {f"val/{source}/score_mean": float(np.mean(values)) for source, values in scores.items()}
-        metrics["val/score/mean"] = float(np.mean([v for values in scores.values() for v in values]))
-        return metrics
+        sources, uids, scores = [], [], []
+        with self.progress.stage("validation"):
+            for index, prompts in enumerate(self.val_batches()):
+                batch = self.rollout(prompts, sampling="validate")
+                sources += list(batch.non_tensor_batch["data_source"])
+                uids += [f"{index}/{uid}" for uid in batch.non_tensor_batch["uid"]]
+                scores += self.score(batch, {}).sum(dim=1).tolist()
+        return validation_metrics(sources, uids, scores, n=self.config.actor_rollout_ref.rollout.val_kwargs.n)

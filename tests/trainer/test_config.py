@@ -55,7 +55,7 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path", "neither a built-in model"),
         (["reward_model.enable=true"], "reward_model.model.path", "no model is given"),
         (["custom_reward_function.path=/no/such.py"], "custom_reward_function.path", "does not exist"),
-        (["trainer.logger=[console,wandb]"], "trainer.logger", "wandb"),
+        (["trainer.logger=[console,neptune]"], "trainer.logger", "neptune"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "sglang"),
         (["algorithm.gamma=1.5"], "algorithm", "gamma"),
         (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "not a complete checkpoint"),

@@ -1,0 +1,53 @@
+"""Reports of a training run: PNG curves and one self-contained HTML page from ``<run_dir>/metrics.jsonl``.
+
+    hybridflow report runs/hybridflow/run        # or: python -m hybridflow.report runs/hybridflow/run
+    -> runs/hybridflow/run/report/report.html and runs/hybridflow/run/report/*.png
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridflow.report.data import Series, load_metrics
+
+__all__ = ["Series", "load_metrics", "main", "write_report"]
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Draw the run's curves into ``out_dir`` (default ``<run_dir>/report``) and return the HTML page's path.
+
+    Raises FileNotFoundError when the run has no ``metrics.jsonl``.
+    """
+    from hybridflow.report.html import render_page
+    from hybridflow.report.plots import draw_all
+
+    run_dir = Path(run_dir)
+    metrics_file = run_dir / "metrics.jsonl"
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"{metrics_file} not found: is {run_dir} a run dir of a run with the jsonl logger?")
+    out = Path(out_dir) if out_dir is not None else run_dir / "report"
+    metrics = load_metrics(metrics_file)
+    figures = [(spec.title, path) for spec, path in draw_all(metrics, out)]
+    config = run_dir / "config.yaml"
+    page = out / "report.html"
+    page.write_text(render_page(run_dir, metrics, figures, config.read_text() if config.is_file() else None))
+    return page
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridflow report RUN_DIR [--out DIR]``; returns the exit code."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="hybridflow report", description="PNG curves and an HTML page from a run's metrics.jsonl")
+    parser.add_argument("run_dir", type=Path, help="the run's output dir (holds metrics.jsonl)")
+    parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    try:
+        page = write_report(args.run_dir, args.out)
+    except FileNotFoundError as error:
+        print(f"hybridflow report: {error}", file=sys.stderr)
+        return 2
+    pngs = sorted(p.name for p in page.parent.glob("*.png"))
+    print(f"wrote {page} ({len(pngs)} figures: {', '.join(pngs)})")
+    return 0

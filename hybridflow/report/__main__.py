@@ -1,0 +1,5 @@
+import sys
+
+from hybridflow.report import main
+
+sys.exit(main())
