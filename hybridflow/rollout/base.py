@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,23 @@ class Rollout(ABC):
         """prompts: input_ids, attention_mask, position_ids (B, P). Returns a DataProto with
         prompts (B, P), responses (B, R), input_ids / attention_mask / position_ids (B, P+R),
         response_mask (B, R) and rollout_log_probs (B, R), R = params.max_new_tokens."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the generator's weights in place from (HF parameter name, full tensor) pairs, one at a time."""
+
+    @abstractmethod
+    def release_cache(self) -> None:
+        """Free generation memory (KV cache) until the next generation."""
+
+
+def stop_and_pad_ids(generation_eos: int | list[int] | None, tokenizer) -> tuple[list[int], int]:
+    """The token ids that end a response (the model's generation EOS and the tokenizer's), and the pad id."""
+    eos = generation_eos if generation_eos is not None else tokenizer.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids.append(tokenizer.eos_token_id)
+    return eos_ids, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
 
 def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:

@@ -2,24 +2,23 @@
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from hybridflow.algorithms import log_probs_from_logits
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from
+from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 
 
 class HFRollout(Rollout):
     def __init__(self, model: nn.Module, tokenizer: PreTrainedTokenizerBase):
         self.model = model.eval()
         self.tokenizer = tokenizer
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
-            self.eos_token_ids.append(tokenizer.eos_token_id)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
         sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else 0}
@@ -53,3 +52,14 @@ class HFRollout(Rollout):
         mask[:, generated.shape[1] :] = 0
         batch = assemble_batch(prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id)
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        target = self.model.state_dict()
+        for name, tensor in named_tensors:
+            if name in target:
+                target[name].copy_(tensor)
+
+    def release_cache(self) -> None:
+        """``generate`` builds its cache per call; collecting drops what the last call left."""
+        gc.collect()

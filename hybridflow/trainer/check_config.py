@@ -11,11 +11,11 @@ from hybridflow.engine.fsdp import DTYPES
 from hybridflow.engine.optim import SCHEDULES
 from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
+from hybridflow.rollout.registry import ROLLOUT_BACKENDS
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.tracking import KNOWN_LOGGERS, check_loggers
 
-ROLLOUT_BACKENDS = ("hf",)
 
 
 def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
@@ -111,6 +111,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
     for key, optim in [("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)]:
         _check_choice(optim.lr_scheduler, SCHEDULES, f"{key}.lr_scheduler")
         _check(optim.lr >= 0, f"{key}.lr", f"must be >= 0, got {optim.lr}")
+    _check_choice(arr.rollout.old_log_prob_source, ("recompute", "rollout", "auto"), "actor_rollout_ref.rollout.old_log_prob_source")
     _check(arr.rollout.response_length > 0, "actor_rollout_ref.rollout.response_length", "must be positive")
     _check_batch_sizes(cfg)
     if get_adv_estimator(algo.adv_estimator).needs_values and cfg.critic.model.path:

@@ -76,3 +76,12 @@ def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: 
         metrics["perf/generated_tokens_per_second"] = response_tokens / timings["gen"]
     metrics["perf/total_tokens"] = total_tokens
     return metrics
+
+
+def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
+    """How far the generator's log-probs are from the trainer's for the same tokens (masked)."""
+    mask = batch.batch["response_mask"].bool()
+    diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {"rollout/log_prob_diff_mean": diff.mean().item(), "rollout/log_prob_diff_max": diff.max().item()}

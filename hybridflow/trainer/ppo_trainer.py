@@ -20,7 +20,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
-from hybridflow.trainer.metrics import data_metrics, reduce_worker_metrics, throughput_metrics, timer
+from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, reduce_worker_metrics, throughput_metrics, timer
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.val_metrics import validation_metrics
@@ -64,6 +64,8 @@ class RayPPOTrainer:
         )
         self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
         self.global_step = 0
+        self.last_log_prob_diff: float | None = None
+        self.rollout_metrics: dict[str, float] = {}
         self.progress = RunProgress(total_steps, enabled=False)
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
 
@@ -129,13 +131,14 @@ class RayPPOTrainer:
         with timer("step", timings):
             with timer("gen", timings), self.progress.stage("generation"):
                 batch = self.rollout(prompts)
+            metrics.update(self.rollout_metrics)
             if self.estimator.needs_baseline:
                 with timer("gen_baseline", timings):
                     batch.batch["reward_baselines"] = self.greedy_baseline(prompts)
             with timer("reward", timings):
                 batch.batch["token_level_scores"] = self.score(batch, metrics)
             with timer("old_log_prob", timings):
-                batch.union(groups.actor_rollout.compute_log_prob(batch))
+                self.old_log_probs(batch, metrics)
             if groups.ref is not None:
                 with timer("ref", timings):
                     batch.union(groups.ref.compute_ref_log_prob(batch))
@@ -167,9 +170,28 @@ class RayPPOTrainer:
         gen_input = prompts.pop(batch_keys=PROMPT_TENSORS)
         gen_input.meta_info = {"global_step": self.global_step, "sampling": sampling}
         generated = self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True))
+        self.rollout_metrics = generated.meta_info.pop("metrics", {})
         batch = prompts.repeat(n, interleave=True).union(generated)
         batch.meta_info = {"global_step": self.global_step}
         return batch
+
+    def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """The trainer's log-probs of the sampled tokens, or the generator's when configured (and, for auto, close)."""
+        rollout = self.config.actor_rollout_ref.rollout
+        use_rollout = rollout.old_log_prob_source == "rollout" or (
+            rollout.old_log_prob_source == "auto"
+            and self.last_log_prob_diff is not None
+            and self.last_log_prob_diff < rollout.log_prob_tolerance
+            and self.global_step % rollout.log_prob_check_every != 0
+        )
+        metrics["rollout/used_rollout_log_probs"] = float(use_rollout)
+        if use_rollout:
+            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            return
+        batch.union(self.groups.actor_rollout.compute_log_prob(batch))
+        mismatch = log_prob_mismatch(batch)
+        metrics.update(mismatch)
+        self.last_log_prob_diff = mismatch.get("rollout/log_prob_diff_mean")
 
     def greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy response per prompt, repeated over its n samples."""

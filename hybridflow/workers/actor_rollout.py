@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import gc
+import time
 from pathlib import Path
 
 import torch
@@ -10,11 +10,12 @@ import torch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters, parse_dtype
+from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.registry import build_rollout
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
@@ -30,15 +31,7 @@ class ActorRolloutWorker(Worker):
         )
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor)
         generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
-        self.rollout = HFRollout(generator, self.tokenizer)
-
-    def _sync_rollout_weights(self) -> None:
-        """Copy the current trained weights into the generator in place, one gathered tensor at a time."""
-        target = self.rollout.model.state_dict()
-        with torch.no_grad():
-            for name, full in full_parameters(self.actor.model):
-                if name in target:
-                    target[name].copy_(full)
+        self.rollout = build_rollout(config.rollout.name, generator, self.tokenizer, config.rollout)
 
     def _sampling(self, meta_info: dict) -> SamplingParams:
         cfg = self.config.rollout
@@ -52,9 +45,22 @@ class ActorRolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        self._sync_rollout_weights()
+        """Switch to generation (weights in place from the shards), generate, switch back (free the cache).
+
+        The output's meta_info["metrics"] holds the switch times and the peak memory (rank 0's).
+        """
+        reset_peak_memory(self.device)
+        start = time.perf_counter()
+        self.rollout.load_weights(full_parameters(self.actor.model))
+        synced = time.perf_counter()
         output = self.rollout.generate_sequences(prompts, self._sampling(prompts.meta_info))
-        gc.collect()
+        generated = time.perf_counter()
+        self.rollout.release_cache()
+        output.meta_info["metrics"] = {
+            "timing_s/weight_sync": synced - start,
+            "timing_s/release_cache": time.perf_counter() - generated,
+            "perf/max_memory_gb": peak_memory_gb(self.device),
+        }
         return output
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -69,8 +75,8 @@ class ActorRolloutWorker(Worker):
         target = Path(directory) / "actor"
         save_training_state(target, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
         if self.rank == 0:
-            self.rollout.model.config.save_pretrained(target / "huggingface")
-            self.rollout.model.generation_config.save_pretrained(target / "huggingface")
+            self.actor.model.config.save_pretrained(target / "huggingface")
+            self.actor.model.generation_config.save_pretrained(target / "huggingface")
             self.tokenizer.save_pretrained(target / "huggingface")
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -42,13 +42,26 @@ def assert_all_finite(records: list[dict]) -> None:
 
 
 def test_grpo_run_every_stage_and_metric(arithmetic_files, tmp_path):
-    records = short_run(arithmetic_files, tmp_path)
-    assert [r["step"] for r in records] == [0, 1, 2]  # validation before training, then two steps
-    assert "val/arithmetic/score_mean" in records[0] and "val/score/mean" in records[2]
+    records = short_run(
+        arithmetic_files,
+        tmp_path,
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.rollout.name=native",
+        "actor_rollout_ref.rollout.old_log_prob_source=auto",
+        "actor_rollout_ref.rollout.log_prob_check_every=3",
+    )
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # validation before training, then three steps
+    assert "val/arithmetic/score_mean" in records[0] and "val/score/mean" in records[3]
     assert_all_finite(records)
     for stage in STAGES_GRPO:
         assert records[1][f"timing_s/{stage}"] > 0, stage
     assert "timing_s/ref" not in records[1] and "critic/vf_loss" not in records[1]
+    for key in ["timing_s/weight_sync", "timing_s/release_cache", "perf/max_memory_gb"]:
+        assert key in records[1], key
+    # auto: step 1 measures the generator/trainer mismatch (tiny in bf16), step 2 reuses the
+    # generator's log-probs, step 3 (a multiple of log_prob_check_every) measures again
+    assert [r["rollout/used_rollout_log_probs"] for r in records[1:]] == [0.0, 1.0, 0.0]
+    assert records[1]["rollout/log_prob_diff_mean"] < 0.02 and "rollout/log_prob_diff_mean" not in records[2]
 
 
 def test_ppo_run_with_critic_and_kl(arithmetic_files, tmp_path):

@@ -1,0 +1,17 @@
+"""The native generation engine: continuous batching over an own Llama/Qwen2/Mistral forward.
+
+- spec.py      ModelSpec: the architecture read from a Hugging Face config
+- weights.py   Weights: the packed copy (fused q/k/v and gate/up), filled by HF parameter name
+- model.py     prefill / decode forwards (RMSNorm, rotary, GQA attention, SwiGLU)
+- kv_cache.py  KVCache: preallocated slots, in-place writes
+- sampler.py   greedy / temperature / top-k / top-p with per-request counter-based randomness
+- engine.py    Engine: the continuous-batching loop, shared prefill of identical prompts
+- rollout.py   NativeRollout: the `Rollout` interface (a drop-in for HFRollout)
+
+docs/performance.md has the measurements against transformers' `generate`.
+"""
+
+from hybridflow.rollout.native.engine import Engine, EngineStats
+from hybridflow.rollout.native.rollout import NativeRollout
+
+__all__ = ["Engine", "EngineStats", "NativeRollout"]

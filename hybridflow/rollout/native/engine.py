@@ -1,0 +1,247 @@
+"""Continuous batching over the native forward: admit, prefill once per prompt, decode, retire.
+
+All prompts of a call usually begin alike (the chat template's system prompt): their longest
+common prefix is computed once into a spare cache slot and copied into each new sequence's
+slot, so prefills only run the rest. Each loop iteration (1) admits waiting requests into free cache slots while the prefill
+budget allows, running one batched prefill over the distinct prompts admitted (the n samples
+of a prompt share it: its cache is copied to their slots, and all n draw their first token
+from its logits), then (2) runs one decode step for every running sequence. A sequence
+retires on a stop token or at `max_new_tokens`; its slot is refilled by the next waiting
+request right away, so nothing waits for the longest sequence of a static batch. Running
+sequences always occupy slots 0..B-1 (finished ones leave holes that are closed by moving
+the last sequences down), so decode reads the cache through views, never gathers it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.native import model
+from hybridflow.rollout.native.kv_cache import KVCache
+from hybridflow.rollout.native.sampler import sample
+from hybridflow.rollout.native.weights import Weights
+
+
+@dataclass
+class EngineStats:
+    """Counters of the last `Engine.generate` call."""
+
+    prefill_calls: int = 0  # prefill forwards
+    prefill_sequences: int = 0  # prompts computed (one per group of identical prompts admitted together)
+    prefill_tokens: int = 0  # real prompt tokens computed
+    decode_steps: int = 0  # decode forwards
+    decode_tokens: int = 0  # sequences summed over decode steps
+    max_running: int = 0  # most sequences decoded together
+    slot_moves: int = 0  # sequences moved down to close holes
+    shared_prefix_tokens: int = 0  # length of the common prefix of all prompts, computed once
+
+
+@dataclass
+class _Group:
+    """Waiting requests with the same prompt."""
+
+    prompt: list[int]
+    requests: deque[int]
+
+
+class Engine:
+    """Generates for many prompts at once with at most `max_num_seqs` sequences running."""
+
+    def __init__(
+        self, weights: Weights, max_num_seqs: int = 256, max_prefill_tokens: int = 8192, min_shared_prefix: int = 8
+    ):
+        self.weights = weights
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate forward
+        self.cache: KVCache | None = None
+        self.rope: model.RotaryTables | None = None
+        self.stats = EngineStats()
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.embed.device
+
+    def release_cache(self) -> None:
+        """Free the KV cache (the next `generate` allocates it again)."""
+        self.cache = None
+
+    def _prepare(self, num_slots: int, max_len: int) -> None:
+        spec, dtype = self.weights.spec, self.weights.embed.dtype
+        if spec.sliding_window is not None and max_len > spec.sliding_window:
+            raise NotImplementedError(f"sequences of {max_len} tokens exceed the sliding window {spec.sliding_window}")
+        max_len = -(-max_len // 16) * 16  # round up, so that similar calls reuse the cache
+        if self.cache is None or not self.cache.matches(num_slots, max_len, dtype):
+            self.cache = None  # free the old one before allocating
+            self.cache = KVCache(spec, num_slots, max_len, dtype, self.device)
+        if self.rope is None or self.rope.max_len < self.cache.max_len or self.rope.cos.dtype != dtype:
+            self.rope = model.RotaryTables(spec, self.cache.max_len, dtype, self.device)
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int], pad_token_id: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generate up to `params.max_new_tokens` tokens for each prompt (token ids, no padding).
+
+        Request i is prompt i; identical prompts prefill once. Returns tokens (N, R) (stop token
+        included, `pad_token_id` after it) and their log-probs (N, R) (0 after), R = max_new_tokens.
+        """
+        n, r = len(prompts), params.max_new_tokens
+        self.stats = EngineStats()
+        tokens_out = torch.full((n, r), pad_token_id, dtype=torch.long, device=self.device)
+        log_probs_out = torch.zeros(n, r, dtype=torch.float32, device=self.device)
+        if n == 0 or r == 0:
+            return tokens_out, log_probs_out
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("every prompt needs at least one token")
+        capacity = min(n, self.max_num_seqs)
+        self._prepare(capacity + 1, max(len(p) for p in prompts) + r)  # +1: the prefix slot
+        run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out)
+        by_prompt: dict[tuple[int, ...], _Group] = {}
+        for i, prompt in enumerate(prompts):
+            by_prompt.setdefault(tuple(prompt), _Group(list(prompt), deque())).requests.append(i)
+        run.waiting.extend(by_prompt.values())
+        run.share_prefix([group.prompt for group in by_prompt.values()])
+        while run.waiting or run.running:
+            run.compact()
+            run.admit()
+            run.compact()
+            if run.running:
+                run.decode()
+        return tokens_out, log_probs_out
+
+
+class _Run:
+    """The state of one `generate` call: waiting groups, running slots, outputs."""
+
+    def __init__(self, engine: Engine, capacity: int, params: SamplingParams, stop_ids: list[int], tokens_out, log_probs_out):
+        self.engine, self.params = engine, params
+        self.cache: KVCache = engine.cache
+        self.stats = engine.stats
+        device = engine.device
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.tokens_out, self.log_probs_out = tokens_out, log_probs_out
+        self.waiting: deque[_Group] = deque()
+        self.running = 0  # sequences in slots 0..running-1, including finished ones not yet removed
+        self.finished: set[int] = set()  # slots whose sequence is done
+        self.capacity = capacity  # sequences running at most, in slots 0..capacity-1
+        self.prefix_slot = self.cache.num_slots - 1  # holds the common prefix of all prompts
+        self.prefix_len = 0
+        slots = capacity
+        self.last_token = torch.zeros(slots, dtype=torch.long, device=device)  # latest token of each slot
+        self.position = torch.zeros(slots, dtype=torch.long, device=device)  # where that token goes in the cache
+        self.request = torch.zeros(slots, dtype=torch.long, device=device)  # request index of each slot
+        self.step = torch.zeros(slots, dtype=torch.long, device=device)  # tokens generated so far
+
+    def share_prefix(self, distinct_prompts: list[list[int]]) -> None:
+        """Compute the longest common prefix of the prompts once, into the prefix slot."""
+        if len(distinct_prompts) < 2:
+            return
+        first, limit = distinct_prompts[0], min(len(p) for p in distinct_prompts) - 1  # keep >= 1 token to prefill
+        length = 0
+        while length < limit and all(p[length] == first[length] for p in distinct_prompts):
+            length += 1
+        if length < self.engine.min_shared_prefix:
+            return
+        engine, device = self.engine, self.engine.device
+        tokens = torch.tensor([first[:length]], device=device)
+        slot = torch.tensor([self.prefix_slot], device=device)
+        model.prefill(engine.weights, engine.rope, self.cache, tokens, torch.tensor([length], device=device), slot)
+        self.prefix_len = length
+        self.stats.prefill_calls += 1
+        self.stats.prefill_tokens += length
+        self.stats.shared_prefix_tokens = length
+
+    def compact(self) -> None:
+        """Remove finished sequences, moving the last running ones into their slots."""
+        if not self.finished:
+            return
+        keep = self.running - len(self.finished)
+        holes = sorted(s for s in self.finished if s < keep)
+        movers = [s for s in range(keep, self.running) if s not in self.finished]
+        if holes:
+            self.cache.copy_slots(movers, holes, int(self.position[movers].max()) + 1)
+            src = torch.tensor(movers, device=self.step.device)
+            dst = torch.tensor(holes, device=self.step.device)
+            for state in (self.last_token, self.position, self.request, self.step):
+                state[dst] = state[src]
+            self.stats.slot_moves += len(holes)
+        self.running, self.finished = keep, set()
+
+    def _record(self, slots: slice, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
+        """Store each slot's new token and retire those that stopped: slots cover B slots, tensors (B,)."""
+        request, step = self.request[slots], self.step[slots]
+        self.tokens_out[request, step] = tokens
+        self.log_probs_out[request, step] = log_probs
+        self.last_token[slots] = tokens
+        step += 1  # in place: a view of self.step
+        done = torch.isin(tokens, self.stop_ids) | (step >= self.params.max_new_tokens)
+        first = slots.start
+        self.finished.update(first + i for i in done.nonzero()[:, 0].tolist())
+
+    def admit(self) -> None:
+        """Move waiting requests into free slots and prefill their distinct prompts in one batch."""
+        free, budget = self.capacity - self.running, self.engine.max_prefill_tokens
+        admitted: list[tuple[list[int], list[int]]] = []  # (prompt, requests)
+        while self.waiting and free > 0:
+            group = self.waiting[0]
+            longest = max([len(group.prompt)] + [len(p) for p, _ in admitted]) - self.prefix_len
+            if admitted and longest * (len(admitted) + 1) > budget:
+                break
+            take = [group.requests.popleft() for _ in range(min(free, len(group.requests)))]
+            admitted.append((group.prompt, take))
+            free -= len(take)
+            if not group.requests:
+                self.waiting.popleft()
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, admitted: list[tuple[list[int], list[int]]]) -> None:
+        engine, device, start = self.engine, self.engine.device, self.prefix_len
+        lengths = [len(p) for p, _ in admitted]
+        tokens = torch.zeros(len(admitted), max(lengths) - start, dtype=torch.long)
+        for row, (prompt, _) in enumerate(admitted):
+            tokens[row, : len(prompt) - start] = torch.tensor(prompt[start:])
+        first = self.running
+        leaders, copies_src, copies_dst, member_rows, requests = [], [], [], [], []
+        slot = first
+        for row, (_, group_requests) in enumerate(admitted):
+            leaders.append(slot)
+            copies_src += [slot] * (len(group_requests) - 1)
+            copies_dst += list(range(slot + 1, slot + len(group_requests)))
+            member_rows += [row] * len(group_requests)
+            requests += group_requests
+            slot += len(group_requests)
+        lengths_t = torch.tensor(lengths, device=device)
+        self.cache.copy_slots([self.prefix_slot] * len(leaders), leaders, start)
+        logits = model.prefill(
+            engine.weights, engine.rope, self.cache, tokens.to(device), lengths_t - start,
+            torch.tensor(leaders, device=device), start,
+        )
+        self.cache.copy_slots(copies_src, copies_dst, max(lengths))
+        new = slice(first, slot)
+        self.running = slot
+        self.request[new] = torch.tensor(requests, device=device)
+        self.step[new] = 0
+        self.position[new] = lengths_t[torch.tensor(member_rows, device=device)]
+        tokens_new, log_probs = sample(logits[member_rows], self.params, self.request[new], self.step[new])
+        self._record(new, tokens_new, log_probs)
+        self.stats.prefill_calls += 1
+        self.stats.prefill_sequences += len(admitted)
+        self.stats.prefill_tokens += sum(lengths) - start * len(lengths)
+
+    def decode(self) -> None:
+        """One token for every running sequence."""
+        engine, b = self.engine, self.running
+        running = slice(0, b)
+        logits = model.decode(engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b])
+        self.position[running] += 1
+        tokens, log_probs = sample(logits, self.params, self.request[running], self.step[running])
+        self._record(running, tokens, log_probs)
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += b
+        self.stats.max_running = max(self.stats.max_running, b)

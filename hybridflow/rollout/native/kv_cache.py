@@ -1,0 +1,63 @@
+"""A preallocated key/value cache with one fixed-length slot per running sequence.
+
+Layout: `k`, `v` are (L, S, Hkv, T, D): layer, slot, kv head, position, head dim. The
+scheduler keeps the running sequences in slots 0..B-1, so a decode step attends to the contiguous
+view `k[layer, :B]` without gathering. Nothing is allocated after construction:
+prefill and decode write in place, and `copy_slots` duplicates or moves whole sequences
+(for the n samples of one prompt, and to close the holes left by finished sequences).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.rollout.native.spec import ModelSpec
+
+
+class KVCache:
+    def __init__(self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        shape = (spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    def matches(self, num_slots: int, max_len: int, dtype: torch.dtype) -> bool:
+        """Whether this cache has exactly that shape (decode attends to whole rows, so a longer one costs)."""
+        return self.num_slots == num_slots and self.max_len == max_len and self.k.dtype == dtype
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write_prompt(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:
+        """Store prompt keys/values: slots (Bp,), k and v (Bp, Hkv, T, D) at positions start..start+T-1."""
+        end = start + k.shape[2]
+        self.k[layer, slots, :, start:end] = k
+        self.v[layer, slots, :, start:end] = v
+
+    def decode_index(self, positions: torch.Tensor) -> torch.Tensor:
+        """Flat row indices into a layer's (S*Hkv*T, D) view for one new token per slot 0..B-1: (B*Hkv,)."""
+        hkv, max_len = self.k.shape[2], self.k.shape[3]
+        batch = positions.shape[0]
+        slot_head = torch.arange(batch * hkv, device=positions.device).view(batch, hkv)
+        return (slot_head * max_len + positions.view(batch, 1)).view(-1)
+
+    def write_token(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store one token's keys/values per running slot: index from `decode_index`, k and v (B, Hkv, D)."""
+        d = k.shape[-1]
+        self.k[layer].view(-1, d).index_copy_(0, index, k.reshape(-1, d))
+        self.v[layer].view(-1, d).index_copy_(0, index, v.reshape(-1, d))
+
+    def rows(self, layer: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots 0..batch-1, all positions: two contiguous (B*Hkv, T, D) views."""
+        _, _, hkv, t, d = self.k.shape
+        return self.k[layer, :batch].view(batch * hkv, t, d), self.v[layer, :batch].view(batch * hkv, t, d)
+
+    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Copy the first `length` positions of slots `src` into slots `dst`, in every layer."""
+        if not src or length == 0:
+            return
+        src_t = torch.tensor(src, device=self.k.device)
+        dst_t = torch.tensor(dst, device=self.k.device)
+        self.k[:, dst_t, :, :length] = self.k[:, src_t, :, :length]
+        self.v[:, dst_t, :, :length] = self.v[:, src_t, :, :length]

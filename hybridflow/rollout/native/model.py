@@ -1,0 +1,142 @@
+"""The decoder forward on the packed weights: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+
+Two entry points, both pure functions of (weights, rotary tables, cache, token tensors):
+`prefill` runs whole prompts and stores their keys/values, `decode` runs one new token per
+running sequence against the cache. Neither knows about requests or scheduling.
+
+Numerics follow transformers' Llama/Qwen2 modules op for op (norms in fp32, rotary tables
+computed in fp32 then cast, residual stream in the weights' dtype), so fp32 results match
+HF to rounding and bf16 results match HF bf16 closely.
+
+GQA without copying keys: the G = Hq/Hkv query heads that share a kv head are folded into
+the query-length axis, so attention runs as (B, Hkv, G*T, D) queries against (B, Hkv, L, D)
+keys in one `scaled_dot_product_attention` call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hybridflow.rollout.native.kv_cache import KVCache
+from hybridflow.rollout.native.spec import ModelSpec
+from hybridflow.rollout.native.weights import LayerWeights, Weights
+
+
+class RotaryTables:
+    """cos and sin of every position up to `max_len`: two (max_len, D) tensors in the compute dtype."""
+
+    def __init__(self, spec: ModelSpec, max_len: int, dtype: torch.dtype, device: torch.device | str):
+        d = spec.head_dim
+        inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+        angles = torch.cat([freqs, freqs], dim=-1)  # (T, D)
+        self.cos = angles.cos().to(device=device, dtype=dtype)
+        self.sin = angles.sin().to(device=device, dtype=dtype)
+        self.max_len = max_len
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """(..., H) -> (..., H): normalised in fp32, rounded to x's dtype, then scaled (as HF does)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of (..., D) with cos/sin broadcastable to it (halves layout, as HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def _qkv(layer: LayerWeights, x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """(..., H) -> (..., Q + 2K): queries | keys | values of every head."""
+    return layer.qkv(rms_norm(x, layer.input_norm, spec.rms_norm_eps))
+
+
+def _output_and_mlp(layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """Residual stream after the attention output projection and the SwiGLU MLP: (..., H)."""
+    x = x + layer.o(attn)
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
+    return x + layer.down(F.silu(gate) * up)
+
+
+def _logits(weights: Weights, x: torch.Tensor) -> torch.Tensor:
+    """(N, H) -> (N, V), in the weights' dtype."""
+    return weights.lm_head(rms_norm(x, weights.norm, weights.spec.rms_norm_eps))
+
+
+def prefill(
+    weights: Weights,
+    rope: RotaryTables,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    slots: torch.Tensor,
+    start: int = 0,
+) -> torch.Tensor:
+    """Run right-padded prompt tokens at positions start.. and store their keys/values in `slots`.
+
+    tokens (Bp, T) right-padded, lengths (Bp,) real tokens per row, slots (Bp,). With start > 0
+    the slots already hold the keys/values of positions 0..start-1 (a prefix shared by all
+    rows), and the new tokens attend to them. Returns the logits after each row's last real
+    token: (Bp, V). Pad positions are computed but never attended to by real ones
+    (causal), and their cache entries are overwritten before anything reads them.
+    """
+    spec = weights.spec
+    b, t = tokens.shape
+    hkv, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    cos, sin = rope.cos[start : start + t], rope.sin[start : start + t]  # (T, D)
+    query_pos = torch.arange(start, start + t, device=tokens.device).repeat(g)  # (G*T,): q rows are (g, t)
+    visible = torch.arange(start + t, device=tokens.device)[None, :] <= query_pos[:, None]  # (G*T, start+T)
+    x = weights.embed[tokens]  # (Bp, T, H)
+    for i, layer in enumerate(weights.layers):
+        q, k, v = _qkv(layer, x, spec).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = rotate(q.view(b, t, hkv, g, d), cos[:, None, None], sin[:, None, None])
+        k = rotate(k.view(b, t, hkv, d), cos[:, None], sin[:, None]).transpose(1, 2)  # (Bp, Hkv, T, D)
+        v = v.view(b, t, hkv, d).transpose(1, 2)
+        cache.write_prompt(i, slots, k, v, start)
+        if start:
+            k, v = cache.k[i, slots, :, : start + t], cache.v[i, slots, :, : start + t]  # (Bp, Hkv, start+T, D)
+        q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
+        x = _output_and_mlp(layer, x, attn, spec)
+    last = x[torch.arange(b, device=x.device), lengths - 1]  # (Bp, H)
+    return _logits(weights, last)
+
+
+def decode(
+    weights: Weights, rope: RotaryTables, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """One new token for each of the sequences in slots 0..B-1.
+
+    tokens (B,) the latest token of each sequence, positions (B,) its position (= the number
+    of tokens already cached). Stores its keys/values and returns next-token logits (B, V).
+    Attention is written out as two batched matmuls around a softmax, over the slots' whole
+    (contiguous) cache rows with the unused positions masked: with one query per sequence
+    this is several times faster on CPU than the fused kernel, and than slicing the rows
+    (a slice would be copied).
+    """
+    spec = weights.spec
+    b = tokens.shape[0]
+    hq, hkv, g, d = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
+    t = cache.max_len
+    cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
+    index = cache.decode_index(positions)
+    hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
+    bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device).masked_fill_(hidden[:, None], float("-inf"))
+    bias = bias.repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T): rows of (B*Hkv) are (sequence, kv head)
+    scale = d**-0.5
+    x = weights.embed[tokens]  # (B, H)
+    for i, layer in enumerate(weights.layers):
+        qkv = _qkv(layer, x, spec)
+        qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)
+        cache.write_token(i, index, qk[:, hq:], qkv[:, spec.q_size + spec.kv_size :].view(b, hkv, d))
+        keys, values = cache.rows(i, b)  # (B*Hkv, T, D)
+        q = qk[:, :hq].reshape(b * hkv, g, d)
+        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
+        attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
+        x = _output_and_mlp(layer, x, attn.view(b, spec.q_size), spec)
+    return _logits(weights, x)

@@ -1,0 +1,81 @@
+"""`NativeRollout`: the native engine behind the `Rollout` interface, a drop-in for `HFRollout`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from
+from hybridflow.rollout.native.engine import Engine, EngineStats
+from hybridflow.rollout.native.spec import spec_from_config
+from hybridflow.rollout.native.weights import Weights
+
+
+class NativeRollout(Rollout):
+    """Continuous-batching generation with the engine's own forward over a packed copy of the weights.
+
+    model: a Llama / Qwen2 / Mistral causal LM from transformers; only its config and weights
+    are read (the rollout keeps no reference to it, so the caller may drop it). dtype: the
+    compute dtype, default the model's (the trainer loads the generator in `rollout.dtype`,
+    bf16 by default). stop_token_ids: tokens that end a response, default the EOS ids that
+    `HFRollout` uses; [] generates every response to full length (benchmarks).
+    max_num_seqs: most sequences decoded together (the KV cache has that many slots);
+    max_prefill_tokens: most (padded) prompt tokens in one prefill forward.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        dtype: torch.dtype | None = None,
+        stop_token_ids: list[int] | None = None,
+        max_num_seqs: int = 256,
+        max_prefill_tokens: int = 8192,
+    ):
+        self.tokenizer = tokenizer
+        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
+        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
+            self.eos_token_ids.append(tokenizer.eos_token_id)
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        dtype = dtype or next(model.parameters()).dtype
+        weights = Weights.from_model(model, spec_from_config(model.config), dtype)
+        self.engine = Engine(weights, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters of the last generation (prefills, decode steps, ...)."""
+        return self.engine.stats
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """Same contract and layout as `HFRollout.generate_sequences` (see `Rollout`).
+
+        Identical prompts (e.g. the n interleaved repeats of a GRPO group) are prefilled once.
+        """
+        prompt_ids = prompts.batch["input_ids"]
+        prompt_mask = prompts.batch["attention_mask"]
+        token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
+        responses, log_probs = self.engine.generate(token_lists, params, self.stop_token_ids, self.pad_token_id)
+        responses, log_probs = responses.to(prompt_ids.device), log_probs.to(prompt_ids.device)
+        mask = response_mask_from(responses, self.stop_token_ids) if self.stop_token_ids else torch.ones_like(responses)
+        batch = assemble_batch(prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id)
+        return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Overwrite the engine's weights in place from (Hugging Face parameter name, full tensor) pairs.
+
+        Takes the tensors one at a time (as the trainer gathers FSDP2 shards), casting to the
+        engine's dtype and device; rotary buffers are ignored, unknown names raise KeyError.
+        """
+        self.engine.weights.load(named_tensors)
+
+    def release_cache(self) -> None:
+        """Free the KV cache after generation; the next generation allocates it again."""
+        self.engine.release_cache()

@@ -1,0 +1,82 @@
+"""The shape of a Llama-family decoder (Llama, Qwen2, Mistral), read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the native forward needs to know about the architecture."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    """Query heads (Hq)."""
+    num_kv_heads: int
+    """Key/value heads (Hkv); Hq / Hkv query heads share one kv head (GQA)."""
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None = None
+    """Mistral's attention window; sequences longer than it are refused (the engine attends to all keys)."""
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head (G = Hq / Hkv)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward FLOPs of one token: 2 per weight of the matmuls, plus attention over `context` keys."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        attention = 2 * self.num_heads * self.head_dim * context  # q.k and p.v per layer
+        return self.num_layers * (2 * per_layer + 2 * attention) + 2 * h * self.vocab_size
+
+
+def spec_from_config(config: PretrainedConfig) -> ModelSpec:
+    """The spec of a Llama / Qwen2 / Mistral config; raises on features the engine does not implement."""
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(f"native rollout supports {SUPPORTED_MODEL_TYPES}, not {config.model_type!r}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"native rollout implements SwiGLU (silu), not {config.hidden_act!r}")
+    if getattr(config, "mlp_bias", False):
+        raise NotImplementedError("native rollout does not implement MLP biases")
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"native rollout implements the default rotary embedding, not {rope_type!r}")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    window = getattr(config, "sliding_window", None) if uses_window else None
+    num_heads = config.num_attention_heads
+    return ModelSpec(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_theta=float(theta),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        max_position_embeddings=config.max_position_embeddings,
+        sliding_window=window,
+    )

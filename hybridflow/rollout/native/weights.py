@@ -1,0 +1,155 @@
+"""The engine's own copy of the weights: q/k/v and gate/up fused into single matrices.
+
+Every tensor here is written through one name map (`Weights.target`), from Hugging Face
+parameter names, both when the engine is built from a model and when the trainer pushes
+new weights (`Weights.load`), so the two paths cannot drift apart. Fused matrices are
+filled slice by slice in place: no update ever allocates.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridflow.rollout.native.linear import Matrix
+from hybridflow.rollout.native.spec import ModelSpec
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # buffers the forward recomputes
+
+
+@dataclass
+class LayerWeights:
+    """One decoder block; shapes with H = hidden, Q = Hq*D, K = Hkv*D, I = intermediate."""
+
+    input_norm: torch.Tensor  # (H,)
+    qkv: Matrix  # weight (Q + 2K, H): rows q | k | v; bias (Q + 2K,) for Qwen2
+    o: Matrix  # weight (H, Q); bias (H,) if the model has one
+    post_norm: torch.Tensor  # (H,)
+    gate_up: Matrix  # weight (2I, H): rows gate | up
+    down: Matrix  # weight (H, I)
+
+
+@dataclass
+class Weights:
+    spec: ModelSpec
+    embed: torch.Tensor  # (V, H)
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # (H,)
+    lm_head: Matrix  # weight (V, H); the same tensor as `embed` when tied
+
+    @classmethod
+    def allocate(
+        cls, spec: ModelSpec, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, device: torch.device | str
+    ) -> Weights:
+        """Uninitialised weights of the right shapes (fill them with `load`)."""
+        h, q, k, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
+
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        layers = [
+            LayerWeights(
+                input_norm=empty(h),
+                qkv=Matrix(empty(q + 2 * k, h), empty(q + 2 * k) if qkv_bias else None),
+                o=Matrix(empty(h, q), empty(h) if o_bias else None),
+                post_norm=empty(h),
+                gate_up=Matrix(empty(2 * i, h)),
+                down=Matrix(empty(h, i)),
+            )
+            for _ in range(spec.num_layers)
+        ]
+        embed = empty(spec.vocab_size, h)
+        lm_head = Matrix(embed if spec.tie_word_embeddings else empty(spec.vocab_size, h))
+        return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head)
+
+    def matrices(self) -> list[Matrix]:
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+
+    @classmethod
+    def from_model(cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype) -> Weights:
+        """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype`."""
+        params = dict(model.named_parameters())
+        attn = "model.layers.0.self_attn"
+        weights = cls.allocate(
+            spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, next(model.parameters()).device
+        )
+        filled = weights.load(params.items())
+        expected = len(weights.target_names())
+        if filled != expected:
+            raise ValueError(f"the model provided {filled} of the {expected} tensors the engine needs")
+        return weights
+
+    def target_names(self) -> list[str]:
+        """Every Hugging Face parameter name this copy is filled from (lm_head only when untied)."""
+        names = ["model.embed_tokens.weight", "model.norm.weight"]
+        if not self.spec.tie_word_embeddings:
+            names.append("lm_head.weight")
+        layer = self.layers[0]
+        per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
+        per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if layer.qkv.bias is not None:
+            per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if layer.o.bias is not None:
+            per_layer.append("self_attn.o_proj.bias")
+        return names + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
+
+    def target(self, name: str) -> tuple[torch.Tensor, Matrix | None] | None:
+        """Where HF parameter `name` is copied: (tensor or slice of a fused one, its Matrix if any); None: ignored."""
+        if name.endswith(_IGNORED_SUFFIXES):
+            return None
+        if name == "model.embed_tokens.weight":
+            return self.embed, self.lm_head if self.lm_head.weight is self.embed else None
+        if name == "model.norm.weight":
+            return self.norm, None
+        if name == "lm_head.weight":
+            return self.lm_head.weight, self.lm_head
+        match = _LAYER.fullmatch(name)
+        if match is None:
+            raise KeyError(f"native rollout has no weight for {name!r}")
+        layer, part = self.layers[int(match.group(1))], match.group(2)
+        q, k, i = self.spec.q_size, self.spec.kv_size, self.spec.intermediate_size
+        slices = {"q": slice(0, q), "k": slice(q, q + k), "v": slice(q + k, q + 2 * k)}
+        direct = {
+            "input_layernorm.weight": (layer.input_norm, None),
+            "post_attention_layernorm.weight": (layer.post_norm, None),
+            "self_attn.o_proj.weight": (layer.o.weight, layer.o),
+            "self_attn.o_proj.bias": (layer.o.bias, layer.o),
+            "mlp.gate_proj.weight": (layer.gate_up.weight[:i], layer.gate_up),
+            "mlp.up_proj.weight": (layer.gate_up.weight[i:], layer.gate_up),
+            "mlp.down_proj.weight": (layer.down.weight, layer.down),
+        }
+        for p, rows in slices.items():
+            direct[f"self_attn.{p}_proj.weight"] = (layer.qkv.weight[rows], layer.qkv)
+            if layer.qkv.bias is not None:
+                direct[f"self_attn.{p}_proj.bias"] = (layer.qkv.bias[rows], layer.qkv)
+        found = direct.get(part)
+        if found is None or found[0] is None:
+            raise KeyError(f"native rollout has no weight for {name!r}")
+        return found
+
+    @torch.no_grad()
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each (HF name, full tensor) into place (casting dtype/device); returns how many were used.
+
+        Matrices written to are repacked (in place) at the end.
+        """
+        used, touched = 0, {}
+        for name, tensor in named_tensors:
+            found = self.target(name)
+            if found is None:
+                continue
+            target, matrix = found
+            if target.shape != tensor.shape:
+                raise ValueError(f"{name}: expected shape {tuple(target.shape)}, got {tuple(tensor.shape)}")
+            target.copy_(tensor)
+            if matrix is not None:
+                touched[id(matrix)] = matrix
+            used += 1
+        for matrix in touched.values():
+            matrix.repack()
+        return used

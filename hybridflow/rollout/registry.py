@@ -1,0 +1,41 @@
+"""Generation backends by name (``actor_rollout_ref.rollout.name``)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.rollout.base import Rollout
+from hybridflow.rollout.config import RolloutConfig
+
+RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, RolloutConfig], Rollout]
+
+
+def _hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+    from hybridflow.rollout.hf_rollout import HFRollout
+
+    return HFRollout(model, tokenizer)
+
+
+def _native(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+    from hybridflow.rollout.native import NativeRollout
+
+    return NativeRollout(model, tokenizer)
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutFactory] = {"hf": _hf, "native": _native}
+
+
+def register_rollout(name: str, factory: RolloutFactory) -> None:
+    """Add a backend (e.g. an adapter for vLLM or SGLang) usable as ``rollout.name``."""
+    if name in ROLLOUT_BACKENDS:
+        raise ValueError(f"rollout backend '{name}' is already registered")
+    ROLLOUT_BACKENDS[name] = factory
+
+
+def build_rollout(name: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+    if name not in ROLLOUT_BACKENDS:
+        raise ValueError(f"unknown rollout backend '{name}'; known: {sorted(ROLLOUT_BACKENDS)}")
+    return ROLLOUT_BACKENDS[name](model, tokenizer, config)

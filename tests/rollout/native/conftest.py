@@ -1,0 +1,13 @@
+"""The tiny fp32 models of the native-engine tests (helpers are in native_helpers.py)."""
+
+import pytest
+import torch
+
+from hybridflow.models import load_causal_lm, load_tokenizer
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def tiny(request):
+    """(name, fp32 HF model, tokenizer) for both tiny families (untied Llama, tied Qwen2 with q/k/v biases)."""
+    model = load_causal_lm(request.param, dtype=torch.float32).eval()
+    return request.param, model, load_tokenizer(request.param)

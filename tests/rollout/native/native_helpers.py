@@ -1,0 +1,33 @@
+"""Helpers of the native-engine tests: chat-templated left-padded prompts, sampling parameters."""
+
+from __future__ import annotations
+
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import SamplingParams
+
+QUESTIONS = [
+    "Hi",
+    "What is the sum of 12 and 30 and 4? Explain each step of the addition carefully.",
+    "Add 17 and 25",
+    "Count: 1 2 3",
+]
+
+
+def prompts_of(tokenizer, questions: list[str]) -> DataProto:
+    """Chat-templated questions, left-padded, with positions counted from the first real token."""
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    positions = (encoded["attention_mask"].cumsum(1) - 1).clamp(min=0)
+    batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "position_ids": positions}
+    return DataProto.from_dict(batch)
+
+
+def greedy(max_new_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=0)
+
+
+def sampled(seed: int, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> SamplingParams:
+    return SamplingParams(True, temperature, top_p, top_k, max_new_tokens, seed)

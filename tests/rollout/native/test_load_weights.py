@@ -1,0 +1,48 @@
+"""Weight updates by Hugging Face parameter name land in the engine, in place."""
+
+import copy
+
+import pytest
+import torch
+
+from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.native import NativeRollout
+
+from native_helpers import QUESTIONS, greedy, prompts_of
+
+
+def _perturbed(model):
+    changed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in changed.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=0.02))
+    return changed
+
+
+def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
+    _, model, tokenizer = tiny
+    rollout = NativeRollout(model, tokenizer)
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    before = rollout.generate_sequences(prompts, greedy(10)).batch
+    pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv)]
+    changed = _perturbed(model)
+    rollout.load_weights([*changed.named_parameters(), *changed.named_buffers()])  # as full_parameters yields them
+    assert pointers == [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv)]
+    expected = HFRollout(changed, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    got = rollout.generate_sequences(prompts, greedy(10)).batch
+    assert not torch.allclose(got["rollout_log_probs"], before["rollout_log_probs"], atol=1e-2)
+    assert torch.equal(got["responses"], expected["responses"])
+    assert torch.allclose(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5)
+
+
+def test_load_weights_casts_to_the_engine_dtype_and_rejects_unknown_names(tiny):
+    _, model, tokenizer = tiny
+    rollout = NativeRollout(model, tokenizer, dtype=torch.bfloat16)
+    norm = torch.full_like(model.model.norm.weight, 0.5)
+    rollout.load_weights([("model.norm.weight", norm)])
+    assert rollout.engine.weights.norm.dtype == torch.bfloat16 and (rollout.engine.weights.norm == 0.5).all()
+    with pytest.raises(KeyError):
+        rollout.load_weights([("model.layers.0.mlp.extra.weight", norm)])
+    with pytest.raises(ValueError):
+        rollout.load_weights([("model.norm.weight", norm[:-1])])

@@ -1,0 +1,21 @@
+import torch
+
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.metrics import log_prob_mismatch, reduce_worker_metrics
+
+
+def test_log_prob_mismatch_over_response_tokens_only():
+    batch = DataProto.from_dict(
+        {
+            "rollout_log_probs": torch.tensor([[-1.0, -2.0, -9.0], [-0.5, -0.5, -0.5]]),
+            "old_log_probs": torch.tensor([[-1.1, -1.5, 0.0], [-0.5, -0.7, -0.5]]),
+            "response_mask": torch.tensor([[1, 1, 0], [1, 1, 1]]),
+        }
+    )
+    # |diff| on the 5 masked-in tokens: 0.1, 0.5, 0, 0.2, 0 -> mean 0.16, max 0.5 (the 9.0 gap is padding)
+    metrics = log_prob_mismatch(batch)
+    assert abs(metrics["rollout/log_prob_diff_mean"] - 0.16) < 1e-6 and abs(metrics["rollout/log_prob_diff_max"] - 0.5) < 1e-6
+
+
+def test_worker_metrics_are_averaged_over_ranks():
+    assert reduce_worker_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 4.0}]) == {"a": 2.0, "b": 3.0}
