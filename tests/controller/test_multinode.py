@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 from ray.cluster_utils import Cluster
 
-from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
-from hybridflow.controller.ray_runtime import driver_runtime_env
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 
 
 class NodeReporter(Worker):
@@ -24,8 +23,9 @@ def two_node_cluster():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
-    ray.init(address=cluster.address, runtime_env=driver_runtime_env())
+    assert start_ray(address=cluster.address)  # joins the existing cluster instead of starting one
     cluster.wait_for_nodes()
+    assert len(ray.nodes()) == 3
     yield [n.node_id for n in nodes]
     ray.shutdown()
     cluster.shutdown()
