@@ -37,6 +37,10 @@ class ActorConfig:
     ppo_epochs: int = 1  # passes over the batch per training step
     shuffle: bool = True  # shuffle samples between mini-batches (seeded)
     log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing old log-probs
+    use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool = False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch when computing old log-probs
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # loss_mode and clip ratios
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
@@ -51,6 +55,9 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing reference log-probs
+    use_remove_padding: bool = True  # run the forward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool = False  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
+    log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch on one rank
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -62,6 +69,10 @@ class CriticConfig:
     ppo_epochs: int = 1  # passes over the batch per training step
     shuffle: bool = True  # shuffle samples between mini-batches (seeded)
     forward_micro_batch_size_per_gpu: int = 16  # samples per forward when computing values
+    use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool = False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    forward_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch when computing values
     cliprange_value: float = 0.5  # value clipping range around the old values
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss
     grad_clip: float = 1.0  # max global grad norm

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, compute_value_loss
 from hybridflow.engine.config import CriticConfig
+from hybridflow.engine.dynamic_batch import row_lengths
+from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_values, response_values
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
@@ -18,37 +22,47 @@ class CriticEngine:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.config = config
+        self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
+        self.values_metrics: dict[str, float] = {}  # perf/* of the last compute_values
 
     def compute_values(self, data: DataProto) -> torch.Tensor:
+        """Values (B, R), 0 on response padding; its FLOP/s are left in ``self.values_metrics``."""
+        cfg = self.config
         self.model.eval()
-        values = batched_values(self.model, data, self.config.forward_micro_batch_size_per_gpu)
+        start = time.perf_counter()
+        values = batched_values(
+            self.model,
+            data,
+            cfg.forward_micro_batch_size_per_gpu,
+            remove_padding=cfg.use_remove_padding,
+            max_token_len=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        )
+        self.values_metrics = self.meter.metrics("values", row_lengths(data), time.perf_counter() - start, training=False)
         return values * data.batch["response_mask"]
 
     def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
         batch = micro.batch
-        vpreds = response_values(self.model, micro)
+        vpreds = response_values(self.model, micro, self.config.use_remove_padding)
         loss, metrics = compute_value_loss(
             vpreds, batch["values"], batch["returns"], batch["response_mask"], self.config.cliprange_value, agg
         )
         return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> dict[str, float]:
+        """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and ``perf/tflops_critic_update``."""
         cfg = self.config
+        start = time.perf_counter()
         metrics = run_updates(
             self.model,
             self.optimizer,
+            self.scheduler,
             data,
+            cfg,
+            prefix="critic",
             mini_batch_size=mini_batch_size,
-            micro_batch_size=cfg.ppo_micro_batch_size_per_gpu,
-            epochs=cfg.ppo_epochs,
-            shuffle=cfg.shuffle,
             seed=seed,
-            grad_clip=cfg.grad_clip,
-            loss_agg_mode=cfg.loss_agg_mode,
             micro_loss=self._micro_loss,
+            loss_share_keys=("critic/vf_loss",),
         )
-        metrics["critic/lr"] = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        metrics["critic/grad_norm"] = metrics.pop("grad_norm")
-        metrics["critic/skipped_steps"] = metrics.pop("skipped_steps")
+        metrics.update(self.meter.metrics("critic_update", row_lengths(data), time.perf_counter() - start, True, cfg.ppo_epochs))
         return metrics

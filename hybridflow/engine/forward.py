@@ -4,6 +4,12 @@ Every pass reads ``input_ids``, ``attention_mask``, ``position_ids`` (B, P+R) an
 (B, R), and returns values for the R response positions only: the token at position P+t is
 predicted by the logits at P+t-1. All passes share this masking, so log-probs from the rollout,
 the actor, the reference and the values line up token for token.
+
+With ``remove_padding`` the model runs on the packed real tokens (``packing.py``) and the results
+come back in the same (B, R) layout, with 0 on response padding; on real tokens they equal the
+padded pass. The batched (no-grad) passes form micro-batches of a fixed number of rows, or with
+``max_token_len`` of at most that many real tokens (``dynamic_batch.py``), and return rows in the
+batch's order.
 """
 
 from __future__ import annotations
@@ -12,53 +18,73 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
+from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, row_lengths, split_by_groups
+from hybridflow.engine.packing import gather_responses, pack, packed_forward
 from hybridflow.protocol import DataProto
 
 
-def _model_inputs(batch: DataProto) -> dict[str, torch.Tensor]:
-    return {
-        "input_ids": batch.batch["input_ids"],
-        "attention_mask": batch.batch["attention_mask"],
-        "position_ids": batch.batch["position_ids"],
-    }
+def response_outputs(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's outputs (``.logits``) predicting each response token, (B, R, C), and the mask of
+    real response tokens (B, R) when padding was removed (None: every position was computed)."""
+    tensors = batch.batch
+    response_length = tensors["responses"].shape[1]
+    if not remove_padding:
+        inputs = {key: tensors[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
+    packed = pack(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], response_length)
+    return gather_responses(packed_forward(model, packed), packed), packed.response_valid
 
 
-def response_logits(model: nn.Module, batch: DataProto, temperature: float = 1.0) -> torch.Tensor:
-    """Logits predicting each response token: (B, R, V), divided by the sampling temperature."""
-    response_length = batch.batch["responses"].shape[1]
-    logits = model(**_model_inputs(batch), use_cache=False).logits  # (B, P+R, V)
-    logits = logits[:, -response_length - 1 : -1, :]
-    return logits / temperature if temperature != 1.0 else logits
+def _zero_where_pad(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    return values if valid is None else torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
 def response_log_probs(
-    model: nn.Module, batch: DataProto, temperature: float = 1.0, with_entropy: bool = False
+    model: nn.Module, batch: DataProto, temperature: float = 1.0, with_entropy: bool = False, remove_padding: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(response token), entropy or None), each (B, R) in fp32."""
-    logits = response_logits(model, batch, temperature)
-    log_probs = log_probs_from_logits(logits, batch.batch["responses"])
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logits, valid = response_outputs(model, batch, remove_padding)
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = _zero_where_pad(log_probs_from_logits(logits, batch.batch["responses"]), valid)
+    entropy = _zero_where_pad(entropy_from_logits(logits), valid) if with_entropy else None
     return log_probs, entropy
 
 
-def response_values(model: nn.Module, batch: DataProto) -> torch.Tensor:
+def response_values(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token: (B, R) in fp32."""
-    response_length = batch.batch["responses"].shape[1]
-    values = model(**_model_inputs(batch), use_cache=False).logits  # (B, P+R, 1)
-    return values[:, -response_length - 1 : -1, 0].float()
+    values, valid = response_outputs(model, batch, remove_padding)  # (B, R, 1)
+    return _zero_where_pad(values[..., 0].float(), valid)
 
 
 @torch.no_grad()
 def batched_log_probs(
-    model: nn.Module, data: DataProto, micro_batch_size: int, temperature: float, with_entropy: bool
+    model: nn.Module,
+    data: DataProto,
+    micro_batch_size: int,
+    temperature: float,
+    with_entropy: bool,
+    *,
+    remove_padding: bool = False,
+    max_token_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of a whole batch, computed micro-batch by micro-batch without grad."""
-    parts = [response_log_probs(model, micro, temperature, with_entropy) for micro in data.split(micro_batch_size)]
-    log_probs = torch.cat([p[0] for p in parts])
-    entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+    """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad.
+
+    ``max_token_len``: micro-batches by token count instead of ``micro_batch_size`` rows; a
+    collective under data parallelism (every rank runs as many micro-batches).
+    """
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)
+    parts = [response_log_probs(model, micro, temperature, with_entropy, remove_padding) for micro in split_by_groups(data, groups)]
+    log_probs = restore_order([p[0] for p in parts], groups)
+    entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None
     return log_probs, entropy
 
 
 @torch.no_grad()
-def batched_values(model: nn.Module, data: DataProto, micro_batch_size: int) -> torch.Tensor:
-    return torch.cat([response_values(model, micro) for micro in data.split(micro_batch_size)])
+def batched_values(
+    model: nn.Module, data: DataProto, micro_batch_size: int, *, remove_padding: bool = False, max_token_len: int | None = None
+) -> torch.Tensor:
+    """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)
+    parts = [response_values(model, micro, remove_padding) for micro in split_by_groups(data, groups)]
+    return restore_order(parts, groups)

@@ -4,6 +4,9 @@ Loss normalisation across micro-batches *and* data-parallel ranks: the loss aggr
 the token and sequence counts of the whole mini-batch over all ranks, so each micro-batch loss
 is its share of the global mean. FSDP averages gradients over ranks; multiplying the loss by the
 world size turns that average into the sum of shares, i.e. the gradient of the global mean.
+This holds for any partition of the mini-batch into micro-batches, so micro-batches formed by
+token count (``max_token_len``) give the same gradient as fixed-size ones; every loss still sees
+the (B, R) layout, so the response length used by ``seq-mean-token-sum-norm`` is unchanged too.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation
+from hybridflow.engine.config import ActorConfig, CriticConfig
+from hybridflow.engine.dynamic_batch import micro_batch_groups, row_lengths, split_by_groups
 from hybridflow.engine.fsdp import grad_norm_and_clip
 from hybridflow.protocol import DataProto
 
@@ -40,35 +45,53 @@ def _to_float(value: torch.Tensor | float) -> float:
 def run_updates(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     data: DataProto,
+    config: ActorConfig | CriticConfig,
     *,
+    prefix: str,
     mini_batch_size: int,
-    micro_batch_size: int,
-    epochs: int,
-    shuffle: bool,
     seed: int,
-    grad_clip: float,
-    loss_agg_mode: str,
     micro_loss: MicroLossFn,
+    loss_share_keys: tuple[str, ...] = (),
 ) -> dict[str, float]:
-    """Optimizer steps over ``data`` (this rank's share); returns metrics averaged over micro-batches."""
+    """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
+
+    Metrics are averaged over micro-batches, except ``loss_share_keys``: those are each
+    micro-batch's share of the global mini-batch loss, so they are summed over the mini-batch
+    (and scaled by the world size, so that the driver's mean over ranks is the global loss).
+    With ``config.use_dynamic_bsz`` micro-batches hold at most ``config.ppo_max_token_len_per_gpu``
+    real tokens (collective: every rank runs as many micro-batches).
+    """
     world_size = dist.get_world_size() if dist.is_initialized() else 1
+    max_token_len = config.ppo_max_token_len_per_gpu if config.use_dynamic_bsz else None
     totals: dict[str, list[float]] = defaultdict(list)
     model.train()
-    for mini_batch in data.make_iterator(mini_batch_size, epochs=epochs, shuffle=shuffle, seed=seed):
-        agg = global_aggregation(loss_agg_mode, mini_batch.batch["response_mask"])
+    for mini_batch in data.make_iterator(mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle, seed=seed):
+        agg = global_aggregation(config.loss_agg_mode, mini_batch.batch["response_mask"])
         optimizer.zero_grad(set_to_none=True)
-        for micro_batch in mini_batch.split(micro_batch_size):
+        groups = micro_batch_groups(row_lengths(mini_batch), config.ppo_micro_batch_size_per_gpu, max_token_len)
+        shares: dict[str, float] = defaultdict(float)
+        for micro_batch in split_by_groups(mini_batch, groups):
             loss, metrics = micro_loss(micro_batch, agg)
             (loss * world_size).backward()
             for key, value in metrics.items():
-                totals[key].append(_to_float(value))
-        grad_norm = grad_norm_and_clip(model, grad_clip)
-        if torch.isfinite(torch.tensor(grad_norm)):
+                if key in loss_share_keys:
+                    shares[key] += _to_float(value) * world_size
+                else:
+                    totals[key].append(_to_float(value))
+        for key, value in shares.items():
+            totals[key].append(value)
+        grad_norm = grad_norm_and_clip(model, config.grad_clip)
+        finite = bool(torch.isfinite(torch.tensor(grad_norm)))
+        if finite:
             optimizer.step()
         else:
             optimizer.zero_grad(set_to_none=True)
-        totals["grad_norm"].append(grad_norm)
-        totals["skipped_steps"].append(0.0 if torch.isfinite(torch.tensor(grad_norm)) else 1.0)
+        totals[f"{prefix}/grad_norm"].append(grad_norm)
+        totals[f"{prefix}/skipped_steps"].append(0.0 if finite else 1.0)
     model.eval()
-    return {key: sum(values) / len(values) for key, values in totals.items()}
+    metrics = {key: sum(values) / len(values) for key, values in totals.items()}
+    metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
+    scheduler.step()
+    return metrics

@@ -114,6 +114,14 @@ def check_config(cfg: HybridFlowConfig) -> None:
     _check_choice(arr.rollout.old_log_prob_source, ("recompute", "rollout", "auto"), "actor_rollout_ref.rollout.old_log_prob_source")
     _check(arr.rollout.response_length > 0, "actor_rollout_ref.rollout.response_length", "must be positive")
     _check_batch_sizes(cfg)
+    for key, limit in [
+        ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", arr.actor.ppo_max_token_len_per_gpu),
+        ("actor_rollout_ref.actor.log_prob_max_token_len_per_gpu", arr.actor.log_prob_max_token_len_per_gpu),
+        ("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", arr.ref.log_prob_max_token_len_per_gpu),
+        ("critic.ppo_max_token_len_per_gpu", cfg.critic.ppo_max_token_len_per_gpu),
+        ("critic.forward_max_token_len_per_gpu", cfg.critic.forward_max_token_len_per_gpu),
+    ]:
+        _check(limit > 0, key, f"must be positive, got {limit}")
     if get_adv_estimator(algo.adv_estimator).needs_values and cfg.critic.model.path:
         _check_model_path(cfg.critic.model.path, "critic.model.path")
     if cfg.reward_model.enable:

@@ -16,6 +16,7 @@ import torch
 from hybridflow.algorithms import AdvantageConfig, apply_kl_penalty, get_adv_estimator, make_kl_controller
 from hybridflow.controller import RayWorkerGroup
 from hybridflow.data import PromptDataLoader
+from hybridflow.engine.dynamic_batch import balanced_order
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
@@ -37,6 +38,12 @@ class RoleGroups:
     ref: RayWorkerGroup | None = None
     critic: RayWorkerGroup | None = None
     reward_model: RayWorkerGroup | None = None
+
+
+def with_perf(output: DataProto, metrics: dict[str, float]) -> DataProto:
+    """A worker pass's output, with its perf metrics (rank 0's, in meta_info) moved into ``metrics``."""
+    metrics.update(output.meta_info.pop("perf", {}))
+    return output
 
 
 class RayPPOTrainer:
@@ -132,6 +139,7 @@ class RayPPOTrainer:
             with timer("gen", timings), self.progress.stage("generation"):
                 batch = self.rollout(prompts)
             metrics.update(self.rollout_metrics)
+            batch.reorder(balanced_order(batch.batch["attention_mask"].sum(-1).tolist(), self.config.world_size))
             if self.estimator.needs_baseline:
                 with timer("gen_baseline", timings):
                     batch.batch["reward_baselines"] = self.greedy_baseline(prompts)
@@ -141,10 +149,10 @@ class RayPPOTrainer:
                 self.old_log_probs(batch, metrics)
             if groups.ref is not None:
                 with timer("ref", timings):
-                    batch.union(groups.ref.compute_ref_log_prob(batch))
+                    batch.union(with_perf(groups.ref.compute_ref_log_prob(batch), metrics))
             if groups.critic is not None:
                 with timer("values", timings):
-                    batch.union(groups.critic.compute_values(batch))
+                    batch.union(with_perf(groups.critic.compute_values(batch), metrics))
             with timer("adv", timings):
                 self.compute_advantage(batch, metrics)
             if groups.critic is not None:
@@ -188,7 +196,7 @@ class RayPPOTrainer:
         if use_rollout:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             return
-        batch.union(self.groups.actor_rollout.compute_log_prob(batch))
+        batch.union(with_perf(self.groups.actor_rollout.compute_log_prob(batch), metrics))
         mismatch = log_prob_mismatch(batch)
         metrics.update(mismatch)
         self.last_log_prob_diff = mismatch.get("rollout/log_prob_diff_mean")

@@ -86,7 +86,7 @@ class ActorRolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy})
+        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"perf": self.actor.log_prob_metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:

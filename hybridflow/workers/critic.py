@@ -34,7 +34,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        return DataProto.from_dict({"values": self.critic.compute_values(data)})
+        values = self.critic.compute_values(data)
+        return DataProto.from_dict({"values": values}, meta_info={"perf": self.critic.values_metrics})
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridflow.controller import Dispatch, Worker, register
-from hybridflow.engine.forward import batched_log_probs
+from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ActorRolloutRefConfig
@@ -16,10 +16,9 @@ class RefPolicyWorker(Worker):
         self.config = config
         self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed).eval()
         self.model.requires_grad_(False)
+        self.ref = ReferenceEngine(self.model, config.ref)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        log_probs, _ = batched_log_probs(
-            self.model, data, self.config.ref.log_prob_micro_batch_size_per_gpu, self.config.rollout.temperature, False
-        )
-        return DataProto.from_dict({"ref_log_prob": log_probs})
+        log_probs = self.ref.compute_ref_log_prob(data, self.config.rollout.temperature)
+        return DataProto.from_dict({"ref_log_prob": log_probs}, meta_info={"perf": self.ref.log_prob_metrics})

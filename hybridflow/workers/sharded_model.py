@@ -28,7 +28,7 @@ def build_sharded(
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(model.path, dtype=torch.float32)
     if model.enable_gradient_checkpointing:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     module.config.use_cache = False
     return shard_model(module.to(device), data_parallel_mesh(device), fsdp)
 

@@ -42,6 +42,11 @@ def test_sharded_log_probs_and_one_update_match_the_unsharded_model(local_ray, t
     loss = -(batch.batch["advantages"] * reference_log_probs(model, batch) * mask).sum() / mask.sum()
     loss.backward()
     optimizer.step()
+    # the reported loss is the whole mini-batch's, though computed in shares over 2 ranks x 2 micro-batches:
+    # at ratio 1 the PPO loss value is -mean(A) over the response tokens (its gradient is that of -mean(A log p))
+    reported = sum(m["actor/pg_loss"] for m in metrics) / len(metrics)
+    expected_loss = -(batch.batch["advantages"] * mask).sum() / mask.sum()
+    assert abs(reported - expected_loss.item()) < 1e-5
 
     initial = load_causal_lm(tiny_path).state_dict()
     reference = dict(model.named_parameters())

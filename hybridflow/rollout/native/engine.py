@@ -1,8 +1,6 @@
 """Continuous batching over the native forward: admit, prefill once per prompt, decode, retire.
 
-All prompts of a call usually begin alike (the chat template's system prompt): their longest
-common prefix is computed once into a spare cache slot and copied into each new sequence's
-slot, so prefills only run the rest. Each loop iteration (1) admits waiting requests into free cache slots while the prefill
+Each loop iteration (1) admits waiting requests into free cache slots while the prefill
 budget allows, running one batched prefill over the distinct prompts admitted (the n samples
 of a prompt share it: its cache is copied to their slots, and all n draw their first token
 from its logits), then (2) runs one decode step for every running sequence. A sequence
@@ -10,6 +8,10 @@ retires on a stop token or at `max_new_tokens`; its slot is refilled by the next
 request right away, so nothing waits for the longest sequence of a static batch. Running
 sequences always occupy slots 0..B-1 (finished ones leave holes that are closed by moving
 the last sequences down), so decode reads the cache through views, never gathers it.
+
+The prompts of a call usually begin alike (the chat template's system prompt): their
+longest common prefix is computed once, into a spare slot, and copied into each new
+sequence's slot, so prefills only run the rest of each prompt.
 """
 
 from __future__ import annotations
@@ -118,7 +120,15 @@ class Engine:
 class _Run:
     """The state of one `generate` call: waiting groups, running slots, outputs."""
 
-    def __init__(self, engine: Engine, capacity: int, params: SamplingParams, stop_ids: list[int], tokens_out, log_probs_out):
+    def __init__(
+        self,
+        engine: Engine,
+        capacity: int,
+        params: SamplingParams,
+        stop_ids: list[int],
+        tokens_out: torch.Tensor,
+        log_probs_out: torch.Tensor,
+    ):
         self.engine, self.params = engine, params
         self.cache: KVCache = engine.cache
         self.stats = engine.stats

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
@@ -25,10 +26,10 @@ def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
     rollout = NativeRollout(model, tokenizer)
     prompts = prompts_of(tokenizer, QUESTIONS)
     before = rollout.generate_sequences(prompts, greedy(10)).batch
-    pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv)]
+    pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
     changed = _perturbed(model)
     rollout.load_weights([*changed.named_parameters(), *changed.named_buffers()])  # as full_parameters yields them
-    assert pointers == [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv)]
+    assert pointers == [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
     expected = HFRollout(changed, tokenizer).generate_sequences(prompts, greedy(10)).batch
     got = rollout.generate_sequences(prompts, greedy(10)).batch
     assert not torch.allclose(got["rollout_log_probs"], before["rollout_log_probs"], atol=1e-2)
@@ -46,3 +47,16 @@ def test_load_weights_casts_to_the_engine_dtype_and_rejects_unknown_names(tiny):
         rollout.load_weights([("model.layers.0.mlp.extra.weight", norm)])
     with pytest.raises(ValueError):
         rollout.load_weights([("model.norm.weight", norm[:-1])])
+
+
+def test_bf16_engine_after_load_weights_equals_one_built_from_the_updated_model():
+    model = load_causal_lm("tiny-llama", dtype=torch.bfloat16)
+    tokenizer = load_tokenizer("tiny-llama")
+    rollout = NativeRollout(model, tokenizer)  # bf16 on CPU: the products use packed weights
+    changed = _perturbed(model)
+    rollout.load_weights(changed.named_parameters())
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    got = rollout.generate_sequences(prompts, greedy(10)).batch
+    expected = NativeRollout(changed, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    assert torch.equal(got["responses"], expected["responses"])
+    assert torch.equal(got["rollout_log_probs"], expected["rollout_log_probs"])

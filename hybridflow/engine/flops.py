@@ -1,0 +1,103 @@
+"""Model FLOPs of the training passes, and model FLOPs utilisation (MFU) against a measured peak.
+
+FLOPs are counted on real tokens only, so padding that a pass computes anyway shows up as a lower
+MFU. A decoder's forward costs, per sequence of L tokens,
+
+    2 * W * L                  every weight of every linear layer (lm_head / value head included)
+  + 2 * layers * H * d * L^2   causal attention: QK^T and AV, each 2 * d FLOPs per (query, key) pair
+                               over the L^2 / 2 pairs of the causal triangle, per head
+
+and backward twice that, so a training step is 3x forward (activation recomputation from gradient
+checkpointing is not counted: these are model FLOPs, not hardware FLOPs).
+
+The peak is measured, not looked up: large bf16 matmuls for about half a second, once per process
+and device (``peak_flops``). On a CPU that is the matmul rate of the cores this process gets
+(about 0.8 TFLOP/s bf16 on this project's 2-core AMD EPYC with AVX512-BF16 when idle); other
+processes busy on the same cores at start-up lower it, and MFU then reads high.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelFlops:
+    linear_weights: int  # W: weights of all nn.Linear layers
+    attention_width: int  # layers * heads * head_dim
+
+    def forward(self, lengths: Sequence[int]) -> float:
+        """Forward FLOPs of sequences of these real-token lengths."""
+        tokens = sum(lengths)
+        squares = sum(length * length for length in lengths)
+        return 2.0 * self.linear_weights * tokens + 2.0 * self.attention_width * squares
+
+    def training(self, lengths: Sequence[int]) -> float:
+        """Forward plus backward."""
+        return 3.0 * self.forward(lengths)
+
+
+def model_flops(model: nn.Module) -> ModelFlops:
+    """FLOP counts of a Hugging Face decoder (sharded or not: DTensor sizes are the global ones)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear))
+    return ModelFlops(linear_weights=weights, attention_width=config.num_hidden_layers * heads * head_dim)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@lru_cache(maxsize=None)
+def peak_flops(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.bfloat16, seconds: float = 0.5) -> float:
+    """Measured FLOP/s of square ``dtype`` matmuls on ``device``; once per process (cached).
+
+    The best of several short windows, so that a moment of contention (other processes on the
+    same CPU cores) lowers the estimate less.
+    """
+    size = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.mm(a, b)  # warm-up: kernels, thread pool
+    _synchronize(device)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        done, start = 0, time.perf_counter()
+        while done == 0 or time.perf_counter() - start < seconds / 5:
+            torch.mm(a, b)
+            done += 1
+            _synchronize(device)
+        best = max(best, 2.0 * size**3 * done / (time.perf_counter() - start))
+    return best
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def flops_metrics(name: str, flops: float, seconds: float, peak: float) -> dict[str, float]:
+    """``perf/tflops_<name>`` (achieved TFLOP/s) and ``perf/mfu_<name>`` (achieved / peak)."""
+    achieved = flops / max(seconds, 1e-9)
+    return {f"perf/tflops_{name}": achieved / 1e12, f"perf/mfu_{name}": achieved / peak}
+
+
+class PassMeter:
+    """Times one role's passes and reports their FLOP/s against the peak measured at start-up."""
+
+    def __init__(self, model: nn.Module):
+        self.flops = model_flops(model)
+        self.peak = peak_flops(model_device(model))
+
+    def metrics(self, name: str, lengths: Sequence[int], seconds: float, training: bool, repeats: int = 1) -> dict[str, float]:
+        """Metrics of a pass over rows of ``lengths`` real tokens (``repeats`` times, e.g. epochs)."""
+        flops = repeats * (self.flops.training(lengths) if training else self.flops.forward(lengths))
+        return {**flops_metrics(name, flops, seconds, self.peak), "perf/peak_tflops": self.peak / 1e12}

@@ -1,0 +1,150 @@
+"""Padding removal: a micro-batch's real tokens packed into one sequence, attention kept within rows.
+
+The training batch keeps prompts left-padded and responses right-padded (B, P+R). ``pack`` takes
+the real tokens (``attention_mask`` 1) of all rows, in order, as one sequence (1, N) with
+N = sum of the row lengths and each row's own ``position_ids`` (0, 1, ... from its first real
+token). The linear layers, i.e. nearly all of the compute, then see no pad token.
+
+Attention must stay within each row (block-diagonal causal). transformers detects packed
+``position_ids``, but with SDPA it then builds a dense (N, N) mask and attends over all N tokens,
+and CPU PyTorch has no varlen kernel. So the model runs with its attention implementation set to
+``packed_sdpa``: each layer gathers q, k, v back into (rows, longest row) with the real tokens
+left-aligned and runs SDPA with ``is_causal=True``. Pad slots only follow a row's real tokens, so
+causality alone keeps them out of every real token's context and no mask is needed. Attention is
+about 1% of the FLOPs of these models at a few hundred tokens; the pad slots there cost little.
+Without segments (an ordinary padded call) ``packed_sdpa`` is exactly transformers' ``sdpa``.
+
+Measured (smollm2-135m, bf16, 2 CPU cores; 64 rows of 30-45 prompt + 0-32 response tokens, 38%
+padding; log-prob pass in micro-batches of 16; best of 4): padded 2.86 s, transformers' packing
+with the dense mask 3.16 s, rows trimmed to each sorted micro-batch's longest 2.60 s, this 2.14 s.
+
+``gather_responses`` takes the outputs that predict the R response tokens back to (b, R, C):
+the padded layout every loss and the rest of the trainer use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED_ATTENTION = "packed_sdpa"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where the rows lie in the packed sequence; b rows, the longest of L tokens, N tokens in all."""
+
+    index: torch.Tensor  # (b, L) packed position of slot (row, t); 0 on the slots after a row's end
+    real: torch.Tensor  # (N,) flat positions in (b * L) of the real slots, in packed order
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N) each row's own positions
+    segments: Segments
+    response_index: torch.Tensor  # (b, R) packed position of the output predicting each response token
+    response_valid: torch.Tensor  # (b, R) bool: the response token is real
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor, response_length: int) -> PackedBatch:
+    """The real tokens of (b, P+R) rows as one (1, N) sequence; see the module docstring."""
+    mask = attention_mask.bool()
+    width = mask.shape[1]
+    prompt_length = width - response_length
+    if prompt_length < 1:
+        raise ValueError(f"response length {response_length} leaves no prompt column in a width of {width}")
+    lengths = mask.sum(dim=1)  # (b,)
+    starts = lengths.cumsum(0) - lengths
+    slots = torch.arange(max(int(lengths.max()), 1) if len(lengths) else 1, device=mask.device)
+    in_row = slots < lengths.unsqueeze(1)  # (b, L)
+    segments = Segments(
+        index=torch.where(in_row, starts.unsqueeze(1) + slots, 0), real=in_row.flatten().nonzero().squeeze(1)
+    )
+    packed_position = mask.flatten().long().cumsum(0).view_as(mask) - 1  # (b, P+R) at real tokens
+    # Response token t sits at column P+t and is predicted by the output at column P+t-1 (a real token).
+    response_index = packed_position[:, prompt_length - 1 : width - 1].clamp(min=0)
+    return PackedBatch(
+        input_ids=input_ids[mask].unsqueeze(0),
+        position_ids=position_ids[mask].unsqueeze(0),
+        segments=segments,
+        response_index=response_index,
+        response_valid=mask[:, prompt_length:],
+    )
+
+
+def gather_responses(outputs: torch.Tensor, packed: PackedBatch) -> torch.Tensor:
+    """Packed outputs (1, N, C) at the positions predicting each response token: (b, R, C)."""
+    return outputs[0][packed.response_index]
+
+
+_packed_calls = 0  # layers that ran packed attention: a model that bypasses AttentionInterface runs none
+
+
+def packed_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_segments: Segments | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention within each packed row: query (1, H, N, d), key/value (1, Hkv, N, d) -> (1, N, H, d)."""
+    if packed_segments is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if attention_mask is not None or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("packed attention supports plain causal attention only (no mask, sliding window or softcap)")
+    global _packed_calls
+    _packed_calls += 1
+    rows, longest = packed_segments.index.shape
+    flat = packed_segments.index.flatten()
+
+    def by_rows(x: torch.Tensor) -> torch.Tensor:  # (1, h, N, d) -> (b, h, L, d)
+        return x[0].index_select(1, flat).unflatten(1, (rows, longest)).transpose(0, 1)
+
+    out = nn.functional.scaled_dot_product_attention(
+        by_rows(query), by_rows(key), by_rows(value), dropout_p=dropout, scale=scaling, is_causal=True,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )  # (b, H, L, d)
+    out = out.transpose(1, 2).flatten(0, 1).index_select(0, packed_segments.real)  # (N, H, d)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+
+def use_packed_attention(model: nn.Module) -> None:
+    """Switch a model from ``sdpa`` to ``packed_sdpa`` (identical on padded calls). Idempotent."""
+    current = model.config._attn_implementation
+    if current not in ("sdpa", PACKED_ATTENTION):
+        raise ValueError(f"use_remove_padding needs attn_implementation='sdpa', but the model uses {current!r}")
+    model.config._attn_implementation = PACKED_ATTENTION
+
+
+def packed_forward(model: nn.Module, packed: PackedBatch) -> torch.Tensor:
+    """The model's output (``.logits``) on a packed batch: (1, N, C)."""
+    use_packed_attention(model)
+    calls = _packed_calls
+    ids = packed.input_ids
+    # An all-ones 2-D mask: transformers then skips both the packed-sequence detection (its dense
+    # (N, N) mask) and any mask at all, and the layers get ``packed_segments`` instead.
+    output = model(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        position_ids=packed.position_ids,
+        packed_segments=packed.segments,
+        use_cache=False,
+    ).logits
+    if _packed_calls == calls:
+        raise RuntimeError(f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+                           "set use_remove_padding=false")
+    return output

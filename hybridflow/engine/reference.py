@@ -1,0 +1,39 @@
+"""The frozen reference policy's pass: log-probs of the sampled tokens, for the KL term."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from hybridflow.engine.config import RefConfig
+from hybridflow.engine.dynamic_batch import row_lengths
+from hybridflow.engine.flops import PassMeter
+from hybridflow.engine.forward import batched_log_probs
+from hybridflow.protocol import DataProto
+
+
+class ReferenceEngine:
+    def __init__(self, model: nn.Module, config: RefConfig):
+        self.model = model
+        self.config = config
+        self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
+        self.log_prob_metrics: dict[str, float] = {}  # perf/* of the last compute_ref_log_prob
+
+    def compute_ref_log_prob(self, data: DataProto, temperature: float) -> torch.Tensor:
+        """Reference log-probs (B, R); the pass's FLOP/s are left in ``self.log_prob_metrics``."""
+        cfg = self.config
+        self.model.eval()
+        start = time.perf_counter()
+        log_probs, _ = batched_log_probs(
+            self.model,
+            data,
+            cfg.log_prob_micro_batch_size_per_gpu,
+            temperature,
+            with_entropy=False,
+            remove_padding=cfg.use_remove_padding,
+            max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+        )
+        self.log_prob_metrics = self.meter.metrics("ref_log_prob", row_lengths(data), time.perf_counter() - start, training=False)
+        return log_probs

@@ -1,0 +1,42 @@
+"""FLOP counting against torch's own FLOP counter, the measured peak, and the MFU arithmetic."""
+
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from hybridflow.engine.flops import flops_metrics, model_flops, peak_flops
+from hybridflow.models import load_causal_lm
+
+
+def test_forward_flops_by_hand_and_against_torch_flop_counter(tiny_path):
+    model = load_causal_lm(tiny_path, dtype=torch.float32).eval()
+    counts = model_flops(model)
+    # tiny-llama: hidden 64, 2 layers, 4 heads of 16 (2 kv heads), MLP 128, vocab 512
+    per_layer = 64 * 64 + 2 * (64 * 32) + 64 * 64 + 3 * (64 * 128)
+    assert counts.linear_weights == 2 * per_layer + 512 * 64
+    assert counts.attention_width == 2 * 4 * 16
+    assert counts.forward([3, 5]) == 2 * counts.linear_weights * 8 + 2 * 128 * (9 + 25)
+    assert counts.training([3, 5]) == 3 * counts.forward([3, 5])
+
+    length = 24
+    eager = load_causal_lm(tiny_path, dtype=torch.float32, attn_implementation="eager").eval()  # attention as matmuls
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        eager(input_ids=torch.randint(0, 512, (1, length)))
+    by_op = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    assert by_op["aten.mm"] == 2 * counts.linear_weights * length  # the linear layers
+    # attention (QK^T and AV) as batched matmuls over the full square; the causal triangle is half
+    assert by_op["aten.bmm"] / 2 == 2 * counts.attention_width * length**2
+
+
+def test_peak_is_measured_once():
+    first = peak_flops(torch.device("cpu"), seconds=0.2)
+    start = time.perf_counter()
+    assert peak_flops(torch.device("cpu"), seconds=0.2) == first  # cached: no second measurement
+    assert time.perf_counter() - start < 0.05
+    assert first > 1e9
+
+
+def test_flops_metrics():
+    metrics = flops_metrics("update", flops=6e12, seconds=2.0, peak=1e13)
+    assert metrics == {"perf/tflops_update": 3.0, "perf/mfu_update": 0.3}

@@ -1,0 +1,123 @@
+"""Padding removal: the packed passes equal the padded ones (fp32), values and gradients."""
+
+import pytest
+import torch
+
+from hybridflow.engine.config import RefConfig
+from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
+from hybridflow.engine.packing import pack
+from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.models import load_causal_lm, load_critic
+from hybridflow.protocol import DataProto
+
+PROMPT, RESPONSE = 6, 5
+
+
+def assert_close_to_scale(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-5) -> None:
+    """Equal up to fp32 rounding, relative to the tensor's largest entry (summation order differs)."""
+    assert (actual - expected).abs().max() <= rtol * expected.abs().max() + 1e-7
+
+
+def make_batch(prompt_lengths: list[int], response_lengths: list[int], vocab: int = 500, seed: int = 0) -> DataProto:
+    """Rows in the rollout layout: left-padded prompts, right-padded responses, positions from 0."""
+    generator = torch.Generator().manual_seed(seed)
+    prompt = torch.tensor(prompt_lengths).unsqueeze(1)
+    response = torch.tensor(response_lengths).unsqueeze(1)
+    attention_mask = torch.cat([torch.arange(PROMPT) >= PROMPT - prompt, torch.arange(RESPONSE) < response], dim=1).long()
+    input_ids = torch.randint(1, vocab, attention_mask.shape, generator=generator) * attention_mask
+    response_mask = attention_mask[:, PROMPT:]
+    return DataProto.from_dict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0),
+            "responses": input_ids[:, PROMPT:],
+            "response_mask": response_mask,
+            "advantages": torch.randn(response_mask.shape, generator=generator) * response_mask,
+        }
+    )
+
+
+def test_pack_layout_by_hand():
+    batch = make_batch([2, 3], [1, 0])
+    packed = pack(batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE)
+    ids = batch.batch["input_ids"]
+    # row 0: prompt columns 4, 5 and response column 6; row 1: prompt columns 3, 4, 5, no response
+    assert packed.input_ids.tolist() == [[ids[0, 4], ids[0, 5], ids[0, 6], ids[1, 3], ids[1, 4], ids[1, 5]]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert packed.segments.index.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert packed.segments.real.tolist() == [0, 1, 2, 3, 4, 5]
+    # response token 0 of row 0 is predicted by packed token 1 (its last prompt token)
+    assert packed.response_index[0, 0] == 1 and packed.response_index[1, 0] == 5
+    assert packed.response_valid.tolist() == [[True, False, False, False, False], [False] * 5]
+
+
+@pytest.fixture(scope="module")
+def batch() -> DataProto:
+    # unequal prompts and responses, an empty response, a full row
+    return make_batch([6, 2, 4, 1, 5, 3], [5, 0, 3, 1, 2, 5])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_log_probs_entropy_and_gradient_equal_padded(batch, name, checkpointing):
+    torch.manual_seed(0)
+    model = load_causal_lm(name, dtype=torch.float32)
+    if checkpointing:  # backward recomputes the layers: they must see the packing again
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    mask = batch.batch["response_mask"].bool()
+    results = {}
+    for remove_padding in (False, True):
+        model.zero_grad()
+        log_probs, entropy = response_log_probs(model, batch, 0.7, with_entropy=True, remove_padding=remove_padding)
+        loss = -(batch.batch["advantages"] * log_probs)[mask].sum() / mask.sum() - 0.1 * entropy[mask].mean()
+        loss.backward()
+        results[remove_padding] = (log_probs, entropy, [p.grad.clone() for p in model.parameters()])
+    (padded_lp, padded_ent, padded_grads), (packed_lp, packed_ent, packed_grads) = results[False], results[True]
+    assert torch.allclose(packed_lp[mask], padded_lp[mask], atol=1e-5)
+    assert torch.allclose(packed_ent[mask], padded_ent[mask], atol=1e-5)
+    assert (packed_lp[~mask] == 0).all()
+    for packed_grad, padded_grad in zip(packed_grads, padded_grads):
+        assert_close_to_scale(packed_grad, padded_grad)
+    assert max(g.abs().max() for g in padded_grads) > 0
+
+
+def test_packed_values_and_gradient_equal_padded(batch):
+    torch.manual_seed(0)
+    critic = load_critic("tiny-llama", dtype=torch.float32)
+    torch.nn.init.normal_(critic.score.weight, std=0.1)  # the head starts at 0: give values and gradients substance
+    mask = batch.batch["response_mask"].bool()
+    results = {}
+    for remove_padding in (False, True):
+        critic.zero_grad()
+        values = response_values(critic, batch, remove_padding)
+        (values[mask] ** 2).mean().backward()
+        results[remove_padding] = (values, [p.grad.clone() for p in critic.parameters()])
+    assert torch.allclose(results[True][0][mask], results[False][0][mask], atol=1e-5)
+    for packed_grad, padded_grad in zip(results[True][1], results[False][1]):
+        assert_close_to_scale(packed_grad, padded_grad)
+
+
+def test_batched_passes_with_token_budget_keep_row_order(batch):
+    model = load_causal_lm("tiny-llama", dtype=torch.float32).eval()
+    critic = load_critic("tiny-llama", dtype=torch.float32).eval()
+    torch.nn.init.normal_(critic.score.weight, std=0.1)
+    mask = batch.batch["response_mask"].bool()
+    padded_lp, padded_ent = batched_log_probs(model, batch, 4, 1.0, True)
+    packed_lp, packed_ent = batched_log_probs(model, batch, 4, 1.0, True, remove_padding=True, max_token_len=12)
+    assert torch.allclose(packed_lp[mask], padded_lp[mask], atol=1e-5)
+    assert torch.allclose(packed_ent[mask], padded_ent[mask], atol=1e-5)
+    padded_values = batched_values(critic, batch, 4)
+    packed_values = batched_values(critic, batch, 4, remove_padding=True, max_token_len=12)
+    assert torch.allclose(packed_values[mask], padded_values[mask], atol=1e-5)
+
+
+def test_reference_engine_packed_with_token_budget_equals_padded(batch):
+    model = load_causal_lm("tiny-llama", dtype=torch.float32)
+    mask = batch.batch["response_mask"].bool()
+    padded = ReferenceEngine(model, RefConfig(use_remove_padding=False)).compute_ref_log_prob(batch, 0.5)
+    engine = ReferenceEngine(model, RefConfig(use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=12))
+    packed = engine.compute_ref_log_prob(batch, 0.5)
+    assert torch.allclose(packed[mask], padded[mask], atol=1e-5)
+    assert engine.log_prob_metrics["perf/tflops_ref_log_prob"] > 0
