@@ -32,19 +32,23 @@ def tiny_llama():
     return load_causal_lm("tiny-llama", dtype=torch.float32), load_tokenizer("tiny-llama")
 
 
-def test_requests_that_join_later_generate_what_they_generate_alone(tiny_llama):
+@pytest.mark.parametrize("max_num_seqs, min_shared_prefix", [(2, 10**9), (3, 1)])
+def test_requests_that_join_later_generate_what_they_generate_alone(tiny_llama, max_num_seqs, min_shared_prefix):
     model, tokenizer = tiny_llama
     # A stop token that some requests meet early and others late or never, so lengths differ widely.
     free = NativeRollout(model, tokenizer, stop_token_ids=[])
     stop = _stop_token_spreading_lengths(free.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24)).batch["responses"])
-    rollout = NativeRollout(model, tokenizer, stop_token_ids=[stop], max_num_seqs=2, max_prefill_tokens=64)
+    rollout = NativeRollout(model, tokenizer, stop_token_ids=[stop], max_num_seqs=max_num_seqs, max_prefill_tokens=64)
+    rollout.engine.min_shared_prefix = min_shared_prefix
     alone = _alone(rollout, tokenizer, greedy(24))
     together = rollout.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24))
     assert torch.equal(together.batch["responses"], alone)
     lengths = together.batch["response_mask"].sum(1)
     assert len(set(lengths.tolist())) >= 3, lengths  # very different lengths
     stats = rollout.stats
-    assert stats.max_running == 2 and stats.prefill_calls >= 3  # requests waited and joined later
+    assert stats.max_running == max_num_seqs and stats.prefill_calls >= 3  # requests waited and joined later
+    assert stats.slot_moves > 0  # finished sequences left holes that were closed
+    assert (stats.shared_prefix_tokens > 0) == (min_shared_prefix == 1)
     assert stats.decode_tokens == int(lengths.sum()) - len(QUESTIONS)  # no decode step for a finished sequence
 
 
