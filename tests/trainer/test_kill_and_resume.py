@@ -9,7 +9,7 @@ import time
 
 from hybridflow.data.tasks import write_task
 
-DETERMINISTIC = ("timing_s/", "perf/tokens_per_second", "perf/generated_tokens_per_second")
+MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
 
 def args(files, run_dir) -> list[str]:
@@ -46,7 +46,7 @@ def records(run_dir) -> dict[int, dict]:
 
 
 def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(DETERMINISTIC)}
+    return {k: v for k, v in record.items() if not k.startswith(MEASUREMENTS)}
 
 
 def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
@@ -76,6 +76,6 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in (3, 4):
         want, have = comparable(expected[step]), comparable(got[step])
-        assert want.keys() == have.keys()
+        assert want.keys() == have.keys() and len(want) > 30
         for key, value in want.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
