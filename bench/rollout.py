@@ -3,6 +3,7 @@
     .venv/bin/python bench/rollout.py                  # 64 sequences x 64 new tokens, smollm2, 2 threads
     .venv/bin/python bench/rollout.py --group 4        # 16 prompts x 4 samples each (a GRPO batch)
     .venv/bin/python bench/rollout.py --engine-only    # skip the (slow) transformers runs
+    .venv/bin/python bench/rollout.py --wait-idle 600  # on a shared machine: time only when others are idle
 
 Both backends get the same chat-templated arithmetic questions, the same sampling
 (temperature 1, no top-k/top-p) and generate exactly `--new-tokens` tokens per sequence (EOS
@@ -71,9 +72,27 @@ def _timed(fn) -> tuple[float, float]:
     return elapsed, max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (elapsed * os.cpu_count())
 
 
+IDLE_WAIT = 0.0  # --wait-idle: seconds to wait at most, before each timed run, for the other processes to go quiet
+
+
+def _wait_for_idle(window: float = 5.0, threshold: float = 0.05) -> None:
+    """Wait (up to IDLE_WAIT s) until other processes use under `threshold` of the CPUs over `window` s."""
+    deadline = time.time() + IDLE_WAIT
+    while time.time() < deadline:
+        busy0, mine0 = _busy_seconds()
+        time.sleep(window)
+        busy1, mine1 = _busy_seconds()
+        if ((busy1 - busy0) - (mine1 - mine0)) / (window * os.cpu_count()) < threshold:
+            return
+
+
 def _best(fn, repeats: int) -> tuple[float, float]:
     """The fastest of `repeats` timed runs: (seconds, others' CPU share during it)."""
-    return min(_timed(fn) for _ in range(repeats))
+    runs = []
+    for _ in range(repeats):
+        _wait_for_idle()
+        runs.append(_timed(fn))
+    return min(runs)
 
 
 def engine_flops(spec: ModelSpec, stats, mean_prompt: float, new_tokens: int) -> float:
@@ -126,7 +145,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each backend (the best is reported)")
     parser.add_argument("--engine-only", action="store_true")
+    parser.add_argument("--wait-idle", type=float, default=0.0, help="before each timed run, wait up to this many "
+                        "seconds for other processes to leave the CPUs idle (on a shared machine)")
     args = parser.parse_args()
+    global IDLE_WAIT
+    IDLE_WAIT = args.wait_idle
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
     tokenizer = load_tokenizer(args.model)
