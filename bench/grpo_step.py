@@ -28,6 +28,8 @@ Results also go to WORK/results.json. Add bench/.trl-venv to .gitignore.
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import os
 import shlex
@@ -228,18 +230,28 @@ def main() -> None:
     trl_python = None if args.skip_trl else ensure_trl_venv()
     print(f"model {model_dir}\ndata {train_file}\nwork {work}", flush=True)
 
+    hybridflow_runs = [
+        functools.partial(run_hybridflow, args, train_file, work, rollout, layout)
+        for rollout in args.rollout.split(",")
+        for layout in args.layouts.split(",")
+        if not args.skip_hybridflow
+    ]
+    trl_runs = [
+        functools.partial(run_trl, args, trl_python, model_dir, train_file, work, precision)
+        for precision in args.trl_precision.split(",")
+        if trl_python is not None
+    ]
+    # Alternate the two sides, so that the first settings of each are compared early and drifts hit both alike.
+    order = [run for pair in itertools.zip_longest(hybridflow_runs, trl_runs) for run in pair if run is not None]
     measured: list[Measurement] = []
-    if not args.skip_hybridflow:
-        for rollout in args.rollout.split(","):
-            for layout in args.layouts.split(","):
-                result = measure(args, lambda: run_hybridflow(args, train_file, work, rollout, layout))
-                if result is not None:
-                    measured.append(result)
-                    save_results(work / "results.json", measured)
-    if trl_python is not None:
-        for precision in args.trl_precision.split(","):
-            measured.append(measure(args, lambda: run_trl(args, trl_python, model_dir, train_file, work, precision)))
-            save_results(work / "results.json", measured)
+    try:
+        for run_once in order:
+            result = measure(args, run_once)
+            if result is not None:
+                measured.append(result)
+                save_results(work / "results.json", measured)
+    except KeyboardInterrupt:
+        print("\ninterrupted: reporting the runs that finished", flush=True)
 
     command = "python bench/grpo_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_report(measured)

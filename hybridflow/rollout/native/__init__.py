@@ -1,7 +1,8 @@
 """The native generation engine: continuous batching over an own Llama/Qwen2/Mistral forward.
 
 - spec.py      ModelSpec: the architecture read from a Hugging Face config
-- weights.py   Weights: the packed copy (fused q/k/v and gate/up), filled by HF parameter name
+- weights.py   Weights: the engine's copy (fused q/k/v and gate/up), filled by HF parameter name
+- linear.py    Matrix: a weight matrix, pre-packed for oneDNN on CPU in bf16
 - model.py     prefill / decode forwards (RMSNorm, rotary, GQA attention, SwiGLU)
 - kv_cache.py  KVCache: preallocated slots, in-place writes
 - sampler.py   greedy / temperature / top-k / top-p with per-request counter-based randomness

@@ -1,10 +1,10 @@
 """A preallocated key/value cache with one fixed-length slot per running sequence.
 
 Layout: `k`, `v` are (L, S, Hkv, T, D): layer, slot, kv head, position, head dim. The
-scheduler keeps the running sequences in slots 0..B-1, so a decode step attends to the contiguous
-view `k[layer, :B]` without gathering. Nothing is allocated after construction:
-prefill and decode write in place, and `copy_slots` duplicates or moves whole sequences
-(for the n samples of one prompt, and to close the holes left by finished sequences).
+scheduler keeps the running sequences in slots 0..B-1, so a decode step attends to the
+contiguous view `k[layer, :B]` without gathering. Nothing is allocated after construction:
+prefill and decode write in place, and `copy_slots` duplicates or moves whole sequences (for
+the n samples of one prompt, and to close the holes left by finished sequences).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from hybridflow.rollout.native.spec import ModelSpec
 class KVCache:
     def __init__(self, spec: ModelSpec, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str):
         shape = (spec.num_layers, num_slots, spec.num_kv_heads, max_len, spec.head_dim)
+        # zeros, not empty: decode reads whole rows and masks unused positions, which must be finite
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.num_slots = num_slots
@@ -27,6 +28,7 @@ class KVCache:
         return self.num_slots == num_slots and self.max_len == max_len and self.k.dtype == dtype
 
     def nbytes(self) -> int:
+        """Bytes held by keys and values."""
         return 2 * self.k.numel() * self.k.element_size()
 
     def write_prompt(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> None:

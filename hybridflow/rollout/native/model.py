@@ -8,9 +8,9 @@ Numerics follow transformers' Llama/Qwen2 modules op for op (norms in fp32, rota
 computed in fp32 then cast, residual stream in the weights' dtype), so fp32 results match
 HF to rounding and bf16 results match HF bf16 closely.
 
-GQA without copying keys: the G = Hq/Hkv query heads that share a kv head are folded into
-the query-length axis, so attention runs as (B, Hkv, G*T, D) queries against (B, Hkv, L, D)
-keys in one `scaled_dot_product_attention` call.
+GQA without repeating keys: the G = Hq/Hkv query heads that share a kv head are folded into
+the query axis, so attention runs as (B*Hkv, G*T, D) queries against (B*Hkv, L, D) keys: one
+`scaled_dot_product_attention` call in prefill, two batched matmuls around a softmax in decode.
 """
 
 from __future__ import annotations
@@ -126,8 +126,8 @@ def decode(
     cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
     index = cache.decode_index(positions)
     hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
-    bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device).masked_fill_(hidden[:, None], float("-inf"))
-    bias = bias.repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T): rows of (B*Hkv) are (sequence, kv head)
+    bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
+    bias = bias.masked_fill_(hidden[:, None], float("-inf")).repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T)
     scale = d**-0.5
     x = weights.embed[tokens]  # (B, H)
     for i, layer in enumerate(weights.layers):

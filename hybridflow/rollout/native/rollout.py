@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from
+from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 from hybridflow.rollout.native.engine import Engine, EngineStats
 from hybridflow.rollout.native.spec import spec_from_config
 from hybridflow.rollout.native.weights import Weights
@@ -37,11 +37,7 @@ class NativeRollout(Rollout):
         max_prefill_tokens: int = 8192,
     ):
         self.tokenizer = tokenizer
-        eos = model.generation_config.eos_token_id if model.generation_config.eos_token_id is not None else tokenizer.eos_token_id
-        self.eos_token_ids = [eos] if isinstance(eos, int) else list(eos)
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.eos_token_ids:
-            self.eos_token_ids.append(tokenizer.eos_token_id)
-        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
         weights = Weights.from_model(model, spec_from_config(model.config), dtype)

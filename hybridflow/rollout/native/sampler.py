@@ -75,7 +75,9 @@ def _truncated(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Ten
 
     Top-k first, then top-p on the renormalised top-k distribution (as transformers' warpers
     do). Top-p probes the `_NUCLEUS_PROBE` most likely tokens first: when they hold at least
-    top_p of the mass in every row, the nucleus lies among them (exact); else all are sorted.
+    top_p of the mass in every row, the nucleus lies among them (exact); else the whole
+    vocabulary is sorted, which is slow on CPU (~100 ms for 64 x 49152 on 2 cores, against
+    ~5 ms for the probe and ~1.4 ms for plain sampling).
     """
     vocab = probs.shape[-1]
     if not (0 < top_k < vocab) and top_p >= 1.0:

@@ -68,6 +68,7 @@ class Weights:
         return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head)
 
     def matrices(self) -> list[Matrix]:
+        """Every weight matrix that a forward multiplies by."""
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     @classmethod
@@ -75,13 +76,11 @@ class Weights:
         """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype`."""
         params = dict(model.named_parameters())
         attn = "model.layers.0.self_attn"
-        weights = cls.allocate(
-            spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, next(model.parameters()).device
-        )
-        filled = weights.load(params.items())
-        expected = len(weights.target_names())
-        if filled != expected:
-            raise ValueError(f"the model provided {filled} of the {expected} tensors the engine needs")
+        device = next(model.parameters()).device
+        weights = cls.allocate(spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, device)
+        missing = sorted(set(weights.target_names()) - weights.load(params.items()))
+        if missing:
+            raise ValueError(f"the model lacks {len(missing)} tensors the engine needs, e.g. {missing[:3]}")
         return weights
 
     def target_names(self) -> list[str]:
@@ -91,7 +90,8 @@ class Weights:
             names.append("lm_head.weight")
         layer = self.layers[0]
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
-        per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"] + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
+        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         if layer.qkv.bias is not None:
             per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if layer.o.bias is not None:
@@ -133,12 +133,12 @@ class Weights:
         return found
 
     @torch.no_grad()
-    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy each (HF name, full tensor) into place (casting dtype/device); returns how many were used.
+    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy each (HF name, full tensor) into place (casting dtype/device); returns the names used.
 
         Matrices written to are repacked (in place) at the end.
         """
-        used, touched = 0, {}
+        used, touched = set(), {}
         for name, tensor in named_tensors:
             found = self.target(name)
             if found is None:
@@ -149,7 +149,7 @@ class Weights:
             target.copy_(tensor)
             if matrix is not None:
                 touched[id(matrix)] = matrix
-            used += 1
+            used.add(name)
         for matrix in touched.values():
             matrix.repack()
         return used

@@ -11,3 +11,12 @@ def tiny(request):
     """(name, fp32 HF model, tokenizer) for both tiny families (untied Llama, tied Qwen2 with q/k/v biases)."""
     model = load_causal_lm(request.param, dtype=torch.float32).eval()
     return request.param, model, load_tokenizer(request.param)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models are dispatch-bound: one thread is as fast, and immune to other jobs on the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -50,3 +50,30 @@ def test_temperature_scales_the_returned_log_probs(tiny):
     expected = torch.log_softmax(logits[:, p - 1 : -1] / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]
     mask = out["response_mask"].bool()
     assert torch.allclose(out["rollout_log_probs"][mask], expected[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["mistral", "llama-with-attention-bias"])
+def test_other_layouts_match_transformers(family):
+    """Mistral, and Llama with biases on q/k/v/o, built from a config (random weights, seeded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    from hybridflow.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-llama")
+    sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=None, rope_theta=50_000.0))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**sizes, attention_bias=True, tie_word_embeddings=True))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.normal_(std=0.5)  # transformers initialises biases at zero
+    model.eval()
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    expected = HFRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    got = NativeRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    assert torch.equal(got["responses"], expected["responses"])
+    assert torch.allclose(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5)

@@ -88,3 +88,17 @@ def test_sampler_frequencies_top_k_and_top_p():
     hot, _ = sample(logits, sampled(seed=0, temperature=0.5), requests, steps)
     sharpened = probs**2 / (probs**2).sum()
     assert torch.allclose(freq(hot), sharpened, atol=0.015)
+
+
+@pytest.mark.parametrize("vocab", [1024, 1000, 999], ids=["blocks-of-1024", "blocks-of-8", "odd"])
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_impossible_tokens(vocab):
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(vocab, generator=generator) * 2
+    logits[::3] = float("-inf")  # impossible tokens, spread over every block
+    n = 20_000
+    tokens, log_probs = sample(logits.expand(n, vocab), sampled(seed=2), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    probs = logits.softmax(-1)
+    assert (probs[tokens] > 0).all()
+    freq = torch.bincount(tokens, minlength=vocab).float() / n
+    assert (freq - probs).abs().max() < 0.01
+    assert torch.allclose(log_probs, probs.log()[tokens], atol=1e-5)
