@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from grpo_step.report import Measurement, hybridflow_stages, print_report, save_results, write_doc  # noqa: E402
+from grpo_step.report import Measurement, hybridflow_stages, load_results, print_report, save_results, write_doc  # noqa: E402
 
 TRL_VENV = REPO / "bench" / ".trl-venv"
 TRL_SCRIPT = REPO / "bench" / "grpo_step" / "trl_grpo.py"
@@ -212,14 +212,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--wait", type=float, default=1800, help="seconds to wait for it before measuring anyway")
     parser.add_argument("--work", default="", help="directory for data, runs and logs (default: a new temporary one)")
     parser.add_argument("--write-doc", action="store_true", help="rewrite docs/performance_grpo_step.md with this run's tables")
+    parser.add_argument("--report-only", action="store_true", help="measure nothing: report (and --write-doc) WORK/results.json of an earlier run")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is warm-up)")
     return args
 
 
+def report_only(args) -> None:
+    if not args.work:
+        raise SystemExit("--report-only needs --work, the directory of the run to report")
+    measured = load_results(Path(args.work) / "results.json")
+    print_report(measured)
+    if args.write_doc:
+        started = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime((Path(args.work) / "arithmetic").stat().st_mtime))
+        command = "python bench/grpo_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--report-only")
+        print(f"wrote {write_doc(REPO / 'docs' / 'performance_grpo_step.md', measured, command, started, args)}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.report_only:
+        return report_only(args)
     started = time.strftime("%Y-%m-%d %H:%M %Z")
     work = Path(args.work or tempfile.mkdtemp(prefix="grpo-step-"))
     work.mkdir(parents=True, exist_ok=True)

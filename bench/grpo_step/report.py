@@ -18,7 +18,7 @@ TARGET = 3.0  # the issue's goal: hybridflow at least this many times faster per
 STAGES = {
     "gen": "generation (hybridflow: incl. weight sync to the generation copy)",
     "reward": "reward (arithmetic scorer)",
-    "old_log_prob": "old log-probs (extra forward; TRL skips it when on-policy)",
+    "old_log_prob": "old log-probs (a separate forward; both sides skip it when on-policy)",
     "prep": "advantages, padding, batching",
     "update": "actor update (forward + backward + AdamW)",
     "step": "whole step",
@@ -134,6 +134,10 @@ def save_results(path: Path, measured: list[Measurement]) -> None:
     path.write_text(json.dumps([dataclasses.asdict(m) for m in measured], indent=1))
 
 
+def load_results(path: Path) -> list[Measurement]:
+    return [Measurement(**row) for row in json.loads(path.read_text())]
+
+
 def write_doc(path: Path, measured: list[Measurement], command: str, started: str, args) -> Path:
     hf, trl = best(measured, "hybridflow"), best(measured, "TRL")
     if not (hf and trl):
@@ -182,9 +186,9 @@ hybridflow: {hf.setting}. TRL: {trl.setting}.
 
 ## Differences that remain
 
-- TRL skips the old-log-prob forward when generation and the optimizer step are aligned (on-policy, one update
-  per batch): it uses the current log-probs, detached, as the old ones. hybridflow always runs that forward
-  (`compute_log_prob`), so it does one forward pass more per step.
+- Neither side runs a separate old-log-prob forward: the step is on-policy (one optimizer step per batch), so
+  both use the update's own log-probs, detached, as the old ones (hybridflow: `actor.reuse_update_log_probs`,
+  on by default; with it off hybridflow runs `compute_log_prob`, about 0.9 s more per step here).
 - hybridflow trains FSDP2-wrapped (fp32 master weights, bf16 compute) and generates with a bf16 copy of the
   weights; TRL's bf16 setting is autocast over fp32 weights, for generation too.
 - The two sides sample different responses (different random streams), so the number of generated tokens differs

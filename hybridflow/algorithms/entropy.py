@@ -6,8 +6,12 @@ in the step. These functions never build log_softmax(logits) next to softmax(log
     entropy  H = logsumexp(z) - Σ_v softmax(z)_v · z_v      (one softmax, contracted by matmul)
     log-prob log p(y) = z_y - logsumexp(z)                  (a gather, no log_softmax)
 
-With `chunk_size`, rows are processed in chunks (and upcast to float32 chunk by chunk), which
-bounds the extra memory to chunk_size × V; useful without autograd (old / ref log-probs).
+Rows are processed in chunks, upcast to float32 chunk by chunk. Besides bounding the extra
+memory to chunk_size × V, this is much faster on CPU: a chunk of a few dozen rows stays in cache
+through the max, exp and sum passes (measured on 2 cores, 1024 × 49152 bf16 logits: log-probs
+128 ms whole, 28 ms in chunks of 16; entropy 201 ms whole, 66 ms in chunks of 64).
+The log-prob has its own backward, (onehot - softmax) · grad, also by chunks, so autograd
+keeps neither a float32 copy nor a softmax of the logits.
 Logits must be finite (mask vocabulary entries with a large negative number, not -inf).
 """
 
@@ -16,6 +20,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+LOG_PROB_CHUNK = 16  # rows per chunk, see the module docstring
+ENTROPY_CHUNK = 64
 
 
 def _by_rows(
@@ -50,23 +57,51 @@ def _entropy_rows(z: torch.Tensor) -> torch.Tensor:
 def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dimension: (..., V) → (...), float32 or wider.
 
-    Differentiable; `chunk_size` rows at a time when given (see the module docstring).
+    Differentiable; `chunk_size` rows at a time (default ENTROPY_CHUNK; see the module docstring).
     """
-    return _by_rows(_entropy_rows, logits, chunk_size=chunk_size)
+    return _by_rows(_entropy_rows, logits, chunk_size=ENTROPY_CHUNK if chunk_size is None else chunk_size)
 
 
-def _log_prob_rows(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    z = _upcast(z)  # (N, V)
-    picked = torch.gather(z, -1, labels.long().unsqueeze(-1)).squeeze(-1)  # (N,)
-    return picked - torch.logsumexp(z, dim=-1)
+class _ChunkedLogProb(torch.autograd.Function):
+    """log softmax(z)[y] for (N, V) logits, forward and backward in row chunks."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        labels = labels.long()
+        out = torch.empty(logits.shape[0], dtype=_upcast(logits[:0]).dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for i in range(0, logits.shape[0], chunk_size):
+            z = _upcast(logits[i : i + chunk_size])
+            lse[i : i + chunk_size] = torch.logsumexp(z, dim=-1)
+            out[i : i + chunk_size] = z.gather(-1, labels[i : i + chunk_size, None]).squeeze(-1)
+        out -= lse
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for i in range(0, logits.shape[0], ctx.chunk_size):
+            rows = slice(i, i + ctx.chunk_size)
+            g = grad_out[rows, None]
+            chunk = torch.exp(_upcast(logits[rows]) - lse[rows, None]).mul_(-g)  # -softmax · grad
+            chunk.scatter_add_(-1, labels[rows, None], g)  # + onehot · grad
+            grad[rows] = chunk
+        return grad, None, None
 
 
 def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, chunk_size: int | None = None) -> torch.Tensor:
     """log softmax(logits)[label]: logits (..., V), labels (...) integer ids → (...).
 
-    Computed as logit[label] - logsumexp(logits), without a full log_softmax copy.
-    Differentiable; `chunk_size` rows at a time when given.
+    Computed as logit[label] - logsumexp(logits), without a full log_softmax copy, in chunks of
+    `chunk_size` rows (default LOG_PROB_CHUNK). Differentiable, with a chunked backward.
     """
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} without V")
-    return _by_rows(_log_prob_rows, logits, labels, chunk_size=chunk_size)
+    chunk_size = LOG_PROB_CHUNK if chunk_size is None else chunk_size
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    flat = logits.reshape(-1, logits.shape[-1])
+    return _ChunkedLogProb.apply(flat, labels.reshape(-1), chunk_size).view(labels.shape)

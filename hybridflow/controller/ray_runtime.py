@@ -19,8 +19,22 @@ def _driver_pythonpath() -> str:
     return os.pathsep.join(entries + ([existing] if existing else []))
 
 
+# glibc hands freed blocks above a few MB back to the kernel, and the next allocation of that size
+# page-faults its memory in again. Training allocates such blocks every micro-batch (activations,
+# bf16 weight casts, logits, gradients), so workers keep freed memory for reuse instead. Measured
+# on 2 CPU cores, one update of a 135 M model on 32 samples: 4.4 s -> 2.7 s. A value already in
+# the driver's environment wins.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
+def worker_env_vars() -> dict[str, str]:
+    """Environment of every worker process: the driver's import path, unbuffered logs, the allocator settings."""
+    allocator = {key: os.environ.get(key, value) for key, value in ALLOCATOR_ENV.items()}
+    return {"PYTHONPATH": _driver_pythonpath(), "RAY_DEDUP_LOGS": "0", **allocator}
+
+
 def driver_runtime_env() -> dict:
-    return {"env_vars": {"PYTHONPATH": _driver_pythonpath(), "RAY_DEDUP_LOGS": "0"}}
+    return {"env_vars": worker_env_vars()}
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> bool:

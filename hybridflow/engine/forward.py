@@ -5,56 +5,85 @@ Every pass reads ``input_ids``, ``attention_mask``, ``position_ids`` (B, P+R) an
 predicted by the logits at P+t-1. All passes share this masking, so log-probs from the rollout,
 the actor, the reference and the values line up token for token.
 
-With ``remove_padding`` the model runs on the packed real tokens (``packing.py``) and the results
-come back in the same (B, R) layout, with 0 on response padding; on real tokens they equal the
-padded pass. The batched (no-grad) passes form micro-batches of a fixed number of rows, or with
+With ``remove_padding`` the model runs on the packed real tokens (``packing.py``), the LM head and
+the log-prob/entropy math only on the real response tokens, and the results come back in the
+same (B, R) layout, with 0 on response padding; on real tokens they equal the padded pass. The batched (no-grad) passes form micro-batches of a fixed number of rows, or with
 ``max_token_len`` of at most that many real tokens (``dynamic_batch.py``), and return rows in the
 batch's order.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, row_lengths, split_by_groups
-from hybridflow.engine.packing import gather_responses, pack, packed_forward
+from hybridflow.engine.packing import pack, packed_forward
 from hybridflow.protocol import DataProto
 
 
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def response_outputs(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's outputs (``.logits``) predicting each response token, (B, R, C), and the mask of
-    real response tokens (B, R) when padding was removed (None: every position was computed)."""
+    """The model's outputs (``.logits``) that predict the response tokens, and where they go.
+
+    Padded: (B, R, C) for every response position, and None. Packed: (M, C) for the M real
+    response tokens only (row-major over (B, R)), and their (B, R) mask; a causal LM's head then
+    runs on those M positions only (``logits_to_keep``), not on the prompts and padding.
+    """
     tensors = batch.batch
     response_length = tensors["responses"].shape[1]
     if not remove_padding:
         inputs = {key: tensors[key] for key in ("input_ids", "attention_mask", "position_ids")}
         return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
     packed = pack(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], response_length)
-    return gather_responses(packed_forward(model, packed), packed), packed.response_valid
+    keep = packed.response_index[packed.response_valid]  # (M,) increasing packed positions
+    if _accepts_logits_to_keep(model):
+        return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid
+    return packed_forward(model, packed)[0, keep], packed.response_valid
 
 
-def _zero_where_pad(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    return values if valid is None else torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+def _to_rows(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Per-token values back to the (B, R) layout: (M,) at ``valid``, 0 elsewhere; padded values pass through."""
+    if valid is None:
+        return values
+    return torch.zeros(valid.shape, dtype=values.dtype, device=values.device).masked_scatter(valid, values)
 
 
 def response_log_probs(
-    model: nn.Module, batch: DataProto, temperature: float = 1.0, with_entropy: bool = False, remove_padding: bool = False
+    model: nn.Module,
+    batch: DataProto,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    remove_padding: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log pi(response token), entropy or None), each (B, R) in fp32."""
+    """(log pi(response token), entropy or None), each (B, R) in fp32; 0 on response padding when packed.
+
+    ``entropy_grad=False``: the entropy is a metric only, computed outside the autograd graph.
+    """
     logits, valid = response_outputs(model, batch, remove_padding)
     if temperature != 1.0:
         logits = logits / temperature
-    log_probs = _zero_where_pad(log_probs_from_logits(logits, batch.batch["responses"]), valid)
-    entropy = _zero_where_pad(entropy_from_logits(logits), valid) if with_entropy else None
+    responses = batch.batch["responses"]
+    labels = responses if valid is None else responses[valid]
+    log_probs = _to_rows(log_probs_from_logits(logits, labels), valid)
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = _to_rows(entropy_from_logits(logits if entropy_grad else logits.detach()), valid)
     return log_probs, entropy
 
 
 def response_values(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token: (B, R) in fp32."""
-    values, valid = response_outputs(model, batch, remove_padding)  # (B, R, 1)
-    return _zero_where_pad(values[..., 0].float(), valid)
+    values, valid = response_outputs(model, batch, remove_padding)  # (B, R, 1) or (M, 1)
+    return _to_rows(values[..., 0].float(), valid)
 
 
 @torch.no_grad()

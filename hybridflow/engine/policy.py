@@ -27,6 +27,7 @@ class PolicyEngine:
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
         self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
         self.log_prob_metrics: dict[str, float] = {}  # perf/* of the last compute_log_prob
+        self.pre_update: dict[str, torch.Tensor] = {}  # old_log_probs / entropys an on-policy update computed
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old log-probs (and entropy), (B, R); its FLOP/s are left in ``self.log_prob_metrics``."""
@@ -45,17 +46,25 @@ class PolicyEngine:
         self.log_prob_metrics = self.meter.metrics("log_prob", row_lengths(data), time.perf_counter() - start, training=False)
         return result
 
-    def _micro_loss(self, micro: DataProto, agg: LossAggregation, temperature: float) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(self, micro: DataProto, agg: LossAggregation, temperature: float, on_policy: bool) -> tuple[torch.Tensor, dict]:
         cfg = self.config
         batch = micro.batch
         mask = batch["response_mask"]
-        with_entropy = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(self.model, micro, temperature, with_entropy, cfg.use_remove_padding)
-        pg_loss, metrics = self.policy_loss(batch["old_log_probs"], log_prob, batch["advantages"], mask, cfg.policy_loss, agg)
+        entropy_in_loss = cfg.entropy_coeff != 0
+        log_prob, entropy = response_log_probs(
+            self.model, micro, temperature, with_entropy=entropy_in_loss or on_policy, remove_padding=cfg.use_remove_padding,
+            entropy_grad=entropy_in_loss,
+        )
+        if on_policy:  # before the optimizer step the current log-probs are the old ones, exactly
+            old_log_prob = log_prob.detach()
+            self._record_pre_update(batch[_ROW], old_log_prob, entropy.detach())
+        else:
+            old_log_prob = batch["old_log_probs"]
+        pg_loss, metrics = self.policy_loss(old_log_prob, log_prob, batch["advantages"], mask, cfg.policy_loss, agg)
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.detach()
-        if with_entropy:
+        if entropy_in_loss:
             entropy_loss = agg_loss(entropy, mask, agg)
             loss = loss - cfg.entropy_coeff * entropy_loss
             metrics["actor/entropy_loss"] = entropy_loss.detach()
@@ -66,9 +75,29 @@ class PolicyEngine:
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return loss, metrics
 
+    def _record_pre_update(self, rows: torch.Tensor, log_prob: torch.Tensor, entropy: torch.Tensor) -> None:
+        for key, values in (("old_log_probs", log_prob), ("entropys", entropy)):
+            self.pre_update[key][rows] = values
+
     def update_policy(self, data: DataProto, mini_batch_size: int, temperature: float, seed: int) -> dict[str, float]:
-        """PPO epochs over this rank's batch; metrics include ``perf/mfu_update`` and ``perf/tflops_update``."""
+        """PPO epochs over this rank's batch; metrics include ``perf/mfu_update`` and ``perf/tflops_update``.
+
+        Without ``old_log_probs`` in ``data`` the update must be on-policy (one mini-batch, one
+        epoch): the log-probs of its own forward, before the optimizer step, serve as the old ones,
+        and are kept with their entropy in ``self.pre_update`` ((B, R) each, in ``data``'s order).
+        """
         cfg = self.config
+        on_policy = "old_log_probs" not in data.batch.keys()
+        if on_policy:
+            if cfg.ppo_epochs != 1 or mini_batch_size != len(data):
+                raise ValueError(
+                    f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} epoch(s), mini-batches "
+                    f"of {mini_batch_size} of {len(data)} samples): compute old log-probs first"
+                )
+            data = data.select(batch_keys=list(data.batch.keys()))  # new TensorDict: the row index stays out of the caller's
+            data.batch[_ROW] = torch.arange(len(data))
+            shape = data.batch["responses"].shape
+            self.pre_update = {key: torch.zeros(shape, dtype=torch.float32) for key in ("old_log_probs", "entropys")}
         start = time.perf_counter()
         metrics = run_updates(
             self.model,
@@ -79,8 +108,11 @@ class PolicyEngine:
             prefix="actor",
             mini_batch_size=mini_batch_size,
             seed=seed,
-            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature),
+            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, on_policy),
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
         metrics.update(self.meter.metrics("update", row_lengths(data), time.perf_counter() - start, True, cfg.ppo_epochs))
         return metrics
+
+
+_ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching

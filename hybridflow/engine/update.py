@@ -90,6 +90,7 @@ def run_updates(
             optimizer.zero_grad(set_to_none=True)
         totals[f"{prefix}/grad_norm"].append(grad_norm)
         totals[f"{prefix}/skipped_steps"].append(0.0 if finite else 1.0)
+    optimizer.zero_grad(set_to_none=True)  # nothing reads them until the next step: free them for generation
     model.eval()
     metrics = {key: sum(values) / len(values) for key, values in totals.items()}
     metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]

@@ -16,7 +16,7 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = "hf"  # generation backend: native (continuous batching) | hf (transformers generate)
+    name: str = "native"  # generation backend: native (continuous batching) | hf (transformers generate)
     n: int = 4  # samples per prompt in training (the group size of GRPO / RLOO)
     temperature: float = 1.0  # sampling temperature in training (log-probs are computed at this temperature)
     top_p: float = 1.0  # nucleus sampling mass

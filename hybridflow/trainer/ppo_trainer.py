@@ -161,6 +161,8 @@ class RayPPOTrainer:
             if self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor", timings), self.progress.stage("actor update"):
                     metrics.update(reduce_worker_metrics(groups.actor_rollout.update_actor(batch)))
+                if "old_log_probs" not in batch.batch.keys():
+                    self.take_pre_update_log_probs(batch, metrics)
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(throughput_metrics(batch, timings, self.config.world_size))
         return metrics
@@ -196,7 +198,30 @@ class RayPPOTrainer:
         if use_rollout:
             batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
             return
+        if self.on_policy_update:
+            return  # the update computes them before its optimizer step: take_pre_update_log_probs
         batch.union(with_perf(self.groups.actor_rollout.compute_log_prob(batch), metrics))
+        self.measure_log_prob_mismatch(batch, metrics)
+
+    @property
+    def on_policy_update(self) -> bool:
+        """Whether the actor update is one optimizer step on this very batch, with nothing else needing
+        old log-probs before it; its own pre-step log-probs then are the old ones, exactly."""
+        config = self.config
+        actor = config.actor_rollout_ref.actor
+        return (
+            actor.reuse_update_log_probs
+            and actor.ppo_epochs == 1
+            and actor.ppo_mini_batch_size == config.data.train_batch_size
+            and not config.algorithm.use_kl_in_reward
+        )
+
+    def take_pre_update_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """After an on-policy update: its old log-probs and entropy into the batch, for the metrics."""
+        batch.union(self.groups.actor_rollout.pre_update_log_probs(batch.select(batch_keys=["response_mask"])))
+        self.measure_log_prob_mismatch(batch, metrics)
+
+    def measure_log_prob_mismatch(self, batch: DataProto, metrics: dict[str, float]) -> None:
         mismatch = log_prob_mismatch(batch)
         metrics.update(mismatch)
         self.last_log_prob_diff = mismatch.get("rollout/log_prob_diff_mean")

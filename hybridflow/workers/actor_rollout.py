@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -10,8 +9,9 @@ import torch
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters, parse_dtype
-from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
+from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
+from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
@@ -32,6 +32,9 @@ class ActorRolloutWorker(Worker):
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor)
         generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
         self.rollout = build_rollout(config.rollout.name, generator, self.tokenizer, config.rollout)
+        self.hybrid = HybridEngine(
+            model, optimizer, self.rollout, self.device, config.actor.param_offload, config.actor.optimizer_offload
+        )
 
     def _sampling(self, meta_info: dict) -> SamplingParams:
         cfg = self.config.rollout
@@ -45,23 +48,8 @@ class ActorRolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Switch to generation (weights in place from the shards), generate, switch back (free the cache).
-
-        The output's meta_info["metrics"] holds the switch times and the peak memory (rank 0's).
-        """
-        reset_peak_memory(self.device)
-        start = time.perf_counter()
-        self.rollout.load_weights(full_parameters(self.actor.model))
-        synced = time.perf_counter()
-        output = self.rollout.generate_sequences(prompts, self._sampling(prompts.meta_info))
-        generated = time.perf_counter()
-        self.rollout.release_cache()
-        output.meta_info["metrics"] = {
-            "timing_s/weight_sync": synced - start,
-            "timing_s/release_cache": time.perf_counter() - generated,
-            "perf/max_memory_gb": peak_memory_gb(self.device),
-        }
-        return output
+        """Switch to generation, generate, switch back (see HybridEngine); the switch metrics in meta_info["metrics"]."""
+        return self.hybrid.generate(prompts, self._sampling(prompts.meta_info))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -88,9 +76,20 @@ class ActorRolloutWorker(Worker):
         log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
         return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"perf": self.actor.log_prob_metrics})
 
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def pre_update_log_probs(self, data: DataProto) -> DataProto:
+        """The old log-probs and entropy that the last on-policy ``update_actor`` took from its own
+        forward (it ran without ``old_log_probs``), for the rows of ``data`` (that update's batch)."""
+        pre_update = self.actor.pre_update
+        if not pre_update or len(pre_update["old_log_probs"]) != len(data):
+            raise RuntimeError("no on-policy update of this batch ran: call update_actor without old_log_probs first")
+        return DataProto.from_dict(dict(pre_update))
+
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
         cfg = self.config
         mini_batch = samples_per_rank(cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size")
         step = int(data.meta_info.get("global_step", 0))
-        return self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
+        metrics = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
+        metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
+        return metrics

@@ -54,3 +54,28 @@ def test_log_probs_match_log_softmax_with_chunks():
     reference = torch.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
     for chunk in [None, 5]:
         torch.testing.assert_close(log_probs_from_logits(logits, labels, chunk_size=chunk), reference)
+
+
+def test_log_prob_backward_by_chunks_matches_autograd_of_log_softmax():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(7, 11, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (7,), generator=gen)
+    assert torch.autograd.gradcheck(lambda z: log_probs_from_logits(z, labels, chunk_size=3), (logits,))
+    weights = torch.randn(7, generator=gen, dtype=torch.float64)
+    (log_probs_from_logits(logits, labels, chunk_size=3) * weights).sum().backward()
+    expected = weights[:, None] * (torch.nn.functional.one_hot(labels, 11) - logits.detach().softmax(-1))
+    torch.testing.assert_close(logits.grad, expected)
+
+
+def test_bf16_log_probs_are_float32_and_grads_keep_the_logits_dtype():
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(5, 2, 300, generator=gen) * 3).bfloat16().requires_grad_()
+    labels = torch.randint(0, 300, (5, 2), generator=gen)
+    out = log_probs_from_logits(logits, labels)
+    assert out.dtype == torch.float32
+    reference = torch.log_softmax(logits.detach().float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+    torch.testing.assert_close(out, reference)
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+    expected = torch.nn.functional.one_hot(labels, 300) - logits.detach().float().softmax(-1)
+    torch.testing.assert_close(logits.grad.float(), expected, atol=4e-3, rtol=1e-2)

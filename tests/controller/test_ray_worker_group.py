@@ -21,6 +21,7 @@ from hybridflow.controller import (
     register,
     start_ray,
 )
+from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.protocol import DataProto, DataProtoFuture
 
 
@@ -66,6 +67,10 @@ class SumWorker(Worker):
     def whoami(self) -> tuple[int, int, int]:
         return self.rank, self.world_size, os.getpid()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def allocator_env(self) -> dict[str, str | None]:
+        return {key: os.environ.get(key) for key in ALLOCATOR_ENV}
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def rank_zero_only(self) -> int:
         return self.rank
@@ -101,6 +106,8 @@ def test_all_reduce_driven_by_one_dp_compute_proto_call(world_size, pool):
 def test_other_dispatch_and_execute_modes_on_real_workers(pool):
     group = RayWorkerGroup(pool([2]), RoleSpec(SumWorker), name="modes")
     assert group.rank_zero_only() == 0
+    expected_env = {key: os.environ.get(key, value) for key, value in ALLOCATOR_ENV.items()}
+    assert group.allocator_env() == [expected_env, expected_env]  # freed memory is kept for reuse
     metrics = group.chunk_metrics(DataProto.from_dict({"x": torch.arange(4.0)}))
     assert metrics == [{"rank": 0, "rows": [0.0, 1.0]}, {"rank": 1, "rows": [2.0, 3.0]}]
     squared = group.apply(_square, DataProto.from_dict({"x": torch.arange(3.0)}))

@@ -5,7 +5,8 @@ import torch
 
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine.packing import pack
+from hybridflow.engine import packing
+from hybridflow.engine.packing import grouped_causal_attention, pack
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.models import load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
@@ -60,7 +61,10 @@ def batch() -> DataProto:
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_packed_log_probs_entropy_and_gradient_equal_padded(batch, name, checkpointing):
+@pytest.mark.parametrize("attention", ["matmul", "sdpa"])
+def test_packed_log_probs_entropy_and_gradient_equal_padded(batch, name, checkpointing, attention, monkeypatch):
+    if attention == "sdpa":  # rows too long for the matmul attention take SDPA's kernel
+        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_SCORES", 0)
     torch.manual_seed(0)
     model = load_causal_lm(name, dtype=torch.float32)
     if checkpointing:  # backward recomputes the layers: they must see the packing again
@@ -121,3 +125,19 @@ def test_reference_engine_packed_with_token_budget_equals_padded(batch):
     packed = engine.compute_ref_log_prob(batch, 0.5)
     assert torch.allclose(packed[mask], padded[mask], atol=1e-5)
     assert engine.log_prob_metrics["perf/tflops_ref_log_prob"] > 0
+
+
+def test_grouped_causal_attention_equals_sdpa_with_repeated_kv_heads():
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 6, 7, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(3, 2, 7, 8, generator=generator, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    got = grouped_causal_attention(q, k, v, scale=0.3)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), is_causal=True, scale=0.3
+    )
+    torch.testing.assert_close(got, expected)
+    weights = torch.randn(got.shape, generator=generator, dtype=torch.float64)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad)

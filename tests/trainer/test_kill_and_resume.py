@@ -11,10 +11,28 @@ from hybridflow.data.tasks import write_task
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
+# The arithmetic score, as every run gets it. When the file $PAUSE_DIR/pause exists, the scoring
+# (inside a training step) announces itself with $PAUSE_DIR/paused and waits: the test kills the
+# run there, deterministically in the middle of a step, however fast steps are.
+REWARD = """
+import os, time
+from hybridflow.reward import get_scorer
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    gate = os.environ.get("PAUSE_DIR")
+    if gate and os.path.exists(os.path.join(gate, "pause")):
+        open(os.path.join(gate, "paused"), "w").close()
+        time.sleep(600)
+    return get_scorer(data_source)(solution_str, ground_truth, extra_info)
+"""
+
 
 def args(files, run_dir) -> list[str]:
     train, test = files
+    reward = run_dir.parent / "reward.py"
+    reward.write_text(REWARD)
     return [
+        f"custom_reward_function.path={reward}",
         f"data.train_files=[{train}]",
         f"data.val_files=[{test}]",
         "data.train_batch_size=4",  # 8 prompts: 2 steps per epoch, 2 epochs
@@ -30,9 +48,10 @@ def args(files, run_dir) -> list[str]:
     ]
 
 
-def train(arguments: list[str]) -> subprocess.Popen:
+def train(arguments: list[str], pause_dir=None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "hybridflow.trainer.main", *arguments],
+        env={**os.environ, "PAUSE_DIR": str(pause_dir or "")},
         start_new_session=True,  # its own process group: the kill takes Ray's processes too
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -59,12 +78,17 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path
     assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()[-3000:]
 
     run_dir = tmp_path / "interrupted"
-    victim = train(args(files, run_dir))
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    victim = train(args(files, run_dir), pause_dir=gate)
     deadline = time.time() + 240
     while 2 not in records(run_dir):  # step 2 is logged after its checkpoint is complete
         assert time.time() < deadline and victim.poll() is None, "the run ended before step 2"
         time.sleep(0.05)
-    time.sleep(0.3)  # into step 3: the first step of the second epoch
+    (gate / "pause").touch()
+    while not (gate / "paused").exists():  # step 3 (the first of the second epoch) is scoring its samples
+        assert time.time() < deadline and victim.poll() is None, "the run ended before step 3 scored"
+        time.sleep(0.05)
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert 3 not in records(run_dir), "the kill came too late to interrupt step 3"

@@ -116,3 +116,23 @@ def test_grpo_learns_to_emit_digits(arithmetic_files, tmp_path):
     assert len(scores) == 10
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.1 and last > first + 0.5, scores
+
+
+def test_on_policy_update_supplies_the_old_log_probs_exactly(arithmetic_files, tmp_path):
+    """One optimizer step per batch: the update's own pre-step log-probs replace the separate pass (fp32: same run)."""
+    on_policy = [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+        "actor_rollout_ref.rollout.dtype=fp32",
+        "trainer.val_before_train=false",
+    ]
+    runs = {
+        reuse: short_run(arithmetic_files, tmp_path / str(reuse), *on_policy, f"actor_rollout_ref.actor.reuse_update_log_probs={reuse}")
+        for reuse in (False, True)
+    }
+    assert "perf/mfu_log_prob" in runs[False][0] and "perf/mfu_log_prob" not in runs[True][0]  # no separate pass
+    for separate, reused in zip(runs[False], runs[True]):
+        assert separate["response_length/mean"] == reused["response_length/mean"]  # the same samples
+        for key in ["actor/entropy", "rollout/log_prob_diff_mean", "actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"]:
+            assert reused[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key

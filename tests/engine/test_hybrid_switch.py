@@ -1,0 +1,83 @@
+"""The hybrid engine's switch: weights reach the generator, offloaded state comes back intact."""
+
+import pytest
+import torch
+
+from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.policy import PolicyEngine
+from hybridflow.hybrid_engine import HybridEngine, move_model, move_optimizer_state
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.native import NativeRollout
+
+GREEDY = SamplingParams(False, 1.0, 1.0, -1, 6, 0)
+
+
+def _trainer(config):
+    torch.manual_seed(0)
+    model = load_causal_lm(config.model.path, dtype=torch.float32)
+    optimizer = build_optimizer(model, config.actor.optim)
+    return PolicyEngine(model, optimizer, build_lr_scheduler(optimizer, config.actor.optim, 10), config.actor)
+
+
+def _step(engine: PolicyEngine, batch) -> dict[str, torch.Tensor]:
+    data = batch.select(deepcopy=True)
+    engine.update_policy(data, mini_batch_size=len(data), temperature=1.0, seed=0)
+    return {name: p.detach().clone() for name, p in engine.model.named_parameters()}
+
+
+def _optimizer_state(optimizer) -> list[torch.Tensor]:
+    return [value.clone() for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+
+
+def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(tiny_path, rollout_batch, actor_config_factory):
+    config = actor_config_factory(tiny_path, 0.5, "actor_rollout_ref.actor.param_offload=true", "actor_rollout_ref.actor.optimizer_offload=true")
+    prompts = rollout_batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"], deepcopy=True)
+    prompts.batch["input_ids"] = rollout_batch.batch["prompts"].clone()
+    prompts.batch["attention_mask"] = rollout_batch.batch["attention_mask"][:, : prompts.batch["input_ids"].shape[1]].clone()
+    prompts.batch["position_ids"] = rollout_batch.batch["position_ids"][:, : prompts.batch["input_ids"].shape[1]].clone()
+    tokenizer = load_tokenizer(tiny_path)
+
+    reference, switching = _trainer(config), _trainer(config)
+    _step(reference, rollout_batch), _step(switching, rollout_batch)
+    state_before = _optimizer_state(switching.optimizer)
+    generator = NativeRollout(load_causal_lm(tiny_path, dtype=torch.float32), tokenizer)  # the initial weights
+    before_sync = generator.generate_sequences(prompts, GREEDY).batch["responses"]
+    hybrid = HybridEngine(switching.model, switching.optimizer, generator, torch.device("cpu"), True, True)
+    generated = hybrid.generate(prompts, GREEDY)
+
+    expected = HFRollout(switching.model.eval(), tokenizer).generate_sequences(prompts, GREEDY).batch["responses"]
+    assert not torch.equal(before_sync, expected)  # the update changed what the model says
+    assert torch.equal(generated.batch["responses"], expected)  # the generator now has the trained weights
+    metrics = generated.meta_info["metrics"]
+    for key in ["timing_s/weight_sync", "timing_s/offload", "timing_s/release_cache", "timing_s/reload"]:
+        assert metrics[key] >= 0, key
+    assert metrics["perf/max_memory_gb"] == metrics["perf/max_memory_gb_generation"] > 0
+    assert metrics["perf/offloaded_gb"] == 0.0  # the training state already lives in CPU memory here
+    for before, after in zip(state_before, _optimizer_state(switching.optimizer), strict=True):
+        assert torch.equal(before, after)
+    second_reference, second = _step(reference, rollout_batch), _step(switching, rollout_batch)
+    for name, weight in second_reference.items():
+        assert torch.equal(second[name], weight), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves state off a GPU; none here")
+def test_offload_round_trip_on_gpu():
+    device = torch.device("cuda")
+    model = torch.nn.Linear(64, 32).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64, device=device)).sum().backward()
+    optimizer.step()
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = _optimizer_state(optimizer)
+    params_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert move_optimizer_state(optimizer, "cpu") >= 2 * params_bytes  # exp_avg and exp_avg_sq
+    assert move_model(model, "cpu") == 2 * params_bytes  # weights and gradients
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert move_model(model, device) == 2 * params_bytes and move_optimizer_state(optimizer, device) >= 2 * params_bytes
+    for name, p in model.named_parameters():
+        assert p.device == device and torch.equal(p, weights[name])
+    for before, after in zip(state, _optimizer_state(optimizer), strict=True):
+        assert torch.equal(before.cpu(), after.cpu())
+    optimizer.step()  # the state is usable where it came back to
