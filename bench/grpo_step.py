@@ -162,25 +162,44 @@ def run_hybridflow(args, train_file: Path, work: Path, rollout: str, layout: str
 # ---- TRL -------------------------------------------------------------------------------------
 
 
-def run_trl(args, python: Path, model_dir: Path, train_file: Path, work: Path, precision: str) -> Measurement:
-    out = work / f"trl-{precision}.json"
+TRL_OPTIONS = {
+    "alloc": "allocator keeps freed memory (as hybridflow's workers)",
+    "cb": "transformers' continuous batching for generation",
+}
+
+
+def run_trl(args, python: Path, model_dir: Path, train_file: Path, work: Path, setting: str) -> Measurement:
+    """One TRL run; ``setting`` is a precision (bf16 | fp32) with optional +alloc and +cb (see TRL_OPTIONS)."""
+    from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
+
+    precision, *options = setting.split("+")
+    unknown = set(options) - set(TRL_OPTIONS)
+    if precision not in ("bf16", "fp32") or unknown:
+        raise SystemExit(f"unknown TRL setting {setting!r}: a precision (bf16, fp32) with optional +{' +'.join(TRL_OPTIONS)}")
+    out = work / f"trl-{setting}.json"
     cmd = [
         str(python), str(TRL_SCRIPT), "--model", str(model_dir), "--data", str(train_file), "--steps", str(args.steps),
         "--lr", str(args.lr), "--precision", precision, "--prompts", str(args.prompts), "--n", str(args.n),
         "--new-tokens", str(args.new_tokens), "--threads", "2", "--out", str(out),
+        "--generation", "continuous_batching" if "cb" in options else "generate",
     ]  # fmt: skip
     load = wait_for_idle(args.max_load, args.wait)
-    print(f"TRL GRPOTrainer {precision}: {args.steps} steps (load {load:.2f}) ...", flush=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = work / f"trl-{precision}.log"
+    print(f"TRL GRPOTrainer {setting}: {args.steps} steps (load {load:.2f}) ...", flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if "alloc" in options:
+        env.update(ALLOCATOR_ENV)
+    log = work / f"trl-{setting}.log"
     with log.open("w") as handle:
         done = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise RuntimeError(f"TRL run failed (exit {done.returncode}); its log: {log}\n" + log.read_text()[-3000:])
     result = json.loads(out.read_text())
+    described = [f"{precision} ({'autocast, fp32 master weights' if precision == 'bf16' else 'fp32'})"]
+    described += [TRL_OPTIONS[o] for o in options]
     return Measurement(
         system="TRL",
-        setting=f"{precision} ({'autocast, fp32 master weights' if precision == 'bf16' else 'fp32'}), 1 process x {result['threads']} threads",
+        setting=", ".join(described) + f", 1 process x {result['threads']} threads",
         steps=result["steps"],
         response_length=result["response_length"],
         load=load,
@@ -203,7 +222,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layouts", default="1x2,2x1", help="hybridflow worker layouts WxT (W workers x T threads), comma list")
     parser.add_argument("--micro-batch", type=int, default=0, help="hybridflow samples per forward/backward (0: the whole per-rank batch)")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra hybridflow config override (repeatable)")
-    parser.add_argument("--trl-precision", default="bf16,fp32", help="TRL precisions to measure (comma list of bf16, fp32)")
+    parser.add_argument(
+        "--trl-precision", default="bf16,bf16+alloc,bf16+alloc+cb,fp32",
+        help="TRL settings to measure (comma list): a precision (bf16, fp32), optionally +alloc (the allocator settings "
+        "of hybridflow's workers) and +cb (transformers' continuous batching for generation)",
+    )
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-hybridflow", action="store_true")
     parser.add_argument("--max-load", type=float, default=0.5, help="wait for the 1-minute load average to fall below this")
@@ -251,8 +274,8 @@ def main() -> None:
         if not args.skip_hybridflow
     ]
     trl_runs = [
-        functools.partial(run_trl, args, trl_python, model_dir, train_file, work, precision)
-        for precision in args.trl_precision.split(",")
+        functools.partial(run_trl, args, trl_python, model_dir, train_file, work, setting)
+        for setting in args.trl_precision.split(",")
         if trl_python is not None
     ]
     # Alternate the two sides, so that the first settings of each are compared early and drifts hit both alike.

@@ -9,7 +9,7 @@ largest count over the ranks as its minimum.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,7 @@ def restore_order(parts: Sequence[torch.Tensor], groups: list[list[int]]) -> tor
     return stacked[torch.argsort(order.to(stacked.device))]
 
 
-def balanced_order(lengths: Sequence[int], world_size: int) -> list[int]:
+def balanced_order(lengths: Sequence[int], world_size: int, groups: Sequence[Hashable] | None = None) -> list[int]:
     """A permutation of the batch after which equal contiguous chunks (one per data-parallel rank,
     as DP_COMPUTE_PROTO splits) hold nearly equal numbers of tokens.
 
@@ -94,6 +94,9 @@ def balanced_order(lengths: Sequence[int], world_size: int) -> list[int]:
     as its chunk (the chunks of ``DataProto.chunk``; a batch that does not divide gives the last
     rank fewer). Within a rank the rows keep their original relative order. Use it as
     ``batch.reorder(balanced_order(lengths, world_size))``.
+
+    ``groups``: a key per row (e.g. the prompt's uid); rows of one group go to one rank together
+    when a rank has room for all of them, so that packing can share their prompt.
     """
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
@@ -102,8 +105,21 @@ def balanced_order(lengths: Sequence[int], world_size: int) -> list[int]:
     capacity = [max(0, min(chunk, total - r * chunk)) for r in range(world_size)]
     ranks: list[list[int]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
-    for index in sorted(range(total), key=lambda i: -lengths[i]):
-        rank = min((r for r in range(world_size) if len(ranks[r]) < capacity[r]), key=lambda r: (loads[r], len(ranks[r])))
-        ranks[rank].append(index)
-        loads[rank] += lengths[index]
+    units: dict[Hashable, list[int]] = {}
+    for index in range(total):
+        units.setdefault(groups[index] if groups is not None else index, []).append(index)
+
+    def place(rows: list[int]) -> bool:
+        open_ranks = [r for r in range(world_size) if len(ranks[r]) + len(rows) <= capacity[r]]
+        if not open_ranks:
+            return False
+        rank = min(open_ranks, key=lambda r: (loads[r], len(ranks[r])))
+        ranks[rank].extend(rows)
+        loads[rank] += sum(lengths[i] for i in rows)
+        return True
+
+    for rows in sorted(units.values(), key=lambda rows: -sum(lengths[i] for i in rows)):
+        if not place(rows):  # no rank has room for the whole group: its rows go one by one
+            for index in sorted(rows, key=lambda i: -lengths[i]):
+                place([index])
     return [index for rank in ranks for index in sorted(rank)]

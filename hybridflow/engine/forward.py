@@ -21,8 +21,17 @@ from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, row_lengths, split_by_groups
-from hybridflow.engine.packing import pack, packed_forward
+from hybridflow.engine.packing import computed_lengths, pack, packed_forward
 from hybridflow.protocol import DataProto
+
+
+def pass_lengths(data: DataProto, remove_padding: bool) -> list[int]:
+    """Tokens per row whose compute counts in a pass's FLOPs: real tokens, a prompt shared by
+    packed rows once (assuming its rows share a micro-batch; when they do not, MFU reads low)."""
+    tensors = data.batch
+    if not remove_padding:
+        return row_lengths(data)
+    return computed_lengths(tensors["attention_mask"], tensors["input_ids"], tensors["responses"].shape[1], share_prompts=True)
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:

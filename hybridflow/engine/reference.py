@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from hybridflow.engine.config import RefConfig
-from hybridflow.engine.dynamic_batch import row_lengths
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs
+from hybridflow.engine.forward import batched_log_probs, pass_lengths
 from hybridflow.protocol import DataProto
 
 
@@ -35,5 +34,6 @@ class ReferenceEngine:
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
-        self.log_prob_metrics = self.meter.metrics("ref_log_prob", row_lengths(data), time.perf_counter() - start, training=False)
+        lengths = pass_lengths(data, cfg.use_remove_padding)
+        self.log_prob_metrics = self.meter.metrics("ref_log_prob", lengths, time.perf_counter() - start, training=False)
         return log_probs

@@ -157,3 +157,23 @@ def test_critic_with_packing_and_token_micro_batches_equals_padded_fixed(tiny_pa
     for name, step in fixed_step.items():
         assert step.abs().max() > 0, name
         assert torch.allclose(dynamic_step[name], step, rtol=1e-3, atol=1e-8), name
+
+
+def test_balanced_order_keeps_each_group_on_one_rank():
+    rng = random.Random(1)
+    groups = [g for g in range(8) for _ in range(4)]  # 8 prompts x 4 samples, interleaved as the trainer repeats them
+    lengths = [rng.randint(10, 200) for _ in groups]
+    order = balanced_order(lengths, 2, groups=groups)
+    assert sorted(order) == list(range(32))
+    for rank in (0, 1):
+        held = {groups[i] for i in order[rank * 16 : (rank + 1) * 16]}
+        assert len(held) == 4  # four whole groups per rank
+    tokens = _chunk_tokens([lengths[i] for i in order], 2)
+    group_tokens = [sum(length for length, g in zip(lengths, groups) if g == k) for k in range(8)]
+    assert max(tokens) - min(tokens) <= max(group_tokens)
+
+
+def test_a_group_larger_than_a_rank_is_split_row_by_row():
+    order = balanced_order([5, 4, 3, 2], 2, groups=["a", "a", "a", "b"])
+    assert sorted(order) == [0, 1, 2, 3]
+    assert _chunk_tokens([[5, 4, 3, 2][i] for i in order], 2) in ([7, 7], [8, 6], [6, 8])

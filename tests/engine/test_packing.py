@@ -6,7 +6,7 @@ import torch
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
 from hybridflow.engine import packing
-from hybridflow.engine.packing import grouped_causal_attention, pack
+from hybridflow.engine.packing import computed_lengths, grouped_causal_attention, pack
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.models import load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
@@ -53,10 +53,38 @@ def test_pack_layout_by_hand():
     assert packed.response_valid.tolist() == [[True, False, False, False, False], [False] * 5]
 
 
-@pytest.fixture(scope="module")
-def batch() -> DataProto:
+def make_grouped_batch() -> DataProto:
+    """GRPO-shaped: 3 prompts x 3 samples, the rows of a group shuffled apart, responses unequal (one empty)."""
+    batch = make_batch([4, 4, 4, 2, 2, 2, 6, 6, 6], [5, 1, 3, 0, 2, 5, 4, 4, 1], seed=3)
+    ids = batch.batch["input_ids"]
+    for first in (0, 3, 6):
+        ids[first + 1 : first + 3, :PROMPT] = ids[first, :PROMPT]
+    batch.batch["responses"] = ids[:, PROMPT:]
+    return batch[torch.tensor([0, 3, 6, 1, 4, 7, 2, 5, 8])]
+
+
+@pytest.fixture(scope="module", params=["distinct-prompts", "grouped-prompts"])
+def batch(request) -> DataProto:
+    if request.param == "grouped-prompts":
+        return make_grouped_batch()
     # unequal prompts and responses, an empty response, a full row
     return make_batch([6, 2, 4, 1, 5, 3], [5, 0, 3, 1, 2, 5])
+
+
+def test_shared_prompt_layout_by_hand():
+    batch = make_batch([2, 2, 1], [2, 1, 1])
+    ids = batch.batch["input_ids"]
+    ids[1, :PROMPT] = ids[0, :PROMPT]  # rows 0 and 1: one prompt (columns 4, 5), two samples
+    packed = pack(ids, batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE)
+    # the prompt once, row 0's response (columns 6, 7), row 1's response (column 6), then row 2
+    assert packed.input_ids.tolist() == [[ids[0, 4], ids[0, 5], ids[0, 6], ids[0, 7], ids[1, 6], ids[2, 5], ids[2, 6]]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1]]
+    assert packed.segments.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 0, 0]]  # row 1 sees the shared prompt
+    assert packed.segments.real.tolist() == [0, 1, 2, 3, 4 + 2, 8, 9]  # row 1's response is its slot 2
+    assert packed.response_index[:, 0].tolist() == [1, 1, 5]  # both samples' first token follow the shared prompt
+    assert computed_lengths(batch.batch["attention_mask"], ids, RESPONSE, share_prompts=True) == [4, 1, 2]
+    unshared = pack(ids, batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE, share_prompts=False)
+    assert unshared.input_ids.shape[1] == 9
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
