@@ -188,7 +188,7 @@ hybridflow: {hf.setting}. TRL: {trl.setting}.
 
 - Neither side runs a separate old-log-prob forward: the step is on-policy (one optimizer step per batch), so
   both use the update's own log-probs, detached, as the old ones (hybridflow: `actor.reuse_update_log_probs`,
-  on by default; with it off hybridflow runs `compute_log_prob`, about 0.9 s more per step here).
+  on by default; with it off hybridflow runs `compute_log_prob`, about 0.5 s more per step here).
 - hybridflow trains FSDP2-wrapped (fp32 master weights, bf16 compute) and generates with a bf16 copy of the
   weights; TRL's bf16 setting is autocast over fp32 weights, for generation too.
 - The two sides sample different responses (different random streams), so the number of generated tokens differs
