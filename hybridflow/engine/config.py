@@ -41,8 +41,8 @@ class ActorConfig:
     use_dynamic_bsz: bool = False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
     log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch when computing old log-probs
-    param_offload: bool = False  # move this rank's parameter shards and gradients to CPU memory while the actor generates
-    optimizer_offload: bool = False  # move the optimizer state to CPU memory while the actor generates
+    param_offload: bool = False  # move this rank's parameter shards and gradients to CPU memory while the actor generates (GPU; a no-op on CPU)
+    optimizer_offload: bool = False  # move the optimizer state to CPU memory while the actor generates (GPU; a no-op on CPU)
     reuse_update_log_probs: bool = True  # on-policy steps (ppo_epochs 1, mini-batch = train batch, no KL in reward): old log-probs come from the update's own forward before its optimizer step (exact), no separate pass
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # loss_mode and clip ratios
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm

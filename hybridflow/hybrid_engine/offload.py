@@ -40,5 +40,5 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
                 moved += _local(value).numel() * value.element_size()
                 state[key] = value.to(device, non_blocking=True)
     if moved and device.type == "cpu" and torch.cuda.is_available():
-        torch.cuda.synchronize()  # non-blocking copies to pinned-less host memory must land before use
+        torch.cuda.synchronize()  # the non-blocking copies off the GPU must have landed before the host reads them
     return moved
