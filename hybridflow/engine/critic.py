@@ -10,7 +10,7 @@ from torch import nn
 from hybridflow.algorithms import LossAggregation, compute_value_loss
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_values, pass_lengths, response_values
+from hybridflow.engine.forward import batched_values, pass_work, response_values
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -36,8 +36,8 @@ class CriticEngine:
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
-        lengths = pass_lengths(data, cfg.use_remove_padding)
-        self.values_metrics = self.meter.metrics("values", lengths, time.perf_counter() - start, training=False)
+        work = pass_work(data, cfg.use_remove_padding)
+        self.values_metrics = self.meter.metrics("values", work, time.perf_counter() - start, training=False)
         return values * data.batch["response_mask"]
 
     def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
@@ -64,6 +64,6 @@ class CriticEngine:
             micro_loss=self._micro_loss,
             loss_share_keys=("critic/vf_loss",),
         )
-        lengths = pass_lengths(data, cfg.use_remove_padding)
-        metrics.update(self.meter.metrics("critic_update", lengths, time.perf_counter() - start, True, cfg.ppo_epochs))
+        work = pass_work(data, cfg.use_remove_padding)
+        metrics.update(self.meter.metrics("critic_update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
         return metrics

@@ -7,7 +7,8 @@ MFU. A decoder's forward costs, per sequence of L tokens,
   + 2 * layers * H * d * L^2   causal attention: QK^T and AV, each 2 * d FLOPs per (query, key) pair
                                over the L^2 / 2 pairs of the causal triangle, per head
 
-and backward twice that, so a training step is 3x forward (activation recomputation from gradient
+where a pass that runs the LM head on some positions only (the response tokens, see forward.py)
+counts the head's weights for those positions alone; backward is twice the forward, so a training step is 3x forward (activation recomputation from gradient
 checkpointing is not counted: these are model FLOPs, not hardware FLOPs).
 
 The peak is measured, not looked up: large bf16 matmuls for about half a second, once per process
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
+PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
+
 import torch
 from torch import nn
 
@@ -31,16 +34,20 @@ from torch import nn
 class ModelFlops:
     linear_weights: int  # W: weights of all nn.Linear layers
     attention_width: int  # layers * heads * head_dim
+    head_weights: int = 0  # of which the LM head's (output embeddings)
 
-    def forward(self, lengths: Sequence[int]) -> float:
-        """Forward FLOPs of sequences of these real-token lengths."""
+    def forward(self, lengths: Sequence[int], head_tokens: int | None = None) -> float:
+        """Forward FLOPs of sequences of these real-token lengths; the LM head on ``head_tokens``
+        positions (None: on every token)."""
         tokens = sum(lengths)
+        head_tokens = tokens if head_tokens is None else head_tokens
         squares = sum(length * length for length in lengths)
-        return 2.0 * self.linear_weights * tokens + 2.0 * self.attention_width * squares
+        linear = (self.linear_weights - self.head_weights) * tokens + self.head_weights * head_tokens
+        return 2.0 * linear + 2.0 * self.attention_width * squares
 
-    def training(self, lengths: Sequence[int]) -> float:
+    def training(self, lengths: Sequence[int], head_tokens: int | None = None) -> float:
         """Forward plus backward."""
-        return 3.0 * self.forward(lengths)
+        return 3.0 * self.forward(lengths, head_tokens)
 
 
 def model_flops(model: nn.Module) -> ModelFlops:
@@ -49,7 +56,9 @@ def model_flops(model: nn.Module) -> ModelFlops:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear))
-    return ModelFlops(linear_weights=weights, attention_width=config.num_hidden_layers * heads * head_dim)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weights = head.weight.numel() if isinstance(head, nn.Linear) else 0
+    return ModelFlops(weights, config.num_hidden_layers * heads * head_dim, head_weights)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -97,7 +106,10 @@ class PassMeter:
         self.flops = model_flops(model)
         self.peak = peak_flops(model_device(model))
 
-    def metrics(self, name: str, lengths: Sequence[int], seconds: float, training: bool, repeats: int = 1) -> dict[str, float]:
-        """Metrics of a pass over rows of ``lengths`` real tokens (``repeats`` times, e.g. epochs)."""
-        flops = repeats * (self.flops.training(lengths) if training else self.flops.forward(lengths))
+    def metrics(
+        self, name: str, work: PassWork, seconds: float, training: bool, repeats: int = 1
+    ) -> dict[str, float]:
+        """Metrics of a pass over ``work`` (``repeats`` times, e.g. epochs)."""
+        lengths, head_tokens = work
+        flops = repeats * (self.flops.training(lengths, head_tokens) if training else self.flops.forward(lengths, head_tokens))
         return {**flops_metrics(name, flops, seconds, self.peak), "perf/peak_tflops": self.peak / 1e12}

@@ -25,13 +25,16 @@ from hybridflow.engine.packing import computed_lengths, pack, packed_forward
 from hybridflow.protocol import DataProto
 
 
-def pass_lengths(data: DataProto, remove_padding: bool) -> list[int]:
-    """Tokens per row whose compute counts in a pass's FLOPs: real tokens, a prompt shared by
-    packed rows once (assuming its rows share a micro-batch; when they do not, MFU reads low)."""
+def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
+    """What a pass computes, for its FLOP count: tokens per row (real tokens; a prompt shared by
+    packed rows once, assuming its rows share a micro-batch, else MFU reads low) and the number of
+    positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
     tensors = data.batch
     if not remove_padding:
-        return row_lengths(data)
-    return computed_lengths(tensors["attention_mask"], tensors["input_ids"], tensors["responses"].shape[1], share_prompts=True)
+        return row_lengths(data), None
+    response_length = tensors["responses"].shape[1]
+    lengths = computed_lengths(tensors["attention_mask"], tensors["input_ids"], response_length, share_prompts=True)
+    return lengths, int(tensors["attention_mask"][:, -response_length:].sum())
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:

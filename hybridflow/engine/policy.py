@@ -10,7 +10,7 @@ from torch import nn
 from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs, pass_lengths, response_log_probs
+from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -42,8 +42,8 @@ class PolicyEngine:
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
-        lengths = pass_lengths(data, cfg.use_remove_padding)
-        self.log_prob_metrics = self.meter.metrics("log_prob", lengths, time.perf_counter() - start, training=False)
+        work = pass_work(data, cfg.use_remove_padding)
+        self.log_prob_metrics = self.meter.metrics("log_prob", work, time.perf_counter() - start, training=False)
         return result
 
     def _micro_loss(self, micro: DataProto, agg: LossAggregation, temperature: float, on_policy: bool) -> tuple[torch.Tensor, dict]:
@@ -111,8 +111,8 @@ class PolicyEngine:
             micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, on_policy),
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
-        lengths = pass_lengths(data, cfg.use_remove_padding)
-        metrics.update(self.meter.metrics("update", lengths, time.perf_counter() - start, True, cfg.ppo_epochs))
+        work = pass_work(data, cfg.use_remove_padding)
+        metrics.update(self.meter.metrics("update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
         return metrics
 
 

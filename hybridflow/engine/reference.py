@@ -9,7 +9,7 @@ from torch import nn
 
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs, pass_lengths
+from hybridflow.engine.forward import batched_log_probs, pass_work
 from hybridflow.protocol import DataProto
 
 
@@ -34,6 +34,6 @@ class ReferenceEngine:
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
-        lengths = pass_lengths(data, cfg.use_remove_padding)
-        self.log_prob_metrics = self.meter.metrics("ref_log_prob", lengths, time.perf_counter() - start, training=False)
+        work = pass_work(data, cfg.use_remove_padding)
+        self.log_prob_metrics = self.meter.metrics("ref_log_prob", work, time.perf_counter() - start, training=False)
         return log_probs

@@ -18,6 +18,9 @@ def test_forward_flops_by_hand_and_against_torch_flop_counter(tiny_path):
     assert counts.attention_width == 2 * 4 * 16
     assert counts.forward([3, 5]) == 2 * counts.linear_weights * 8 + 2 * 128 * (9 + 25)
     assert counts.training([3, 5]) == 3 * counts.forward([3, 5])
+    assert counts.head_weights == 512 * 64
+    # the LM head on 2 of the 8 tokens only (packed passes: the response tokens)
+    assert counts.forward([3, 5], head_tokens=2) == counts.forward([3, 5]) - 2 * 512 * 64 * 6
 
     length = 24
     eager = load_causal_lm(tiny_path, dtype=torch.float32, attn_implementation="eager").eval()  # attention as matmuls
@@ -27,6 +30,10 @@ def test_forward_flops_by_hand_and_against_torch_flop_counter(tiny_path):
     assert by_op["aten.mm"] == 2 * counts.linear_weights * length  # the linear layers
     # attention (QK^T and AV) as batched matmuls over the full square; the causal triangle is half
     assert by_op["aten.bmm"] / 2 == 2 * counts.attention_width * length**2
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        eager(input_ids=torch.randint(0, 512, (1, length)), logits_to_keep=torch.tensor([3, 7, 20]))
+    mm = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}["aten.mm"]
+    assert mm == counts.forward([length], head_tokens=3) - 2 * counts.attention_width * length**2
 
 
 def test_peak_is_measured_once():

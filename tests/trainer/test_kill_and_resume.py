@@ -11,16 +11,21 @@ from hybridflow.data.tasks import write_task
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
-# The arithmetic score, as every run gets it. When the file $PAUSE_DIR/pause exists, the scoring
-# (inside a training step) announces itself with $PAUSE_DIR/paused and waits: the test kills the
-# run there, deterministically in the middle of a step, however fast steps are.
+# The arithmetic score, as every run gets it. With $PAUSE_DIR set, the scoring of step 3 (the
+# driver scores each sample in turn; steps 1 and 2 score 8 samples each) announces itself with
+# $PAUSE_DIR/paused and waits: the test kills the run there, deterministically in the middle of
+# that step, however fast steps are.
 REWARD = """
 import os, time
 from hybridflow.reward import get_scorer
 
+calls = 0
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    global calls
+    calls += 1
     gate = os.environ.get("PAUSE_DIR")
-    if gate and os.path.exists(os.path.join(gate, "pause")):
+    if gate and calls > 16:
         open(os.path.join(gate, "paused"), "w").close()
         time.sleep(600)
     return get_scorer(data_source)(solution_str, ground_truth, extra_info)
@@ -82,13 +87,10 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path
     gate.mkdir()
     victim = train(args(files, run_dir), pause_dir=gate)
     deadline = time.time() + 240
-    while 2 not in records(run_dir):  # step 2 is logged after its checkpoint is complete
-        assert time.time() < deadline and victim.poll() is None, "the run ended before step 2"
-        time.sleep(0.05)
-    (gate / "pause").touch()
     while not (gate / "paused").exists():  # step 3 (the first of the second epoch) is scoring its samples
         assert time.time() < deadline and victim.poll() is None, "the run ended before step 3 scored"
         time.sleep(0.05)
+    assert sorted(records(run_dir)) == [1, 2]  # step 2 is logged after its checkpoint is complete
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert 3 not in records(run_dir), "the kill came too late to interrupt step 3"
