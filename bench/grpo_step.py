@@ -1,6 +1,6 @@
 """One GRPO step: hybridflow against TRL's `GRPOTrainer` on the same workload (run by hand, not a test).
 
-    .venv/bin/python bench/grpo_step.py                  # every setting: ~15 min of runs on 2 idle cores
+    .venv/bin/python bench/grpo_step.py                  # every setting: ~25 min of runs and waits on 2 cores
     .venv/bin/python bench/grpo_step.py --write-doc      # ... and rewrite docs/performance_grpo_step.md
     .venv/bin/python bench/grpo_step.py --rollout native --layouts 1x2 --trl-precision bf16 --steps 3  # quicker
     .venv/bin/python bench/grpo_step.py --override actor_rollout_ref.actor.use_remove_padding=false  # any hybridflow key

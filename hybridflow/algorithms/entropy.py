@@ -7,9 +7,9 @@ in the step. These functions never build log_softmax(logits) next to softmax(log
     log-prob log p(y) = z_y - logsumexp(z)                  (a gather, no log_softmax)
 
 Rows are processed in chunks, upcast to float32 chunk by chunk. Besides bounding the extra
-memory to chunk_size × V, this is much faster on CPU: a chunk of a few dozen rows stays in cache
-through the max, exp and sum passes (measured on 2 cores, 1024 × 49152 bf16 logits: log-probs
-128 ms whole, 28 ms in chunks of 16; entropy 201 ms whole, 66 ms in chunks of 64).
+memory to chunk_size × V, this is faster on CPU: a chunk of a few dozen rows stays in cache
+through the max, exp and sum passes (bench/train_kernels.py, 2 cores, 1024 × 49152 bf16 logits:
+log-probs 46 ms whole, 27 ms in chunks of 16; entropy 79 ms whole, 70 ms in chunks of 64).
 The log-prob has its own backward, (onehot - softmax) · grad, also by chunks, so autograd
 keeps neither a float32 copy nor a softmax of the logits.
 Logits must be finite (mask vocabulary entries with a large negative number, not -inf).

@@ -7,9 +7,9 @@ the actor, the reference and the values line up token for token.
 
 With ``remove_padding`` the model runs on the packed real tokens (``packing.py``), the LM head and
 the log-prob/entropy math only on the real response tokens, and the results come back in the
-same (B, R) layout, with 0 on response padding; on real tokens they equal the padded pass. The batched (no-grad) passes form micro-batches of a fixed number of rows, or with
-``max_token_len`` of at most that many real tokens (``dynamic_batch.py``), and return rows in the
-batch's order.
+same (B, R) layout, with 0 on response padding; on real tokens they equal the padded pass. The
+batched (no-grad) passes form micro-batches of a fixed number of rows, or with ``max_token_len``
+of at most that many real tokens (``dynamic_batch.py``), and return rows in the batch's order.
 """
 
 from __future__ import annotations
@@ -25,16 +25,20 @@ from hybridflow.engine.packing import computed_lengths, pack, packed_forward
 from hybridflow.protocol import DataProto
 
 
+def packed_lengths(data: DataProto) -> list[int]:
+    """Tokens per row that a packed pass computes (a prompt shared by several rows once)."""
+    tensors = data.batch
+    return computed_lengths(tensors["attention_mask"], tensors["input_ids"], tensors["responses"].shape[1])
+
+
 def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
     """What a pass computes, for its FLOP count: tokens per row (real tokens; a prompt shared by
     packed rows once, assuming its rows share a micro-batch, else MFU reads low) and the number of
     positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
-    tensors = data.batch
     if not remove_padding:
         return row_lengths(data), None
-    response_length = tensors["responses"].shape[1]
-    lengths = computed_lengths(tensors["attention_mask"], tensors["input_ids"], response_length, share_prompts=True)
-    return lengths, int(tensors["attention_mask"][:, -response_length:].sum())
+    response_length = data.batch["responses"].shape[1]
+    return packed_lengths(data), int(data.batch["attention_mask"][:, -response_length:].sum())
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -54,7 +58,7 @@ def response_outputs(model: nn.Module, batch: DataProto, remove_padding: bool = 
         inputs = {key: tensors[key] for key in ("input_ids", "attention_mask", "position_ids")}
         return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
     packed = pack(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], response_length)
-    keep = packed.response_index[packed.response_valid]  # (M,) increasing packed positions
+    keep = packed.response_index[packed.response_valid]  # (M,) packed positions; rows sharing a prompt share its last one
     if _accepts_logits_to_keep(model):
         return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid
     return packed_forward(model, packed)[0, keep], packed.response_valid
@@ -88,7 +92,7 @@ def response_log_probs(
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = _to_rows(entropy_from_logits(logits if entropy_grad else logits.detach()), valid)
+            entropy = _to_rows(entropy_from_logits(logits), valid)
     return log_probs, entropy
 
 

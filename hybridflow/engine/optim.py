@@ -16,7 +16,7 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; the fused kernel where torch has one (CPU: 47 ms vs 250 ms per step for 135 M parameters)."""
+    """AdamW; the fused kernel where torch has one (bench/train_kernels.py, 135 M parameters on 2 CPU cores: 40 ms vs 134 ms per step)."""
     params = list(model.parameters())
     fused = bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.AdamW(

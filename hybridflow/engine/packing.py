@@ -30,8 +30,8 @@ gradients equal the unshared computation. Measured (bench/train_passes.py, smoll
 
 Within the rows, short rows (the common case in RL: a few hundred tokens) use attention written
 out as two batched matmuls around a float32 softmax: SDPA's CPU flash kernel is slow on such
-shapes (32 rows x 77 tokens, 9 query / 3 kv heads, bf16, forward + backward: flash 35 ms, SDPA's
-math backend 19 ms, this 5.6 ms per layer). Rows whose score matrix would be large use SDPA.
+shapes (bench/train_kernels.py: 32 rows x 77 tokens, 9 query / 3 kv heads, bf16, forward +
+backward: flash 35 ms, SDPA's math backend 20 ms, this 7.5 ms per layer). Rows whose score matrix would be large use SDPA.
 """
 
 from __future__ import annotations
@@ -118,14 +118,13 @@ def pack(
     )
 
 
-def computed_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor, response_length: int, share_prompts: bool) -> list[int]:
+def computed_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor, response_length: int) -> list[int]:
     """Tokens per row that a packed pass computes: a shared prompt counts in its first row only."""
     mask = attention_mask.bool()
-    prompt_length = mask.shape[1] - response_length
     lengths = mask.sum(dim=1)
-    if share_prompts and len(lengths):
-        rows = torch.arange(len(lengths))
-        follower = prompt_leaders(input_ids, attention_mask, prompt_length) != rows
+    if len(lengths):
+        prompt_length = mask.shape[1] - response_length
+        follower = prompt_leaders(input_ids, attention_mask, prompt_length) != torch.arange(len(lengths))
         lengths = lengths - follower * mask[:, :prompt_length].sum(dim=1)
     return lengths.tolist()
 

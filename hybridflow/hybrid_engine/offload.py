@@ -17,6 +17,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _bytes_off(tensors, device: torch.device) -> int:
+    """Bytes of this rank's part of the tensors that are not on ``device`` yet."""
     return sum(_local(t).numel() * t.element_size() for t in tensors if t is not None and _local(t).device != device)
 
 
@@ -36,8 +37,8 @@ def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device 
     moved = 0
     for state in optimizer.state.values():
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and _local(value).device != device:
-                moved += _local(value).numel() * value.element_size()
+            if isinstance(value, torch.Tensor) and _bytes_off([value], device):
+                moved += _bytes_off([value], device)
                 state[key] = value.to(device, non_blocking=True)
     if moved and device.type == "cpu" and torch.cuda.is_available():
         torch.cuda.synchronize()  # the non-blocking copies off the GPU must have landed before the host reads them

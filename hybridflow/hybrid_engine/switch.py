@@ -63,15 +63,16 @@ class HybridEngine:
             clock.append(time.perf_counter())
             self._reload()
             clock.append(time.perf_counter())
+        peak = peak_memory_gb(self.device)
         output.meta_info["metrics"] = {
             "timing_s/weight_sync": clock[1] - clock[0],
             "timing_s/offload": clock[2] - clock[1],
             "timing_s/release_cache": clock[4] - clock[3],
             "timing_s/reload": clock[5] - clock[4],
             "perf/offloaded_gb": offloaded / 2**30,
+            "perf/max_memory_gb_generation": peak,
+            "perf/max_memory_gb": peak,
         }
-        output.meta_info["metrics"]["perf/max_memory_gb_generation"] = peak_memory_gb(self.device)
-        output.meta_info["metrics"]["perf/max_memory_gb"] = output.meta_info["metrics"]["perf/max_memory_gb_generation"]
         return output
 
     def _offload(self) -> int:

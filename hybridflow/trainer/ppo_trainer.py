@@ -17,7 +17,7 @@ from hybridflow.algorithms import AdvantageConfig, apply_kl_penalty, get_adv_est
 from hybridflow.controller import RayWorkerGroup
 from hybridflow.data import PromptDataLoader
 from hybridflow.engine.dynamic_batch import balanced_order
-from hybridflow.engine.packing import computed_lengths
+from hybridflow.engine.forward import packed_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
@@ -189,9 +189,7 @@ class RayPPOTrainer:
     def rank_order(self, batch: DataProto) -> list[int]:
         """Rows reordered so that every data-parallel rank gets about as many tokens to compute,
         with the samples of one prompt on one rank (packing computes their prompt once)."""
-        tensors = batch.batch
-        lengths = computed_lengths(tensors["attention_mask"], tensors["input_ids"], tensors["responses"].shape[1], share_prompts=True)
-        return balanced_order(lengths, self.config.world_size, groups=list(batch.non_tensor_batch["uid"]))
+        return balanced_order(packed_lengths(batch), self.config.world_size, groups=list(batch.non_tensor_batch["uid"]))
 
     def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """The trainer's log-probs of the sampled tokens, or the generator's when configured (and, for auto, close)."""

@@ -82,7 +82,7 @@ def test_shared_prompt_layout_by_hand():
     assert packed.segments.index.tolist() == [[0, 1, 2, 3], [0, 1, 4, 0], [5, 6, 0, 0]]  # row 1 sees the shared prompt
     assert packed.segments.real.tolist() == [0, 1, 2, 3, 4 + 2, 8, 9]  # row 1's response is its slot 2
     assert packed.response_index[:, 0].tolist() == [1, 1, 5]  # both samples' first token follow the shared prompt
-    assert computed_lengths(batch.batch["attention_mask"], ids, RESPONSE, share_prompts=True) == [4, 1, 2]
+    assert computed_lengths(batch.batch["attention_mask"], ids, RESPONSE) == [4, 1, 2]
     unshared = pack(ids, batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE, share_prompts=False)
     assert unshared.input_ids.shape[1] == 9
 
