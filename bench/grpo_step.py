@@ -3,7 +3,8 @@
     .venv/bin/python bench/grpo_step.py                  # every setting: ~25 min of runs and waits on 2 cores
     .venv/bin/python bench/grpo_step.py --write-doc      # ... and rewrite docs/performance_grpo_step.md
     .venv/bin/python bench/grpo_step.py --rollout native --layouts 1x2 --trl-precision bf16 --steps 3  # quicker
-    .venv/bin/python bench/grpo_step.py --override actor_rollout_ref.actor.use_remove_padding=false  # any hybridflow key
+    # any hybridflow key:
+    .venv/bin/python bench/grpo_step.py --override actor_rollout_ref.actor.use_remove_padding=false
 
 The workload: `smollm2-135m-instruct` (hybridflow's built-in, materialised as a plain Hugging
 Face directory that TRL loads too), the built-in arithmetic task, 8 prompts x 4 samples per
@@ -65,12 +66,17 @@ def wait_for_idle(max_load: float, wait_s: float) -> float:
 
 
 def measure(args, run_once):
-    """run_once() -> Measurement | None, repeated (up to --retries times) while the load shows that something else ran."""
-    for attempt in range(args.retries + 1):
+    """run_once() -> Measurement | None, repeated (up to --retries times) while the load shows that something
+    else ran."""
+    for _ in range(args.retries + 1):
         result = run_once()
         if result is None:
             return None
-        print(f"  {result.mean('step'):.2f} s per step; load {result.load:.2f} at the start, {result.load_end:.2f} at the end", flush=True)
+        print(
+            f"  {result.mean('step'):.2f} s per step; load {result.load:.2f} at the start, "
+            f"{result.load_end:.2f} at the end",
+            flush=True,
+        )
         if result.load_end <= args.max_end_load:
             break
         print(f"  the load rose above {args.max_end_load}: something else ran during the run", flush=True)
@@ -92,7 +98,20 @@ def ensure_trl_venv() -> Path:
 
 def make_data(work: Path) -> Path:
     out = work / "arithmetic"
-    cmd = [sys.executable, "-m", "hybridflow.data.tasks", "arithmetic", "--out", str(out), "--train", "64", "--test", "8", "--seed", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridflow.data.tasks",
+        "arithmetic",
+        "--out",
+        str(out),
+        "--train",
+        "64",
+        "--test",
+        "8",
+        "--seed",
+        "0",
+    ]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
     return out / "train.parquet"
 
@@ -175,7 +194,9 @@ def run_trl(args, python: Path, model_dir: Path, train_file: Path, work: Path, s
     precision, *options = setting.split("+")
     unknown = set(options) - set(TRL_OPTIONS)
     if precision not in ("bf16", "fp32") or unknown:
-        raise SystemExit(f"unknown TRL setting {setting!r}: a precision (bf16, fp32) with optional +{' +'.join(TRL_OPTIONS)}")
+        raise SystemExit(
+            f"unknown TRL setting {setting!r}: a precision (bf16, fp32) with optional +{' +'.join(TRL_OPTIONS)}"
+        )
     out = work / f"trl-{setting}.json"
     cmd = [
         str(python), str(TRL_SCRIPT), "--model", str(model_dir), "--data", str(train_file), "--steps", str(args.steps),
@@ -218,24 +239,53 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--new-tokens", type=int, default=32, help="max new tokens per sample")
-    parser.add_argument("--rollout", default="hf,native", help="hybridflow rollout backends to try (comma list); one the config rejects is skipped")
-    parser.add_argument("--layouts", default="1x2,2x1", help="hybridflow worker layouts WxT (W workers x T threads), comma list")
-    parser.add_argument("--micro-batch", type=int, default=0, help="hybridflow samples per forward/backward (0: the whole per-rank batch)")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="extra hybridflow config override (repeatable)")
     parser.add_argument(
-        "--trl-precision", default="bf16,bf16+alloc,bf16+alloc+cb,fp32",
-        help="TRL settings to measure (comma list): a precision (bf16, fp32), optionally +alloc (the allocator settings "
+        "--rollout",
+        default="hf,native",
+        help="hybridflow rollout backends to try (comma list); one the config rejects is skipped",
+    )
+    parser.add_argument(
+        "--layouts", default="1x2,2x1", help="hybridflow worker layouts WxT (W workers x T threads), comma list"
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=0,
+        help="hybridflow samples per forward/backward (0: the whole per-rank batch)",
+    )
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra hybridflow config override (repeatable)",
+    )
+    parser.add_argument(
+        "--trl-precision",
+        default="bf16,bf16+alloc,bf16+alloc+cb,fp32",
+        help="TRL settings to measure (comma list): a precision (bf16, fp32), optionally +alloc "
+        "(the allocator settings "
         "of hybridflow's workers) and +cb (transformers' continuous batching for generation)",
     )
     parser.add_argument("--skip-trl", action="store_true")
     parser.add_argument("--skip-hybridflow", action="store_true")
-    parser.add_argument("--max-load", type=float, default=0.5, help="wait for the 1-minute load average to fall below this")
-    parser.add_argument("--max-end-load", type=float, default=2.7, help="a run that ends above this load (its own is ~2) is repeated")
+    parser.add_argument(
+        "--max-load", type=float, default=0.5, help="wait for the 1-minute load average to fall below this"
+    )
+    parser.add_argument(
+        "--max-end-load", type=float, default=2.7, help="a run that ends above this load (its own is ~2) is repeated"
+    )
     parser.add_argument("--retries", type=int, default=2, help="repeats of a run disturbed by other work")
     parser.add_argument("--wait", type=float, default=1800, help="seconds to wait for it before measuring anyway")
     parser.add_argument("--work", default="", help="directory for data, runs and logs (default: a new temporary one)")
-    parser.add_argument("--write-doc", action="store_true", help="rewrite docs/performance_grpo_step.md with this run's tables")
-    parser.add_argument("--report-only", action="store_true", help="measure nothing: report (and --write-doc) WORK/results.json of an earlier run")
+    parser.add_argument(
+        "--write-doc", action="store_true", help="rewrite docs/performance_grpo_step.md with this run's tables"
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="measure nothing: report (and --write-doc) WORK/results.json of an earlier run",
+    )
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first is warm-up)")

@@ -41,7 +41,9 @@ def arithmetic_prompts(tokenizer, count: int, group: int, seed: int = 0) -> Data
     ]
     enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     positions = (enc["attention_mask"].cumsum(1) - 1).clamp(min=0)
-    return DataProto.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "position_ids": positions})
+    return DataProto.from_dict(
+        {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "position_ids": positions}
+    )
 
 
 def matmul_peak(size: int = 4096, repeats: int = 3) -> tuple[float, float]:
@@ -131,7 +133,10 @@ def run_generate(model, tokenizer, prompts: DataProto, params: SamplingParams, r
     with torch.no_grad():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], generation_config=warm_up)
         outputs = []
-        best = _best(lambda: outputs.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=config)), repeats)
+        best = _best(
+            lambda: outputs.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=config)),
+            repeats,
+        )
     assert outputs[-1].sequences.shape[1] == ids.shape[1] + params.max_new_tokens
     return best
 
@@ -145,8 +150,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs of each backend (the best is reported)")
     parser.add_argument("--engine-only", action="store_true")
-    parser.add_argument("--wait-idle", type=float, default=0.0, help="before each timed run, wait up to this many "
-                        "seconds for other processes to leave the CPUs idle (on a shared machine)")
+    parser.add_argument(
+        "--wait-idle",
+        type=float,
+        default=0.0,
+        help="before each timed run, wait up to this many "
+        "seconds for other processes to leave the CPUs idle (on a shared machine)",
+    )
     args = parser.parse_args()
     global IDLE_WAIT
     IDLE_WAIT = args.wait_idle
@@ -166,20 +176,31 @@ def main() -> None:
     print(f"engine stats: {rollout.stats}")
     del rollout
     if not args.engine_only:
-        rows.append(("transformers generate", "bf16", *run_generate(model, tokenizer, prompts, params, args.repeats), None))
+        rows.append(
+            ("transformers generate", "bf16", *run_generate(model, tokenizer, prompts, params, args.repeats), None)
+        )
         model = load_causal_lm(args.model, dtype=torch.float32).eval()
-        rows.append(("transformers generate", "fp32", *run_generate(model, tokenizer, prompts, params, args.repeats), None))
+        rows.append(
+            ("transformers generate", "fp32", *run_generate(model, tokenizer, prompts, params, args.repeats), None)
+        )
     best_generate = min((r[2] for r in rows[1:]), default=None)
-    print(f"\n{args.seqs} sequences ({args.seqs // args.group} prompts x {args.group}), prompt {mean_prompt:.0f} tokens on average, "
-          f"{args.new_tokens} new tokens each; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
-          f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)\n")
-    header = "| backend | dtype | seconds | generated tokens/s | speed-up vs best generate | achieved GFLOP/s (% of peak) |"
+    print(
+        f"\n{args.seqs} sequences ({args.seqs // args.group} prompts x {args.group}), "
+        f"prompt {mean_prompt:.0f} tokens on average, "
+        f"{args.new_tokens} new tokens each; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
+        f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)\n"
+    )
+    header = (
+        "| backend | dtype | seconds | generated tokens/s | speed-up vs best generate | achieved GFLOP/s (% of peak) |"
+    )
     print(header + " CPU used by other processes |")
     print("| --- " * 7 + "|")
     for name, dtype, secs, others, achieved in rows:
         ratio = f"{best_generate / secs:.1f}x" if best_generate else "-"
         flop_cell = f"{achieved / 1e9:.0f} ({100 * achieved / peak:.0f}%)" if achieved else "-"
-        print(f"| {name} | {dtype} | {secs:.2f} | {generated / secs:.0f} | {ratio} | {flop_cell} | {100 * others:.0f}% |")
+        print(
+            f"| {name} | {dtype} | {secs:.2f} | {generated / secs:.0f} | {ratio} | {flop_cell} | {100 * others:.0f}% |"
+        )
     print(f"\nload average after: {os.getloadavg()}")
 
 

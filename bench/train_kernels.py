@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -111,7 +111,9 @@ def adamw(repeats: int) -> None:
         "foreach": torch.optim.AdamW(params, lr=1e-5, foreach=True),
         "fused (engine)": torch.optim.AdamW(params, lr=1e-5, fused=True),
     }
-    report(f"One AdamW step over {count / 1e6:.0f} M fp32 parameters", {k: o.step for k, o in optimizers.items()}, repeats)
+    report(
+        f"One AdamW step over {count / 1e6:.0f} M fp32 parameters", {k: o.step for k, o in optimizers.items()}, repeats
+    )
 
 
 def main() -> None:

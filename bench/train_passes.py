@@ -51,10 +51,18 @@ def measure(samples: int, repeats: int, remove_padding: bool, group: int) -> dic
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(2)
     config = ActorConfig(
-        ppo_micro_batch_size_per_gpu=samples, log_prob_micro_batch_size_per_gpu=samples, use_remove_padding=remove_padding
+        ppo_micro_batch_size_per_gpu=samples,
+        log_prob_micro_batch_size_per_gpu=samples,
+        use_remove_padding=remove_padding,
     )
     model, optimizer, scheduler = build_trainable(
-        load_causal_lm, ModelConfig(path="smollm2-135m-instruct"), config.fsdp, OptimConfig(lr=1e-5), torch.device("cpu"), 0, 100
+        load_causal_lm,
+        ModelConfig(path="smollm2-135m-instruct"),
+        config.fsdp,
+        OptimConfig(lr=1e-5),
+        torch.device("cpu"),
+        0,
+        100,
     )
     engine = PolicyEngine(model, optimizer, scheduler, config)
     data = grpo_batch(samples, group)
@@ -106,11 +114,23 @@ def main() -> None:
         _, remove_padding, group = VARIANTS[args.variant]
         print(json.dumps(measure(args.samples, args.repeats, remove_padding, group)))
         return
-    print(f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples, {args.repeats} repeats (first dropped)", flush=True)
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples, {args.repeats} repeats (first dropped)",
+        flush=True,
+    )
     results = {}
     for name, (env, _, _) in VARIANTS.items():
         clean = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV}
-        cmd = [sys.executable, __file__, "--variant", name, "--samples", str(args.samples), "--repeats", str(args.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--variant",
+            name,
+            "--samples",
+            str(args.samples),
+            "--repeats",
+            str(args.repeats),
+        ]
         out = subprocess.run(cmd, env={**clean, **env}, check=True, capture_output=True, text=True).stdout
         times = json.loads(out.strip().splitlines()[-1])
         results[name] = {stage: statistics.median(values[1:]) for stage, values in times.items()}

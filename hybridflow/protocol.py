@@ -14,10 +14,11 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,9 +36,7 @@ def _as_object_array(key: str, value: Any, length: int | None) -> np.ndarray:
         array = np.empty(len(value), dtype=object)
         array[:] = list(value) if len(value) else []
     else:
-        raise TypeError(
-            f"non-tensor key '{key}' must be a numpy array or a list, got {type(value).__name__}"
-        )
+        raise TypeError(f"non-tensor key '{key}' must be a numpy array or a list, got {type(value).__name__}")
     if array.ndim == 0:
         raise TypeError(f"non-tensor key '{key}' is a 0-d array; it needs one entry per sample")
     if length is not None and len(array) != length:
@@ -67,7 +66,8 @@ def _as_tensordict(tensors: dict[str, torch.Tensor] | TensorDict | None) -> Tens
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor alone: a view of a larger storage (a chunk of a batch) is copied, else torch.save writes the whole storage."""
+    """The tensor alone: a view of a larger storage (a chunk of a batch) is copied, else torch.save writes
+    the whole storage."""
     whole = tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
     return tensor if whole and tensor.is_contiguous() else tensor.clone(memory_format=torch.contiguous_format)
 

@@ -100,7 +100,9 @@ def test_rename():
 
 def test_union_merges_and_rejects_conflicts():
     left = make(2)
-    right = DataProto.from_dict({"z": torch.tensor([1, 2]), "x": torch.arange(4).view(2, 2)}, {"tag": ["a", "b"]}, {"step": 3})
+    right = DataProto.from_dict(
+        {"z": torch.tensor([1, 2]), "x": torch.arange(4).view(2, 2)}, {"tag": ["a", "b"]}, {"step": 3}
+    )
     left.union(right)
     assert sorted(left.batch.keys()) == ["x", "y", "z"] and sorted(left.non_tensor_batch) == ["name", "tag"]
     assert left.meta_info == {"temperature": 1.0, "step": 3}
@@ -124,7 +126,9 @@ def test_chunk_split_concat():
     joined = DataProto.concat(chunks)
     assert names(joined) == names(data) and torch.equal(joined.batch["x"], data.batch["x"])
     with pytest.raises(ValueError, match="different non-tensor keys"):
-        DataProto.concat([make(1), DataProto.from_dict({"x": torch.zeros(1, 2, dtype=torch.long), "y": torch.zeros(1)})])
+        DataProto.concat(
+            [make(1), DataProto.from_dict({"x": torch.zeros(1, 2, dtype=torch.long), "y": torch.zeros(1)})]
+        )
 
 
 def test_repeat_interleaved_and_tiled():

@@ -45,7 +45,9 @@ class Measurement:
     steps: list[dict[str, float]]  # seconds per stage, one dict per step (the first is warm-up)
     response_length: list[float]  # mean new tokens per sample, one per step
     load: float  # 1-minute load average when the run started
-    load_end: float = 0.0  # ... and when it ended (about 2 from the run itself on 2 cores; more: something else ran too)
+    load_end: float = (
+        0.0  # ... and when it ended (about 2 from the run itself on 2 cores; more: something else ran too)
+    )
     versions: dict[str, str] = field(default_factory=dict)
 
     def mean(self, stage: str) -> float:
@@ -77,13 +79,16 @@ def _ratio(trl: float, hybridflow: float) -> str:
 
 def comparison_table(hf: Measurement, trl: Measurement) -> list[str]:
     lines = [
-        f"| seconds per step, mean of {hf.measured_steps} / {trl.measured_steps} steps | hybridflow | TRL | TRL / hybridflow |",
+        f"| seconds per step, mean of {hf.measured_steps} / {trl.measured_steps} steps "
+        "| hybridflow | TRL | TRL / hybridflow |",
         "| --- | ---: | ---: | ---: |",
     ]
     for stage, label in STAGES.items():
         a, b = hf.mean(stage), trl.mean(stage)
         bold = "**" if stage == "step" else ""
-        lines.append(f"| {bold}{label}{bold} | {bold}{a:.2f}{bold} | {bold}{b:.2f}{bold} | {bold}{_ratio(b, a)}{bold} |")
+        lines.append(
+            f"| {bold}{label}{bold} | {bold}{a:.2f}{bold} | {bold}{b:.2f}{bold} | {bold}{_ratio(b, a)}{bold} |"
+        )
     lines.append(f"| mean response length (tokens) | {hf.mean_length():.1f} | {trl.mean_length():.1f} | |")
     return lines
 
@@ -96,7 +101,8 @@ def settings_table(measured: list[Measurement]) -> list[str]:
     for m in measured:
         lines.append(
             f"| {m.system} | {m.setting} | {m.mean('step'):.2f} | {m.spread()} | {m.mean('gen'):.2f} | "
-            f"{m.mean('old_log_prob'):.2f} | {m.mean('update'):.2f} | {m.mean_length():.1f} | {m.load:.2f} / {m.load_end:.2f} |"
+            f"{m.mean('old_log_prob'):.2f} | {m.mean('update'):.2f} | {m.mean_length():.1f} | "
+            f"{m.load:.2f} / {m.load_end:.2f} |"
         )
     return lines
 
@@ -124,8 +130,12 @@ def print_report(measured: list[Measurement]) -> None:
 
 def _git_state(repo: Path) -> str:
     """The commit, and the hybridflow files changed on top of it (read-only git)."""
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    status = subprocess.run(["git", "status", "--short", "hybridflow"], cwd=repo, capture_output=True, text=True).stdout.split("\n")
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    status = subprocess.run(
+        ["git", "status", "--short", "hybridflow"], cwd=repo, capture_output=True, text=True
+    ).stdout.split("\n")
     changed = [line[3:] for line in status if line.strip()]
     return f"commit {head or 'unknown'}" + (f" with uncommitted changes to {', '.join(changed)}" if changed else "")
 
@@ -146,8 +156,8 @@ def write_doc(path: Path, measured: list[Measurement], command: str, started: st
     loads = ", ".join(f"{m.load:.2f} / {m.load_end:.2f}" for m in measured)
     text = f"""# Performance: one GRPO step, hybridflow against TRL
 
-Written by `bench/grpo_step.py`; measured {started} to {time.strftime("%H:%M %Z")} on this machine ({platform.processor() or platform.machine()},
-2 cores, 24 GiB, no GPU) on {_git_state(path.parents[1])}.
+Written by `bench/grpo_step.py`; measured {started} to {time.strftime("%H:%M %Z")} on this machine
+({platform.processor() or platform.machine()}, 2 cores, 24 GiB, no GPU) on {_git_state(path.parents[1])}.
 
     {command}
 
@@ -174,9 +184,9 @@ hybridflow: {hf.setting}. TRL: {trl.setting}.
 - Data: the built-in arithmetic task (`python -m hybridflow.data.tasks arithmetic --train 64 --test 8 --seed 0`),
   chat-templated by each side with the model's template; reward = hybridflow's arithmetic scorer (TRL side:
   `hybridflow/reward/scorers/numbers.py` loaded by file path, `extract_final_number` copied).
-- {args.prompts} prompts x {args.n} samples per step, at most {args.new_tokens} new tokens, temperature 1, no top-k / top-p,
-  stop at EOS; GRPO advantages normalised by the group's std; clip 0.2; no KL (hybridflow `use_kl_loss=false`,
-  `use_kl_in_reward=false`; TRL `beta=0`); AdamW lr {args.lr:g} constant, weight decay 0.01, grad-norm clip 1;
+- {args.prompts} prompts x {args.n} samples per step, at most {args.new_tokens} new tokens, temperature 1,
+  no top-k / top-p, stop at EOS; GRPO advantages normalised by the group's std; clip 0.2;
+  no KL (hybridflow `use_kl_loss=false`, `use_kl_in_reward=false`; TRL `beta=0`); AdamW lr {args.lr:g} constant, weight decay 0.01, grad-norm clip 1;
   one optimizer step per batch; no activation checkpointing (TRL's default `True` is turned off, as in hybridflow).
 - Seconds per step: mean over steps 2..{args.steps} of each run (step 1 is warm-up and dropped). hybridflow: the
   trainer's own `timing_s/*` (metrics.jsonl). TRL: a `TrainerCallback` from `on_step_begin` to `on_step_end`,

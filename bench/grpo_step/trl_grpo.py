@@ -138,14 +138,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    parser.add_argument("--micro-batch", type=int, default=32, help="completions per forward/backward (32: no accumulation)")
+    parser.add_argument(
+        "--micro-batch", type=int, default=32, help="completions per forward/backward (32: no accumulation)"
+    )
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument(
         "--generation", choices=["generate", "continuous_batching"], default="generate",
-        help="model.generate on a padded batch, or transformers' continuous batching (TRL casts the model to bf16 for it)",
+        help="model.generate on a padded batch, or transformers' continuous batching "
+        "(TRL casts the model to bf16 for it)",
     )  # fmt: skip
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -180,7 +183,9 @@ def main() -> None:
         dataloader_num_workers=0,
         log_completions=False,
     )
-    trainer = GRPOTrainer(model=args.model, reward_funcs=arithmetic_reward, args=config, train_dataset=load_prompts(args.data))
+    trainer = GRPOTrainer(
+        model=args.model, reward_funcs=arithmetic_reward, args=config, train_dataset=load_prompts(args.data)
+    )
     timer = StageTimer()
     timer.wrap(trainer, "_generate_and_score_completions", "make_experience")
     timer.wrap(trainer, "_generate", "gen")

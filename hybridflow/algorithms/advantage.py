@@ -21,8 +21,9 @@ Users add an estimator with `@register_adv_estimator("name")` on a function of t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,7 +17,7 @@ Logits must be finite (mask vocabulary entries with a large negative number, not
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -263,9 +263,7 @@ def _pass_at_k_values(group_scores: torch.Tensor, k: int) -> tuple[torch.Tensor,
         per_sample_sorted = s.clone()
     else:
         # Subsets containing sample i: i plus a random (k-1)-subset of the other n-1 samples.
-        p_other = torch.tensor(
-            [math.comb(j - 1, k - 2) / math.comb(n - 1, k - 1) for j in range(1, n)], dtype=s.dtype
-        )
+        p_other = torch.tensor([math.comb(j - 1, k - 2) / math.comb(n - 1, k - 1) for j in range(1, n)], dtype=s.dtype)
         off_diag = ~torch.eye(n, dtype=torch.bool)
         others = s.expand(n, n)[off_diag].view(n, n - 1)  # row i: the others, still ascending
         per_sample_sorted = (torch.maximum(s[:, None], others) * p_other).sum(dim=-1)

@@ -21,7 +21,7 @@ Two uses, both supported:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

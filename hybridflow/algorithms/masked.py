@@ -56,9 +56,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return torch.where(denom > 0, sq_dev / denom.clamp_min(1.0), torch.zeros_like(sq_dev))
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """Standardise `x` with the mean and (unbiased) variance of its masked positions.
 
     x, mask: (B, T) → (B, T). Computes (x - mean) / sqrt(var + eps); with

@@ -21,8 +21,8 @@ KL-Cov) are in `cov_losses.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

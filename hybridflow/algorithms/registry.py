@@ -34,9 +34,7 @@ class Registry(Generic[T]):
             return self._entries[name]
         except KeyError:
             known = ", ".join(self.names())
-            raise ValueError(
-                f"unknown {self.kind} {name!r} ({self.config_key}); known: {known}"
-            ) from None
+            raise ValueError(f"unknown {self.kind} {name!r} ({self.config_key}); known: {known}") from None
 
     def names(self) -> list[str]:
         """Registered names, sorted."""

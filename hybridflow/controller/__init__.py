@@ -1,10 +1,10 @@
 """The single-controller runtime: workers, worker groups, dispatch, resource pools, Ray."""
 
 from hybridflow.controller.decorator import (
+    CollectSpec,
     Dispatch,
     DispatchMode,
     DispatchPlan,
-    CollectSpec,
     Execute,
     GroupLayout,
     MeshCoord,

@@ -12,9 +12,10 @@ non-blocking result (which carries its collect function) can travel to other wor
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from hybridflow.protocol import DataProto, DataProtoFuture, concat_and_unpad
 
@@ -162,9 +163,7 @@ def split_protos(args: tuple, kwargs: dict, chunks: int) -> tuple[list[tuple], l
             split_values.append([value] * chunks)
     n_args = len(args)
     per_chunk_args = [tuple(parts[c] for parts in split_values[:n_args]) for c in range(chunks)]
-    per_chunk_kwargs = [
-        {k: parts[c] for k, parts in zip(kwargs, split_values[n_args:])} for c in range(chunks)
-    ]
+    per_chunk_kwargs = [{k: parts[c] for k, parts in zip(kwargs, split_values[n_args:])} for c in range(chunks)]
     return per_chunk_args, per_chunk_kwargs, pad_size
 
 
@@ -281,4 +280,3 @@ def registered_methods(cls: type) -> dict[str, MethodSpec]:
             elif name in methods:
                 del methods[name]
     return methods
-

@@ -121,7 +121,9 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
         _RemoteHost.options(
             num_cpus=resources["num_cpus"],
             num_gpus=resources["num_gpus"],
-            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            ),
         ).remote(specs)
         for pg, index in placements
     ]
@@ -136,7 +138,9 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
         DistEnv(rank, len(hosts), local_ranks[rank], master_addr, master_port, device) for rank in range(len(hosts))
     ]
     ranks = list(range(len(hosts)))
-    _wait_all(group_name, "__init__", [h.setup.remote(env, pool.threads_per_worker) for h, env in zip(hosts, envs)], ranks)
+    _wait_all(
+        group_name, "__init__", [h.setup.remote(env, pool.threads_per_worker) for h, env in zip(hosts, envs)], ranks
+    )
     return hosts
 
 

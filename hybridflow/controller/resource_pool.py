@@ -73,7 +73,9 @@ class RayResourcePool(ResourcePool):
     def placement_groups(self) -> list[PlacementGroup]:
         if self._placement_groups is None:
             groups = [
-                placement_group([self.bundle] * count, strategy="STRICT_PACK", name=f"{self.name}_{uuid.uuid4().hex[:8]}_node{i}")
+                placement_group(
+                    [self.bundle] * count, strategy="STRICT_PACK", name=f"{self.name}_{uuid.uuid4().hex[:8]}_node{i}"
+                )
                 for i, count in enumerate(self.process_on_nodes)
             ]
             ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=self.ready_timeout_s)

@@ -92,7 +92,7 @@ class Worker:
         self._dispatch_meshes: dict[str, MeshCoord] = {}
 
     def register_dispatch_mesh(
-        self, name: str, mesh: "torch.distributed.device_mesh.DeviceMesh", dp_dim: str = "dp"
+        self, name: str, mesh: torch.distributed.device_mesh.DeviceMesh, dp_dim: str = "dp"
     ) -> MeshCoord:
         """Declare this rank's place in ``mesh`` for ``mesh_compute_proto(name)`` dispatch.
 

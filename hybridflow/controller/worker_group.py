@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from hybridflow.controller.decorator import (
     DispatchPlan,
@@ -91,4 +92,3 @@ class WorkerGroup(ABC):
     @abstractmethod
     def _fetch_mesh(self, mesh_name: str) -> list[MeshCoord]:
         """Every rank's declared coordinate in ``mesh_name``, in rank order."""
-

@@ -1,8 +1,8 @@
 """Data: prompt datasets from parquet/jsonl, the batch loader, built-in tasks, preprocessing.
 
-    dataset = RLHFDataset("data/arithmetic/train.parquet", tokenizer, DatasetConfig())
-    loader = PromptDataLoader(dataset, batch_size=32, seed=0)
-    for batch in loader: ...   # DataProto: input_ids, attention_mask, position_ids (B, P), left-padded
+dataset = RLHFDataset("data/arithmetic/train.parquet", tokenizer, DatasetConfig())
+loader = PromptDataLoader(dataset, batch_size=32, seed=0)
+for batch in loader: ...   # DataProto: input_ids, attention_mask, position_ids (B, P), left-padded
 """
 
 from hybridflow.data.config import DatasetConfig

@@ -13,8 +13,9 @@ work on pad tokens; a fixed shape would only help compiled graphs, which nothing
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,8 +38,13 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
 
 
 def _check_messages(messages: Any, row: int, key: str) -> list[dict]:
-    ok = isinstance(messages, list) and messages and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ok = (
+        isinstance(messages, list)
+        and messages
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
     )
     if not ok:
         raise ValueError(

@@ -15,7 +15,8 @@ sees the same next batch as the run that saved it, across epoch boundaries too.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 

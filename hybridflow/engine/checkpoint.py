@@ -31,7 +31,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_training_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int) -> None:
+def save_training_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int
+) -> None:
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
@@ -43,10 +45,14 @@ def save_training_state(directory: Path, model: nn.Module, optimizer: torch.opti
         dist.barrier()
 
 
-def load_training_state(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int) -> None:
+def load_training_state(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int
+) -> None:
     """Collective. Works on a different number of ranks than saved; RNG states then come from rank 0's file."""
     if not (directory / SHARDS).is_dir():
-        raise FileNotFoundError(f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?")
+        raise FileNotFoundError(
+            f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?"
+        )
     optimizers = optimizer if optimizer is not None else []
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optim": optim_state}

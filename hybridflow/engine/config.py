@@ -9,7 +9,9 @@ from hybridflow.algorithms import PolicyLossConfig
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny-llama"  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+    path: str = (
+        "tiny-llama"  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+    )
     enable_gradient_checkpointing: bool = False  # recompute activations in backward to save memory
 
 
@@ -38,11 +40,19 @@ class ActorConfig:
     shuffle: bool = True  # shuffle samples between mini-batches (seeded)
     log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing old log-probs
     use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
-    ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch when computing old log-probs
+    use_dynamic_bsz: bool = (
+        False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    )
+    ppo_max_token_len_per_gpu: int = (
+        16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    )
+    log_prob_max_token_len_per_gpu: int = (
+        16384  # use_dynamic_bsz: most real tokens per micro-batch when computing old log-probs
+    )
     param_offload: bool = False  # move this rank's parameter shards and gradients to CPU memory while the actor generates (GPU; a no-op on CPU)
-    optimizer_offload: bool = False  # move the optimizer state to CPU memory while the actor generates (GPU; a no-op on CPU)
+    optimizer_offload: bool = (
+        False  # move the optimizer state to CPU memory while the actor generates (GPU; a no-op on CPU)
+    )
     reuse_update_log_probs: bool = True  # on-policy steps (ppo_epochs 1, mini-batch = train batch, no KL in reward): old log-probs come from the update's own forward before its optimizer step (exact), no separate pass
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # loss_mode and clip ratios
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
@@ -59,7 +69,9 @@ class ActorConfig:
 class RefConfig:
     log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing reference log-probs
     use_remove_padding: bool = True  # run the forward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = False  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
+    use_dynamic_bsz: bool = (
+        False  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
+    )
     log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch on one rank
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -73,9 +85,15 @@ class CriticConfig:
     shuffle: bool = True  # shuffle samples between mini-batches (seeded)
     forward_micro_batch_size_per_gpu: int = 16  # samples per forward when computing values
     use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
-    ppo_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    forward_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch when computing values
+    use_dynamic_bsz: bool = (
+        False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    )
+    ppo_max_token_len_per_gpu: int = (
+        16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    )
+    forward_max_token_len_per_gpu: int = (
+        16384  # use_dynamic_bsz: most real tokens per micro-batch when computing values
+    )
     cliprange_value: float = 0.5  # value clipping range around the old values
     loss_agg_mode: str = "token-mean"  # aggregation of the value loss
     grad_clip: float = 1.0  # max global grad norm

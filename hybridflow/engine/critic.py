@@ -49,7 +49,8 @@ class CriticEngine:
         return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> dict[str, float]:
-        """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and ``perf/tflops_critic_update``."""
+        """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and
+        ``perf/tflops_critic_update``."""
         cfg = self.config
         start = time.perf_counter()
         metrics = run_updates(

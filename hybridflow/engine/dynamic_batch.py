@@ -9,7 +9,7 @@ largest count over the ranks as its minimum.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -65,13 +65,16 @@ def micro_batch_groups(lengths: Sequence[int], micro_batch_size: int, max_tokens
     if max_tokens is None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-        return [list(range(s, min(s + micro_batch_size, len(lengths)))) for s in range(0, len(lengths), micro_batch_size)]
+        return [
+            list(range(s, min(s + micro_batch_size, len(lengths)))) for s in range(0, len(lengths), micro_batch_size)
+        ]
     count = len(group_by_tokens(lengths, max_tokens))
     return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count))
 
 
 def split_by_groups(data: DataProto, groups: list[list[int]]) -> list[DataProto]:
     """The micro-batches; a group of consecutive rows is a slice (a view, no copy)."""
+
     def take(group: list[int]) -> DataProto:
         consecutive = group == list(range(group[0], group[0] + len(group)))
         return data[group[0] : group[0] + len(group)] if consecutive else data[group]

@@ -8,8 +8,9 @@ MFU. A decoder's forward costs, per sequence of L tokens,
                                over the L^2 / 2 pairs of the causal triangle, per head
 
 where a pass that runs the LM head on some positions only (the response tokens, see forward.py)
-counts the head's weights for those positions alone; backward is twice the forward, so a training step is 3x forward (activation recomputation from gradient
-checkpointing is not counted: these are model FLOPs, not hardware FLOPs).
+counts the head's weights for those positions alone; backward is twice the forward, so a
+training step is 3x forward (activation recomputation from gradient checkpointing is not counted: these
+are model FLOPs, not hardware FLOPs).
 
 The peak is measured, not looked up: large bf16 matmuls for about half a second, once per process
 and device (``peak_flops``). On a CPU that is the matmul rate of the cores this process gets
@@ -20,14 +21,14 @@ processes busy on the same cores at start-up lower it, and MFU then reads high.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Sequence
-
-PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
+from functools import cache
 
 import torch
 from torch import nn
+
+PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
 
 
 @dataclass(frozen=True)
@@ -66,8 +67,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-@lru_cache(maxsize=None)
-def peak_flops(device: torch.device = torch.device("cpu"), dtype: torch.dtype = torch.bfloat16, seconds: float = 0.5) -> float:
+CPU = torch.device("cpu")
+
+
+@cache
+def peak_flops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16, seconds: float = 0.5) -> float:
     """Measured FLOP/s of square ``dtype`` matmuls on ``device``; once per process (cached).
 
     The best of several short windows, so that a moment of contention (other processes on the
@@ -106,10 +110,10 @@ class PassMeter:
         self.flops = model_flops(model)
         self.peak = peak_flops(model_device(model))
 
-    def metrics(
-        self, name: str, work: PassWork, seconds: float, training: bool, repeats: int = 1
-    ) -> dict[str, float]:
+    def metrics(self, name: str, work: PassWork, seconds: float, training: bool, repeats: int = 1) -> dict[str, float]:
         """Metrics of a pass over ``work`` (``repeats`` times, e.g. epochs)."""
         lengths, head_tokens = work
-        flops = repeats * (self.flops.training(lengths, head_tokens) if training else self.flops.forward(lengths, head_tokens))
+        flops = repeats * (
+            self.flops.training(lengths, head_tokens) if training else self.flops.forward(lengths, head_tokens)
+        )
         return {**flops_metrics(name, flops, seconds, self.peak), "perf/peak_tflops": self.peak / 1e12}

@@ -45,7 +45,9 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def response_outputs(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_outputs(
+    model: nn.Module, batch: DataProto, remove_padding: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's outputs (``.logits``) that predict the response tokens, and where they go.
 
     Padded: (B, R, C) for every response position, and None. Packed: (M, C) for the M real
@@ -58,7 +60,9 @@ def response_outputs(model: nn.Module, batch: DataProto, remove_padding: bool = 
         inputs = {key: tensors[key] for key in ("input_ids", "attention_mask", "position_ids")}
         return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
     packed = pack(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], response_length)
-    keep = packed.response_index[packed.response_valid]  # (M,) packed positions; rows sharing a prompt share its last one
+    keep = packed.response_index[
+        packed.response_valid
+    ]  # (M,) packed positions; rows sharing a prompt share its last one
     if _accepts_logits_to_keep(model):
         return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid
     return packed_forward(model, packed)[0, keep], packed.response_valid
@@ -119,7 +123,10 @@ def batched_log_probs(
     collective under data parallelism (every rank runs as many micro-batches).
     """
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)
-    parts = [response_log_probs(model, micro, temperature, with_entropy, remove_padding) for micro in split_by_groups(data, groups)]
+    parts = [
+        response_log_probs(model, micro, temperature, with_entropy, remove_padding)
+        for micro in split_by_groups(data, groups)
+    ]
     log_probs = restore_order([p[0] for p in parts], groups)
     entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None
     return log_probs, entropy
@@ -127,7 +134,12 @@ def batched_log_probs(
 
 @torch.no_grad()
 def batched_values(
-    model: nn.Module, data: DataProto, micro_batch_size: int, *, remove_padding: bool = False, max_token_len: int | None = None
+    model: nn.Module,
+    data: DataProto,
+    micro_batch_size: int,
+    *,
+    remove_padding: bool = False,
+    max_token_len: int | None = None,
 ) -> torch.Tensor:
     """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)

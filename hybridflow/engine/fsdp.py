@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
     """Shard parameters over ``mesh`` (fp32 masters); forward and backward run in ``param_dtype``."""
-    policy = MixedPrecisionPolicy(param_dtype=parse_dtype(config.param_dtype), reduce_dtype=parse_dtype(config.reduce_dtype))
+    policy = MixedPrecisionPolicy(
+        param_dtype=parse_dtype(config.param_dtype), reduce_dtype=parse_dtype(config.reduce_dtype)
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

@@ -31,7 +31,8 @@ gradients equal the unshared computation. Measured (bench/train_passes.py, smoll
 Within the rows, short rows (the common case in RL: a few hundred tokens) use attention written
 out as two batched matmuls around a float32 softmax: SDPA's CPU flash kernel is slow on such
 shapes (bench/train_kernels.py: 32 rows x 77 tokens, 9 query / 3 kv heads, bf16, forward +
-backward: flash 35 ms, SDPA's math backend 20 ms, this 7.5 ms per layer). Rows whose score matrix would be large use SDPA.
+backward: flash 35 ms, SDPA's math backend 20 ms, this 7.5 ms per layer). Rows whose score matrix would
+be large use SDPA.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class PackedBatch:
 
 def prompt_leaders(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
     """(b,) for each row, the first row with the same prompt (itself if none before it has it)."""
-    prompts = torch.cat([input_ids[:, :prompt_length] * attention_mask[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1)
+    prompts = torch.cat(
+        [input_ids[:, :prompt_length] * attention_mask[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1
+    )
     _, group = torch.unique(prompts, dim=0, return_inverse=True)
     rows = torch.arange(len(group), device=group.device)
     first = torch.full((int(group.max()) + 1 if len(group) else 0,), len(group), dtype=torch.long, device=group.device)
@@ -101,11 +104,15 @@ def pack(
     lengths = mask.sum(dim=1)  # (b,)
     slots = torch.arange(max(int(lengths.max()), 1) if len(lengths) else 1, device=mask.device)
     in_row = slots < lengths.unsqueeze(1)  # (b, L)
-    columns = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, : len(slots)]  # the row's real columns in order
+    columns = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[
+        :, : len(slots)
+    ]  # the row's real columns in order
     slot_of = mask.long().cumsum(1) - 1  # (b, P+R) slot of each real token within its row
     segments = Segments(
         index=torch.where(in_row, position.gather(1, columns), 0),
-        real=(rows.unsqueeze(1) * len(slots) + slot_of)[keep],  # each packed token's output: the slot of the row that holds it
+        real=(rows.unsqueeze(1) * len(slots) + slot_of)[
+            keep
+        ],  # each packed token's output: the slot of the row that holds it
     )
     # Response token t sits at column P+t and is predicted by the output at column P+t-1 (a real token).
     response_index = position[:, prompt_length - 1 : width - 1].clamp(min=0)
@@ -147,7 +154,9 @@ def packed_sdpa_attention(
     if packed_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("packed attention supports plain causal attention only (no mask, sliding window or softcap)")
+        raise NotImplementedError(
+            "packed attention supports plain causal attention only (no mask, sliding window or softcap)"
+        )
     global _packed_calls
     _packed_calls += 1
     rows, longest = packed_segments.index.shape
@@ -220,6 +229,8 @@ def packed_forward(model: nn.Module, packed: PackedBatch, logits_to_keep: torch.
         **extra,
     ).logits
     if _packed_calls == calls:
-        raise RuntimeError(f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
-                           "set use_remove_padding=false")
+        raise RuntimeError(
+            f"{type(model).__name__} does not route attention through transformers' AttentionInterface; "
+            "set use_remove_padding=false"
+        )
     return output

@@ -28,7 +28,9 @@ class PolicyEngine:
         self.log_prob_metrics: dict[str, float] = {}  # perf/* of the last compute_log_prob
         self.pre_update: dict[str, torch.Tensor] = {}  # old_log_probs / entropys an on-policy update computed
 
-    def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def compute_log_prob(
+        self, data: DataProto, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Old log-probs (and entropy), (B, R); its FLOP/s are left in ``self.log_prob_metrics``."""
         cfg = self.config
         self.model.eval()
@@ -46,13 +48,19 @@ class PolicyEngine:
         self.log_prob_metrics = self.meter.metrics("log_prob", work, time.perf_counter() - start, training=False)
         return result
 
-    def _micro_loss(self, micro: DataProto, agg: LossAggregation, temperature: float, on_policy: bool) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(
+        self, micro: DataProto, agg: LossAggregation, temperature: float, on_policy: bool
+    ) -> tuple[torch.Tensor, dict]:
         cfg = self.config
         batch = micro.batch
         mask = batch["response_mask"]
         entropy_in_loss = cfg.entropy_coeff != 0
         log_prob, entropy = response_log_probs(
-            self.model, micro, temperature, with_entropy=entropy_in_loss or on_policy, remove_padding=cfg.use_remove_padding,
+            self.model,
+            micro,
+            temperature,
+            with_entropy=entropy_in_loss or on_policy,
+            remove_padding=cfg.use_remove_padding,
             entropy_grad=entropy_in_loss,
         )
         if on_policy:  # before the optimizer step the current log-probs are the old ones, exactly
@@ -94,7 +102,9 @@ class PolicyEngine:
                     f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} epoch(s), mini-batches "
                     f"of {mini_batch_size} of {len(data)} samples): compute old log-probs first"
                 )
-            data = data.select(batch_keys=list(data.batch.keys()))  # new TensorDict: the row index stays out of the caller's
+            data = data.select(
+                batch_keys=list(data.batch.keys())
+            )  # new TensorDict: the row index stays out of the caller's
             data.batch[_ROW] = torch.arange(len(data))
             shape = data.batch["responses"].shape
             self.pre_update = {key: torch.zeros(shape, dtype=torch.float32) for key in ("old_log_probs", "entropys")}

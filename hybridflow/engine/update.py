@@ -12,7 +12,7 @@ the (B, R) layout, so the response length used by ``seq-mean-token-sum-norm`` is
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

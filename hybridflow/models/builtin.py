@@ -35,7 +35,9 @@ def resolve_model_path(path: str | Path, **tiny_overrides: int) -> Path:
     if name in tiny.TINY_FAMILIES:
         return tiny.materialise_tiny(name, **tiny_overrides)
     if tiny_overrides:
-        raise ValueError(f"size overrides {sorted(tiny_overrides)} apply only to {sorted(tiny.TINY_FAMILIES)}, not {name!r}")
+        raise ValueError(
+            f"size overrides {sorted(tiny_overrides)} apply only to {sorted(tiny.TINY_FAMILIES)}, not {name!r}"
+        )
     if name == smollm2.NAME:
         return smollm2.materialise_smollm2()
     directory = Path(name).expanduser()

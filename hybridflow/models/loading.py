@@ -91,7 +91,9 @@ def _load_with_head(auto_class: Any, directory: Path, config: Any, dtype: torch.
     missing = set(info["missing_keys"])
     not_head = sorted(k for k in missing if k.split(".")[0] != HEAD_NAME)
     if not_head:
-        raise RuntimeError(f"backbone weights missing from {directory}: {not_head[:5]}{' ...' if len(not_head) > 5 else ''}")
+        raise RuntimeError(
+            f"backbone weights missing from {directory}: {not_head[:5]}{' ...' if len(not_head) > 5 else ''}"
+        )
     head = getattr(model, HEAD_NAME)
     with torch.no_grad():
         for name, param in head.named_parameters():

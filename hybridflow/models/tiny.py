@@ -52,10 +52,13 @@ class TinyModelSpec:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+            )
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
-                f"num_key_value_heads={self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}"
+                f"num_key_value_heads={self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
             )
         if self.vocab_size < tiny_tokenizer.MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {tiny_tokenizer.MIN_VOCAB_SIZE}, got {self.vocab_size}")

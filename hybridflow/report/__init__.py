@@ -1,7 +1,7 @@
 """Reports of a training run: PNG curves and one self-contained HTML page from ``<run_dir>/metrics.jsonl``.
 
-    hybridflow report runs/hybridflow/run        # or: python -m hybridflow.report runs/hybridflow/run
-    -> runs/hybridflow/run/report/report.html and runs/hybridflow/run/report/*.png
+hybridflow report runs/hybridflow/run        # or: python -m hybridflow.report runs/hybridflow/run
+-> runs/hybridflow/run/report/report.html and runs/hybridflow/run/report/*.png
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="hybridflow report", description="PNG curves and an HTML page from a run's metrics.jsonl")
+    parser = argparse.ArgumentParser(
+        prog="hybridflow report", description="PNG curves and an HTML page from a run's metrics.jsonl"
+    )
     parser.add_argument("run_dir", type=Path, help="the run's output dir (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: RUN_DIR/report)")
     args = parser.parse_args(argv)

@@ -40,7 +40,12 @@ def load_metrics(path: Path) -> Metrics:
         except (ValueError, KeyError, TypeError):
             continue
         for key, value in row.items():
-            if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                key == "step"
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 continue
             by_key.setdefault(key, {})[step] = float(value)
     metrics = {}
@@ -54,6 +59,10 @@ def match(metrics: Metrics, patterns: tuple[str, ...]) -> list[str]:
     """Metric names matching any pattern (``*`` wildcards), in pattern order, each once."""
     names: list[str] = []
     for pattern in patterns:
-        found = sorted(k for k in metrics if fnmatch.fnmatchcase(k, pattern)) if "*" in pattern else [pattern] * (pattern in metrics)
+        found = (
+            sorted(k for k in metrics if fnmatch.fnmatchcase(k, pattern))
+            if "*" in pattern
+            else [pattern] * (pattern in metrics)
+        )
         names.extend(k for k in found if k not in names)
     return names

@@ -66,7 +66,11 @@ def summarize(metrics: Metrics) -> list[SummaryRow]:
             if better:
                 index = int(np.argmax(series.values) if better == "max" else np.argmin(series.values))
                 best, best_step = float(series.values[index]), int(series.steps[index])
-            rows.append(SummaryRow(key, float(series.values[0]), float(series.values[-1]), int(series.steps[-1]), best, best_step))
+            rows.append(
+                SummaryRow(
+                    key, float(series.values[0]), float(series.values[-1]), int(series.steps[-1]), best, best_step
+                )
+            )
     return rows
 
 
@@ -87,10 +91,13 @@ def _table(rows: list[SummaryRow]) -> str:
 def _figure(title: str, png: Path) -> str:
     data = base64.b64encode(png.read_bytes()).decode("ascii")
     alt = html.escape(f"{title} ({png.name})")
-    return f'<figure id="{html.escape(png.stem)}"><img alt="{alt}" src="data:image/png;base64,{data}"><figcaption>{html.escape(png.name)}</figcaption></figure>'
+    image = f'<img alt="{alt}" src="data:image/png;base64,{data}">'
+    return f'<figure id="{html.escape(png.stem)}">{image}<figcaption>{html.escape(png.name)}</figcaption></figure>'
 
 
-def render_page(run_dir: Path, metrics: Metrics, figures: list[tuple[str, Path]], config_text: str | None = None) -> str:
+def render_page(
+    run_dir: Path, metrics: Metrics, figures: list[tuple[str, Path]], config_text: str | None = None
+) -> str:
     """The page as a string; ``figures`` are (title, png path) pairs, embedded in that order."""
     steps = sorted({int(s) for series in metrics.values() for s in series.steps})
     span = f"steps {steps[0]}–{steps[-1]}" if steps else "no steps"
@@ -106,6 +113,8 @@ def render_page(run_dir: Path, metrics: Metrics, figures: list[tuple[str, Path]]
         *(_figure(title, png) for title, png in figures),
     ]
     if config_text:
-        parts.append(f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{html.escape(config_text)}</pre></details>")
+        parts.append(
+            f"<h2>Config</h2><details><summary>config.yaml</summary><pre>{html.escape(config_text)}</pre></details>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts)

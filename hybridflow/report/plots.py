@@ -15,7 +15,8 @@ from hybridflow.report.data import Metrics, match
 
 @dataclass(frozen=True)
 class Panel:
-    """One axes: every metric matching ``keys`` as a line; ``band`` shades <name>/min..<name>/max under a <name>/mean."""
+    """One axes: every metric matching ``keys`` as a line; ``band`` shades <name>/min..<name>/max under a
+    <name>/mean."""
 
     title: str
     keys: tuple[str, ...]
@@ -34,38 +35,64 @@ class FigureSpec:
 
 
 FIGURES = (
-    FigureSpec("reward", "Reward / score", (
-        Panel("train score (per step) and validation score", ("critic/score/mean", "val/score/mean"), band=True),
-    )),
-    FigureSpec("validation", "Validation by data source", (
-        Panel("score mean", ("val/*/score_mean",), by_source=True),
-        Panel("pass@k / mean@n", ("val/*/pass@*", "val/*/mean@*"), by_source=True),
-    )),
-    FigureSpec("response_length", "Response length", (
-        Panel("response length (tokens)", ("response_length/mean",), band=True),
-        Panel("fraction hitting the length limit", ("response_length/clip_ratio",)),
-    )),
-    FigureSpec("kl", "KL", (
-        Panel("PPO KL (old vs new policy)", ("actor/ppo_kl",)),
-        Panel("KL loss (to reference)", ("actor/kl_loss",)),
-        Panel("KL penalty in reward", ("actor/reward_kl_penalty",)),
-    )),
+    FigureSpec(
+        "reward",
+        "Reward / score",
+        (Panel("train score (per step) and validation score", ("critic/score/mean", "val/score/mean"), band=True),),
+    ),
+    FigureSpec(
+        "validation",
+        "Validation by data source",
+        (
+            Panel("score mean", ("val/*/score_mean",), by_source=True),
+            Panel("pass@k / mean@n", ("val/*/pass@*", "val/*/mean@*"), by_source=True),
+        ),
+    ),
+    FigureSpec(
+        "response_length",
+        "Response length",
+        (
+            Panel("response length (tokens)", ("response_length/mean",), band=True),
+            Panel("fraction hitting the length limit", ("response_length/clip_ratio",)),
+        ),
+    ),
+    FigureSpec(
+        "kl",
+        "KL",
+        (
+            Panel("PPO KL (old vs new policy)", ("actor/ppo_kl",)),
+            Panel("KL loss (to reference)", ("actor/kl_loss",)),
+            Panel("KL penalty in reward", ("actor/reward_kl_penalty",)),
+        ),
+    ),
     FigureSpec("entropy", "Entropy", (Panel("policy entropy (per token)", ("actor/entropy",)),)),
-    FigureSpec("clip_fraction", "Clip fraction", (
-        Panel("fraction of tokens clipped", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac")),
-    )),
-    FigureSpec("grad_norm", "Gradient norm", (
-        Panel("actor grad norm", ("actor/grad_norm",)),
-        Panel("critic grad norm", ("critic/grad_norm",)),
-    )),
-    FigureSpec("loss", "Losses", (
-        Panel("policy loss", ("actor/pg_loss",)),
-        Panel("value loss", ("critic/vf_loss",)),
-    )),
+    FigureSpec(
+        "clip_fraction",
+        "Clip fraction",
+        (Panel("fraction of tokens clipped", ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "critic/vf_clipfrac")),),
+    ),
+    FigureSpec(
+        "grad_norm",
+        "Gradient norm",
+        (
+            Panel("actor grad norm", ("actor/grad_norm",)),
+            Panel("critic grad norm", ("critic/grad_norm",)),
+        ),
+    ),
+    FigureSpec(
+        "loss",
+        "Losses",
+        (
+            Panel("policy loss", ("actor/pg_loss",)),
+            Panel("value loss", ("critic/vf_loss",)),
+        ),
+    ),
     FigureSpec("timing", "Time per stage", stacked=True),
-    FigureSpec("throughput", "Throughput", (
-        Panel("tokens per second", ("perf/tokens_per_second", "perf/generated_tokens_per_second")),
-    )),
+    FigureSpec(
+        "throughput",
+        "Throughput",
+        (Panel("tokens per second", ("perf/tokens_per_second", "perf/generated_tokens_per_second")),),
+    ),
 )
 
 PANEL_WIDTH, PANEL_HEIGHT, DPI = 5.2, 3.6, 110
@@ -96,7 +123,9 @@ def _draw_panel(ax: Axes, metrics: Metrics, panel: Panel, keys: list[str]) -> No
         if panel.band and key.endswith("/mean") and f"{stem}/min" in metrics and f"{stem}/max" in metrics:
             low, high = metrics[f"{stem}/min"], metrics[f"{stem}/max"]
             if np.array_equal(low.steps, series.steps) and np.array_equal(high.steps, series.steps):
-                ax.fill_between(series.steps, low.values, high.values, color=line.get_color(), alpha=0.15, label=f"{stem} min..max")
+                ax.fill_between(
+                    series.steps, low.values, high.values, color=line.get_color(), alpha=0.15, label=f"{stem} min..max"
+                )
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
@@ -118,7 +147,9 @@ def _draw_timing(ax: Axes, metrics: Metrics) -> bool:
         column[np.searchsorted(steps, series.steps)] = series.values
         stacks.append(column)
     colors = [f"C{i % 10}" for i in range(len(stages))] if len(stages) <= 10 else None
-    ax.stackplot(steps, np.vstack(stacks), labels=[k.removeprefix("timing_s/") for k in stages], colors=colors, alpha=0.85)
+    ax.stackplot(
+        steps, np.vstack(stacks), labels=[k.removeprefix("timing_s/") for k in stages], colors=colors, alpha=0.85
+    )
     if "timing_s/step" in metrics:
         total = metrics["timing_s/step"]
         ax.plot(total.steps, total.values, color="black", linewidth=1.4, linestyle="--", label="step (total)")
@@ -127,7 +158,9 @@ def _draw_timing(ax: Axes, metrics: Metrics) -> bool:
     ax.set_ylabel("seconds")
     ax.grid(True, alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # top of legend = top of stack
+    ax.legend(
+        handles[::-1], labels[::-1], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0)
+    )  # top of legend = top of stack
     return True
 
 

@@ -1,11 +1,11 @@
 """Rewards: rule-based scorers by data source, the reward manager, user reward functions.
 
-    from hybridflow.reward import RewardManager, register_scorer
+from hybridflow.reward import RewardManager, register_scorer
 
-    @register_scorer("my_task")
-    def score(solution_str, ground_truth, extra_info=None): ...
+@register_scorer("my_task")
+def score(solution_str, ground_truth, extra_info=None): ...
 
-    result = RewardManager(tokenizer)(rollout_batch)  # result.token_level_scores: (B, R)
+result = RewardManager(tokenizer)(rollout_batch)  # result.token_level_scores: (B, R)
 """
 
 from hybridflow.reward.custom import load_custom_reward_fn

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def load_custom_reward_fn(path: str, name: str) -> Callable[..., float | dict]:
@@ -23,9 +23,7 @@ def load_custom_reward_fn(path: str, name: str) -> Callable[..., float | dict]:
     """
     file = Path(path).expanduser()
     if not file.is_file():
-        raise FileNotFoundError(
-            f"custom reward file {str(file)!r} does not exist; fix custom_reward_function.path"
-        )
+        raise FileNotFoundError(f"custom reward file {str(file)!r} does not exist; fix custom_reward_function.path")
     module_name = f"hybridflow_custom_reward_{file.stem}"
     spec = importlib.util.spec_from_file_location(module_name, file)
     if spec is None or spec.loader is None:

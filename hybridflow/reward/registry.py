@@ -11,7 +11,8 @@ for every sample; there is no other path, so a new task only needs a registered 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ScoreResult = float | dict[str, Any]
 Scorer = Callable[..., ScoreResult]

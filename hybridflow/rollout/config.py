@@ -26,6 +26,10 @@ class RolloutConfig:
     dtype: str = "bf16"  # dtype of the generation copy of the weights (bf16 | fp32)
     seed: int = 0  # base seed; each step and rank derive their own, so runs are reproducible
     old_log_prob_source: str = "recompute"  # recompute (a trainer pass) | rollout (the generator's log-probs) | auto
-    log_prob_tolerance: float = 0.02  # auto: use the rollout's log-probs while the last measured mean |diff| is below this
+    log_prob_tolerance: float = (
+        0.02  # auto: use the rollout's log-probs while the last measured mean |diff| is below this
+    )
     log_prob_check_every: int = 10  # auto: recompute (and re-measure the diff) every N steps
-    val_kwargs: SamplingConfig = field(default_factory=lambda: SamplingConfig(do_sample=False, temperature=1.0, n=1))  # validation sampling
+    val_kwargs: SamplingConfig = field(
+        default_factory=lambda: SamplingConfig(do_sample=False, temperature=1.0, n=1)
+    )  # validation sampling

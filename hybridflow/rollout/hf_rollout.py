@@ -21,7 +21,11 @@ class HFRollout(Rollout):
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
 
     def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k if params.top_k > 0 else 0}
+        sampling = {
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k if params.top_k > 0 else 0,
+        }
         return GenerationConfig(
             max_new_tokens=params.max_new_tokens,
             do_sample=params.do_sample,

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.algorithms import AGG_MODES, KL_TYPES, AdvantageConfig, get_adv_estimator, get_policy_loss, make_kl_controller
+from hybridflow.algorithms import (
+    AGG_MODES,
+    KL_TYPES,
+    AdvantageConfig,
+    get_adv_estimator,
+    get_policy_loss,
+    make_kl_controller,
+)
 from hybridflow.engine.fsdp import DTYPES
 from hybridflow.engine.optim import SCHEDULES
 from hybridflow.models import list_builtin_models
@@ -15,7 +22,6 @@ from hybridflow.rollout.registry import ROLLOUT_BACKENDS
 from hybridflow.trainer.checkpoint import CheckpointManager
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.tracking import KNOWN_LOGGERS, check_loggers
-
 
 
 def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
@@ -95,23 +101,41 @@ def check_config(cfg: HybridFlowConfig) -> None:
     _check_model_path(arr.model.path, "actor_rollout_ref.model.path")
     _check_registry(get_adv_estimator, algo.adv_estimator, "algorithm.adv_estimator")
     _check_registry(get_policy_loss, arr.actor.policy_loss.loss_mode, "actor_rollout_ref.actor.policy_loss.loss_mode")
-    for key, value in [("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode), ("critic.loss_agg_mode", cfg.critic.loss_agg_mode)]:
+    for key, value in [
+        ("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode),
+        ("critic.loss_agg_mode", cfg.critic.loss_agg_mode),
+    ]:
         _check_choice(value, AGG_MODES, key)
     _check_choice(arr.actor.kl_loss_type, KL_TYPES, "actor_rollout_ref.actor.kl_loss_type")
     _check_choice(algo.kl_penalty, KL_TYPES, "algorithm.kl_penalty")
     _check_choice(algo.kl_ctrl.type, ("fixed", "adaptive"), "algorithm.kl_ctrl.type")
     make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
     try:
-        AdvantageConfig(algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo, algo.epsilon, algo.gae_whiten, algo.pass_k, algo.gpg_norm_by_std)
+        AdvantageConfig(
+            algo.gamma,
+            algo.lam,
+            algo.norm_adv_by_std_in_grpo,
+            algo.epsilon,
+            algo.gae_whiten,
+            algo.pass_k,
+            algo.gpg_norm_by_std,
+        )
     except ValueError as error:
         raise ConfigError("algorithm", str(error)) from None
     _check_choice(arr.rollout.name, ROLLOUT_BACKENDS, "actor_rollout_ref.rollout.name")
-    for key, dtype in [("actor_rollout_ref.rollout.dtype", arr.rollout.dtype), ("actor_rollout_ref.actor.fsdp.param_dtype", arr.actor.fsdp.param_dtype)]:
+    for key, dtype in [
+        ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype),
+        ("actor_rollout_ref.actor.fsdp.param_dtype", arr.actor.fsdp.param_dtype),
+    ]:
         _check_choice(dtype, DTYPES, key)
     for key, optim in [("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", cfg.critic.optim)]:
         _check_choice(optim.lr_scheduler, SCHEDULES, f"{key}.lr_scheduler")
         _check(optim.lr >= 0, f"{key}.lr", f"must be >= 0, got {optim.lr}")
-    _check_choice(arr.rollout.old_log_prob_source, ("recompute", "rollout", "auto"), "actor_rollout_ref.rollout.old_log_prob_source")
+    _check_choice(
+        arr.rollout.old_log_prob_source,
+        ("recompute", "rollout", "auto"),
+        "actor_rollout_ref.rollout.old_log_prob_source",
+    )
     _check(arr.rollout.response_length > 0, "actor_rollout_ref.rollout.response_length", "must be positive")
     _check_batch_sizes(cfg)
     for key, limit in [
@@ -125,13 +149,26 @@ def check_config(cfg: HybridFlowConfig) -> None:
     if get_adv_estimator(algo.adv_estimator).needs_values and cfg.critic.model.path:
         _check_model_path(cfg.critic.model.path, "critic.model.path")
     if cfg.reward_model.enable:
-        _check(bool(cfg.reward_model.model.path), "reward_model.model.path", "reward_model.enable is true but no model is given")
+        _check(
+            bool(cfg.reward_model.model.path),
+            "reward_model.model.path",
+            "reward_model.enable is true but no model is given",
+        )
         _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
     if cfg.custom_reward_function.path:
         _check_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     _check_choice(trainer.device, ("cpu", "cuda"), "trainer.device")
-    _check(trainer.device == "cpu" or torch.cuda.is_available(), "trainer.device", "cuda asked for but no GPU is visible", "trainer.device=cpu")
-    _check(trainer.nnodes > 0 and trainer.n_workers_per_node > 0, "trainer.n_workers_per_node", "nnodes and n_workers_per_node must be positive")
+    _check(
+        trainer.device == "cpu" or torch.cuda.is_available(),
+        "trainer.device",
+        "cuda asked for but no GPU is visible",
+        "trainer.device=cpu",
+    )
+    _check(
+        trainer.nnodes > 0 and trainer.n_workers_per_node > 0,
+        "trainer.n_workers_per_node",
+        "nnodes and n_workers_per_node must be positive",
+    )
     for name in trainer.logger:
         _check_choice(name, KNOWN_LOGGERS, "trainer.logger")
     try:

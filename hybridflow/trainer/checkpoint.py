@@ -13,8 +13,8 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 LATEST = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"

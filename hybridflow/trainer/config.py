@@ -57,7 +57,9 @@ class AlgorithmConfig:
 @dataclass
 class CustomRewardFunctionConfig:
     path: str = ""  # a Python file with the scoring function ("" : built-in scorers by data_source)
-    name: str = "compute_score"  # the function's name: (data_source, solution_str, ground_truth, extra_info) -> float | dict
+    name: str = (
+        "compute_score"  # the function's name: (data_source, solution_str, ground_truth, extra_info) -> float | dict
+    )
 
 
 @dataclass
@@ -73,13 +75,19 @@ class TrainerConfig:
     threads_per_worker: int = 0  # torch threads per rank (0: cpus_per_worker)
     ray_address: str = ""  # join this Ray cluster ("": start a local one)
     ray_num_cpus: int = 0  # logical CPUs of a local Ray cluster (0: max(cores, 8))
-    logger: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # console | jsonl | tensorboard | wandb | mlflow
+    logger: list[str] = field(
+        default_factory=lambda: ["console", "jsonl"]
+    )  # console | jsonl | tensorboard | wandb | mlflow
     val_before_train: bool = True  # validate once before the first step
     test_freq: int = -1  # validate every N steps (-1: only before training and at the end)
     save_freq: int = -1  # checkpoint every N steps and after the last one (-1: never)
     max_ckpt_to_keep: int = -1  # keep only the newest N checkpoints (-1: all)
-    resume_mode: str = "auto"  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
-    default_local_dir: str = "runs/${trainer.project_name}/${trainer.experiment_name}"  # the run's directory: metrics, config, checkpoints
+    resume_mode: str = (
+        "auto"  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
+    )
+    default_local_dir: str = (
+        "runs/${trainer.project_name}/${trainer.experiment_name}"  # the run's directory: metrics, config, checkpoints
+    )
     critic_warmup: int = 0  # steps that train only the critic before the actor starts
     seed: int = 0  # seeds data order, sampling and initialisation
 

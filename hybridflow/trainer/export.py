@@ -25,7 +25,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     role_dir = Path(checkpoint).expanduser() / "actor"
     hf_dir = role_dir / "huggingface"
     if not (role_dir / SHARDS).is_dir() or not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{checkpoint} has no actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); give a global_step_N directory")
+        raise FileNotFoundError(
+            f"{checkpoint} has no actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); "
+            "give a global_step_N directory"
+        )
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(consolidated_model_state(role_dir), strict=True)

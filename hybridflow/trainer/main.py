@@ -27,7 +27,9 @@ def resolve_models(config: HybridFlowConfig) -> None:
     """Turn built-in model names into their cached directories once, on the driver, before workers start."""
     config.actor_rollout_ref.model.path = str(resolve_model_path(config.actor_rollout_ref.model.path))
     critic_model = config.critic.model
-    critic_model.path = str(resolve_model_path(critic_model.path)) if critic_model.path else config.actor_rollout_ref.model.path
+    critic_model.path = (
+        str(resolve_model_path(critic_model.path)) if critic_model.path else config.actor_rollout_ref.model.path
+    )
     if config.reward_model.enable:
         config.reward_model.model.path = str(resolve_model_path(config.reward_model.model.path))
 
@@ -65,15 +67,22 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     data = config.data
     dataset_config = DatasetConfig(
-        prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, filter_overlong_prompts=data.filter_overlong_prompts
+        prompt_key=data.prompt_key,
+        max_prompt_length=data.max_prompt_length,
+        filter_overlong_prompts=data.filter_overlong_prompts,
     )
     train_loader = PromptDataLoader(
-        RLHFDataset(data.train_files, tokenizer, dataset_config), data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
+        RLHFDataset(data.train_files, tokenizer, dataset_config),
+        data.train_batch_size,
+        shuffle=data.shuffle,
+        seed=config.trainer.seed,
     )
     val_loader = None
     if data.val_files:
         val_dataset = RLHFDataset(data.val_files, tokenizer, dataset_config)
-        val_loader = PromptDataLoader(val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False)
+        val_loader = PromptDataLoader(
+            val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
+        )
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.total_training_steps > 0:
@@ -83,13 +92,21 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     (run_dir / "config.yaml").write_text(to_yaml(config))
     custom = config.custom_reward_function
     reward_fn = RewardManager(tokenizer, load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
-    console.print(f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} workers; run dir {run_dir}")
+    console.print(
+        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} workers; run dir {run_dir}"
+    )
 
     with ray_session(config.trainer.ray_address or None, config.trainer.ray_num_cpus or None):
         groups = build_groups(config, total_steps)
         tracking = Tracking(config.trainer.logger, run_dir, dataclasses.asdict(config))
         trainer = RayPPOTrainer(
-            config, groups, reward_fn, train_loader, (lambda: iter(val_loader)) if val_loader else None, tracking, total_steps
+            config,
+            groups,
+            reward_fn,
+            train_loader,
+            (lambda: iter(val_loader)) if val_loader else None,
+            tracking,
+            total_steps,
         )
         try:
             return trainer.fit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -25,7 +25,11 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     values = values.float()
     if values.numel() == 0:
         return {}
-    return {f"{prefix}/mean": values.mean().item(), f"{prefix}/max": values.max().item(), f"{prefix}/min": values.min().item()}
+    return {
+        f"{prefix}/mean": values.mean().item(),
+        f"{prefix}/max": values.max().item(),
+        f"{prefix}/min": values.min().item(),
+    }
 
 
 def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -43,7 +47,7 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     mask = tensors["response_mask"].bool()
     sequence_mask = mask.any(dim=1)
     response_lengths = tensors["response_mask"].sum(dim=1).float()
-    prompt_lengths = tensors["attention_mask"][:, : -response_length].sum(dim=1).float()
+    prompt_lengths = tensors["attention_mask"][:, :-response_length].sum(dim=1).float()
     metrics = {
         **_stats("critic/score", tensors["token_level_scores"].sum(dim=1)),
         **_stats("critic/rewards", tensors["token_level_rewards"].sum(dim=1)),
@@ -60,7 +64,9 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
         returns, values = tensors["returns"], tensors["values"]
         metrics.update(_stats("critic/values", values[mask]))
         variance = masked_var(returns, tensors["response_mask"])
-        metrics["critic/vf_explained_var"] = (1.0 - masked_var(returns - values, tensors["response_mask"]) / (variance + 1e-8)).item()
+        metrics["critic/vf_explained_var"] = (
+            1.0 - masked_var(returns - values, tensors["response_mask"]) / (variance + 1e-8)
+        ).item()
     return metrics
 
 

@@ -1,14 +1,14 @@
 """The driver's RL loop: the dataflow of one PPO/GRPO step, one named call per stage.
 
-    prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
-            -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
+prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
+        -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -68,9 +68,17 @@ class RayPPOTrainer:
         algo = config.algorithm
         self.estimator = get_adv_estimator(algo.adv_estimator)
         self.adv_config = AdvantageConfig(
-            algo.gamma, algo.lam, algo.norm_adv_by_std_in_grpo, algo.epsilon, algo.gae_whiten, algo.pass_k, algo.gpg_norm_by_std
+            algo.gamma,
+            algo.lam,
+            algo.norm_adv_by_std_in_grpo,
+            algo.epsilon,
+            algo.gae_whiten,
+            algo.pass_k,
+            algo.gpg_norm_by_std,
         )
-        self.kl_ctrl = make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon)
+        self.kl_ctrl = make_kl_controller(
+            algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
+        )
         self.global_step = 0
         self.last_log_prob_diff: float | None = None
         self.rollout_metrics: dict[str, float] = {}
@@ -93,7 +101,9 @@ class RayPPOTrainer:
                 self.global_step += 1
                 metrics = self.train_step(prompts)
                 last = self.global_step >= self.total_steps
-                if self.val_batches is not None and (last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)):
+                if self.val_batches is not None and (
+                    last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)
+                ):
                     metrics.update(self.validate())
                 if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
                     timings: dict[str, float] = {}
@@ -118,7 +128,11 @@ class RayPPOTrainer:
             if self.groups.critic is not None:
                 self.groups.critic.save_checkpoint(str(directory))
 
-        state = {"global_step": self.global_step, "data_loader": self.train_loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        state = {
+            "global_step": self.global_step,
+            "data_loader": self.train_loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+        }
         return self.checkpoints.save(self.global_step, write_roles, state)
 
     def resume(self) -> None:
@@ -177,7 +191,9 @@ class RayPPOTrainer:
         """
         rollout_config = self.config.actor_rollout_ref.rollout
         n = {"train": rollout_config.n, "validate": rollout_config.val_kwargs.n, "greedy": 1}[sampling]
-        prompts.non_tensor_batch["uid"] = np.array([f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object)
+        prompts.non_tensor_batch["uid"] = np.array(
+            [f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object
+        )
         gen_input = prompts.pop(batch_keys=PROMPT_TENSORS)
         gen_input.meta_info = {"global_step": self.global_step, "sampling": sampling}
         generated = self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True))
@@ -251,8 +267,12 @@ class RayPPOTrainer:
         tensors = batch.batch
         if self.config.algorithm.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty(
-                tensors["token_level_scores"], tensors["old_log_probs"], tensors["ref_log_prob"],
-                tensors["response_mask"], self.kl_ctrl, self.config.algorithm.kl_penalty,
+                tensors["token_level_scores"],
+                tensors["old_log_probs"],
+                tensors["ref_log_prob"],
+                tensors["response_mask"],
+                self.kl_ctrl,
+                self.config.algorithm.kl_penalty,
             )
             metrics.update(kl_metrics)
         else:

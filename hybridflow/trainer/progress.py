@@ -16,8 +16,9 @@ one plain line now and then (``plain_every_s``; ``None`` for silence)::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from time import monotonic
-from typing import Any, Iterator
+from typing import Any
 
 from rich import get_console
 from rich.console import Console
@@ -95,7 +96,8 @@ class RunProgress:
 
     @contextlib.contextmanager
     def stage(self, name: str, total: float | None = None) -> Iterator[StageHandle]:
-        """A bar for one long stage (generation, update, validation, checkpoint) while it runs; pulses when ``total`` is None."""
+        """A bar for one long stage (generation, update, validation, checkpoint) while it runs; pulses when
+        ``total`` is None."""
         if self._progress is None:
             yield StageHandle(total=total)
             return
@@ -119,7 +121,9 @@ class RunProgress:
             self.val_score = float(metrics[VAL_KEY])
         if self._progress is not None:
             eta = self.eta_seconds()
-            info = " | ".join([f"eta {format_seconds(eta) if eta is not None else '?'}"] + ([self._info()] if self._info() else []))
+            info = " | ".join(
+                [f"eta {format_seconds(eta) if eta is not None else '?'}"] + ([self._info()] if self._info() else [])
+            )
             self._progress.update(self._run_task, completed=step, count=f"{step}/{self.total_steps}", info=info)
             return
         now = monotonic()

@@ -3,7 +3,8 @@
     trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]
 
 - console:     a compact table of the metrics people watch (rich)
-- jsonl:       ``<run_dir>/metrics.jsonl``, one JSON object per step with a ``step`` key (``hybridflow report`` reads it)
+- jsonl:       ``<run_dir>/metrics.jsonl``, one JSON object per step with a ``step`` key
+               (``hybridflow report`` reads it)
 - tensorboard: event files under ``<run_dir>/tensorboard`` (``tensorboard --logdir <run_dir>/tensorboard``)
 - wandb:       a wandb run in ``<run_dir>/wandb``; offline unless ``WANDB_MODE`` says otherwise (``wandb sync`` later)
 - mlflow:      a local SQLite store ``<run_dir>/mlruns/mlflow.db`` (MLflow 3 retired the plain-file store), artifacts
@@ -66,7 +67,8 @@ def _missing(name: str) -> LoggerNotInstalledError:
 
 
 def check_loggers(names: list[str]) -> None:
-    """Fail fast (without importing anything heavy): unknown names -> ValueError, missing packages -> LoggerNotInstalledError."""
+    """Fail fast (without importing anything heavy): unknown names -> ValueError, missing packages ->
+    LoggerNotInstalledError."""
     for name in names:
         if name not in KNOWN_LOGGERS:
             raise ValueError(f"trainer.logger: unknown logger '{name}' (choose from {', '.join(KNOWN_LOGGERS)})")
@@ -222,7 +224,9 @@ class Tracking:
     (else the run dir's parent and own name). Call ``finish()`` (or use ``with``) at the end.
     """
 
-    def __init__(self, loggers: list[str], run_dir: Path, config: dict[str, Any] | None = None, console: Console | None = None):
+    def __init__(
+        self, loggers: list[str], run_dir: Path, config: dict[str, Any] | None = None, console: Console | None = None
+    ):
         check_loggers(list(loggers))
         self.run_dir = Path(run_dir)
         trainer = (config or {}).get("trainer", {})

@@ -14,7 +14,7 @@ the mean over its prompts; k runs over 1, 2, 4, ... up to n, and n itself.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -68,7 +68,10 @@ def validation_metrics(
     per_source: dict[str, list[list[float]]] = defaultdict(list)
     for (source, uid), values in groups.items():
         if len(values) != n:
-            raise ValueError(f"prompt uid {uid!r} ({source}) has {len(values)} samples, expected n={n}: uids must be unique per prompt")
+            raise ValueError(
+                f"prompt uid {uid!r} ({source}) has {len(values)} samples, expected n={n}: "
+                "uids must be unique per prompt"
+            )
         per_source[source].append(values)
     for source, prompts in per_source.items():
         table = np.asarray(prompts)  # (prompts, n)

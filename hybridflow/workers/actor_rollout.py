@@ -44,7 +44,9 @@ class ActorRolloutWorker(Worker):
         if sampling == "greedy":
             return SamplingParams(False, 1.0, 1.0, -1, cfg.response_length, seed)
         source = cfg.val_kwargs if sampling == "validate" else cfg
-        return SamplingParams(source.do_sample, source.temperature, source.top_p, source.top_k, cfg.response_length, seed)
+        return SamplingParams(
+            source.do_sample, source.temperature, source.top_p, source.top_k, cfg.response_length, seed
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
@@ -69,12 +71,16 @@ class ActorRolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
-        load_training_state(Path(directory) / "actor", self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
+        load_training_state(
+            Path(directory) / "actor", self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
-        return DataProto.from_dict({"old_log_probs": log_probs, "entropys": entropy}, meta_info={"perf": self.actor.log_prob_metrics})
+        return DataProto.from_dict(
+            {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"perf": self.actor.log_prob_metrics}
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def pre_update_log_probs(self, data: DataProto) -> DataProto:
@@ -88,7 +94,9 @@ class ActorRolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_actor(self, data: DataProto) -> dict[str, float]:
         cfg = self.config
-        mini_batch = samples_per_rank(cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size")
+        mini_batch = samples_per_rank(
+            cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size"
+        )
         step = int(data.meta_info.get("global_step", 0))
         metrics = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated

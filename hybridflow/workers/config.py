@@ -19,7 +19,9 @@ class ActorRolloutRefConfig:
 @dataclass
 class RewardModelConfig:
     enable: bool = False  # score responses with a reward-model worker group (added to rule-based scores)
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # a sequence-classification model directory
+    model: ModelConfig = field(
+        default_factory=lambda: ModelConfig(path="")
+    )  # a sequence-classification model directory
     micro_batch_size_per_gpu: int = 16  # samples per forward
     max_length: int = 512  # longest prompt + response the reward model reads (longer ones are cut from the left)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

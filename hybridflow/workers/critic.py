@@ -26,11 +26,15 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        save_training_state(Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank)
+        save_training_state(
+            Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
-        load_training_state(Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank)
+        load_training_state(
+            Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
+        )
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
@@ -39,6 +43,8 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:
-        mini_batch = samples_per_rank(self.config.ppo_mini_batch_size, self.n_samples, self.world_size, "critic.ppo_mini_batch_size")
+        mini_batch = samples_per_rank(
+            self.config.ppo_mini_batch_size, self.n_samples, self.world_size, "critic.ppo_mini_batch_size"
+        )
         step = int(data.meta_info.get("global_step", 0))
         return self.critic.update_critic(data, mini_batch, seed=self.seed + step)

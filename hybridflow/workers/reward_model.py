@@ -49,7 +49,12 @@ class RewardModelWorker(Worker):
         for start in range(0, len(texts), self.config.micro_batch_size_per_gpu):
             chunk = texts[start : start + self.config.micro_batch_size_per_gpu]
             encoded = self.tokenizer(
-                chunk, return_tensors="pt", padding=True, truncation=True, max_length=self.config.max_length, add_special_tokens=False
+                chunk,
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.config.max_length,
+                add_special_tokens=False,
             ).to(self.device)
             scores.append(self.model(**encoded).logits[:, 0].float().cpu())
         rm_scores = last_token_scores(torch.cat(scores), data.batch["response_mask"])

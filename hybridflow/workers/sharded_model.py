@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import transformers
@@ -34,7 +34,13 @@ def build_sharded(
 
 
 def build_trainable(
-    load: Callable[..., nn.Module], model: ModelConfig, fsdp: FSDPConfig, optim: OptimConfig, device: torch.device, seed: int, total_steps: int
+    load: Callable[..., nn.Module],
+    model: ModelConfig,
+    fsdp: FSDPConfig,
+    optim: OptimConfig,
+    device: torch.device,
+    seed: int,
+    total_steps: int,
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     module = build_sharded(load, model, fsdp, device, seed)
     optimizer = build_optimizer(module, optim)

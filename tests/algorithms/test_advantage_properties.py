@@ -28,9 +28,7 @@ def test_grpo_advantages_have_zero_mean_per_group(group_sizes, norm, seed):
     batch = sum(group_sizes)
     _, rewards, mask = random_batch(seed, batch, 4)
     index = np.array([g for g, n in enumerate(group_sizes) for _ in range(n)])
-    adv, _ = get_adv_estimator("grpo")(
-        rewards, mask, index, AdvantageConfig(norm_adv_by_std_in_grpo=norm)
-    )
+    adv, _ = get_adv_estimator("grpo")(rewards, mask, index, AdvantageConfig(norm_adv_by_std_in_grpo=norm))
     seq_adv = adv[:, 0]  # the same on every response token of a sequence
     for g in range(len(group_sizes)):
         assert abs(seq_adv[torch.from_numpy(index == g)].mean().item()) < 1e-9

@@ -72,9 +72,7 @@ def test_accumulated_micro_batches_equal_the_whole(batch, length, n_micro, mode,
 
     agg = LossAggregation.for_minibatch(mode, mask)
     bounds = torch.linspace(0, batch, n_micro + 1).round().long().tolist()
-    accumulated = sum(
-        agg_loss(losses[a:b] * weights[a:b], mask[a:b], agg) for a, b in zip(bounds, bounds[1:]) if b > a
-    )
+    accumulated = sum(agg_loss(losses[a:b] * weights[a:b], mask[a:b], agg) for a, b in zip(bounds, bounds[1:]) if b > a)
     (grad_acc,) = torch.autograd.grad(accumulated, weights)
     torch.testing.assert_close(accumulated, whole)
     torch.testing.assert_close(grad_acc, grad_whole)

@@ -129,9 +129,7 @@ class MeshWorker(Worker):
         peer_sum = rows.clone()
         dist.all_reduce(peer_sum, group=self.mesh.get_group("tp"))
         n = len(data)
-        return DataProto.from_dict(
-            {"x": rows, "seen_by": torch.full((n,), self.rank), "tp_sum": peer_sum}
-        )
+        return DataProto.from_dict({"x": rows, "seen_by": torch.full((n,), self.rank), "tp_sum": peer_sum})
 
     @register(dispatch_mode=Dispatch.MESH_COMPUTE_PROTO("train"), blocking=False)
     def forward_async(self, data: DataProto) -> DataProto:
@@ -192,9 +190,7 @@ class RefRole(Worker):
 
 
 def test_colocated_roles_share_one_process_per_rank(pool):
-    groups = RayWorkerGroup.colocated(
-        pool([2]), {"actor": RoleSpec(ActorRole, (3,)), "ref": RoleSpec(RefRole, (5,))}
-    )
+    groups = RayWorkerGroup.colocated(pool([2]), {"actor": RoleSpec(ActorRole, (3,)), "ref": RoleSpec(RefRole, (5,))})
     actor_pids, ref_pids = groups["actor"].pid(), groups["ref"].pid()
     assert actor_pids == ref_pids and len(set(actor_pids)) == 2
     data = DataProto.from_dict({"x": torch.tensor([1.0, 2.0])})

@@ -5,7 +5,16 @@ import ray
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, WorkerError, ray_session, register
+from hybridflow.controller import (
+    Dispatch,
+    RayResourcePool,
+    RayWorkerGroup,
+    RoleSpec,
+    Worker,
+    WorkerError,
+    ray_session,
+    register,
+)
 from hybridflow.protocol import DataProto
 
 

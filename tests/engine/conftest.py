@@ -54,7 +54,10 @@ def rollout_batch(tiny_path) -> DataProto:
     torch.manual_seed(0)
     tokenizer = load_tokenizer(tiny_path)
     questions = ["1 + 1", "What is 12 times 3?", "hello", "Tell me 5 - 2", "9", "Add 7 and 8 and 100 please"]
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True) for q in questions]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     prompts = DataProto.from_dict(
         {

@@ -61,12 +61,16 @@ def _train(config, batch):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm"])
-def test_update_with_token_micro_batches_equals_fixed_micro_batches(tiny_path, rollout_batch, actor_config_factory, agg):
+def test_update_with_token_micro_batches_equals_fixed_micro_batches(
+    tiny_path, rollout_batch, actor_config_factory, agg
+):
     lengths = row_lengths(rollout_batch)
     budget = max(lengths) + min(lengths)  # groups of 1 or 2 rows of mixed lengths, unlike the fixed pairs
     assert micro_batch_groups(lengths, 2, budget) != micro_batch_groups(lengths, 2, None)
     common = (f"actor_rollout_ref.actor.loss_agg_mode={agg}",)
-    fixed = _train(actor_config_factory(tiny_path, LR, *common, "actor_rollout_ref.actor.use_remove_padding=false"), rollout_batch)
+    fixed = _train(
+        actor_config_factory(tiny_path, LR, *common, "actor_rollout_ref.actor.use_remove_padding=false"), rollout_batch
+    )
     dynamic = _train(
         actor_config_factory(
             tiny_path,
@@ -84,7 +88,9 @@ def test_update_with_token_micro_batches_equals_fixed_micro_batches(tiny_path, r
     b = rollout_batch.batch
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
     response_length = b["responses"].shape[1]
-    log_probs = torch.log_softmax(logits[:, -response_length - 1 : -1], -1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    log_probs = (
+        torch.log_softmax(logits[:, -response_length - 1 : -1], -1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    )
     mask = b["response_mask"].float()
     per_token = -b["advantages"] * log_probs * mask  # ratio 1: the PPO loss is -A * logp in value and gradient
     if agg == "token-mean":
@@ -124,9 +130,13 @@ def test_balanced_order_on_random_batches():
         assert sorted(order) == list(range(len(lengths)))
         tokens = _chunk_tokens([lengths[i] for i in order], world_size)
         assert max(tokens) - min(tokens) <= max(lengths)
-        assert max(tokens) - min(tokens) < max(_chunk_tokens(lengths, world_size)) - min(_chunk_tokens(lengths, world_size))
+        assert max(tokens) - min(tokens) < max(_chunk_tokens(lengths, world_size)) - min(
+            _chunk_tokens(lengths, world_size)
+        )
         chunk = len(lengths) // world_size
-        assert all(order[r * chunk : (r + 1) * chunk] == sorted(order[r * chunk : (r + 1) * chunk]) for r in range(world_size))
+        assert all(
+            order[r * chunk : (r + 1) * chunk] == sorted(order[r * chunk : (r + 1) * chunk]) for r in range(world_size)
+        )
 
 
 def _train_critic(config: CriticConfig, batch):
@@ -147,10 +157,14 @@ def _train_critic(config: CriticConfig, batch):
 def test_critic_with_packing_and_token_micro_batches_equals_padded_fixed(tiny_path, rollout_batch):
     budget = max(row_lengths(rollout_batch)) + min(row_lengths(rollout_batch))
     optim = OptimConfig(lr=LR, eps=1.0, weight_decay=0.0)
-    common = dict(model=ModelConfig(path=tiny_path), ppo_micro_batch_size_per_gpu=2, shuffle=False, grad_clip=1000.0, optim=optim)
+    common = dict(
+        model=ModelConfig(path=tiny_path), ppo_micro_batch_size_per_gpu=2, shuffle=False, grad_clip=1000.0, optim=optim
+    )
     fixed_values, fixed_step = _train_critic(CriticConfig(**common, use_remove_padding=False), rollout_batch)
     dynamic_values, dynamic_step = _train_critic(
-        CriticConfig(**common, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget, forward_max_token_len_per_gpu=budget),
+        CriticConfig(
+            **common, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget, forward_max_token_len_per_gpu=budget
+        ),
         rollout_batch,
     )
     assert torch.allclose(dynamic_values, fixed_values, atol=1e-6)

@@ -14,10 +14,16 @@ def reference_log_probs(model, batch: DataProto) -> torch.Tensor:
     b = batch.batch
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
     response_length = b["responses"].shape[1]
-    return torch.log_softmax(logits[:, -response_length - 1 : -1].float(), -1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    return (
+        torch.log_softmax(logits[:, -response_length - 1 : -1].float(), -1)
+        .gather(-1, b["responses"].unsqueeze(-1))
+        .squeeze(-1)
+    )
 
 
-def test_sharded_log_probs_and_one_update_match_the_unsharded_model(local_ray, tiny_path, rollout_batch, actor_config_factory):
+def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
+    local_ray, tiny_path, rollout_batch, actor_config_factory
+):
     pool = RayResourcePool([2])
     # 3 rows per rank with micro-batches of 2: accumulation over unequal micro-batches and ranks
     group = RayWorkerGroup(pool, RoleSpec(ActorRolloutWorker, (actor_config_factory(tiny_path, LR), 10, 0)))

@@ -28,15 +28,28 @@ def _step(engine: PolicyEngine, batch) -> dict[str, torch.Tensor]:
 
 
 def _optimizer_state(optimizer) -> list[torch.Tensor]:
-    return [value.clone() for state in optimizer.state.values() for value in state.values() if isinstance(value, torch.Tensor)]
+    return [
+        value.clone()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
-def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(tiny_path, rollout_batch, actor_config_factory):
-    config = actor_config_factory(tiny_path, 0.5, "actor_rollout_ref.actor.param_offload=true", "actor_rollout_ref.actor.optimizer_offload=true")
+def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
+    tiny_path, rollout_batch, actor_config_factory
+):
+    config = actor_config_factory(
+        tiny_path, 0.5, "actor_rollout_ref.actor.param_offload=true", "actor_rollout_ref.actor.optimizer_offload=true"
+    )
     prompts = rollout_batch.select(batch_keys=["input_ids", "attention_mask", "position_ids"], deepcopy=True)
     prompts.batch["input_ids"] = rollout_batch.batch["prompts"].clone()
-    prompts.batch["attention_mask"] = rollout_batch.batch["attention_mask"][:, : prompts.batch["input_ids"].shape[1]].clone()
-    prompts.batch["position_ids"] = rollout_batch.batch["position_ids"][:, : prompts.batch["input_ids"].shape[1]].clone()
+    prompts.batch["attention_mask"] = rollout_batch.batch["attention_mask"][
+        :, : prompts.batch["input_ids"].shape[1]
+    ].clone()
+    prompts.batch["position_ids"] = rollout_batch.batch["position_ids"][
+        :, : prompts.batch["input_ids"].shape[1]
+    ].clone()
     tokenizer = load_tokenizer(tiny_path)
 
     reference, switching = _trainer(config), _trainer(config)

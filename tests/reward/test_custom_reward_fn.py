@@ -4,7 +4,7 @@ import pytest
 
 from hybridflow.reward import RewardManager, load_custom_reward_fn
 
-SOURCE = '''
+SOURCE = """
 LIMIT = 3
 
 def length_reward(data_source, solution_str, ground_truth, extra_info):
@@ -12,7 +12,7 @@ def length_reward(data_source, solution_str, ground_truth, extra_info):
 
 def _helper():
     pass
-'''
+"""
 
 
 @pytest.fixture

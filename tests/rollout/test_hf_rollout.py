@@ -16,10 +16,15 @@ def rollout():
 
 
 def prompts_of(tokenizer, questions: list[str]) -> DataProto:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True) for q in questions]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     positions = (encoded["attention_mask"].cumsum(1) - 1).clamp(min=0)
-    return DataProto.from_dict({"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "position_ids": positions})
+    return DataProto.from_dict(
+        {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "position_ids": positions}
+    )
 
 
 GREEDY = SamplingParams(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=6, seed=0)
@@ -41,8 +46,14 @@ def test_batch_layout_and_log_probs_match_a_forward_pass(rollout):
     assert torch.equal(b["input_ids"][:, :prompt_length], prompts.batch["input_ids"])
     assert torch.equal(b["attention_mask"][:, prompt_length:], b["response_mask"])
     with torch.no_grad():
-        logits = rollout.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
-    expected = torch.log_softmax(logits[:, prompt_length - 1 : -1].float(), dim=-1).gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+        logits = rollout.model(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]
+        ).logits
+    expected = (
+        torch.log_softmax(logits[:, prompt_length - 1 : -1].float(), dim=-1)
+        .gather(-1, b["responses"].unsqueeze(-1))
+        .squeeze(-1)
+    )
     mask = b["response_mask"].bool()
     assert torch.allclose(b["rollout_log_probs"][mask], expected[mask], atol=1e-4)
     # greedy picks the argmax of the same logits

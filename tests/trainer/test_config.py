@@ -16,7 +16,9 @@ def test_yaml_default_is_exactly_the_schema_defaults():
 
 
 def test_overrides_fill_typed_fields():
-    config = load_config(["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=3", "data.train_files=[a.parquet,b.jsonl]"])
+    config = load_config(
+        ["algorithm.adv_estimator=rloo", "actor_rollout_ref.rollout.n=3", "data.train_files=[a.parquet,b.jsonl]"]
+    )
     assert config.algorithm.adv_estimator == "rloo" and config.actor_rollout_ref.rollout.n == 3
     assert config.data.train_files == ["a.parquet", "b.jsonl"]
 
@@ -24,7 +26,11 @@ def test_overrides_fill_typed_fields():
 @pytest.mark.parametrize(
     "override, key, message",
     [
-        ("actor_rollout_ref.actor.ppo_mini_batch=4", "actor_rollout_ref.actor.ppo_mini_batch", "did you mean actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch=4",
+            "actor_rollout_ref.actor.ppo_mini_batch",
+            "did you mean actor_rollout_ref.actor.ppo_mini_batch_size",
+        ),
         ("data.train_batch_size=many", "data.train_batch_size", "could not be converted to Integer"),
         ("trainer", "trainer", "key=value"),
     ],
@@ -46,12 +52,28 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (["data.train_files=[]"], "data.train_files", "no files given"),
         (["data.train_files=[/no/such/file.parquet]"], "data.train_files", "does not exist"),
         (["algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator", "grpo"),
-        (["actor_rollout_ref.actor.policy_loss.loss_mode=clipped"], "actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla"),
+        (
+            ["actor_rollout_ref.actor.policy_loss.loss_mode=clipped"],
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+            "vanilla",
+        ),
         (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode", "token-mean"),
         (["actor_rollout_ref.actor.kl_loss_type=k9"], "actor_rollout_ref.actor.kl_loss_type", "low_var_kl"),
-        (["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"], "actor_rollout_ref.actor.ppo_mini_batch_size", "does not divide"),
-        (["trainer.n_workers_per_node=3", "actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.actor.ppo_mini_batch_size", "do not split over 3 ranks"),
-        (["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"], "critic.ppo_mini_batch_size", "does not divide"),
+        (
+            ["data.train_batch_size=6", "actor_rollout_ref.actor.ppo_mini_batch_size=4"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "does not divide",
+        ),
+        (
+            ["trainer.n_workers_per_node=3", "actor_rollout_ref.rollout.n=1"],
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            "do not split over 3 ranks",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],
+            "critic.ppo_mini_batch_size",
+            "does not divide",
+        ),
         (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path", "neither a built-in model"),
         (["reward_model.enable=true"], "reward_model.model.path", "no model is given"),
         (["custom_reward_function.path=/no/such.py"], "custom_reward_function.path", "does not exist"),

@@ -14,7 +14,10 @@ def test_log_prob_mismatch_over_response_tokens_only():
     )
     # |diff| on the 5 masked-in tokens: 0.1, 0.5, 0, 0.2, 0 -> mean 0.16, max 0.5 (the 9.0 gap is padding)
     metrics = log_prob_mismatch(batch)
-    assert abs(metrics["rollout/log_prob_diff_mean"] - 0.16) < 1e-6 and abs(metrics["rollout/log_prob_diff_max"] - 0.5) < 1e-6
+    assert (
+        abs(metrics["rollout/log_prob_diff_mean"] - 0.16) < 1e-6
+        and abs(metrics["rollout/log_prob_diff_max"] - 0.5) < 1e-6
+    )
 
 
 def test_worker_metrics_are_averaged_over_ranks():

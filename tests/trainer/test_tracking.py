@@ -9,8 +9,17 @@ from rich.console import Console
 from hybridflow.trainer import tracking
 from hybridflow.trainer.tracking import KNOWN_LOGGERS, LoggerNotInstalledError, Tracking, check_loggers
 
-CONFIG = {"trainer": {"project_name": "proj", "experiment_name": "exp", "logger": ["console"]}, "algorithm": {"gamma": 1.0}}
-STEP1 = {"critic/score/mean": 0.25, "actor/pg_loss": -0.5, "val/arith/pass@2": 0.75, "note": "text", "bad": float("nan")}
+CONFIG = {
+    "trainer": {"project_name": "proj", "experiment_name": "exp", "logger": ["console"]},
+    "algorithm": {"gamma": 1.0},
+}
+STEP1 = {
+    "critic/score/mean": 0.25,
+    "actor/pg_loss": -0.5,
+    "val/arith/pass@2": 0.75,
+    "note": "text",
+    "bad": float("nan"),
+}
 
 
 def test_known_loggers():
@@ -56,7 +65,10 @@ def test_tensorboard_event_files_read_back(tmp_path):
     assert [(e.step, e.value) for e in accumulator.Scalars("critic/score/mean")] == [(0, 0.5), (1, 0.25)]
 
 
-@pytest.mark.parametrize("name, command", [("wandb", "pip install wandb"), ("mlflow", "pip install mlflow"), ("tensorboard", "pip install tensorboard")])
+@pytest.mark.parametrize(
+    "name, command",
+    [("wandb", "pip install wandb"), ("mlflow", "pip install mlflow"), ("tensorboard", "pip install tensorboard")],
+)
 def test_missing_package_is_a_clear_early_error(tmp_path, monkeypatch, name, command):
     for module in tracking.OPTIONAL_PACKAGES[name][0]:
         monkeypatch.setitem(sys.modules, module, None)  # `import module` now fails as if not installed
@@ -133,5 +145,10 @@ def test_mlflow_local_store(tmp_path, monkeypatch):
     assert calls[0] == ("uri", f"sqlite:///{(tmp_path / 'mlruns' / 'mlflow.db').resolve()}")
     assert calls[1:3] == [("experiment", "proj"), ("run", "7", "exp")]
     assert ("algorithm.gamma", "1.0") in calls[3][3]
-    assert calls[4] == ("batch", "r1", [("critic/score/mean", 0.25, 1), ("actor/pg_loss", -0.5, 1), ("val/arith/pass_2", 0.75, 1)], [])
+    assert calls[4] == (
+        "batch",
+        "r1",
+        [("critic/score/mean", 0.25, 1), ("actor/pg_loss", -0.5, 1), ("val/arith/pass_2", 0.75, 1)],
+        [],
+    )
     assert calls[-1] == ("end", "r1")

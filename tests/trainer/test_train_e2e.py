@@ -79,15 +79,22 @@ def test_ppo_run_with_critic_and_kl(arithmetic_files, tmp_path):
     step = records[1]
     for stage in STAGES_PPO:
         assert step[f"timing_s/{stage}"] > 0, stage
-    for key in ["critic/vf_loss", "critic/vf_explained_var", "actor/kl_loss", "actor/reward_kl_penalty", "actor/entropy_loss", "critic/values/mean"]:
+    for key in [
+        "critic/vf_loss",
+        "critic/vf_explained_var",
+        "actor/kl_loss",
+        "actor/reward_kl_penalty",
+        "actor/entropy_loss",
+        "critic/values/mean",
+    ]:
         assert key in step, key
 
 
-DIGITS_REWARD = '''
+DIGITS_REWARD = """
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     text = solution_str.replace(" ", "")
     return sum(c.isdigit() for c in text) / max(1, len(text))
-'''
+"""
 
 
 def test_grpo_learns_to_emit_digits(arithmetic_files, tmp_path):
@@ -128,11 +135,22 @@ def test_on_policy_update_supplies_the_old_log_probs_exactly(arithmetic_files, t
         "trainer.val_before_train=false",
     ]
     runs = {
-        reuse: short_run(arithmetic_files, tmp_path / str(reuse), *on_policy, f"actor_rollout_ref.actor.reuse_update_log_probs={reuse}")
+        reuse: short_run(
+            arithmetic_files,
+            tmp_path / str(reuse),
+            *on_policy,
+            f"actor_rollout_ref.actor.reuse_update_log_probs={reuse}",
+        )
         for reuse in (False, True)
     }
     assert "perf/mfu_log_prob" in runs[False][0] and "perf/mfu_log_prob" not in runs[True][0]  # no separate pass
     for separate, reused in zip(runs[False], runs[True]):
         assert separate["response_length/mean"] == reused["response_length/mean"]  # the same samples
-        for key in ["actor/entropy", "rollout/log_prob_diff_mean", "actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac"]:
+        for key in [
+            "actor/entropy",
+            "rollout/log_prob_diff_mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/pg_clipfrac",
+        ]:
             assert reused[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key

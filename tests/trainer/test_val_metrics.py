@@ -53,8 +53,12 @@ def test_pass_and_mean_at_n_per_source():
 def test_threshold_defines_correct():
     # scores 0.9 and 0.4: with the default threshold 1.0 nothing is correct; with 0.5 one sample of two is
     assert validation_metrics(["s"] * 2, ["u"] * 2, [0.9, 0.4], n=2)["val/s/pass@1"] == 0.0
-    assert validation_metrics(["s"] * 2, ["u"] * 2, [0.9, 0.4], n=2, threshold=0.5)["val/s/pass@1"] == pytest.approx(0.5)
-    assert validation_metrics(["s"] * 2, ["u"] * 2, [1.0 - 1e-9, 0.0], n=2)["val/s/pass@2"] == 1.0  # float noise tolerated
+    assert validation_metrics(["s"] * 2, ["u"] * 2, [0.9, 0.4], n=2, threshold=0.5)["val/s/pass@1"] == pytest.approx(
+        0.5
+    )
+    assert (
+        validation_metrics(["s"] * 2, ["u"] * 2, [1.0 - 1e-9, 0.0], n=2)["val/s/pass@2"] == 1.0
+    )  # float noise tolerated
 
 
 def test_reused_uid_is_an_error():

@@ -8,8 +8,9 @@ scorer is registered in hybridflow.reward under the same data_source name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import arithmetic, countdown

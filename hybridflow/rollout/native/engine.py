@@ -229,8 +229,13 @@ class _Run:
         lengths_t = torch.tensor(lengths, device=device)
         self.cache.copy_slots([self.prefix_slot] * len(leaders), leaders, start)
         logits = model.prefill(
-            engine.weights, engine.rope, self.cache, tokens.to(device), lengths_t - start,
-            torch.tensor(leaders, device=device), start,
+            engine.weights,
+            engine.rope,
+            self.cache,
+            tokens.to(device),
+            lengths_t - start,
+            torch.tensor(leaders, device=device),
+            start,
         )
         self.cache.copy_slots(copies_src, copies_dst, max(lengths))
         new = slice(first, slot)

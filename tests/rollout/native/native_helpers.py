@@ -29,5 +29,7 @@ def greedy(max_new_tokens: int = 8) -> SamplingParams:
     return SamplingParams(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=0)
 
 
-def sampled(seed: int, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1) -> SamplingParams:
+def sampled(
+    seed: int, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1
+) -> SamplingParams:
     return SamplingParams(True, temperature, top_p, top_k, max_new_tokens, seed)

@@ -2,18 +2,19 @@
 
 import pytest
 import torch
+from native_helpers import greedy, prompts_of, sampled
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.native import NativeRollout
-
-from native_helpers import greedy, prompts_of, sampled
 
 LONG = "Tell me a long story about " + "numbers and letters, " * 12  # a prompt many times longer than "Hi"
 QUESTIONS = ["Hi", LONG, "Add 17 and 25", "What is 2 + 3?", "x", LONG + " And then?"]
 
 
 def _alone(rollout, tokenizer, params):
-    return torch.cat([rollout.generate_sequences(prompts_of(tokenizer, [q]), params).batch["responses"] for q in QUESTIONS])
+    return torch.cat(
+        [rollout.generate_sequences(prompts_of(tokenizer, [q]), params).batch["responses"] for q in QUESTIONS]
+    )
 
 
 def _stop_token_spreading_lengths(runs: torch.Tensor) -> int:
@@ -37,7 +38,9 @@ def test_requests_that_join_later_generate_what_they_generate_alone(tiny_llama, 
     model, tokenizer = tiny_llama
     # A stop token that some requests meet early and others late or never, so lengths differ widely.
     free = NativeRollout(model, tokenizer, stop_token_ids=[])
-    stop = _stop_token_spreading_lengths(free.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24)).batch["responses"])
+    stop = _stop_token_spreading_lengths(
+        free.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24)).batch["responses"]
+    )
     rollout = NativeRollout(model, tokenizer, stop_token_ids=[stop], max_num_seqs=max_num_seqs, max_prefill_tokens=64)
     rollout.engine.min_shared_prefix = min_shared_prefix
     alone = _alone(rollout, tokenizer, greedy(24))

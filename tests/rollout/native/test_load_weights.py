@@ -4,12 +4,11 @@ import copy
 
 import pytest
 import torch
+from native_helpers import QUESTIONS, greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
-
-from native_helpers import QUESTIONS, greedy, prompts_of
 
 
 def _perturbed(model):
@@ -29,7 +28,9 @@ def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
     pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
     changed = _perturbed(model)
     rollout.load_weights([*changed.named_parameters(), *changed.named_buffers()])  # as full_parameters yields them
-    assert pointers == [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
+    assert pointers == [
+        t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)
+    ]
     expected = HFRollout(changed, tokenizer).generate_sequences(prompts, greedy(10)).batch
     got = rollout.generate_sequences(prompts, greedy(10)).batch
     assert not torch.allclose(got["rollout_log_probs"], before["rollout_log_probs"], atol=1e-2)

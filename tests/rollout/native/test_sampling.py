@@ -2,12 +2,11 @@
 
 import pytest
 import torch
+from native_helpers import QUESTIONS, greedy, prompts_of, sampled
 
 from hybridflow.rollout.base import response_mask_from
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.sampler import sample, uniforms
-
-from native_helpers import QUESTIONS, greedy, prompts_of, sampled
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,9 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_impossible_tokens(vo
     logits = torch.randn(vocab, generator=generator) * 2
     logits[::3] = float("-inf")  # impossible tokens, spread over every block
     n = 20_000
-    tokens, log_probs = sample(logits.expand(n, vocab), sampled(seed=2), torch.arange(n), torch.zeros(n, dtype=torch.long))
+    tokens, log_probs = sample(
+        logits.expand(n, vocab), sampled(seed=2), torch.arange(n), torch.zeros(n, dtype=torch.long)
+    )
     probs = logits.softmax(-1)
     assert (probs[tokens] > 0).all()
     freq = torch.bincount(tokens, minlength=vocab).float() / n
