@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test lint format install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,7 +30,16 @@ $(DEMO_DATA)/train.parquet: | $(STAMP)
 demo: $(STAMP) $(DEMO_DATA)/train.parquet
 	$(PY) -m hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml
 
-test: $(STAMP)
+# ruff (pinned in pyproject.toml's test extra) first: a lint or format error fails the test command.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

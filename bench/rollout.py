@@ -28,6 +28,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.spec import ModelSpec
+from hybridflow.trainer.config import default_config
 
 
 def arithmetic_prompts(tokenizer, count: int, group: int, seed: int = 0) -> DataProto:
@@ -108,8 +109,12 @@ def engine_flops(spec: ModelSpec, stats, mean_prompt: float, new_tokens: int) ->
 
 def run_engine(model, tokenizer, prompts: DataProto, params: SamplingParams, repeats: int):
     """((seconds, others' CPU share) of the best run, the rollout)."""
-    rollout = NativeRollout(model, tokenizer, stop_token_ids=[])
-    rollout.generate_sequences(prompts, SamplingParams(True, 1.0, 1.0, -1, 4, 1))  # warm-up
+    rollout = NativeRollout(
+        model, tokenizer, engine_config=default_config().actor_rollout_ref.rollout.native, stop_token_ids=[]
+    )
+    rollout.generate_sequences(
+        prompts, SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=1)
+    )  # warm-up
     return _best(lambda: rollout.generate_sequences(prompts, params), repeats), rollout
 
 
@@ -165,7 +170,9 @@ def main() -> None:
     tokenizer = load_tokenizer(args.model)
     prompts = arithmetic_prompts(tokenizer, args.seqs, args.group)
     mean_prompt = prompts.batch["attention_mask"].sum(1).float().mean().item()
-    params = SamplingParams(True, 1.0, 1.0, -1, args.new_tokens, 0)
+    params = SamplingParams(
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.new_tokens, seed=0
+    )
     generated = args.seqs * args.new_tokens
     peak, peak_others = matmul_peak()
     rows = []

@@ -41,35 +41,35 @@ def measure(samples: int, repeats: int, remove_padding: bool, group: int) -> dic
     import torch
     import torch.distributed as dist
 
-    from hybridflow.engine.config import ActorConfig, ModelConfig, OptimConfig
+    from hybridflow.batch_keys import OLD_LOG_PROBS
     from hybridflow.engine.policy import PolicyEngine
     from hybridflow.models import load_causal_lm
+    from hybridflow.trainer.config import load_config
     from hybridflow.workers.sharded_model import build_trainable
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(2)
-    config = ActorConfig(
-        ppo_micro_batch_size_per_gpu=samples,
-        log_prob_micro_batch_size_per_gpu=samples,
-        use_remove_padding=remove_padding,
-    )
+    arr = load_config(
+        [
+            "actor_rollout_ref.model.path=smollm2-135m-instruct",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={samples}",
+            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={samples}",
+            f"actor_rollout_ref.actor.use_remove_padding={str(remove_padding).lower()}",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+        ]
+    ).actor_rollout_ref
+    config = arr.actor
     model, optimizer, scheduler = build_trainable(
-        load_causal_lm,
-        ModelConfig(path="smollm2-135m-instruct"),
-        config.fsdp,
-        OptimConfig(lr=1e-5),
-        torch.device("cpu"),
-        0,
-        100,
+        load_causal_lm, arr.model, config.fsdp, config.optim, torch.device("cpu"), 0, 100
     )
     engine = PolicyEngine(model, optimizer, scheduler, config)
     data = grpo_batch(samples, group)
     times: dict[str, list[float]] = {"log_prob": [], "update": []}
     for _ in range(repeats):
         start = time.perf_counter()
-        data.batch["old_log_probs"], _ = engine.compute_log_prob(data, 1.0, with_entropy=True)
+        data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=True).batch[OLD_LOG_PROBS]
         middle = time.perf_counter()
         engine.update_policy(data, len(data), 1.0, seed=0)
         times["log_prob"].append(middle - start)

@@ -53,7 +53,7 @@ def make_batch(generator: torch.Generator, size: int) -> DataProto:
 def main(steps: int = 30, batch_size: int = 64, world_size: int = 2) -> None:
     console = Console()
     generator = torch.Generator().manual_seed(0)
-    with ray_session():
+    with ray_session(num_cpus=world_size):  # one logical CPU per worker, whatever the machine's cores
         group = RayWorkerGroup(RayResourcePool([world_size]), RoleSpec(RegressionWorker, kwargs={"lr": 0.1}))
         table = Table("step", *[f"rank {r} loss" for r in range(world_size)], "rows per rank", title="SPMD regression")
         for step in range(1, steps + 1):

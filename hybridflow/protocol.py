@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
+from hybridflow.batch_keys import METRICS
+
 Index = int | slice | Sequence[int] | np.ndarray | torch.Tensor
 
 
@@ -388,8 +390,23 @@ def _select_chunk(data: DataProto, chunks: int, index: int) -> DataProto:
     return data.chunk(chunks)[index]
 
 
+def mean_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over the ranks that reported it."""
+    collected: dict[str, list[float]] = {}
+    for metrics in per_rank:
+        for key, value in metrics.items():
+            collected.setdefault(key, []).append(float(value))
+    return {key: sum(values) / len(values) for key, values in collected.items()}
+
+
 def concat_and_unpad(outputs: list[DataProto], pad_size: int = 0) -> DataProto:
-    return DataProto.concat(outputs).unpad(pad_size)
+    """The ranks' outputs as one batch, in rank order. Their measurements (``meta_info[METRICS]``,
+    the one way workers report metrics) become the mean over ranks."""
+    merged = DataProto.concat(outputs).unpad(pad_size)
+    per_rank = [output.meta_info[METRICS] for output in outputs if METRICS in output.meta_info]
+    if per_rank:
+        merged.meta_info[METRICS] = mean_metrics(per_rank)
+    return merged
 
 
 @dataclass

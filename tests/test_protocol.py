@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridflow.batch_keys import METRICS
 from hybridflow.protocol import DataProto, DataProtoFuture, DataProtoItem, concat_and_unpad
 
 
@@ -205,3 +206,14 @@ def test_future_chunks_resolve_like_the_collected_data():
     assert names(chunk.dispatch_fn(collected)) == ["s2", "s3"]
     with pytest.raises(ValueError, match="already one chunk"):
         chunk.chunk(2)
+
+
+def test_collected_rank_outputs_average_their_metrics():
+    ranks = [
+        DataProto.from_dict({"x": torch.tensor([1.0, 2.0])}, meta_info={METRICS: {"loss": 1.0, "only_rank0": 5.0}}),
+        DataProto.from_dict({"x": torch.tensor([3.0, 4.0])}, meta_info={METRICS: {"loss": 3.0}}),
+    ]
+    collected = concat_and_unpad(ranks, pad_size=1)  # the last row was padding
+    assert collected.batch["x"].tolist() == [1.0, 2.0, 3.0]
+    assert collected.meta_info[METRICS] == {"loss": 2.0, "only_rank0": 5.0}
+    assert ranks[0].meta_info[METRICS] == {"loss": 1.0, "only_rank0": 5.0}  # the ranks' own dicts untouched

@@ -186,7 +186,8 @@ hybridflow: {hf.setting}. TRL: {trl.setting}.
   `hybridflow/reward/scorers/numbers.py` loaded by file path, `extract_final_number` copied).
 - {args.prompts} prompts x {args.n} samples per step, at most {args.new_tokens} new tokens, temperature 1,
   no top-k / top-p, stop at EOS; GRPO advantages normalised by the group's std; clip 0.2;
-  no KL (hybridflow `use_kl_loss=false`, `use_kl_in_reward=false`; TRL `beta=0`); AdamW lr {args.lr:g} constant, weight decay 0.01, grad-norm clip 1;
+  no KL (hybridflow `use_kl_loss=false`, `use_kl_in_reward=false`; TRL `beta=0`);
+  AdamW lr {args.lr:g} constant, weight decay 0.01, grad-norm clip 1;
   one optimizer step per batch; no activation checkpointing (TRL's default `True` is turned off, as in hybridflow).
 - Seconds per step: mean over steps 2..{args.steps} of each run (step 1 is warm-up and dropped). hybridflow: the
   trainer's own `timing_s/*` (metrics.jsonl). TRL: a `TrainerCallback` from `on_step_begin` to `on_step_end`,

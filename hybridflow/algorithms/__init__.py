@@ -2,12 +2,13 @@
 
 - masked.py       masked sum / mean / var / whiten, safe on empty masks
 - aggregation.py  loss_agg_mode and the gradient-accumulation contract
+- config.py       AlgorithmConfig: the `algorithm.*` section
 - advantage.py    AdvantageConfig and the estimator registry (algorithm.adv_estimator)
 - estimators.py   gae, grpo, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk
 - policy_loss.py  PolicyLossConfig, the loss registry (actor.policy_loss.loss_mode) and
                   vanilla, gspo, gpg, cispo; cov_losses.py: clip_cov, kl_cov
 - value_loss.py   clipped critic loss
-- kl.py           KL estimators, KL controllers, KL in the reward or as a loss
+- kl.py           KL estimators, KL controllers (KLControlConfig), KL in the reward or as a loss
 - entropy.py      entropy and log-probs from logits
 
 docs/algorithms.md lists every estimator, loss and KL type with its formula.
@@ -23,11 +24,14 @@ from hybridflow.algorithms.advantage import (
     register_adv_estimator,
 )
 from hybridflow.algorithms.aggregation import AGG_MODES, LossAggregation, agg_loss, count_tokens_and_seqs
+from hybridflow.algorithms.config import AlgorithmConfig
 from hybridflow.algorithms.entropy import entropy_from_logits, log_probs_from_logits
 from hybridflow.algorithms.kl import (
+    KL_CONTROLLERS,
     KL_TYPES,
     AdaptiveKLController,
     FixedKLController,
+    KLControlConfig,
     apply_kl_penalty,
     compute_kl_loss,
     kl_penalty,
@@ -44,11 +48,14 @@ from hybridflow.algorithms.value_loss import compute_value_loss
 
 __all__ = [
     "AGG_MODES",
+    "KL_CONTROLLERS",
     "KL_TYPES",
     "AdaptiveKLController",
     "AdvantageConfig",
     "AdvantageEstimator",
+    "AlgorithmConfig",
     "FixedKLController",
+    "KLControlConfig",
     "LossAggregation",
     "PolicyLossConfig",
     "agg_loss",

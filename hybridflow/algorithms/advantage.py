@@ -30,31 +30,29 @@ import torch
 
 from hybridflow.algorithms.masked import masked_sum
 from hybridflow.algorithms.registry import Registry
+from hybridflow.validation import require, require_positive
 
 AdvantageOutput = tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AdvantageConfig:
-    """Settings of the advantage estimators (the `algorithm.*` config keys they read)."""
+    """Settings of the advantage estimators: the `algorithm.*` keys they read (``AlgorithmConfig``
+    extends this class). Defaults are written once, in hybridflow/config/ppo_trainer.yaml."""
 
-    gamma: float = 1.0  # discount factor γ (gae, reinforce_plus_plus)
-    lam: float = 1.0  # GAE λ (gae)
-    norm_adv_by_std_in_grpo: bool = True  # divide by the group std (grpo, grpo_passk); false: Dr.GRPO
-    epsilon: float = 1e-6  # added to a standard deviation before dividing by it
-    gae_whiten: bool = True  # whiten GAE advantages over the batch's response tokens (PPO practice)
-    pass_k: int = 4  # k of the pass@k objective (grpo_passk)
-    gpg_norm_by_std: bool = False  # GPG's F_norm: group std instead of 1 (gpg)
+    gamma: float  # discount factor γ (gae, reinforce_plus_plus)
+    lam: float  # GAE λ (gae)
+    norm_adv_by_std_in_grpo: bool  # divide by the group std (grpo, grpo_passk); false: Dr.GRPO
+    epsilon: float  # added to a standard deviation before dividing by it
+    gae_whiten: bool  # whiten GAE advantages over the batch's response tokens (PPO practice)
+    pass_k: int  # k of the pass@k objective (grpo_passk)
+    gpg_norm_by_std: bool  # GPG's F_norm: group std instead of 1 (gpg)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"lam must be in [0, 1], got {self.lam}")
-        if self.pass_k < 1:
-            raise ValueError(f"pass_k must be >= 1, got {self.pass_k}")
-        if self.epsilon <= 0:
-            raise ValueError(f"epsilon must be positive, got {self.epsilon}")
+        require(0.0 <= self.gamma <= 1.0, "gamma", f"must be in [0, 1], got {self.gamma}")
+        require(0.0 <= self.lam <= 1.0, "lam", f"must be in [0, 1], got {self.lam}")
+        require(self.pass_k >= 1, "pass_k", f"must be >= 1, got {self.pass_k}")
+        require_positive(self.epsilon, "epsilon")
 
 
 EstimatorFn = Callable[..., AdvantageOutput]

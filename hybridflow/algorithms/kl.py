@@ -22,11 +22,13 @@ Two uses, both supported:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from hybridflow.algorithms.aggregation import LossAggregation, agg_loss
 from hybridflow.algorithms.masked import masked_mean
+from hybridflow.validation import require, require_choice, require_positive
 
 
 def _k1(delta: torch.Tensor) -> torch.Tensor:
@@ -109,17 +111,34 @@ class AdaptiveKLController:
 KLController = FixedKLController | AdaptiveKLController
 
 
-def make_kl_controller(
-    type: str, kl_coef: float, target_kl: float | None = None, horizon: float | None = None
-) -> KLController:
-    """Build the controller named by `algorithm.kl_ctrl.type`: "fixed" or "adaptive"."""
-    if type == "fixed":
-        return FixedKLController(kl_coef)
-    if type == "adaptive":
-        if target_kl is None or horizon is None:
-            raise ValueError("an adaptive KL controller needs target_kl and horizon")
-        return AdaptiveKLController(kl_coef, target_kl, horizon)
-    raise ValueError(f"unknown kl_ctrl type {type!r}; known: adaptive, fixed")
+@dataclass(kw_only=True)
+class KLControlConfig:
+    """The coefficient β of the KL penalty in the reward (`algorithm.kl_ctrl.*`)."""
+
+    type: str  # a registered controller (KL_CONTROLLERS): fixed | adaptive
+    kl_coef: float  # initial (fixed: constant) coefficient β
+    target_kl: float  # adaptive: the KL per sequence the controller steers towards
+    horizon: int  # adaptive: samples over which the coefficient adapts
+
+    def __post_init__(self) -> None:
+        require_choice(self.type, KL_CONTROLLERS, "type")
+        require(self.kl_coef >= 0, "kl_coef", f"must be >= 0, got {self.kl_coef}")
+        require_positive(self.target_kl, "target_kl")
+        require_positive(self.horizon, "horizon")
+
+
+# name -> how to build that controller from its config (the registry `algorithm.kl_ctrl.type` picks from)
+KL_CONTROLLERS: dict[str, Callable[[KLControlConfig], KLController]] = {
+    "fixed": lambda config: FixedKLController(config.kl_coef),
+    "adaptive": lambda config: AdaptiveKLController(config.kl_coef, config.target_kl, config.horizon),
+}
+
+
+def make_kl_controller(config: KLControlConfig) -> KLController:
+    """The controller named by ``config.type``."""
+    if config.type not in KL_CONTROLLERS:
+        raise ValueError(f"unknown kl_ctrl type {config.type!r}; known: {', '.join(sorted(KL_CONTROLLERS))}")
+    return KL_CONTROLLERS[config.type](config)
 
 
 def apply_kl_penalty(

@@ -29,37 +29,37 @@ import torch
 from hybridflow.algorithms.aggregation import LossAggregation, agg_loss
 from hybridflow.algorithms.masked import masked_mean
 from hybridflow.algorithms.registry import Registry
+from hybridflow.validation import require, require_choice, require_positive
 
 PolicyLossOutput = tuple[torch.Tensor, dict[str, torch.Tensor | float]]
 PolicyLossFn = Callable[..., PolicyLossOutput]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PolicyLossConfig:
-    """Settings of the policy losses (`actor_rollout_ref.actor.*` and `actor.policy_loss.*`)."""
+    """Settings of the policy losses (`actor_rollout_ref.actor.policy_loss.*`)."""
 
-    loss_mode: str = "vanilla"  # registered policy loss to use
-    clip_ratio: float = 0.2  # PPO ε, used for both sides unless clip_ratio_low/high are set
-    clip_ratio_low: float | None = None  # ε_low: ratio floor 1 - ε_low (None: clip_ratio)
-    clip_ratio_high: float | None = None  # ε_high: ratio ceiling 1 + ε_high (DAPO clip-higher; None: clip_ratio)
-    clip_ratio_c: float = 3.0  # dual-clip bound c > 1 on the ratio for A < 0 (vanilla)
-    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of response tokens whose gradient is detached
-    clip_cov_lb: float = 1.0  # clip_cov: lower bound of the covariance of eligible tokens
-    clip_cov_ub: float = 5.0  # clip_cov: upper bound of the covariance of eligible tokens
-    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of response tokens that get the KL penalty
-    ppo_kl_coef: float = 1.0  # kl_cov: coefficient of |log r| on the selected tokens
-    log_ratio_clamp: float = 20.0  # |log r| is clamped to this before exp, for stability
+    loss_mode: str  # a registered policy loss (list_policy_losses())
+    clip_ratio: float  # PPO ε, used for both sides unless clip_ratio_low/high are set
+    clip_ratio_low: float | None  # ε_low: ratio floor 1 - ε_low (None: clip_ratio)
+    clip_ratio_high: float | None  # ε_high: ratio ceiling 1 + ε_high (DAPO clip-higher; None: clip_ratio)
+    clip_ratio_c: float  # dual-clip bound c > 1 on the ratio for A < 0 (vanilla)
+    clip_cov_ratio: float  # clip_cov: fraction of response tokens whose gradient is detached
+    clip_cov_lb: float  # clip_cov: lower bound of the covariance of eligible tokens
+    clip_cov_ub: float  # clip_cov: upper bound of the covariance of eligible tokens
+    kl_cov_ratio: float  # kl_cov: fraction of response tokens that get the KL penalty
+    ppo_kl_coef: float  # kl_cov: coefficient of |log r| on the selected tokens
+    log_ratio_clamp: float  # |log r| is clamped to this before exp, for stability
 
     def __post_init__(self) -> None:
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
-        low, high = self.clip_bounds()
-        if low < 0 or high < 0:
-            raise ValueError(f"clip ratios must be >= 0, got low={low}, high={high}")
-        if self.clip_cov_ratio <= 0 or self.kl_cov_ratio <= 0:
-            raise ValueError("clip_cov_ratio and kl_cov_ratio must be > 0")
-        if self.log_ratio_clamp <= 0:
-            raise ValueError(f"log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        require_choice(self.loss_mode, list_policy_losses(), "loss_mode")
+        require(self.clip_ratio_c > 1.0, "clip_ratio_c", f"must be > 1 (dual clip), got {self.clip_ratio_c}")
+        for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, name, f"must be >= 0, got {value}")
+        require_positive(self.clip_cov_ratio, "clip_cov_ratio")
+        require_positive(self.kl_cov_ratio, "kl_cov_ratio")
+        require_positive(self.log_ratio_clamp, "log_ratio_clamp")
 
     def clip_bounds(self) -> tuple[float, float]:
         """(ε_low, ε_high), each falling back to clip_ratio."""

@@ -40,8 +40,9 @@ def driver_runtime_env() -> dict:
 def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus: int | None = None) -> bool:
     """Start a local Ray cluster (``address`` None) or join one. Returns whether this call started Ray.
 
-    A local cluster gets at least 8 logical CPUs, so that small worker groups fit on a small
-    machine; threads per worker are what bound real CPU use.
+    ``num_cpus``: the local cluster's logical CPUs (None: Ray's default, the machine's cores). Logical
+    CPUs only decide what Ray may place; threads per worker are what bound real CPU use, so a
+    small machine may host more workers than it has cores (``trainer.ray_num_cpus``).
     """
     if ray.is_initialized():
         return False
@@ -50,7 +51,7 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, num_gpus:
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus or max(os.cpu_count() or 1, 8), num_gpus=num_gpus, **kwargs)
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     return True
 
 

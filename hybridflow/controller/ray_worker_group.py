@@ -135,7 +135,15 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
         seen[node] = local_ranks[-1] + 1
     device = "cuda" if pool.use_gpu else "cpu"
     envs = [
-        DistEnv(rank, len(hosts), local_ranks[rank], master_addr, master_port, device) for rank in range(len(hosts))
+        DistEnv(
+            rank=rank,
+            world_size=len(hosts),
+            local_rank=local_ranks[rank],
+            master_addr=master_addr,
+            master_port=master_port,
+            device=device,
+        )
+        for rank in range(len(hosts))
     ]
     ranks = list(range(len(hosts)))
     _wait_all(

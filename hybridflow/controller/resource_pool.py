@@ -15,11 +15,11 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
 
-class Role(enum.Enum):
-    """The model roles of an RL dataflow."""
+class Role(enum.StrEnum):
+    """The model roles of an RL dataflow: the one vocabulary for them. A role's value is the name
+    its worker group goes by (in errors, in a colocated process, in the trainer's ``RoleGroups``)."""
 
     ActorRollout = "actor_rollout"
-    ActorRolloutRef = "actor_rollout_ref"
     RefPolicy = "ref"
     Critic = "critic"
     RewardModel = "reward_model"
@@ -28,7 +28,7 @@ class Role(enum.Enum):
 class ResourcePool:
     """Processes per node, independent of any backend."""
 
-    def __init__(self, process_on_nodes: list[int], use_gpu: bool = False, max_colocate_count: int = 1):
+    def __init__(self, process_on_nodes: list[int], *, use_gpu: bool = False, max_colocate_count: int = 1):
         if not process_on_nodes or any(n <= 0 for n in process_on_nodes):
             raise ValueError(f"process_on_nodes must list a positive process count per node, got {process_on_nodes}")
         if max_colocate_count < 1:
@@ -46,6 +46,7 @@ class RayResourcePool(ResourcePool):
     def __init__(
         self,
         process_on_nodes: list[int],
+        *,
         use_gpu: bool = False,
         max_colocate_count: int = 1,
         cpus_per_worker: float = 1.0,
@@ -53,7 +54,7 @@ class RayResourcePool(ResourcePool):
         ready_timeout_s: float = 60.0,
         threads_per_worker: int | None = None,
     ):
-        super().__init__(process_on_nodes, use_gpu, max_colocate_count)
+        super().__init__(process_on_nodes, use_gpu=use_gpu, max_colocate_count=max_colocate_count)
         self.cpus_per_worker = cpus_per_worker
         self.threads_per_worker = threads_per_worker or max(1, int(cpus_per_worker))
         self.name = name
@@ -100,15 +101,15 @@ class RayResourcePool(ResourcePool):
         self._placement_groups = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ResourcePoolManager:
     """Pools by name, and which pool each role runs in. Several roles may share one pool."""
 
-    pool_spec: dict[str, list[int]]
+    pool_spec: dict[str, list[int]]  # pool name -> processes per node
     role_to_pool: dict[Role, str]
-    use_gpu: bool = False
-    cpus_per_worker: float = 1.0
-    max_colocate_count: int = 3
+    use_gpu: bool
+    cpus_per_worker: float  # CPUs of each process's bundle
+    max_colocate_count: int  # Ray actors that may share one bundle (one per role a pool hosts separately)
     pools: dict[str, RayResourcePool] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
@@ -119,7 +120,11 @@ class ResourcePoolManager:
     def create_pools(self) -> None:
         for name, nodes in self.pool_spec.items():
             self.pools[name] = RayResourcePool(
-                nodes, self.use_gpu, self.max_colocate_count, self.cpus_per_worker, name=name
+                nodes,
+                use_gpu=self.use_gpu,
+                max_colocate_count=self.max_colocate_count,
+                cpus_per_worker=self.cpus_per_worker,
+                name=name,
             )
 
     def get_pool(self, role: Role) -> RayResourcePool:

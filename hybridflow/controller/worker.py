@@ -13,7 +13,7 @@ import torch.distributed as dist
 from hybridflow.controller.decorator import MeshCoord
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DistEnv:
     """The torch.distributed environment of one rank, as a worker group assigns it."""
 
@@ -22,7 +22,7 @@ class DistEnv:
     local_rank: int
     master_addr: str
     master_port: int
-    device: str = "cpu"
+    device: str  # cpu (gloo) | cuda (nccl)
 
     def to_environ(self) -> dict[str, str]:
         return {

@@ -1,20 +1,36 @@
-"""The dataset's config (`data.*` keys)."""
+"""The data section's config (`data.*` keys): how rows become prompts, and how prompts become batches."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.validation import require, require_positive
 
-@dataclass
+
+@dataclass(kw_only=True)
 class DatasetConfig:
-    """How rows become prompts; one line of help per field."""
+    """What RLHFDataset reads: how rows become templated, tokenized prompts."""
 
-    prompt_key: str = "prompt"  # column with the chat messages [{"role", "content"}, ...]
-    max_prompt_length: int = 256  # longest templated prompt, in tokens (with the generation prompt)
-    filter_overlong_prompts: bool = True  # True: drop longer prompts (logging the count); False: raise on the first
+    prompt_key: str  # column with the chat messages [{"role", "content"}, ...]
+    max_prompt_length: int  # longest templated prompt, in tokens (with the generation prompt)
+    filter_overlong_prompts: bool  # true: drop longer prompts (logging the count); false: stop at the first
 
     def __post_init__(self) -> None:
-        if self.max_prompt_length <= 0:
-            raise ValueError(f"data.max_prompt_length must be positive, got {self.max_prompt_length}")
-        if not self.prompt_key:
-            raise ValueError("data.prompt_key must name a column")
+        require_positive(self.max_prompt_length, "max_prompt_length")
+        require(bool(self.prompt_key), "prompt_key", "must name a column")
+
+
+@dataclass(kw_only=True)
+class DataConfig(DatasetConfig):
+    """The whole `data.*` section: the dataset's settings (inherited), its files and the batch loaders'."""
+
+    train_files: list[str]  # parquet/jsonl files of training prompts
+    val_files: list[str]  # held-out prompts for validation (empty: no validation)
+    train_batch_size: int  # prompts per training step (each sampled rollout.n times)
+    val_batch_size: int  # prompts per validation generation call
+    shuffle: bool  # shuffle training prompts each epoch (seeded by trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self.train_batch_size, "train_batch_size")
+        require_positive(self.val_batch_size, "val_batch_size")

@@ -20,13 +20,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    INDEX,
+    INPUT_IDS,
+    POSITION_IDS,
+    RAW_PROMPT,
+    REWARD_MODEL,
+)
 from hybridflow.data.config import DatasetConfig
 from hybridflow.data.io import read_rows
 from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-NON_TENSOR_KEYS = ("data_source", "reward_model", "extra_info", "raw_prompt", "index")
+NON_TENSOR_KEYS = (DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, RAW_PROMPT, INDEX)
 
 
 def _object_array(values: Sequence[Any]) -> np.ndarray:
@@ -86,17 +96,17 @@ class RLHFDataset:
                         "data.filter_overlong_prompts=true to drop such rows"
                     )
                 continue
-            for key in ("data_source", "reward_model"):
+            for key in (DATA_SOURCE, REWARD_MODEL):
                 if key not in row:
                     raise ValueError(f"row {index} has no {key!r} column; columns: {sorted(row)}")
             kept.append(
                 {
-                    "input_ids": ids,
-                    "raw_prompt": chat,
-                    "data_source": row["data_source"],
-                    "reward_model": row["reward_model"],
-                    "extra_info": row.get("extra_info") or {},
-                    "index": index,  # the row's position in the files, stable under filtering
+                    INPUT_IDS: ids,
+                    RAW_PROMPT: chat,
+                    DATA_SOURCE: row[DATA_SOURCE],
+                    REWARD_MODEL: row[REWARD_MODEL],
+                    EXTRA_INFO: row.get(EXTRA_INFO) or {},
+                    INDEX: index,  # the row's position in the files, stable under filtering
                 }
             )
         dropped = len(rows) - len(kept)
@@ -126,15 +136,15 @@ class RLHFDataset:
         """
         if not rows:
             raise ValueError("collate needs at least one row")
-        width = max(len(row["input_ids"]) for row in rows)
+        width = max(len(row[INPUT_IDS]) for row in rows)
         input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)  # (B, P)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, P)
         for i, row in enumerate(rows):
-            ids = row["input_ids"]
+            ids = row[INPUT_IDS]
             input_ids[i, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
             attention_mask[i, width - len(ids) :] = 1
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # (B, P)
         return DataProto.from_dict(
-            tensors={"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids},
+            tensors={INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids},
             non_tensors={key: _object_array([row[key] for row in rows]) for key in NON_TENSOR_KEYS},
         )

@@ -1,101 +1,149 @@
-"""Typed configs of the training engine: model, optimizer, FSDP2, actor, reference, critic."""
+"""Typed configs of the training engine: model, optimizer, FSDP2, actor, reference, critic.
+
+Fields carry no defaults: hybridflow/config/ppo_trainer.yaml writes every default once, and
+``hybridflow.trainer.config.default_config()`` gives them as these objects. Each class checks
+its own values; checks that need several sections are in ``trainer/check_config.py``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from hybridflow.algorithms import PolicyLossConfig
+from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
+from hybridflow.engine.optim import SCHEDULES
+from hybridflow.models.dtypes import DTYPES
+from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ModelConfig:
-    path: str = (
-        "tiny-llama"  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
-    )
-    enable_gradient_checkpointing: bool = False  # recompute activations in backward to save memory
+    path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+    enable_gradient_checkpointing: bool  # recompute activations in backward to save memory
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimConfig:
-    lr: float = 1e-6  # peak learning rate of AdamW
-    weight_decay: float = 0.01  # AdamW decoupled weight decay
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW betas
-    eps: float = 1e-8  # AdamW epsilon
-    lr_warmup_steps: int = 0  # linear warm-up steps from 0 to lr
-    lr_scheduler: str = "constant"  # after warm-up: constant | cosine
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio at the last step
+    lr: float  # peak learning rate of AdamW
+    weight_decay: float  # AdamW decoupled weight decay
+    betas: list[float]  # AdamW betas
+    eps: float  # AdamW epsilon
+    lr_warmup_steps: int  # linear warm-up steps from 0 to lr
+    lr_scheduler: str  # after warm-up: one of engine.optim.SCHEDULES (constant | cosine)
+    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio at the last step
+
+    def __post_init__(self) -> None:
+        require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "betas",
+            f"need two in [0, 1), got {self.betas}",
+        )
+        require_positive(self.eps, "eps")
+        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
+        require_choice(self.lr_scheduler, SCHEDULES, "lr_scheduler")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FSDPConfig:
-    param_dtype: str = "bf16"  # compute dtype of forward/backward (bf16 | fp32); master weights stay fp32
-    reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter across ranks
+    param_dtype: str  # compute dtype of forward/backward (bf16 | fp32); master weights stay fp32
+    reduce_dtype: str  # dtype of the gradient reduce-scatter across ranks
+
+    def __post_init__(self) -> None:
+        require_choice(self.param_dtype, DTYPES, "param_dtype")
+        require_choice(self.reduce_dtype, DTYPES, "reduce_dtype")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ActorConfig:
-    ppo_mini_batch_size: int = 8  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
-    ppo_micro_batch_size_per_gpu: int = 8  # samples per forward/backward on one rank (gradient accumulation)
-    ppo_epochs: int = 1  # passes over the batch per training step
-    shuffle: bool = True  # shuffle samples between mini-batches (seeded)
-    log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing old log-probs
-    use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = (
-        False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
-    )
-    ppo_max_token_len_per_gpu: int = (
-        16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    )
-    log_prob_max_token_len_per_gpu: int = (
-        16384  # use_dynamic_bsz: most real tokens per micro-batch when computing old log-probs
-    )
-    param_offload: bool = False  # move this rank's parameter shards and gradients to CPU memory while the actor generates (GPU; a no-op on CPU)
-    optimizer_offload: bool = (
-        False  # move the optimizer state to CPU memory while the actor generates (GPU; a no-op on CPU)
-    )
-    reuse_update_log_probs: bool = True  # on-policy steps (ppo_epochs 1, mini-batch = train batch, no KL in reward): old log-probs come from the update's own forward before its optimizer step (exact), no separate pass
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)  # loss_mode and clip ratios
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    entropy_coeff: float = 0.0  # weight of the entropy bonus (subtracted from the loss)
-    use_kl_loss: bool = False  # add KL(pi || ref) to the loss (GRPO style) instead of / besides the reward
-    kl_loss_coef: float = 0.001  # weight of the KL loss
-    kl_loss_type: str = "low_var_kl"  # kl | abs | mse | low_var_kl, with optional + (straight-through)
-    grad_clip: float = 1.0  # max global grad norm; steps with a non-finite norm are skipped
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
+    ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank (gradient accumulation)
+    ppo_epochs: int  # passes over the batch per training step
+    shuffle: bool  # shuffle samples between mini-batches (seeded)
+    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing old log-probs
+    use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch for old log-probs
+    param_offload: bool  # move parameter shards and gradients to CPU memory while generating (GPU; CPU: no-op)
+    optimizer_offload: bool  # move the optimizer state to CPU memory while generating (GPU; CPU: no-op)
+    # on-policy steps (see single_update_step; no KL in the reward): the old log-probs come from the
+    # update's own forward before its optimizer step (exact), with no separate pass
+    reuse_update_log_probs: bool
+    policy_loss: PolicyLossConfig  # loss_mode and clip ratios
+    loss_agg_mode: str  # algorithms.AGG_MODES: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...
+    entropy_coeff: float  # weight of the entropy bonus (subtracted from the loss)
+    use_kl_loss: bool  # add KL(pi || ref) to the loss (GRPO style) instead of / besides the reward
+    kl_loss_coef: float  # weight of the KL loss
+    kl_loss_type: str  # algorithms.KL_TYPES: kl | abs | mse | low_var_kl, with optional + (straight-through)
+    grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
+    optim: OptimConfig
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        require_positive_fields(
+            self,
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "log_prob_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu",
+            "log_prob_max_token_len_per_gpu",
+            "grad_clip",
+        )
+        require_choice(self.loss_agg_mode, AGG_MODES, "loss_agg_mode")
+        require_choice(self.kl_loss_type, KL_TYPES, "kl_loss_type")
+        require(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
+
+    def single_update_step(self, mini_batch_size: int, batch_size: int) -> bool:
+        """Whether an update over ``batch_size`` samples is one optimizer step on all of them (one epoch,
+        one mini-batch): then the policy before that step is the one that sampled the batch, and the
+        update's own log-probs are the old ones, exactly. The only statement of this condition."""
+        return self.ppo_epochs == 1 and mini_batch_size == batch_size
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int = 16  # samples per forward when computing reference log-probs
-    use_remove_padding: bool = True  # run the forward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = (
-        False  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
-    )
-    log_prob_max_token_len_per_gpu: int = 16384  # use_dynamic_bsz: most real tokens per micro-batch on one rank
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing reference log-probs
+    use_remove_padding: bool  # run the forward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
+    log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch on one rank
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        require_positive(self.log_prob_micro_batch_size_per_gpu, "log_prob_micro_batch_size_per_gpu")
+        require_positive(self.log_prob_max_token_len_per_gpu, "log_prob_max_token_len_per_gpu")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CriticConfig:
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(path=""))  # path "" means: the actor's model
-    ppo_mini_batch_size: int = 8  # prompts per optimizer step, over all ranks
-    ppo_micro_batch_size_per_gpu: int = 8  # samples per forward/backward on one rank
-    ppo_epochs: int = 1  # passes over the batch per training step
-    shuffle: bool = True  # shuffle samples between mini-batches (seeded)
-    forward_micro_batch_size_per_gpu: int = 16  # samples per forward when computing values
-    use_remove_padding: bool = True  # run forward/backward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool = (
-        False  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
-    )
-    ppo_max_token_len_per_gpu: int = (
-        16384  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    )
-    forward_max_token_len_per_gpu: int = (
-        16384  # use_dynamic_bsz: most real tokens per micro-batch when computing values
-    )
-    cliprange_value: float = 0.5  # value clipping range around the old values
-    loss_agg_mode: str = "token-mean"  # aggregation of the value loss
-    grad_clip: float = 1.0  # max global grad norm
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    model: ModelConfig  # path "" means: the actor's model
+    ppo_mini_batch_size: int  # prompts per optimizer step, over all ranks
+    ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank
+    ppo_epochs: int  # passes over the batch per training step
+    shuffle: bool  # shuffle samples between mini-batches (seeded)
+    forward_micro_batch_size_per_gpu: int  # samples per forward when computing values
+    use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
+    ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    forward_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch when computing values
+    cliprange_value: float  # value clipping range around the old values
+    loss_agg_mode: str  # aggregation of the value loss (algorithms.AGG_MODES)
+    grad_clip: float  # max global grad norm
+    optim: OptimConfig
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        require_positive_fields(
+            self,
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_gpu",
+            "ppo_epochs",
+            "forward_micro_batch_size_per_gpu",
+            "ppo_max_token_len_per_gpu",
+            "forward_max_token_len_per_gpu",
+            "cliprange_value",
+            "grad_clip",
+        )
+        require_choice(self.loss_agg_mode, AGG_MODES, "loss_agg_mode")

@@ -1,4 +1,7 @@
-"""The critic's training side: values and the clipped value-loss update on one rank."""
+"""The critic's training side: values and the clipped value-loss update on one rank.
+
+Both passes return a DataProto whose ``meta_info[METRICS]`` holds their measurements.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, compute_value_loss
+from hybridflow.batch_keys import METRICS, RESPONSE_MASK, RETURNS, VALUES
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_values, pass_work, response_values
@@ -22,10 +26,9 @@ class CriticEngine:
         self.scheduler = scheduler
         self.config = config
         self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
-        self.values_metrics: dict[str, float] = {}  # perf/* of the last compute_values
 
-    def compute_values(self, data: DataProto) -> torch.Tensor:
-        """Values (B, R), 0 on response padding; its FLOP/s are left in ``self.values_metrics``."""
+    def compute_values(self, data: DataProto) -> DataProto:
+        """Values (B, R), 0 on response padding, with the pass's FLOP/s as metrics."""
         cfg = self.config
         self.model.eval()
         start = time.perf_counter()
@@ -37,18 +40,18 @@ class CriticEngine:
             max_token_len=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
         work = pass_work(data, cfg.use_remove_padding)
-        self.values_metrics = self.meter.metrics("values", work, time.perf_counter() - start, training=False)
-        return values * data.batch["response_mask"]
+        metrics = self.meter.metrics("values", work, time.perf_counter() - start, training=False)
+        return DataProto.from_dict({VALUES: values * data.batch[RESPONSE_MASK]}, meta_info={METRICS: metrics})
 
     def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
         batch = micro.batch
         vpreds = response_values(self.model, micro, self.config.use_remove_padding)
         loss, metrics = compute_value_loss(
-            vpreds, batch["values"], batch["returns"], batch["response_mask"], self.config.cliprange_value, agg
+            vpreds, batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK], self.config.cliprange_value, agg
         )
         return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
 
-    def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> dict[str, float]:
+    def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> DataProto:
         """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and
         ``perf/tflops_critic_update``."""
         cfg = self.config
@@ -67,4 +70,4 @@ class CriticEngine:
         )
         work = pass_work(data, cfg.use_remove_padding)
         metrics.update(self.meter.metrics("critic_update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
-        return metrics
+        return DataProto(meta_info={METRICS: metrics})

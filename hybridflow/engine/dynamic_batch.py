@@ -1,6 +1,4 @@
-"""Micro-batches by token count, and balancing sequence lengths across data-parallel ranks.
-
-Row lengths are real tokens: ``attention_mask.sum(-1)`` of the (B, P+R) batch.
+"""Micro-batches: a fixed number of rows, or at most a token budget (row lengths from ``hybridflow/lengths.py``).
 
 Every FSDP forward and backward is a collective (parameter all-gather, gradient reduce-scatter),
 so all ranks must run the same number of micro-batches: the token-budget grouping is given the
@@ -9,17 +7,12 @@ largest count over the ranks as its minimum.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.protocol import DataProto
-
-
-def row_lengths(data: DataProto) -> list[int]:
-    """Real tokens of each row of a batch with an (B, P+R) ``attention_mask``."""
-    return data.batch["attention_mask"].sum(dim=-1).tolist()
 
 
 def group_by_tokens(lengths: Sequence[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:
@@ -87,42 +80,3 @@ def restore_order(parts: Sequence[torch.Tensor], groups: list[list[int]]) -> tor
     order = torch.tensor([i for group in groups for i in group], dtype=torch.long)
     stacked = torch.cat(list(parts))
     return stacked[torch.argsort(order.to(stacked.device))]
-
-
-def balanced_order(lengths: Sequence[int], world_size: int, groups: Sequence[Hashable] | None = None) -> list[int]:
-    """A permutation of the batch after which equal contiguous chunks (one per data-parallel rank,
-    as DP_COMPUTE_PROTO splits) hold nearly equal numbers of tokens.
-
-    Rows go longest first to the least-loaded rank that still has room; rank r holds as many rows
-    as its chunk (the chunks of ``DataProto.chunk``; a batch that does not divide gives the last
-    rank fewer). Within a rank the rows keep their original relative order. Use it as
-    ``batch.reorder(balanced_order(lengths, world_size))``.
-
-    ``groups``: a key per row (e.g. the prompt's uid); rows of one group go to one rank together
-    when a rank has room for all of them, so that packing can share their prompt.
-    """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    total = len(lengths)
-    chunk = -(-total // world_size)
-    capacity = [max(0, min(chunk, total - r * chunk)) for r in range(world_size)]
-    ranks: list[list[int]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
-    units: dict[Hashable, list[int]] = {}
-    for index in range(total):
-        units.setdefault(groups[index] if groups is not None else index, []).append(index)
-
-    def place(rows: list[int]) -> bool:
-        open_ranks = [r for r in range(world_size) if len(ranks[r]) + len(rows) <= capacity[r]]
-        if not open_ranks:
-            return False
-        rank = min(open_ranks, key=lambda r: (loads[r], len(ranks[r])))
-        ranks[rank].extend(rows)
-        loads[rank] += sum(lengths[i] for i in rows)
-        return True
-
-    for rows in sorted(units.values(), key=lambda rows: -sum(lengths[i] for i in rows)):
-        if not place(rows):  # no rank has room for the whole group: its rows go one by one
-            for index in sorted(rows, key=lambda i: -lengths[i]):
-                place([index])
-    return [index for rank in ranks for index in sorted(rank)]

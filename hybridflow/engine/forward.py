@@ -20,15 +20,11 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
-from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, row_lengths, split_by_groups
-from hybridflow.engine.packing import computed_lengths, pack, packed_forward
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
+from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
+from hybridflow.engine.packing import pack, packed_forward
+from hybridflow.lengths import packed_lengths, row_lengths
 from hybridflow.protocol import DataProto
-
-
-def packed_lengths(data: DataProto) -> list[int]:
-    """Tokens per row that a packed pass computes (a prompt shared by several rows once)."""
-    tensors = data.batch
-    return computed_lengths(tensors["attention_mask"], tensors["input_ids"], tensors["responses"].shape[1])
 
 
 def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
@@ -37,8 +33,8 @@ def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | N
     positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
     if not remove_padding:
         return row_lengths(data), None
-    response_length = data.batch["responses"].shape[1]
-    return packed_lengths(data), int(data.batch["attention_mask"][:, -response_length:].sum())
+    response_length = data.batch[RESPONSES].shape[1]
+    return packed_lengths(data), int(data.batch[ATTENTION_MASK][:, -response_length:].sum())
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -55,11 +51,11 @@ def response_outputs(
     runs on those M positions only (``logits_to_keep``), not on the prompts and padding.
     """
     tensors = batch.batch
-    response_length = tensors["responses"].shape[1]
+    response_length = tensors[RESPONSES].shape[1]
     if not remove_padding:
-        inputs = {key: tensors[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
         return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
-    packed = pack(tensors["input_ids"], tensors["attention_mask"], tensors["position_ids"], response_length)
+    packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], response_length)
     keep = packed.response_index[
         packed.response_valid
     ]  # (M,) packed positions; rows sharing a prompt share its last one
@@ -90,7 +86,7 @@ def response_log_probs(
     logits, valid = response_outputs(model, batch, remove_padding)
     if temperature != 1.0:
         logits = logits / temperature
-    responses = batch.batch["responses"]
+    responses = batch.batch[RESPONSES]
     labels = responses if valid is None else responses[valid]
     log_probs = _to_rows(log_probs_from_logits(logits, labels), valid)
     entropy = None

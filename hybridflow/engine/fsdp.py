@@ -12,14 +12,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import FSDPConfig
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype '{name}'; use one of {sorted(DTYPES)}")
-    return DTYPES[name]
+from hybridflow.models.dtypes import parse_dtype
 
 
 def data_parallel_mesh(device: torch.device) -> DeviceMesh:

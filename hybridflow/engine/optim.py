@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from hybridflow.engine.config import OptimConfig
+if TYPE_CHECKING:  # engine/config.py validates lr_scheduler against SCHEDULES below
+    from hybridflow.engine.config import OptimConfig
 
-SCHEDULES = ("constant", "cosine")
 
+def _constant(progress: float, min_lr_ratio: float) -> float:
+    return 1.0
+
+
+def _cosine(progress: float, min_lr_ratio: float) -> float:
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+# lr_scheduler name -> the factor on the peak lr after warm-up, given the fraction of the decay done
+SCHEDULES: dict[str, Callable[[float, float], float]] = {"constant": _constant, "cosine": _cosine}
 
 FUSED_DEVICES = ("cpu", "cuda")
 
@@ -34,17 +46,12 @@ def lr_multiplier(step: int, config: OptimConfig, total_steps: int) -> float:
     """The factor on the peak lr at optimizer step ``step`` (0-based)."""
     if step < config.lr_warmup_steps:
         return (step + 1) / config.lr_warmup_steps
-    if config.lr_scheduler == "constant":
-        return 1.0
     decay_steps = max(1, total_steps - config.lr_warmup_steps)
     progress = min(1.0, (step - config.lr_warmup_steps) / decay_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine
+    return SCHEDULES[config.lr_scheduler](progress, config.min_lr_ratio)
 
 
 def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    if config.lr_scheduler not in SCHEDULES:
-        raise ValueError(f"unknown lr_scheduler '{config.lr_scheduler}'; use one of {SCHEDULES}")
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config, total_steps))

@@ -45,6 +45,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.lengths import prompt_leaders
+
 PACKED_ATTENTION = "packed_sdpa"
 
 
@@ -63,18 +65,6 @@ class PackedBatch:
     segments: Segments
     response_index: torch.Tensor  # (b, R) packed position of the output predicting each response token
     response_valid: torch.Tensor  # (b, R) bool: the response token is real
-
-
-def prompt_leaders(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """(b,) for each row, the first row with the same prompt (itself if none before it has it)."""
-    prompts = torch.cat(
-        [input_ids[:, :prompt_length] * attention_mask[:, :prompt_length], attention_mask[:, :prompt_length]], dim=1
-    )
-    _, group = torch.unique(prompts, dim=0, return_inverse=True)
-    rows = torch.arange(len(group), device=group.device)
-    first = torch.full((int(group.max()) + 1 if len(group) else 0,), len(group), dtype=torch.long, device=group.device)
-    first = first.scatter_reduce(0, group, rows, reduce="amin")
-    return first[group]
 
 
 def pack(
@@ -104,15 +94,13 @@ def pack(
     lengths = mask.sum(dim=1)  # (b,)
     slots = torch.arange(max(int(lengths.max()), 1) if len(lengths) else 1, device=mask.device)
     in_row = slots < lengths.unsqueeze(1)  # (b, L)
-    columns = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[
-        :, : len(slots)
-    ]  # the row's real columns in order
+    # the row's real columns in order
+    columns = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)[:, : len(slots)]
     slot_of = mask.long().cumsum(1) - 1  # (b, P+R) slot of each real token within its row
     segments = Segments(
         index=torch.where(in_row, position.gather(1, columns), 0),
-        real=(rows.unsqueeze(1) * len(slots) + slot_of)[
-            keep
-        ],  # each packed token's output: the slot of the row that holds it
+        # each packed token's output: the slot of the row that holds it
+        real=(rows.unsqueeze(1) * len(slots) + slot_of)[keep],
     )
     # Response token t sits at column P+t and is predicted by the output at column P+t-1 (a real token).
     response_index = position[:, prompt_length - 1 : width - 1].clamp(min=0)
@@ -123,17 +111,6 @@ def pack(
         response_index=response_index,
         response_valid=mask[:, prompt_length:],
     )
-
-
-def computed_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor, response_length: int) -> list[int]:
-    """Tokens per row that a packed pass computes: a shared prompt counts in its first row only."""
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    if len(lengths):
-        prompt_length = mask.shape[1] - response_length
-        follower = prompt_leaders(input_ids, attention_mask, prompt_length) != torch.arange(len(lengths))
-        lengths = lengths - follower * mask[:, :prompt_length].sum(dim=1)
-    return lengths.tolist()
 
 
 _packed_calls = 0  # layers that ran packed attention: a model that bypasses AttentionInterface runs none

@@ -1,4 +1,8 @@
-"""The actor's training side: old log-probs and the PPO-family policy update on one rank."""
+"""The actor's training side: old log-probs and the PPO-family policy update on one rank.
+
+Both passes return a DataProto: their tensors, and their measurements in ``meta_info[METRICS]``
+(the one way a worker hands metrics back).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +12,14 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
+from hybridflow.batch_keys import ADVANTAGES, ENTROPYS, METRICS, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK, RESPONSES
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
+
+_ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching
 
 
 class PolicyEngine:
@@ -25,17 +32,13 @@ class PolicyEngine:
         self.config = config
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
         self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
-        self.log_prob_metrics: dict[str, float] = {}  # perf/* of the last compute_log_prob
-        self.pre_update: dict[str, torch.Tensor] = {}  # old_log_probs / entropys an on-policy update computed
 
-    def compute_log_prob(
-        self, data: DataProto, temperature: float, with_entropy: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Old log-probs (and entropy), (B, R); its FLOP/s are left in ``self.log_prob_metrics``."""
+    def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
+        """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
         cfg = self.config
         self.model.eval()
         start = time.perf_counter()
-        result = batched_log_probs(
+        log_probs, entropy = batched_log_probs(
             self.model,
             data,
             cfg.log_prob_micro_batch_size_per_gpu,
@@ -45,16 +48,18 @@ class PolicyEngine:
             max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
         work = pass_work(data, cfg.use_remove_padding)
-        self.log_prob_metrics = self.meter.metrics("log_prob", work, time.perf_counter() - start, training=False)
-        return result
+        metrics = self.meter.metrics("log_prob", work, time.perf_counter() - start, training=False)
+        tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
+        return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
     def _micro_loss(
-        self, micro: DataProto, agg: LossAggregation, temperature: float, on_policy: bool
+        self, micro: DataProto, agg: LossAggregation, temperature: float, pre_update: dict[str, torch.Tensor] | None
     ) -> tuple[torch.Tensor, dict]:
         cfg = self.config
         batch = micro.batch
-        mask = batch["response_mask"]
+        mask = batch[RESPONSE_MASK]
         entropy_in_loss = cfg.entropy_coeff != 0
+        on_policy = pre_update is not None
         log_prob, entropy = response_log_probs(
             self.model,
             micro,
@@ -65,10 +70,11 @@ class PolicyEngine:
         )
         if on_policy:  # before the optimizer step the current log-probs are the old ones, exactly
             old_log_prob = log_prob.detach()
-            self._record_pre_update(batch[_ROW], old_log_prob, entropy.detach())
+            pre_update[OLD_LOG_PROBS][batch[_ROW]] = old_log_prob
+            pre_update[ENTROPYS][batch[_ROW]] = entropy.detach()
         else:
-            old_log_prob = batch["old_log_probs"]
-        pg_loss, metrics = self.policy_loss(old_log_prob, log_prob, batch["advantages"], mask, cfg.policy_loss, agg)
+            old_log_prob = batch[OLD_LOG_PROBS]
+        pg_loss, metrics = self.policy_loss(old_log_prob, log_prob, batch[ADVANTAGES], mask, cfg.policy_loss, agg)
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.detach()
@@ -77,37 +83,34 @@ class PolicyEngine:
             loss = loss - cfg.entropy_coeff * entropy_loss
             metrics["actor/entropy_loss"] = entropy_loss.detach()
         if cfg.use_kl_loss:
-            kl_loss = compute_kl_loss(log_prob, batch["ref_log_prob"], mask, cfg.kl_loss_type, agg)
+            kl_loss = compute_kl_loss(log_prob, batch[REF_LOG_PROB], mask, cfg.kl_loss_type, agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             metrics["actor/kl_loss"] = kl_loss.detach()
             metrics["actor/kl_coef"] = cfg.kl_loss_coef
         return loss, metrics
 
-    def _record_pre_update(self, rows: torch.Tensor, log_prob: torch.Tensor, entropy: torch.Tensor) -> None:
-        for key, values in (("old_log_probs", log_prob), ("entropys", entropy)):
-            self.pre_update[key][rows] = values
-
-    def update_policy(self, data: DataProto, mini_batch_size: int, temperature: float, seed: int) -> dict[str, float]:
+    def update_policy(self, data: DataProto, mini_batch_size: int, temperature: float, seed: int) -> DataProto:
         """PPO epochs over this rank's batch; metrics include ``perf/mfu_update`` and ``perf/tflops_update``.
 
-        Without ``old_log_probs`` in ``data`` the update must be on-policy (one mini-batch, one
-        epoch): the log-probs of its own forward, before the optimizer step, serve as the old ones,
-        and are kept with their entropy in ``self.pre_update`` ((B, R) each, in ``data``'s order).
+        Without ``old_log_probs`` in ``data`` the update must be a single optimizer step on the
+        batch (``ActorConfig.single_update_step``): the log-probs of its own forward, before that
+        step, serve as the old ones, and come back with their entropy ((B, R) each, in ``data``'s
+        order) as the output's tensors. With them, the output holds the metrics alone.
         """
         cfg = self.config
-        on_policy = "old_log_probs" not in data.batch.keys()
-        if on_policy:
-            if cfg.ppo_epochs != 1 or mini_batch_size != len(data):
+        pre_update = None
+        if OLD_LOG_PROBS not in data.batch.keys():
+            if not cfg.single_update_step(mini_batch_size, len(data)):
                 raise ValueError(
-                    f"the batch has no old_log_probs, but the update is not on-policy ({cfg.ppo_epochs} epoch(s), mini-batches "
-                    f"of {mini_batch_size} of {len(data)} samples): compute old log-probs first"
+                    f"the batch has no old_log_probs, but the update is not one optimizer step on it "
+                    f"({cfg.ppo_epochs} epoch(s), mini-batches of {mini_batch_size} of {len(data)} samples): "
+                    "compute old log-probs first"
                 )
-            data = data.select(
-                batch_keys=list(data.batch.keys())
-            )  # new TensorDict: the row index stays out of the caller's
+            # a new TensorDict, so that the row index stays out of the caller's batch
+            data = data.select(batch_keys=list(data.batch.keys()))
             data.batch[_ROW] = torch.arange(len(data))
-            shape = data.batch["responses"].shape
-            self.pre_update = {key: torch.zeros(shape, dtype=torch.float32) for key in ("old_log_probs", "entropys")}
+            shape = data.batch[RESPONSES].shape
+            pre_update = {key: torch.zeros(shape, dtype=torch.float32) for key in (OLD_LOG_PROBS, ENTROPYS)}
         start = time.perf_counter()
         metrics = run_updates(
             self.model,
@@ -118,12 +121,9 @@ class PolicyEngine:
             prefix="actor",
             mini_batch_size=mini_batch_size,
             seed=seed,
-            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, on_policy),
+            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, pre_update),
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
         work = pass_work(data, cfg.use_remove_padding)
         metrics.update(self.meter.metrics("update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
-        return metrics
-
-
-_ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching
+        return DataProto.from_dict(pre_update, meta_info={METRICS: metrics})

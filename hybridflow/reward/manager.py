@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 import hybridflow.reward.scorers  # noqa: F401  (registers the built-in scorers)
+from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from hybridflow.protocol import DataProto
 from hybridflow.reward.registry import get_scorer
 
@@ -69,7 +70,7 @@ class RewardManager:
         tokenizer: Any,
         custom_fn: CustomRewardFn | None = None,
         num_examine: int = 0,
-        data_source_key: str = "data_source",
+        data_source_key: str = DATA_SOURCE,
     ) -> None:
         """`num_examine`: print this many decoded responses per data source on each call (0: none).
 
@@ -82,8 +83,8 @@ class RewardManager:
         self._logged_failures: set[tuple[str, str]] = set()
 
     def __call__(self, data: DataProto) -> RewardResult:
-        responses = data.batch["responses"]  # (B, R)
-        response_mask = data.batch["response_mask"]  # (B, R)
+        responses = data.batch[RESPONSES]  # (B, R)
+        response_mask = data.batch[RESPONSE_MASK]  # (B, R)
         batch_size, length = responses.shape
         positions = torch.arange(length).expand(batch_size, length)
         # the last real token; a row with no real token (empty response) gets its score at
@@ -94,8 +95,8 @@ class RewardManager:
             [response_ids[i, : int(last[i]) + 1].tolist() for i in range(batch_size)], skip_special_tokens=True
         )
         sources = data.non_tensor_batch[self.data_source_key]
-        reward_models = data.non_tensor_batch["reward_model"]
-        extra_infos = data.non_tensor_batch.get("extra_info", np.full(batch_size, None, dtype=object))
+        reward_models = data.non_tensor_batch[REWARD_MODEL]
+        extra_infos = data.non_tensor_batch.get(EXTRA_INFO, np.full(batch_size, None, dtype=object))
 
         scores = torch.zeros(batch_size, dtype=torch.float32)
         per_sample: list[dict[str, Any]] = []

@@ -5,20 +5,50 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
 from hybridflow.protocol import DataProto
 
+if TYPE_CHECKING:
+    from hybridflow.rollout.config import SamplingConfig
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, kw_only=True)
 class SamplingParams:
-    do_sample: bool
+    """What one generation call samples with (the rollout config's settings for the call's purpose)."""
+
+    do_sample: bool  # false: greedy
     temperature: float
     top_p: float
-    top_k: int
+    top_k: int  # -1: off
     max_new_tokens: int
-    seed: int
+    seed: int  # the call's seed; each request derives its own stream from it
+
+    @classmethod
+    def from_config(cls, sampling: SamplingConfig, *, max_new_tokens: int, seed: int) -> SamplingParams:
+        return cls(
+            do_sample=sampling.do_sample,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+        )
+
+    @classmethod
+    def greedy(cls, *, max_new_tokens: int, seed: int) -> SamplingParams:
+        return cls(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=seed)
 
 
 class Rollout(ABC):
@@ -68,11 +98,11 @@ def assemble_batch(
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return {
-        "prompts": prompt_ids,
-        "responses": responses,
-        "input_ids": torch.cat([prompt_ids, responses], dim=1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "response_mask": response_mask,
-        "rollout_log_probs": rollout_log_probs * response_mask,
+        PROMPTS: prompt_ids,
+        RESPONSES: responses,
+        INPUT_IDS: torch.cat([prompt_ids, responses], dim=1),
+        ATTENTION_MASK: attention_mask,
+        POSITION_IDS: position_ids,
+        RESPONSE_MASK: response_mask,
+        ROLLOUT_LOG_PROBS: rollout_log_probs * response_mask,
     }

@@ -10,6 +10,7 @@ from torch import nn
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from hybridflow.algorithms import log_probs_from_logits
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 
@@ -38,8 +39,8 @@ class HFRollout(Rollout):
 
     @torch.no_grad()
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
-        prompt_ids = prompts.batch["input_ids"]
-        prompt_mask = prompts.batch["attention_mask"]
+        prompt_ids = prompts.batch[INPUT_IDS]
+        prompt_mask = prompts.batch[ATTENTION_MASK]
         torch.manual_seed(params.seed)
         out = self.model.generate(
             input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=self._generation_config(params)

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.rollout.base import Rollout
-from hybridflow.rollout.config import RolloutConfig
 
-RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, RolloutConfig], Rollout]
+if TYPE_CHECKING:  # rollout/config.py checks rollout.name against ROLLOUT_BACKENDS
+    from hybridflow.rollout.config import RolloutConfig
+
+RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, "RolloutConfig"], Rollout]
 
 
 def _hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
@@ -22,7 +25,7 @@ def _hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutCon
 def _native(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
     from hybridflow.rollout.native import NativeRollout
 
-    return NativeRollout(model, tokenizer)
+    return NativeRollout(model, tokenizer, engine_config=config.native)
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutFactory] = {"hf": _hf, "native": _native}
@@ -35,7 +38,8 @@ def register_rollout(name: str, factory: RolloutFactory) -> None:
     ROLLOUT_BACKENDS[name] = factory
 
 
-def build_rollout(name: str, model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
-    if name not in ROLLOUT_BACKENDS:
-        raise ValueError(f"unknown rollout backend '{name}'; known: {sorted(ROLLOUT_BACKENDS)}")
-    return ROLLOUT_BACKENDS[name](model, tokenizer, config)
+def build_rollout(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+    """The backend ``config.name`` over ``model``."""
+    if config.name not in ROLLOUT_BACKENDS:
+        raise ValueError(f"unknown rollout backend '{config.name}'; known: {sorted(ROLLOUT_BACKENDS)}")
+    return ROLLOUT_BACKENDS[config.name](model, tokenizer, config)

@@ -1,110 +1,104 @@
-"""The whole run's config: typed dataclasses, filled from the YAML default and ``key=value`` overrides.
+"""The whole run's config: each component's typed dataclass, composed, filled from the YAML.
 
-The dataclasses are the schema (one line of help per field). ``config/ppo_trainer.yaml`` is the
-default a user reads and copies; a test keeps it equal to the dataclass defaults.
+Every component owns one keyword-only dataclass for its section (one line of help per field,
+its own checks in ``__post_init__``); ``HybridFlowConfig`` only composes them. Defaults are
+written once, in ``hybridflow/config/ppo_trainer.yaml``: the dataclasses declare no default
+values, and a key missing from the YAML is an error. A run's config is
+
+    default YAML  <-  a user's YAML file (``--config``, any subset of keys)  <-  ``key=value`` overrides
+
+and a value a component rejects is reported with the full key the user typed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
+from hybridflow.algorithms import AlgorithmConfig
+from hybridflow.data import DataConfig
 from hybridflow.engine.config import CriticConfig
+from hybridflow.reward import CustomRewardFunctionConfig
+from hybridflow.trainer.tracking import KNOWN_LOGGERS
+from hybridflow.validation import InvalidSetting, require, require_choice, require_positive
 from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
+DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
 
 
-@dataclass
-class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # parquet/jsonl files of training prompts
-    val_files: list[str] = field(default_factory=list)  # held-out prompts for validation (empty: no validation)
-    train_batch_size: int = 8  # prompts per training step (each sampled rollout.n times)
-    val_batch_size: int = 64  # prompts per validation generation call
-    max_prompt_length: int = 256  # longest templated prompt in tokens
-    filter_overlong_prompts: bool = True  # drop longer prompts (counted in the log); false: stop with an error
-    prompt_key: str = "prompt"  # column holding the chat messages
-    shuffle: bool = True  # shuffle training prompts each epoch (seeded by trainer.seed)
-
-
-@dataclass
-class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive (Ziegler et al. 2019)
-    kl_coef: float = 0.001  # initial (fixed: constant) coefficient of the KL penalty in the reward
-    target_kl: float = 0.1  # adaptive: the KL per sequence the controller steers towards
-    horizon: int = 10000  # adaptive: samples over which the coefficient adapts
-
-
-@dataclass
-class AlgorithmConfig:
-    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax | opo | gpg | grpo_passk
-    gamma: float = 1.0  # discount factor
-    lam: float = 1.0  # GAE lambda
-    norm_adv_by_std_in_grpo: bool = True  # false: Dr.GRPO (no division by the group std)
-    epsilon: float = 1e-6  # added to standard deviations before dividing
-    gae_whiten: bool = True  # whiten GAE advantages over the batch
-    pass_k: int = 4  # k of grpo_passk
-    gpg_norm_by_std: bool = False  # GPG's optional std normalisation
-    use_kl_in_reward: bool = False  # subtract beta * KL(pi || ref) from the per-token reward
-    kl_penalty: str = "kl"  # KL estimator used in the reward
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-
-
-@dataclass
-class CustomRewardFunctionConfig:
-    path: str = ""  # a Python file with the scoring function ("" : built-in scorers by data_source)
-    name: str = (
-        "compute_score"  # the function's name: (data_source, solution_str, ground_truth, extra_info) -> float | dict
-    )
-
-
-@dataclass
+@dataclass(kw_only=True)
 class TrainerConfig:
-    project_name: str = "hybridflow"  # groups runs in the output directory and loggers
-    experiment_name: str = "run"  # this run's name
-    total_epochs: int = 1  # passes over the training prompts
-    total_training_steps: int = -1  # stop after this many steps (-1: total_epochs worth)
-    nnodes: int = 1  # Ray nodes to use
-    n_workers_per_node: int = 2  # worker processes (ranks) per node; GPUs per node on CUDA
-    device: str = "cpu"  # cpu (gloo) | cuda (nccl)
-    cpus_per_worker: float = 1.0  # CPUs reserved per rank in the Ray placement group
-    threads_per_worker: int = 0  # torch threads per rank (0: cpus_per_worker)
-    ray_address: str = ""  # join this Ray cluster ("": start a local one)
-    ray_num_cpus: int = 0  # logical CPUs of a local Ray cluster (0: max(cores, 8))
-    logger: list[str] = field(
-        default_factory=lambda: ["console", "jsonl"]
-    )  # console | jsonl | tensorboard | wandb | mlflow
-    val_before_train: bool = True  # validate once before the first step
-    test_freq: int = -1  # validate every N steps (-1: only before training and at the end)
-    save_freq: int = -1  # checkpoint every N steps and after the last one (-1: never)
-    max_ckpt_to_keep: int = -1  # keep only the newest N checkpoints (-1: all)
-    resume_mode: str = (
-        "auto"  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
-    )
-    default_local_dir: str = (
-        "runs/${trainer.project_name}/${trainer.experiment_name}"  # the run's directory: metrics, config, checkpoints
-    )
-    critic_warmup: int = 0  # steps that train only the critic before the actor starts
-    seed: int = 0  # seeds data order, sampling and initialisation
+    project_name: str  # groups runs in the output directory and loggers
+    experiment_name: str  # this run's name
+    total_epochs: int  # passes over the training prompts
+    total_training_steps: int  # stop after this many steps (-1: total_epochs worth)
+    nnodes: int  # Ray nodes to use
+    n_workers_per_node: int  # worker processes (ranks) per node; GPUs per node on CUDA
+    device: str  # cpu (gloo) | cuda (nccl)
+    cpus_per_worker: float  # CPUs reserved per rank in the Ray placement group
+    threads_per_worker: int  # torch threads per rank (0: cpus_per_worker, at least 1)
+    max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
+    placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
+    ray_address: str  # join this Ray cluster ("": start a local one)
+    ray_num_cpus: int  # logical CPUs of a local Ray cluster (0: the machine's cores, or what the workers reserve)
+    logger: list[str]  # any of: console | jsonl | tensorboard | wandb | mlflow
+    val_before_train: bool  # validate once before the first step
+    test_freq: int  # validate every N steps (-1: only before training and at the end)
+    save_freq: int  # checkpoint every N steps and after the last one (-1: never)
+    max_ckpt_to_keep: int  # keep only the newest N checkpoints (-1: all)
+    resume_mode: str  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
+    default_local_dir: str  # the run's directory: metrics, config, checkpoints
+    critic_warmup: int  # steps that train only the critic before the actor starts
+    seed: int  # seeds data order, sampling and initialisation
 
-
-@dataclass
-class HybridFlowConfig:
-    data: DataConfig = field(default_factory=DataConfig)
-    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
-    critic: CriticConfig = field(default_factory=CriticConfig)
-    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
-    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    def __post_init__(self) -> None:
+        require_positive(self.total_epochs, "total_epochs")
+        require(
+            self.total_training_steps == -1 or self.total_training_steps > 0,
+            "total_training_steps",
+            f"must be positive or -1 (total_epochs worth), got {self.total_training_steps}",
+        )
+        require_positive(self.nnodes, "nnodes")
+        require_positive(self.n_workers_per_node, "n_workers_per_node")
+        require_choice(self.device, DEVICES, "device")
+        require_positive(self.cpus_per_worker, "cpus_per_worker")
+        require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
+        require_positive(self.max_colocate_count, "max_colocate_count")
+        require_positive(self.placement_timeout_s, "placement_timeout_s")
+        require(self.ray_num_cpus >= 0, "ray_num_cpus", f"must be >= 0, got {self.ray_num_cpus}")
+        for name in self.logger:
+            require_choice(name, KNOWN_LOGGERS, "logger")
+        for name in ("test_freq", "save_freq", "max_ckpt_to_keep"):
+            value = getattr(self, name)
+            require(value == -1 or value > 0, name, f"must be positive or -1 (off), got {value}")
+        require(bool(self.resume_mode), "resume_mode", "must be auto, disable or a global_step_N directory")
+        require(self.critic_warmup >= 0, "critic_warmup", f"must be >= 0, got {self.critic_warmup}")
 
     @property
     def world_size(self) -> int:
-        return self.trainer.nnodes * self.trainer.n_workers_per_node
+        return self.nnodes * self.n_workers_per_node
+
+
+@dataclass(kw_only=True)
+class HybridFlowConfig:
+    data: DataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    critic: CriticConfig
+    reward_model: RewardModelConfig
+    custom_reward_function: CustomRewardFunctionConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size
 
 
 class ConfigError(ValueError):
@@ -125,27 +119,53 @@ def _known_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
-def _explain(error: OmegaConfBaseException, schema) -> ConfigError:
+def _explain(error: OmegaConfBaseException) -> ConfigError:
     key = getattr(error, "full_key", None) or "?"
     if isinstance(error, ConfigKeyError):
-        close = difflib.get_close_matches(key, _known_keys(schema), n=3)
+        close = difflib.get_close_matches(key, _known_keys(OmegaConf.load(DEFAULT_CONFIG)), n=3)
         hint = f"did you mean {', '.join(close)}?" if close else "see hybridflow/config/ppo_trainer.yaml for the keys"
         return ConfigError(key, "no such key", hint)
+    if isinstance(error, MissingMandatoryValue):
+        return ConfigError(key, "has no value", f"give one ({DEFAULT_CONFIG.name} holds every default)")
     return ConfigError(key, str(error).splitlines()[0], "give a value of the field's type (see ppo_trainer.yaml)")
 
 
-def load_config(overrides: list[str] | None = None, config_file: str | Path | None = None) -> HybridFlowConfig:
-    """Schema <- YAML file (the default one unless given) <- ``key=value`` overrides, as typed dataclasses."""
-    schema = OmegaConf.structured(HybridFlowConfig)
+def build(cls: type, values: dict, prefix: str = ""):
+    """The dataclass ``cls`` from plain ``values``, nested sections first. A value a section rejects
+    (InvalidSetting from its ``__post_init__``) becomes a ConfigError naming the full key."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for field in dataclasses.fields(cls):
+        value = values[field.name]
+        if dataclasses.is_dataclass(hints[field.name]):
+            value = build(hints[field.name], value, f"{prefix}{field.name}.")
+        kwargs[field.name] = value
     try:
-        merged = OmegaConf.merge(schema, OmegaConf.load(config_file or DEFAULT_CONFIG))
+        return cls(**kwargs)
+    except InvalidSetting as error:
+        raise ConfigError(prefix + error.field, error.problem, error.fix) from None
+
+
+def load_config(overrides: list[str] | None = None, config_file: str | Path | None = None) -> HybridFlowConfig:
+    """The default YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as typed dataclasses."""
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(HybridFlowConfig), OmegaConf.load(DEFAULT_CONFIG))
+        if config_file is not None:
+            merged = OmegaConf.merge(merged, OmegaConf.load(config_file))
         for override in overrides or []:
             if "=" not in override:
                 raise ConfigError(override, "an override must look like key=value", "e.g. data.train_batch_size=16")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
-        return OmegaConf.to_object(merged)
+        values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
-        raise _explain(error, schema) from None
+        raise _explain(error) from None
+    return build(HybridFlowConfig, values)
+
+
+def default_config() -> HybridFlowConfig:
+    """Every default, as the typed config (a fresh copy each call): for code and tests that build
+    one component, e.g. ``default_config().actor_rollout_ref.actor``."""
+    return load_config()
 
 
 def to_yaml(config: HybridFlowConfig) -> str:

@@ -6,19 +6,21 @@ Also runnable as ``python -m hybridflow.trainer.main key=value ...``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from hybridflow.algorithms import get_adv_estimator
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
-from hybridflow.data import DatasetConfig, PromptDataLoader, RLHFDataset
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec, ray_session
+from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.trainer.check_config import check_config
 from hybridflow.trainer.config import HybridFlowConfig, load_config, to_yaml
-from hybridflow.trainer.ppo_trainer import RayPPOTrainer, RoleGroups
+from hybridflow.trainer.ppo_trainer import RayPPOTrainer
+from hybridflow.trainer.roles import RoleGroups, needed_roles
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
 
@@ -34,8 +36,29 @@ def resolve_models(config: HybridFlowConfig) -> None:
         config.reward_model.model.path = str(resolve_model_path(config.reward_model.model.path))
 
 
-def uses_reference(config: HybridFlowConfig) -> bool:
-    return config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss
+def role_specs(config: HybridFlowConfig, total_steps: int) -> dict[Role, RoleSpec]:
+    """Each needed role's worker class and the keyword arguments it is built with on every rank."""
+    seed, arr = config.trainer.seed, config.actor_rollout_ref
+    specs = {
+        Role.ActorRollout: RoleSpec(
+            ActorRolloutWorker, kwargs={"config": arr, "total_training_steps": total_steps, "seed": seed}
+        ),
+        Role.RefPolicy: RoleSpec(RefPolicyWorker, kwargs={"config": arr, "seed": seed}),
+        Role.Critic: RoleSpec(
+            CriticWorker,
+            kwargs={
+                "config": config.critic,
+                "n_samples": arr.rollout.n,
+                "total_training_steps": total_steps,
+                "seed": seed,
+            },
+        ),
+        Role.RewardModel: RoleSpec(
+            RewardModelWorker,
+            kwargs={"config": config.reward_model, "policy_model_path": arr.model.path, "seed": seed},
+        ),
+    }
+    return {role: specs[role] for role in needed_roles(config)}
 
 
 def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
@@ -44,20 +67,21 @@ def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
     pool = RayResourcePool(
         [trainer.n_workers_per_node] * trainer.nnodes,
         use_gpu=trainer.device == "cuda",
+        max_colocate_count=trainer.max_colocate_count,
         cpus_per_worker=trainer.cpus_per_worker,
         threads_per_worker=trainer.threads_per_worker or None,
+        ready_timeout_s=trainer.placement_timeout_s,
         name="hybridflow",
     )
-    seed, arr = trainer.seed, config.actor_rollout_ref
-    specs = {"actor_rollout": RoleSpec(ActorRolloutWorker, (arr, total_steps, seed))}
-    if uses_reference(config):
-        specs["ref"] = RoleSpec(RefPolicyWorker, (arr, seed))
-    if get_adv_estimator(config.algorithm.adv_estimator).needs_values:
-        specs["critic"] = RoleSpec(CriticWorker, (config.critic, arr.rollout.n, total_steps, seed))
-    if config.reward_model.enable:
-        specs["reward_model"] = RoleSpec(RewardModelWorker, (config.reward_model, arr.model.path, seed))
-    groups = RayWorkerGroup.colocated(pool, specs, name="hybridflow")
-    return RoleGroups(**groups)
+    groups = RayWorkerGroup.colocated(pool, role_specs(config, total_steps), name="hybridflow")
+    return RoleGroups.from_roles(groups)
+
+
+def local_cluster_cpus(config: HybridFlowConfig) -> int:
+    """``trainer.ray_num_cpus``, or (0) the machine's cores, raised to what the worker groups reserve."""
+    trainer = config.trainer
+    reserved = math.ceil(config.world_size * trainer.cpus_per_worker)
+    return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
 
 
 def run(config: HybridFlowConfig) -> dict[str, float]:
@@ -66,20 +90,15 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     resolve_models(config)
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     data = config.data
-    dataset_config = DatasetConfig(
-        prompt_key=data.prompt_key,
-        max_prompt_length=data.max_prompt_length,
-        filter_overlong_prompts=data.filter_overlong_prompts,
-    )
     train_loader = PromptDataLoader(
-        RLHFDataset(data.train_files, tokenizer, dataset_config),
+        RLHFDataset(data.train_files, tokenizer, data),
         data.train_batch_size,
         shuffle=data.shuffle,
         seed=config.trainer.seed,
     )
     val_loader = None
     if data.val_files:
-        val_dataset = RLHFDataset(data.val_files, tokenizer, dataset_config)
+        val_dataset = RLHFDataset(data.val_files, tokenizer, data)
         val_loader = PromptDataLoader(
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
@@ -93,10 +112,13 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     custom = config.custom_reward_function
     reward_fn = RewardManager(tokenizer, load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
     console.print(
-        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} workers; run dir {run_dir}"
+        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} "
+        f"workers; run dir {run_dir}"
     )
 
-    with ray_session(config.trainer.ray_address or None, config.trainer.ray_num_cpus or None):
+    with ray_session(
+        config.trainer.ray_address or None, None if config.trainer.ray_address else local_cluster_cpus(config)
+    ):
         groups = build_groups(config, total_steps)
         tracking = Tracking(config.trainer.logger, run_dir, dataclasses.asdict(config))
         trainer = RayPPOTrainer(

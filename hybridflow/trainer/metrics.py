@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from hybridflow.algorithms import masked_mean, masked_var
+from hybridflow.batch_keys import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    ENTROPYS,
+    OLD_LOG_PROBS,
+    RESPONSE_MASK,
+    RETURNS,
+    ROLLOUT_LOG_PROBS,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    VALUES,
+)
 from hybridflow.protocol import DataProto
 
 
@@ -32,48 +42,39 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
-def reduce_worker_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over ranks of each metric a worker group returned."""
-    collected: dict[str, list[float]] = defaultdict(list)
-    for metrics in per_rank:
-        for key, value in metrics.items():
-            collected[key].append(float(value))
-    return {key: float(np.mean(values)) for key, values in collected.items()}
-
-
 def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     """Scores, rewards, advantages, lengths, entropy and (with a critic) values of a step's batch."""
     tensors = batch.batch
-    mask = tensors["response_mask"].bool()
+    mask = tensors[RESPONSE_MASK].bool()
     sequence_mask = mask.any(dim=1)
-    response_lengths = tensors["response_mask"].sum(dim=1).float()
-    prompt_lengths = tensors["attention_mask"][:, :-response_length].sum(dim=1).float()
+    response_lengths = tensors[RESPONSE_MASK].sum(dim=1).float()
+    prompt_lengths = tensors[ATTENTION_MASK][:, :-response_length].sum(dim=1).float()
     metrics = {
-        **_stats("critic/score", tensors["token_level_scores"].sum(dim=1)),
-        **_stats("critic/rewards", tensors["token_level_rewards"].sum(dim=1)),
-        **_stats("critic/advantages", tensors["advantages"][mask]),
-        **_stats("critic/returns", tensors["returns"][mask]),
+        **_stats("critic/score", tensors[TOKEN_LEVEL_SCORES].sum(dim=1)),
+        **_stats("critic/rewards", tensors[TOKEN_LEVEL_REWARDS].sum(dim=1)),
+        **_stats("critic/advantages", tensors[ADVANTAGES][mask]),
+        **_stats("critic/returns", tensors[RETURNS][mask]),
         **_stats("response_length", response_lengths),
         **_stats("prompt_length", prompt_lengths),
         "response_length/clip_ratio": (response_lengths >= response_length).float().mean().item(),
         "response/aborted_ratio": 1.0 - sequence_mask.float().mean().item(),
     }
-    if "entropys" in tensors.keys():
-        metrics["actor/entropy"] = masked_mean(tensors["entropys"], tensors["response_mask"]).item()
-    if "values" in tensors.keys():
-        returns, values = tensors["returns"], tensors["values"]
+    if ENTROPYS in tensors.keys():
+        metrics["actor/entropy"] = masked_mean(tensors[ENTROPYS], tensors[RESPONSE_MASK]).item()
+    if VALUES in tensors.keys():
+        returns, values = tensors[RETURNS], tensors[VALUES]
         metrics.update(_stats("critic/values", values[mask]))
-        variance = masked_var(returns, tensors["response_mask"])
+        variance = masked_var(returns, tensors[RESPONSE_MASK])
         metrics["critic/vf_explained_var"] = (
-            1.0 - masked_var(returns - values, tensors["response_mask"]) / (variance + 1e-8)
+            1.0 - masked_var(returns - values, tensors[RESPONSE_MASK]) / (variance + 1e-8)
         ).item()
     return metrics
 
 
 def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: int) -> dict[str, float]:
     step_time = timings.get("step", 0.0)
-    total_tokens = float(batch.batch["attention_mask"].sum())
-    response_tokens = float(batch.batch["response_mask"].sum())
+    total_tokens = float(batch.batch[ATTENTION_MASK].sum())
+    response_tokens = float(batch.batch[RESPONSE_MASK].sum())
     metrics = {f"timing_s/{name}": seconds for name, seconds in timings.items()}
     if step_time > 0:
         metrics["perf/tokens_per_second"] = total_tokens / step_time
@@ -86,8 +87,8 @@ def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: 
 
 def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
     """How far the generator's log-probs are from the trainer's for the same tokens (masked)."""
-    mask = batch.batch["response_mask"].bool()
-    diff = (batch.batch["rollout_log_probs"] - batch.batch["old_log_probs"]).abs()[mask]
+    mask = batch.batch[RESPONSE_MASK].bool()
+    diff = (batch.batch[ROLLOUT_LOG_PROBS] - batch.batch[OLD_LOG_PROBS]).abs()[mask]
     if diff.numel() == 0:
         return {}
     return {"rollout/log_prob_diff_mean": diff.mean().item(), "rollout/log_prob_diff_max": diff.max().item()}

@@ -1,50 +1,71 @@
 """The driver's RL loop: the dataflow of one PPO/GRPO step, one named call per stage.
 
-prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
-        -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
+    prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
+            -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
+
+Every worker call returns a DataProto; the metrics it measured (the mean over its ranks) come in
+its ``meta_info[METRICS]`` and are taken out by ``take_metrics``, the one way they reach a step's
+metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hybridflow.algorithms import AdvantageConfig, apply_kl_penalty, get_adv_estimator, make_kl_controller
-from hybridflow.controller import RayWorkerGroup
+from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator, make_kl_controller
+from hybridflow.batch_keys import (
+    ADVANTAGES,
+    DATA_SOURCE,
+    GLOBAL_STEP,
+    METRICS,
+    OLD_LOG_PROBS,
+    PROMPT_TENSORS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RETURNS,
+    REWARD_BASELINES,
+    RM_SCORES,
+    ROLLOUT_LOG_PROBS,
+    SAMPLING,
+    TOKEN_LEVEL_REWARDS,
+    TOKEN_LEVEL_SCORES,
+    UID,
+    VALUES,
+)
 from hybridflow.data import PromptDataLoader
-from hybridflow.engine.dynamic_batch import balanced_order
-from hybridflow.engine.forward import packed_lengths
+from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
-from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, reduce_worker_metrics, throughput_metrics, timer
+from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, throughput_metrics, timer
 from hybridflow.trainer.progress import RunProgress
+from hybridflow.trainer.roles import RoleGroups
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.val_metrics import validation_metrics
 
-PROMPT_TENSORS = ["input_ids", "attention_mask", "position_ids"]
 RewardFn = Callable[[DataProto], RewardResult]
 
 
-@dataclass
-class RoleGroups:
-    """The worker groups of a run; roles a config does not need are None."""
-
-    actor_rollout: RayWorkerGroup
-    ref: RayWorkerGroup | None = None
-    critic: RayWorkerGroup | None = None
-    reward_model: RayWorkerGroup | None = None
-
-
-def with_perf(output: DataProto, metrics: dict[str, float]) -> DataProto:
-    """A worker pass's output, with its perf metrics (rank 0's, in meta_info) moved into ``metrics``."""
-    metrics.update(output.meta_info.pop("perf", {}))
+def take_metrics(output: DataProto, metrics: dict[str, float]) -> DataProto:
+    """A worker group's output, with its metrics moved into ``metrics``."""
+    metrics.update(output.meta_info.pop(METRICS, {}))
     return output
+
+
+def on_policy_update(config: HybridFlowConfig) -> bool:
+    """Whether the actor update is one optimizer step on this very batch, with nothing needing old
+    log-probs before it (KL in the reward does): its own pre-step log-probs then are the old ones."""
+    actor = config.actor_rollout_ref.actor
+    return (
+        actor.reuse_update_log_probs
+        and actor.single_update_step(actor.ppo_mini_batch_size, config.data.train_batch_size)
+        and not config.algorithm.use_kl_in_reward
+    )
 
 
 class RayPPOTrainer:
@@ -65,23 +86,11 @@ class RayPPOTrainer:
         self.val_batches = val_batches
         self.tracking = tracking
         self.total_steps = total_steps
-        algo = config.algorithm
-        self.estimator = get_adv_estimator(algo.adv_estimator)
-        self.adv_config = AdvantageConfig(
-            algo.gamma,
-            algo.lam,
-            algo.norm_adv_by_std_in_grpo,
-            algo.epsilon,
-            algo.gae_whiten,
-            algo.pass_k,
-            algo.gpg_norm_by_std,
-        )
-        self.kl_ctrl = make_kl_controller(
-            algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl, algo.kl_ctrl.horizon
-        )
+        self.estimator = get_adv_estimator(config.algorithm.adv_estimator)
+        self.kl_ctrl = make_kl_controller(config.algorithm.kl_ctrl)
+        self.on_policy = on_policy_update(config)
         self.global_step = 0
         self.last_log_prob_diff: float | None = None
-        self.rollout_metrics: dict[str, float] = {}
         self.progress = RunProgress(total_steps, enabled=False)
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
 
@@ -152,60 +161,56 @@ class RayPPOTrainer:
         groups, metrics, timings = self.groups, {}, {}
         with timer("step", timings):
             with timer("gen", timings), self.progress.stage("generation"):
-                batch = self.rollout(prompts)
-            metrics.update(self.rollout_metrics)
+                batch = self.rollout(prompts, "train", metrics)
             batch.reorder(self.rank_order(batch))
             if self.estimator.needs_baseline:
                 with timer("gen_baseline", timings):
-                    batch.batch["reward_baselines"] = self.greedy_baseline(prompts)
+                    batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts)
             with timer("reward", timings):
-                batch.batch["token_level_scores"] = self.score(batch, metrics)
+                batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics)
             with timer("old_log_prob", timings):
                 self.old_log_probs(batch, metrics)
             if groups.ref is not None:
                 with timer("ref", timings):
-                    batch.union(with_perf(groups.ref.compute_ref_log_prob(batch), metrics))
+                    batch.union(take_metrics(groups.ref.compute_ref_log_prob(batch), metrics))
             if groups.critic is not None:
                 with timer("values", timings):
-                    batch.union(with_perf(groups.critic.compute_values(batch), metrics))
+                    batch.union(take_metrics(groups.critic.compute_values(batch), metrics))
             with timer("adv", timings):
                 self.compute_advantage(batch, metrics)
             if groups.critic is not None:
                 with timer("update_critic", timings), self.progress.stage("critic update"):
-                    metrics.update(reduce_worker_metrics(groups.critic.update_critic(batch)))
+                    take_metrics(groups.critic.update_critic(batch), metrics)
             if self.global_step > self.config.trainer.critic_warmup:
                 with timer("update_actor", timings), self.progress.stage("actor update"):
-                    metrics.update(reduce_worker_metrics(groups.actor_rollout.update_actor(batch)))
-                if "old_log_probs" not in batch.batch.keys():
-                    self.take_pre_update_log_probs(batch, metrics)
+                    self.update_actor(batch, metrics)
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(throughput_metrics(batch, timings, self.config.world_size))
         return metrics
 
     # ---- the stages -----------------------------------------------------------------------
 
-    def rollout(self, prompts: DataProto, sampling: str = "train") -> DataProto:
+    def rollout(self, prompts: DataProto, sampling: str, metrics: dict[str, float]) -> DataProto:
         """n responses per prompt, with a group id (uid) shared by the samples of one prompt.
 
         ``sampling``: "train" (rollout.n samples, training settings), "validate" (val_kwargs), "greedy" (1 greedy).
         """
         rollout_config = self.config.actor_rollout_ref.rollout
         n = {"train": rollout_config.n, "validate": rollout_config.val_kwargs.n, "greedy": 1}[sampling]
-        prompts.non_tensor_batch["uid"] = np.array(
-            [f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object
+        prompts.non_tensor_batch[UID] = np.array([f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object)
+        gen_input = prompts.pop(batch_keys=list(PROMPT_TENSORS))
+        gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling}
+        generated = take_metrics(
+            self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
         )
-        gen_input = prompts.pop(batch_keys=PROMPT_TENSORS)
-        gen_input.meta_info = {"global_step": self.global_step, "sampling": sampling}
-        generated = self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True))
-        self.rollout_metrics = generated.meta_info.pop("metrics", {})
         batch = prompts.repeat(n, interleave=True).union(generated)
-        batch.meta_info = {"global_step": self.global_step}
+        batch.meta_info = {GLOBAL_STEP: self.global_step}
         return batch
 
     def rank_order(self, batch: DataProto) -> list[int]:
         """Rows reordered so that every data-parallel rank gets about as many tokens to compute,
         with the samples of one prompt on one rank (packing computes their prompt once)."""
-        return balanced_order(packed_lengths(batch), self.config.world_size, groups=list(batch.non_tensor_batch["uid"]))
+        return balanced_order(packed_lengths(batch), self.config.world_size, groups=list(batch.non_tensor_batch[UID]))
 
     def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """The trainer's log-probs of the sampled tokens, or the generator's when configured (and, for auto, close)."""
@@ -218,30 +223,20 @@ class RayPPOTrainer:
         )
         metrics["rollout/used_rollout_log_probs"] = float(use_rollout)
         if use_rollout:
-            batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+            batch.batch[OLD_LOG_PROBS] = batch.batch[ROLLOUT_LOG_PROBS]
             return
-        if self.on_policy_update:
-            return  # the update computes them before its optimizer step: take_pre_update_log_probs
-        batch.union(with_perf(self.groups.actor_rollout.compute_log_prob(batch), metrics))
+        if self.on_policy:
+            return  # the update computes them before its optimizer step and returns them (update_actor)
+        batch.union(take_metrics(self.groups.actor_rollout.compute_log_prob(batch), metrics))
         self.measure_log_prob_mismatch(batch, metrics)
 
-    @property
-    def on_policy_update(self) -> bool:
-        """Whether the actor update is one optimizer step on this very batch, with nothing else needing
-        old log-probs before it; its own pre-step log-probs then are the old ones, exactly."""
-        config = self.config
-        actor = config.actor_rollout_ref.actor
-        return (
-            actor.reuse_update_log_probs
-            and actor.ppo_epochs == 1
-            and actor.ppo_mini_batch_size == config.data.train_batch_size
-            and not config.algorithm.use_kl_in_reward
-        )
-
-    def take_pre_update_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """After an on-policy update: its old log-probs and entropy into the batch, for the metrics."""
-        batch.union(self.groups.actor_rollout.pre_update_log_probs(batch.select(batch_keys=["response_mask"])))
-        self.measure_log_prob_mismatch(batch, metrics)
+    def update_actor(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """The policy update; on an on-policy step without old log-probs, it returns the ones it
+        computed before its optimizer step (with their entropy), for the metrics."""
+        computed_old_log_probs = OLD_LOG_PROBS not in batch.batch.keys()
+        batch.union(take_metrics(self.groups.actor_rollout.update_actor(batch), metrics))
+        if computed_old_log_probs:
+            self.measure_log_prob_mismatch(batch, metrics)
 
     def measure_log_prob_mismatch(self, batch: DataProto, metrics: dict[str, float]) -> None:
         mismatch = log_prob_mismatch(batch)
@@ -250,7 +245,7 @@ class RayPPOTrainer:
 
     def greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy response per prompt, repeated over its n samples."""
-        greedy = self.rollout(prompts.select(deepcopy=True), sampling="greedy")
+        greedy = self.rollout(prompts.select(deepcopy=True), "greedy", {})
         scores = self.score(greedy, {}).sum(dim=1)
         return scores.repeat_interleave(self.config.actor_rollout_ref.rollout.n)
 
@@ -260,41 +255,41 @@ class RayPPOTrainer:
         metrics.update(result.metrics)
         scores = result.token_level_scores
         if self.groups.reward_model is not None:
-            scores = scores + self.groups.reward_model.compute_rm_score(batch).batch["rm_scores"]
+            scores = scores + self.groups.reward_model.compute_rm_score(batch).batch[RM_SCORES]
         return scores
 
     def compute_advantage(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        tensors = batch.batch
-        if self.config.algorithm.use_kl_in_reward:
+        tensors, algorithm = batch.batch, self.config.algorithm
+        if algorithm.use_kl_in_reward:
             rewards, kl_metrics = apply_kl_penalty(
-                tensors["token_level_scores"],
-                tensors["old_log_probs"],
-                tensors["ref_log_prob"],
-                tensors["response_mask"],
+                tensors[TOKEN_LEVEL_SCORES],
+                tensors[OLD_LOG_PROBS],
+                tensors[REF_LOG_PROB],
+                tensors[RESPONSE_MASK],
                 self.kl_ctrl,
-                self.config.algorithm.kl_penalty,
+                algorithm.kl_penalty,
             )
             metrics.update(kl_metrics)
         else:
-            rewards = tensors["token_level_scores"]
-        tensors["token_level_rewards"] = rewards
+            rewards = tensors[TOKEN_LEVEL_SCORES]
+        tensors[TOKEN_LEVEL_REWARDS] = rewards
         advantages, returns = self.estimator(
             rewards,
-            tensors["response_mask"].float(),
-            batch.non_tensor_batch["uid"],
-            self.adv_config,
-            values=tensors.get("values", None),
-            reward_baselines=tensors.get("reward_baselines", None),
+            tensors[RESPONSE_MASK].float(),
+            batch.non_tensor_batch[UID],
+            algorithm,
+            values=tensors.get(VALUES, None),
+            reward_baselines=tensors.get(REWARD_BASELINES, None),
         )
-        tensors["advantages"], tensors["returns"] = advantages, returns
+        tensors[ADVANTAGES], tensors[RETURNS] = advantages, returns
 
     def validate(self) -> dict[str, float]:
         """Mean score per data source on the held-out prompts, with the validation sampling settings."""
         sources, uids, scores = [], [], []
         with self.progress.stage("validation"):
             for index, prompts in enumerate(self.val_batches()):
-                batch = self.rollout(prompts, sampling="validate")
-                sources += list(batch.non_tensor_batch["data_source"])
-                uids += [f"{index}/{uid}" for uid in batch.non_tensor_batch["uid"]]
+                batch = self.rollout(prompts, "validate", {})
+                sources += list(batch.non_tensor_batch[DATA_SOURCE])
+                uids += [f"{index}/{uid}" for uid in batch.non_tensor_batch[UID]]
                 scores += self.score(batch, {}).sum(dim=1).tolist()
         return validation_metrics(sources, uids, scores, n=self.config.actor_rollout_ref.rollout.val_kwargs.n)

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.batch_keys import GLOBAL_STEP, METRICS, SAMPLING
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
-from hybridflow.engine.fsdp import full_parameters, parse_dtype
+from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
-from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.registry import build_rollout
@@ -21,7 +22,7 @@ from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
 
 class ActorRolloutWorker(Worker):
-    def __init__(self, config: ActorRolloutRefConfig, total_training_steps: int, seed: int = 0):
+    def __init__(self, *, config: ActorRolloutRefConfig, total_training_steps: int, seed: int):
         super().__init__()
         self.config = config
         self.seed = seed
@@ -31,26 +32,29 @@ class ActorRolloutWorker(Worker):
         )
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor)
         generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
-        self.rollout = build_rollout(config.rollout.name, generator, self.tokenizer, config.rollout)
+        self.rollout = build_rollout(generator, self.tokenizer, config.rollout)
         self.hybrid = HybridEngine(
-            model, optimizer, self.rollout, self.device, config.actor.param_offload, config.actor.optimizer_offload
+            model,
+            optimizer,
+            self.rollout,
+            self.device,
+            param_offload=config.actor.param_offload,
+            optimizer_offload=config.actor.optimizer_offload,
         )
 
     def _sampling(self, meta_info: dict) -> SamplingParams:
+        """The call's settings: training (rollout.*), validation (rollout.val_kwargs) or greedy (ReMax's baseline)."""
         cfg = self.config.rollout
-        step = int(meta_info.get("global_step", 0))
-        seed = cfg.seed + 100_003 * step + 1_009 * self.rank
-        sampling = meta_info.get("sampling", "train")
+        seed = cfg.sampling_seed(step=int(meta_info[GLOBAL_STEP]), rank=self.rank)
+        sampling = meta_info[SAMPLING]
         if sampling == "greedy":
-            return SamplingParams(False, 1.0, 1.0, -1, cfg.response_length, seed)
+            return SamplingParams.greedy(max_new_tokens=cfg.response_length, seed=seed)
         source = cfg.val_kwargs if sampling == "validate" else cfg
-        return SamplingParams(
-            source.do_sample, source.temperature, source.top_p, source.top_k, cfg.response_length, seed
-        )
+        return SamplingParams.from_config(source, max_new_tokens=cfg.response_length, seed=seed)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Switch to generation, generate, switch back (see HybridEngine); the switch metrics in meta_info["metrics"]."""
+        """Switch to generation, generate, switch back (see HybridEngine); the switch's metrics in the output."""
         return self.hybrid.generate(prompts, self._sampling(prompts.meta_info))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -77,27 +81,20 @@ class ActorRolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:
-        log_probs, entropy = self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
-        return DataProto.from_dict(
-            {"old_log_probs": log_probs, "entropys": entropy}, meta_info={"perf": self.actor.log_prob_metrics}
-        )
+        """old_log_probs and entropys (B, R)."""
+        return self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
-    def pre_update_log_probs(self, data: DataProto) -> DataProto:
-        """The old log-probs and entropy that the last on-policy ``update_actor`` took from its own
-        forward (it ran without ``old_log_probs``), for the rows of ``data`` (that update's batch)."""
-        pre_update = self.actor.pre_update
-        if not pre_update or len(pre_update["old_log_probs"]) != len(data):
-            raise RuntimeError("no on-policy update of this batch ran: call update_actor without old_log_probs first")
-        return DataProto.from_dict(dict(pre_update))
-
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    def update_actor(self, data: DataProto) -> dict[str, float]:
+    def update_actor(self, data: DataProto) -> DataProto:
+        """The policy update; its metrics in the output. Given a batch without old_log_probs (an
+        on-policy step), the old log-probs and entropy it took from its own forward come back too."""
         cfg = self.config
         mini_batch = samples_per_rank(
             cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size"
         )
-        step = int(data.meta_info.get("global_step", 0))
-        metrics = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
-        metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
-        return metrics
+        step = int(data.meta_info[GLOBAL_STEP])
+        output = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
+        output.meta_info[METRICS]["perf/max_memory_gb"] = peak_memory_gb(
+            self.device
+        )  # the step's peak: reset when it generated
+        return output

@@ -2,26 +2,35 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hybridflow.engine.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig
 from hybridflow.rollout.config import RolloutConfig
+from hybridflow.validation import require, require_positive
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ActorRolloutRefConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    actor: ActorConfig = field(default_factory=ActorConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    ref: RefConfig = field(default_factory=RefConfig)
+    model: ModelConfig  # the policy; the reference starts from the same weights
+    actor: ActorConfig
+    rollout: RolloutConfig
+    ref: RefConfig
+
+    def __post_init__(self) -> None:
+        require(bool(self.model.path), "model.path", "no model given", "a local Hugging Face directory or tiny-llama")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RewardModelConfig:
-    enable: bool = False  # score responses with a reward-model worker group (added to rule-based scores)
-    model: ModelConfig = field(
-        default_factory=lambda: ModelConfig(path="")
-    )  # a sequence-classification model directory
-    micro_batch_size_per_gpu: int = 16  # samples per forward
-    max_length: int = 512  # longest prompt + response the reward model reads (longer ones are cut from the left)
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    enable: bool  # score responses with a reward-model worker group (added to rule-based scores)
+    model: ModelConfig  # a sequence-classification model directory
+    micro_batch_size_per_gpu: int  # samples per forward
+    max_length: int  # longest prompt + response the reward model reads (longer ones are cut from the left)
+    fsdp: FSDPConfig
+
+    def __post_init__(self) -> None:
+        require(
+            not self.enable or bool(self.model.path), "model.path", "reward_model.enable is true but no model is given"
+        )
+        require_positive(self.micro_batch_size_per_gpu, "micro_batch_size_per_gpu")
+        require_positive(self.max_length, "max_length")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hybridflow.batch_keys import GLOBAL_STEP
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.config import CriticConfig
@@ -14,7 +15,7 @@ from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
 
 class CriticWorker(Worker):
-    def __init__(self, config: CriticConfig, n_samples: int, total_training_steps: int, seed: int = 0):
+    def __init__(self, *, config: CriticConfig, n_samples: int, total_training_steps: int, seed: int):
         super().__init__()
         self.config = config
         self.n_samples = n_samples
@@ -38,13 +39,14 @@ class CriticWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:
-        values = self.critic.compute_values(data)
-        return DataProto.from_dict({"values": values}, meta_info={"perf": self.critic.values_metrics})
+        """values (B, R)."""
+        return self.critic.compute_values(data)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_METRIC)
-    def update_critic(self, data: DataProto) -> dict[str, float]:
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def update_critic(self, data: DataProto) -> DataProto:
+        """The value update; its metrics in the output (no tensors)."""
         mini_batch = samples_per_rank(
             self.config.ppo_mini_batch_size, self.n_samples, self.world_size, "critic.ppo_mini_batch_size"
         )
-        step = int(data.meta_info.get("global_step", 0))
+        step = int(data.meta_info[GLOBAL_STEP])
         return self.critic.update_critic(data, mini_batch, seed=self.seed + step)

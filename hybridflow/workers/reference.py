@@ -11,7 +11,7 @@ from hybridflow.workers.sharded_model import build_sharded
 
 
 class RefPolicyWorker(Worker):
-    def __init__(self, config: ActorRolloutRefConfig, seed: int = 0):
+    def __init__(self, *, config: ActorRolloutRefConfig, seed: int):
         super().__init__()
         self.config = config
         self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed).eval()
@@ -20,5 +20,5 @@ class RefPolicyWorker(Worker):
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        log_probs = self.ref.compute_ref_log_prob(data, self.config.rollout.temperature)
-        return DataProto.from_dict({"ref_log_prob": log_probs}, meta_info={"perf": self.ref.log_prob_metrics})
+        """ref_log_prob (B, R), at the rollout's temperature."""
+        return self.ref.compute_ref_log_prob(data, self.config.rollout.temperature)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.protocol import DataProto
@@ -20,7 +21,7 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 
 class RewardModelWorker(Worker):
-    def __init__(self, config: RewardModelConfig, policy_model_path: str, seed: int = 0):
+    def __init__(self, *, config: RewardModelConfig, policy_model_path: str, seed: int):
         super().__init__()
         self.config = config
         self.policy_tokenizer = load_tokenizer(policy_model_path)
@@ -30,19 +31,19 @@ class RewardModelWorker(Worker):
         self.model = build_sharded(load_reward_model, config.model, config.fsdp, self.device, seed).eval()
 
     def _conversations(self, data: DataProto) -> list[str]:
-        responses = data.batch["responses"]
-        lengths = data.batch["response_mask"].sum(dim=1)
+        responses = data.batch[RESPONSES]
+        lengths = data.batch[RESPONSE_MASK].sum(dim=1)
         texts = []
         for i in range(len(data)):
             response = self.policy_tokenizer.decode(responses[i, : int(lengths[i])], skip_special_tokens=True)
-            messages = [*data.non_tensor_batch["raw_prompt"][i], {"role": "assistant", "content": response}]
+            messages = [*data.non_tensor_batch[RAW_PROMPT][i], {"role": "assistant", "content": response}]
             texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
         return texts
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     @torch.no_grad()
     def compute_rm_score(self, data: DataProto) -> DataProto:
-        if "raw_prompt" not in data.non_tensor_batch:
+        if RAW_PROMPT not in data.non_tensor_batch:
             raise KeyError("the reward model needs the chat messages of each prompt in non-tensor key 'raw_prompt'")
         texts = self._conversations(data)
         scores = []
@@ -57,5 +58,5 @@ class RewardModelWorker(Worker):
                 add_special_tokens=False,
             ).to(self.device)
             scores.append(self.model(**encoded).logits[:, 0].float().cpu())
-        rm_scores = last_token_scores(torch.cat(scores), data.batch["response_mask"])
-        return DataProto.from_dict({"rm_scores": rm_scores})
+        rm_scores = last_token_scores(torch.cat(scores), data.batch[RESPONSE_MASK])
+        return DataProto.from_dict({RM_SCORES: rm_scores})

@@ -5,15 +5,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from algo_configs import advantage_config
 
-from hybridflow.algorithms import AdvantageConfig, get_adv_estimator
+from hybridflow.algorithms import get_adv_estimator
 
 EPS = 1e-6  # AdvantageConfig.epsilon
 
 
 def estimate(name, rewards, mask, index, values=None, baselines=None, **cfg):
     fn = get_adv_estimator(name)
-    return fn(rewards, mask, np.array(index, dtype=object), AdvantageConfig(**cfg), values, baselines)
+    return fn(rewards, mask, np.array(index, dtype=object), advantage_config(**cfg), values, baselines)
 
 
 def outcome_rewards(scores, lengths, length):

@@ -2,10 +2,11 @@
 
 import numpy as np
 import torch
+from algo_configs import advantage_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.algorithms import AdvantageConfig, get_adv_estimator
+from hybridflow.algorithms import get_adv_estimator
 
 PROPERTY = settings(derandomize=True, max_examples=25, deadline=None)
 
@@ -28,7 +29,7 @@ def test_grpo_advantages_have_zero_mean_per_group(group_sizes, norm, seed):
     batch = sum(group_sizes)
     _, rewards, mask = random_batch(seed, batch, 4)
     index = np.array([g for g, n in enumerate(group_sizes) for _ in range(n)])
-    adv, _ = get_adv_estimator("grpo")(rewards, mask, index, AdvantageConfig(norm_adv_by_std_in_grpo=norm))
+    adv, _ = get_adv_estimator("grpo")(rewards, mask, index, advantage_config(norm_adv_by_std_in_grpo=norm))
     seq_adv = adv[:, 0]  # the same on every response token of a sequence
     for g in range(len(group_sizes)):
         assert abs(seq_adv[torch.from_numpy(index == g)].mean().item()) < 1e-9
@@ -41,7 +42,7 @@ def test_grpo_advantages_have_zero_mean_per_group(group_sizes, norm, seed):
 def test_gae_with_unit_gamma_and_lambda_is_return_minus_value(batch, length, seed):
     gen, rewards, mask = random_batch(seed, batch, length)
     values = torch.randn(batch, length, generator=gen, dtype=torch.float64)
-    config = AdvantageConfig(gamma=1.0, lam=1.0, gae_whiten=False)
+    config = advantage_config(gamma=1.0, lam=1.0, gae_whiten=False)
     adv, ret = get_adv_estimator("gae")(rewards, mask, np.arange(batch), config, values=values)
     # Monte-Carlo return: the sum of the rewards from t to the end of the response
     reward_to_go = (rewards * mask).flip(-1).cumsum(-1).flip(-1) * mask
@@ -55,7 +56,7 @@ def test_rloo_equals_explicit_leave_one_out(group_sizes, seed):
     batch = sum(group_sizes)
     _, rewards, mask = random_batch(seed, batch, 3)
     index = np.array([g for g, n in enumerate(group_sizes) for _ in range(n)])
-    adv, _ = get_adv_estimator("rloo")(rewards, mask, index, AdvantageConfig())
+    adv, _ = get_adv_estimator("rloo")(rewards, mask, index, advantage_config())
     scores = (rewards * mask).sum(-1)
     for i in range(batch):
         others = [j for j in range(batch) if index[j] == index[i] and j != i]

@@ -3,8 +3,9 @@
 import math
 
 import torch
+from algo_configs import policy_loss_config
 
-from hybridflow.algorithms import LossAggregation, PolicyLossConfig, get_policy_loss
+from hybridflow.algorithms import LossAggregation, get_policy_loss
 
 # A = (3, -1, -1, -1), mean 0; log π = (-1, -3, -2, -2), mean -2 → centred (1, -1, 0, 0)
 # covariance per token: (3·1, (-1)·(-1), 0, 0) = (3, 1, 0, 0)
@@ -16,7 +17,7 @@ MASK = torch.ones_like(ADV)
 def run(name, old_log_prob, **cfg):
     log_prob = LOGP.clone().requires_grad_(True)
     loss, metrics = get_policy_loss(name)(
-        old_log_prob, log_prob, ADV, MASK, PolicyLossConfig(**cfg), LossAggregation("token-mean")
+        old_log_prob, log_prob, ADV, MASK, policy_loss_config(**cfg), LossAggregation("token-mean")
     )
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.item(), metrics, grad[0]

@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 import torch
+from algo_configs import advantage_config, policy_loss_config
 
 from hybridflow.algorithms import (
     AGG_MODES,
     KL_TYPES,
-    AdvantageConfig,
     LossAggregation,
-    PolicyLossConfig,
     compute_kl_loss,
     compute_value_loss,
     get_adv_estimator,
@@ -27,7 +26,7 @@ def run_estimator(name, rewards, mask, index):
     est = get_adv_estimator(name)
     values = torch.zeros_like(rewards) if est.needs_values else None
     baselines = torch.zeros(rewards.shape[0]) if est.needs_baseline else None
-    return est(rewards, mask, np.array(index, dtype=object), AdvantageConfig(), values, baselines)
+    return est(rewards, mask, np.array(index, dtype=object), advantage_config(), values, baselines)
 
 
 def assert_finite_and_masked(adv, ret, mask):
@@ -67,13 +66,13 @@ def test_policy_losses_with_huge_log_ratios_and_empty_rows(name, mode):
     log_prob = torch.tensor([[-1e4, 1e4, 0.0], [-3.0, -1.0, -2.0]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0, 2.0], [5.0, -5.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])  # second row: no response tokens
-    loss, metrics = get_policy_loss(name)(old, log_prob, adv, mask, PolicyLossConfig(), LossAggregation(mode))
+    loss, metrics = get_policy_loss(name)(old, log_prob, adv, mask, policy_loss_config(), LossAggregation(mode))
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
     assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
     # fully masked batch: loss 0, gradient 0
     log_prob.grad = None
-    loss, _ = get_policy_loss(name)(old, log_prob, adv, torch.zeros_like(mask), PolicyLossConfig(), mode)
+    loss, _ = get_policy_loss(name)(old, log_prob, adv, torch.zeros_like(mask), policy_loss_config(), mode)
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(log_prob.grad, torch.zeros_like(adv))
 

@@ -1,5 +1,6 @@
 """KL estimators, straight-through gradients, controllers, and the two uses of KL."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,14 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridflow.algorithms import (
+    KL_CONTROLLERS,
     KL_TYPES,
     AdaptiveKLController,
     FixedKLController,
+    KLControlConfig,
     apply_kl_penalty,
     compute_kl_loss,
     kl_penalty,
     make_kl_controller,
 )
+from hybridflow.validation import InvalidSetting
 
 LN2 = math.log(2.0)
 # δ = log π - log π_ref = (-ln 2, +ln 2)
@@ -82,13 +86,21 @@ def test_adaptive_controller_by_hand():
 
 
 def test_make_kl_controller():
-    assert isinstance(make_kl_controller("fixed", 0.1), FixedKLController)
-    ctrl = make_kl_controller("adaptive", 0.1, target_kl=6.0, horizon=10000)
-    assert isinstance(ctrl, AdaptiveKLController) and ctrl.value == 0.1
-    with pytest.raises(ValueError, match="target_kl"):
-        make_kl_controller("adaptive", 0.1)
-    with pytest.raises(ValueError, match="fixed"):
-        make_kl_controller("linear", 0.1)
+    fixed = KLControlConfig(type="fixed", kl_coef=0.1, target_kl=6.0, horizon=10000)
+    assert isinstance(make_kl_controller(fixed), FixedKLController)
+    ctrl = make_kl_controller(dataclasses.replace(fixed, type="adaptive"))
+    assert isinstance(ctrl, AdaptiveKLController) and (ctrl.value, ctrl.target, ctrl.horizon) == (0.1, 6.0, 10000)
+    assert sorted(KL_CONTROLLERS) == ["adaptive", "fixed"]
+
+
+@pytest.mark.parametrize(
+    "changes, field", [({"type": "linear"}, "type"), ({"target_kl": 0.0}, "target_kl"), ({"horizon": 0}, "horizon")]
+)
+def test_kl_control_config_names_the_bad_field(changes, field):
+    values = {"type": "adaptive", "kl_coef": 0.1, "target_kl": 6.0, "horizon": 10000} | changes
+    with pytest.raises(InvalidSetting) as caught:
+        KLControlConfig(**values)
+    assert caught.value.field == field
 
 
 def test_apply_kl_penalty_by_hand():

@@ -3,10 +3,11 @@
 import math
 
 import torch
+from algo_configs import policy_loss_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridflow.algorithms import LossAggregation, PolicyLossConfig, get_policy_loss
+from hybridflow.algorithms import LossAggregation, get_policy_loss
 
 TOKEN_MEAN = LossAggregation("token-mean")
 
@@ -17,7 +18,7 @@ def run(name, ratios, advantages, mask=None, **cfg):
     adv = torch.tensor([advantages], dtype=torch.float64)
     mask = torch.ones_like(adv) if mask is None else torch.tensor([mask], dtype=torch.float64)
     loss, metrics = get_policy_loss(name)(
-        torch.zeros_like(adv), log_prob, adv, mask, PolicyLossConfig(**cfg), TOKEN_MEAN
+        torch.zeros_like(adv), log_prob, adv, mask, policy_loss_config(**cfg), TOKEN_MEAN
     )
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.item(), metrics, grad[0]

@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from algo_configs import advantage_config, policy_loss_config
 
 from hybridflow.algorithms import (
-    AdvantageConfig,
     LossAggregation,
-    PolicyLossConfig,
     get_adv_estimator,
     get_policy_loss,
     list_adv_estimators,
@@ -61,11 +60,11 @@ def test_requirements_are_exposed():
 def test_missing_required_inputs_raise():
     rewards, mask, index = torch.zeros(2, 3), torch.ones(2, 3), np.array(["a", "a"], dtype=object)
     with pytest.raises(ValueError, match="values"):
-        get_adv_estimator("gae")(rewards, mask, index, AdvantageConfig())
+        get_adv_estimator("gae")(rewards, mask, index, advantage_config())
     with pytest.raises(ValueError, match="reward_baselines"):
-        get_adv_estimator("remax")(rewards, mask, index, AdvantageConfig())
+        get_adv_estimator("remax")(rewards, mask, index, advantage_config())
     with pytest.raises(ValueError, match="index"):
-        get_adv_estimator("grpo")(rewards, mask, index[:1], AdvantageConfig())
+        get_adv_estimator("grpo")(rewards, mask, index[:1], advantage_config())
 
 
 def test_user_estimator_is_called_through_the_registry():
@@ -78,7 +77,7 @@ def test_user_estimator_is_called_through_the_registry():
     assert est is constant_one and "test_constant_one" in list_adv_estimators()
     assert est.__doc__ == "Advantage 1 on every response token."
     mask = torch.tensor([[1.0, 0.0]])
-    adv, _ = est(torch.zeros(1, 2), mask, np.array([0]), AdvantageConfig())
+    adv, _ = est(torch.zeros(1, 2), mask, np.array([0]), advantage_config())
     assert torch.equal(adv, mask)
 
 
@@ -88,7 +87,12 @@ def test_user_policy_loss_is_called_through_the_registry():
         return (log_prob * 0).sum(), {}
 
     loss, _ = get_policy_loss("test_zero_loss")(
-        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), PolicyLossConfig(), LossAggregation()
+        torch.zeros(1, 2),
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        policy_loss_config(),
+        LossAggregation(),
     )
     assert loss.item() == 0.0
 
@@ -96,26 +100,26 @@ def test_user_policy_loss_is_called_through_the_registry():
 def test_estimators_do_not_track_gradients():
     values = torch.zeros(1, 2, requires_grad=True)
     adv, ret = get_adv_estimator("gae")(
-        torch.ones(1, 2), torch.ones(1, 2), np.array([0]), AdvantageConfig(), values=values
+        torch.ones(1, 2), torch.ones(1, 2), np.array([0]), advantage_config(), values=values
     )
     assert not adv.requires_grad and not ret.requires_grad
 
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        AdvantageConfig(pass_k=0)
+        advantage_config(pass_k=0)
     with pytest.raises(ValueError):
-        AdvantageConfig(lam=1.5)
+        advantage_config(lam=1.5)
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        PolicyLossConfig(clip_ratio_c=1.0)
-    assert PolicyLossConfig(clip_ratio=0.1, clip_ratio_high=0.28).clip_bounds() == (0.1, 0.28)
+        policy_loss_config(clip_ratio_c=1.0)
+    assert policy_loss_config(clip_ratio=0.1, clip_ratio_high=0.28).clip_bounds() == (0.1, 0.28)
 
 
 def test_group_ids_may_be_strings_ints_or_a_tensor():
     rewards = torch.tensor([[1.0], [0.0], [5.0]])
     mask = torch.ones(3, 1)
     grpo = get_adv_estimator("grpo")
-    cfg = AdvantageConfig(norm_adv_by_std_in_grpo=False)
+    cfg = advantage_config(norm_adv_by_std_in_grpo=False)
     # samples 0 and 1 share a group (mean 0.5); sample 2 is alone (advantage 0)
     expected = torch.tensor([[0.5], [-0.5], [0.0]])
     for index in [np.array(["u", "u", "v"], dtype=object), np.array([7, 7, 8]), torch.tensor([7, 7, 8])]:

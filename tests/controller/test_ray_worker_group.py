@@ -238,14 +238,15 @@ def test_future_passes_from_one_group_to_another_without_the_driver(tmp_path, po
 
 
 def test_resource_pool_manager_maps_roles_to_shared_pools():
+    shared = {"use_gpu": False, "cpus_per_worker": 1.0, "max_colocate_count": 2}
     manager = ResourcePoolManager(
-        pool_spec={"global": [2]}, role_to_pool={Role.ActorRollout: "global", Role.Critic: "global"}
+        pool_spec={"global": [2]}, role_to_pool={Role.ActorRollout: "global", Role.Critic: "global"}, **shared
     )
     assert manager.get_pool(Role.ActorRollout) is manager.get_pool(Role.Critic)
     with pytest.raises(KeyError, match="RewardModel"):
         manager.get_pool(Role.RewardModel)
     with pytest.raises(ValueError, match="pool_spec does not define"):
-        ResourcePoolManager(pool_spec={"a": [1]}, role_to_pool={Role.Critic: "b"})
+        ResourcePoolManager(pool_spec={"a": [1]}, role_to_pool={Role.Critic: "b"}, **shared)
 
 
 def test_pool_too_large_for_the_cluster_fails_clearly():

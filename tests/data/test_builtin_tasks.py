@@ -9,8 +9,9 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
+from data_configs import dataset_config
 
-from hybridflow.data import DatasetConfig, RLHFDataset, read_rows
+from hybridflow.data import RLHFDataset, read_rows
 from hybridflow.data.tasks import make_task_rows, write_task
 from hybridflow.data.tasks.__main__ import main as tasks_main
 from hybridflow.reward import get_scorer
@@ -97,7 +98,7 @@ def test_cli_as_a_module(tmp_path):
 @pytest.mark.parametrize("task", ["arithmetic", "countdown"])
 def test_generated_files_load_as_a_dataset(tmp_path, task, tiny_tokenizer):
     paths = write_task(task, tmp_path, train=30, test=6, seed=0)
-    dataset = RLHFDataset(paths["test"], tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset(paths["test"], tiny_tokenizer, dataset_config())
     assert len(dataset) == 6  # nothing filtered at the default max_prompt_length
     assert dataset[0]["reward_model"] == make_task_rows(task, 1, "test", 0)[0]["reward_model"]
 
@@ -112,4 +113,4 @@ def test_prompts_fit_the_real_chat_template():
         for row in make_task_rows(task, 20, "test", 0):
             text = tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
             assert "You are a helpful AI assistant" in text
-            assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= DatasetConfig().max_prompt_length
+            assert len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= dataset_config().max_prompt_length

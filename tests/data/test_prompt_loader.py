@@ -5,8 +5,9 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from data_configs import dataset_config
 
-from hybridflow.data import DatasetConfig, PromptDataLoader, RLHFDataset
+from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.data.tasks import write_task
 from hybridflow.protocol import DataProto
 
@@ -112,7 +113,7 @@ def test_too_few_rows_for_one_batch():
 
 def test_with_a_real_dataset(tmp_path, tiny_tokenizer):
     paths = write_task("arithmetic", tmp_path, train=20, test=4, seed=0)
-    dataset = RLHFDataset(paths["train"], tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset(paths["train"], tiny_tokenizer, dataset_config())
     loader = PromptDataLoader(dataset, batch_size=8, seed=0)
     batches = list(loader)
     assert len(batches) == len(loader) == 2

@@ -6,8 +6,9 @@ import logging
 import pandas as pd
 import pytest
 import torch
+from data_configs import dataset_config
 
-from hybridflow.data import DatasetConfig, RLHFDataset
+from hybridflow.data import RLHFDataset
 
 
 def chat(text):
@@ -57,7 +58,7 @@ def jsonl_file(tmp_path):
 
 @pytest.mark.parametrize("fixture", ["parquet_file", "jsonl_file"])
 def test_rows_and_chat_template(request, fixture, tiny_tokenizer):
-    dataset = RLHFDataset(str(request.getfixturevalue(fixture)), tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset(str(request.getfixturevalue(fixture)), tiny_tokenizer, dataset_config())
     assert len(dataset) == 3
     for i, row in enumerate(ROWS):
         item = dataset[i]
@@ -73,7 +74,7 @@ def test_rows_and_chat_template(request, fixture, tiny_tokenizer):
 
 
 def test_several_files_concatenate(parquet_file, jsonl_file, tiny_tokenizer):
-    dataset = RLHFDataset([parquet_file, jsonl_file], tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset([parquet_file, jsonl_file], tiny_tokenizer, dataset_config())
     assert len(dataset) == 6
     assert [dataset[i]["index"] for i in range(6)] == list(range(6))
     assert dataset[4]["reward_model"]["ground_truth"] == "70"
@@ -82,7 +83,7 @@ def test_several_files_concatenate(parquet_file, jsonl_file, tiny_tokenizer):
 def test_overlong_prompts_are_dropped_and_counted(jsonl_file, tiny_tokenizer, caplog):
     lengths = [len(template_ids(tiny_tokenizer, row["prompt"])) for row in ROWS]
     assert lengths[1] > max(lengths[0], lengths[2])
-    config = DatasetConfig(max_prompt_length=max(lengths[0], lengths[2]))
+    config = dataset_config(max_prompt_length=max(lengths[0], lengths[2]))
     with caplog.at_level(logging.WARNING, logger="hybridflow.data.dataset"):
         dataset = RLHFDataset(jsonl_file, tiny_tokenizer, config)
     assert [dataset[i]["index"] for i in range(len(dataset))] == [0, 2]  # original row numbers kept
@@ -91,7 +92,7 @@ def test_overlong_prompts_are_dropped_and_counted(jsonl_file, tiny_tokenizer, ca
 
 def test_overlong_prompt_raises_with_the_row_index(jsonl_file, tiny_tokenizer):
     lengths = [len(template_ids(tiny_tokenizer, row["prompt"])) for row in ROWS]
-    config = DatasetConfig(max_prompt_length=lengths[0], filter_overlong_prompts=False)
+    config = dataset_config(max_prompt_length=lengths[0], filter_overlong_prompts=False)
     with pytest.raises(ValueError, match=r"row 1 .*data\.max_prompt_length"):
         RLHFDataset(jsonl_file, tiny_tokenizer, config)
 
@@ -100,20 +101,20 @@ def test_bad_prompt_column(tmp_path, tiny_tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"question": "hi", "data_source": "x", "reward_model": {}}) + "\n")
     with pytest.raises(ValueError, match=r"row 0: column 'prompt' \(data.prompt_key\)"):
-        RLHFDataset(path, tiny_tokenizer, DatasetConfig())
+        RLHFDataset(path, tiny_tokenizer, dataset_config())
     with pytest.raises(FileNotFoundError):
-        RLHFDataset(tmp_path / "missing.parquet", tiny_tokenizer, DatasetConfig())
+        RLHFDataset(tmp_path / "missing.parquet", tiny_tokenizer, dataset_config())
 
 
 def test_other_prompt_key(tmp_path, tiny_tokenizer):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"chat": chat("hi"), "data_source": "x", "reward_model": {"ground_truth": "1"}}) + "\n")
-    dataset = RLHFDataset(path, tiny_tokenizer, DatasetConfig(prompt_key="chat"))
+    dataset = RLHFDataset(path, tiny_tokenizer, dataset_config(prompt_key="chat"))
     assert dataset[0]["raw_prompt"] == chat("hi") and dataset[0]["extra_info"] == {}
 
 
 def test_collate_left_pads_by_hand(jsonl_file, tiny_tokenizer):
-    dataset = RLHFDataset(jsonl_file, tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset(jsonl_file, tiny_tokenizer, dataset_config())
     pad = tiny_tokenizer.pad_token_id
     rows = [
         {**dataset[0], "input_ids": [11, 12, 13]},
@@ -133,7 +134,7 @@ def test_collate_left_pads_by_hand(jsonl_file, tiny_tokenizer):
 
 
 def test_collate_of_real_rows_matches_the_template(parquet_file, tiny_tokenizer):
-    dataset = RLHFDataset(parquet_file, tiny_tokenizer, DatasetConfig())
+    dataset = RLHFDataset(parquet_file, tiny_tokenizer, dataset_config())
     batch = dataset.collate([dataset[0], dataset[1], dataset[2]])
     width = max(len(dataset[i]["input_ids"]) for i in range(3))
     assert batch.batch["input_ids"].shape == (3, width)

@@ -3,6 +3,7 @@
 import torch
 from transformers import AutoModelForCausalLM
 
+from hybridflow.batch_keys import OLD_LOG_PROBS
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.models import load_causal_lm
 from hybridflow.trainer.export import export_checkpoint
@@ -11,12 +12,13 @@ from hybridflow.workers import ActorRolloutWorker
 
 def spawn(world_size: int, config):
     pool = RayResourcePool([world_size])
-    return pool, RayWorkerGroup(pool, RoleSpec(ActorRolloutWorker, (config, 10, 0)))
+    worker = RoleSpec(ActorRolloutWorker, kwargs={"config": config, "total_training_steps": 10, "seed": 0})
+    return pool, RayWorkerGroup(pool, worker)
 
 
 def update(group, batch):
     data = batch.select(deepcopy=True)
-    data.batch["old_log_probs"] = group.compute_log_prob(data).batch["old_log_probs"]
+    data.batch[OLD_LOG_PROBS] = group.compute_log_prob(data).batch[OLD_LOG_PROBS]
     group.update_actor(data)
 
 

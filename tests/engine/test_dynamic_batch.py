@@ -1,18 +1,19 @@
 """Micro-batches by token count, the same update as fixed micro-batches, and balancing over ranks."""
 
-import random
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.engine.config import CriticConfig, ModelConfig, OptimConfig
+from hybridflow.batch_keys import ADVANTAGES, METRICS, OLD_LOG_PROBS, RETURNS, VALUES
+from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
-from hybridflow.engine.dynamic_batch import balanced_order, group_by_tokens, micro_batch_groups, row_lengths
+from hybridflow.engine.dynamic_batch import group_by_tokens, micro_batch_groups
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.policy import PolicyEngine
+from hybridflow.lengths import row_lengths
 from hybridflow.models import load_causal_lm, load_critic
+from hybridflow.trainer.config import load_config
 
 LR = 1e-2
 
@@ -54,8 +55,8 @@ def _train(config, batch):
     optimizer = build_optimizer(model, config.actor.optim)
     engine = PolicyEngine(model, optimizer, build_lr_scheduler(optimizer, config.actor.optim, 10), config.actor)
     data = batch.select(deepcopy=True)
-    data.batch["old_log_probs"], _ = engine.compute_log_prob(data, 1.0, with_entropy=False)
-    metrics = engine.update_policy(data, mini_batch_size=len(data), temperature=1.0, seed=0)
+    data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+    metrics = engine.update_policy(data, mini_batch_size=len(data), temperature=1.0, seed=0).meta_info[METRICS]
     assert metrics["actor/skipped_steps"] == 0.0 and metrics["perf/mfu_update"] > 0
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
@@ -106,39 +107,6 @@ def test_update_with_token_micro_batches_equals_fixed_micro_batches(
             assert torch.allclose(trained[name] - initial[name], expected, rtol=1e-3, atol=1e-8), name
 
 
-def _chunk_tokens(lengths: list[int], world_size: int) -> list[int]:
-    chunk = len(lengths) // world_size
-    return [sum(lengths[r * chunk : (r + 1) * chunk]) for r in range(world_size)]
-
-
-def test_balanced_order_evens_out_the_ranks():
-    lengths = list(range(100, 4, -6))  # 16 rows, longest first: the worst case for contiguous chunks
-    order = balanced_order(lengths, 4)
-    assert sorted(order) == list(range(16))
-    before = _chunk_tokens(lengths, 4)
-    after = _chunk_tokens([lengths[i] for i in order], 4)
-    assert max(before) - min(before) == 4 * 4 * 6 * 3  # each chunk is 4 rows, 24 tokens shorter per row
-    assert max(after) - min(after) <= 12
-    assert sum(after) == sum(before)
-
-
-def test_balanced_order_on_random_batches():
-    rng = random.Random(0)
-    for world_size in (2, 3, 8):
-        lengths = [rng.randint(10, 500) for _ in range(world_size * 16)]
-        order = balanced_order(lengths, world_size)
-        assert sorted(order) == list(range(len(lengths)))
-        tokens = _chunk_tokens([lengths[i] for i in order], world_size)
-        assert max(tokens) - min(tokens) <= max(lengths)
-        assert max(tokens) - min(tokens) < max(_chunk_tokens(lengths, world_size)) - min(
-            _chunk_tokens(lengths, world_size)
-        )
-        chunk = len(lengths) // world_size
-        assert all(
-            order[r * chunk : (r + 1) * chunk] == sorted(order[r * chunk : (r + 1) * chunk]) for r in range(world_size)
-        )
-
-
 def _train_critic(config: CriticConfig, batch):
     torch.manual_seed(0)
     critic = load_critic(config.model.path, dtype=torch.float32)
@@ -147,47 +115,35 @@ def _train_critic(config: CriticConfig, batch):
     optimizer = build_optimizer(critic, config.optim)
     engine = CriticEngine(critic, optimizer, build_lr_scheduler(optimizer, config.optim, 10), config)
     data = batch.select(deepcopy=True)
-    data.batch["values"] = engine.compute_values(data)
-    data.batch["returns"] = data.batch["values"] + data.batch["advantages"]
-    metrics = engine.update_critic(data, mini_batch_size=len(data), seed=0)
-    assert metrics["perf/mfu_critic_update"] > 0 and engine.values_metrics["perf/mfu_values"] > 0
-    return data.batch["values"], {name: p.detach() - initial[name] for name, p in critic.named_parameters()}
+    values = engine.compute_values(data)
+    data.batch[VALUES] = values.batch[VALUES]
+    data.batch[RETURNS] = data.batch[VALUES] + data.batch[ADVANTAGES]
+    metrics = engine.update_critic(data, mini_batch_size=len(data), seed=0).meta_info[METRICS]
+    assert metrics["perf/mfu_critic_update"] > 0 and values.meta_info[METRICS]["perf/mfu_values"] > 0
+    return data.batch[VALUES], {name: p.detach() - initial[name] for name, p in critic.named_parameters()}
 
 
 def test_critic_with_packing_and_token_micro_batches_equals_padded_fixed(tiny_path, rollout_batch):
     budget = max(row_lengths(rollout_batch)) + min(row_lengths(rollout_batch))
-    optim = OptimConfig(lr=LR, eps=1.0, weight_decay=0.0)
-    common = dict(
-        model=ModelConfig(path=tiny_path), ppo_micro_batch_size_per_gpu=2, shuffle=False, grad_clip=1000.0, optim=optim
+    common = [
+        f"critic.model.path={tiny_path}",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "critic.shuffle=false",
+        "critic.grad_clip=1000.0",
+        f"critic.optim.lr={LR}",
+        "critic.optim.eps=1.0",
+        "critic.optim.weight_decay=0.0",
+    ]
+    fixed_values, fixed_step = _train_critic(
+        load_config([*common, "critic.use_remove_padding=false"]).critic, rollout_batch
     )
-    fixed_values, fixed_step = _train_critic(CriticConfig(**common, use_remove_padding=False), rollout_batch)
-    dynamic_values, dynamic_step = _train_critic(
-        CriticConfig(
-            **common, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget, forward_max_token_len_per_gpu=budget
-        ),
-        rollout_batch,
-    )
+    dynamic = [
+        "critic.use_dynamic_bsz=true",
+        f"critic.ppo_max_token_len_per_gpu={budget}",
+        f"critic.forward_max_token_len_per_gpu={budget}",
+    ]
+    dynamic_values, dynamic_step = _train_critic(load_config([*common, *dynamic]).critic, rollout_batch)
     assert torch.allclose(dynamic_values, fixed_values, atol=1e-6)
     for name, step in fixed_step.items():
         assert step.abs().max() > 0, name
         assert torch.allclose(dynamic_step[name], step, rtol=1e-3, atol=1e-8), name
-
-
-def test_balanced_order_keeps_each_group_on_one_rank():
-    rng = random.Random(1)
-    groups = [g for g in range(8) for _ in range(4)]  # 8 prompts x 4 samples, interleaved as the trainer repeats them
-    lengths = [rng.randint(10, 200) for _ in groups]
-    order = balanced_order(lengths, 2, groups=groups)
-    assert sorted(order) == list(range(32))
-    for rank in (0, 1):
-        held = {groups[i] for i in order[rank * 16 : (rank + 1) * 16]}
-        assert len(held) == 4  # four whole groups per rank
-    tokens = _chunk_tokens([lengths[i] for i in order], 2)
-    group_tokens = [sum(length for length, g in zip(lengths, groups) if g == k) for k in range(8)]
-    assert max(tokens) - min(tokens) <= max(group_tokens)
-
-
-def test_a_group_larger_than_a_rank_is_split_row_by_row():
-    order = balanced_order([5, 4, 3, 2], 2, groups=["a", "a", "a", "b"])
-    assert sorted(order) == [0, 1, 2, 3]
-    assert _chunk_tokens([[5, 4, 3, 2][i] for i in order], 2) in ([7, 7], [8, 6], [6, 8])

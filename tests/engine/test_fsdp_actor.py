@@ -2,6 +2,7 @@
 
 import torch
 
+from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
@@ -26,20 +27,23 @@ def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
 ):
     pool = RayResourcePool([2])
     # 3 rows per rank with micro-batches of 2: accumulation over unequal micro-batches and ranks
-    group = RayWorkerGroup(pool, RoleSpec(ActorRolloutWorker, (actor_config_factory(tiny_path, LR), 10, 0)))
+    config = actor_config_factory(tiny_path, LR)
+    group = RayWorkerGroup(
+        pool, RoleSpec(ActorRolloutWorker, kwargs={"config": config, "total_training_steps": 10, "seed": 0})
+    )
     batch = rollout_batch.select(deepcopy=True)
     model = load_causal_lm(tiny_path, dtype=torch.float32)
     mask = batch.batch["response_mask"].float()
 
-    sharded = group.compute_log_prob(batch).batch["old_log_probs"]
+    sharded = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
     with torch.no_grad():
         expected = reference_log_probs(model, batch)
     assert torch.allclose(sharded * mask, expected * mask, atol=1e-5)
 
     # One PPO step with ratio 1 (old = current): loss = -sum(A * logp * mask) / sum(mask) over all 6 rows.
-    batch.batch["old_log_probs"] = sharded
-    metrics = group.update_actor(batch)
-    assert all(m["actor/skipped_steps"] == 0.0 for m in metrics)
+    batch.batch[OLD_LOG_PROBS] = sharded
+    metrics = group.update_actor(batch).meta_info[METRICS]  # each metric's mean over the 2 ranks
+    assert metrics["actor/skipped_steps"] == 0.0
     trained = group.full_state_dict()[0]
     group.kill()
     pool.release()
@@ -50,7 +54,7 @@ def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
     optimizer.step()
     # the reported loss is the whole mini-batch's, though computed in shares over 2 ranks x 2 micro-batches:
     # at ratio 1 the PPO loss value is -mean(A) over the response tokens (its gradient is that of -mean(A log p))
-    reported = sum(m["actor/pg_loss"] for m in metrics) / len(metrics)
+    reported = metrics["actor/pg_loss"]
     expected_loss = -(batch.batch["advantages"] * mask).sum() / mask.sum()
     assert abs(reported - expected_loss.item()) < 1e-5
 

@@ -1,15 +1,19 @@
 """Padding removal: the packed passes equal the padded ones (fp32), values and gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 
+from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine import packing
-from hybridflow.engine.config import RefConfig
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine.packing import computed_lengths, grouped_causal_attention, pack
+from hybridflow.engine.packing import grouped_causal_attention, pack
 from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.lengths import computed_lengths
 from hybridflow.models import load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.config import default_config
 
 PROMPT, RESPONSE = 6, 5
 
@@ -150,11 +154,13 @@ def test_batched_passes_with_token_budget_keep_row_order(batch):
 def test_reference_engine_packed_with_token_budget_equals_padded(batch):
     model = load_causal_lm("tiny-llama", dtype=torch.float32)
     mask = batch.batch["response_mask"].bool()
-    padded = ReferenceEngine(model, RefConfig(use_remove_padding=False)).compute_ref_log_prob(batch, 0.5)
-    engine = ReferenceEngine(model, RefConfig(use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=12))
-    packed = engine.compute_ref_log_prob(batch, 0.5)
-    assert torch.allclose(packed[mask], padded[mask], atol=1e-5)
-    assert engine.log_prob_metrics["perf/tflops_ref_log_prob"] > 0
+    ref = default_config().actor_rollout_ref.ref
+    padded_config = dataclasses.replace(ref, use_remove_padding=False)
+    padded = ReferenceEngine(model, padded_config).compute_ref_log_prob(batch, 0.5).batch[REF_LOG_PROB]
+    budget_config = dataclasses.replace(ref, use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=12)
+    packed = ReferenceEngine(model, budget_config).compute_ref_log_prob(batch, 0.5)
+    assert torch.allclose(packed.batch[REF_LOG_PROB][mask], padded[mask], atol=1e-5)
+    assert packed.meta_info[METRICS]["perf/tflops_ref_log_prob"] > 0
 
 
 def test_grouped_causal_attention_equals_sdpa_with_repeated_kv_heads():

@@ -1,18 +1,72 @@
-"""The config: YAML default equals the schema, overrides, and each class of bad config fails before Ray starts."""
+"""The config: the YAML holds every default and the schema none, overrides, and each class of bad
+config fails before Ray starts, named by the key the user typed."""
 
-from dataclasses import asdict
+import dataclasses
+import typing
 
 import pytest
 import ray
+import yaml
 from omegaconf import OmegaConf
 
 from hybridflow.trainer.check_config import check_config
-from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, load_config
+from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, default_config, load_config
 from hybridflow.trainer.main import run
 
 
-def test_yaml_default_is_exactly_the_schema_defaults():
-    assert OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG)) == asdict(HybridFlowConfig())
+def schema_tree(cls: type) -> dict:
+    """Field names of a config dataclass, nested sections as dicts (what the YAML must spell out)."""
+    hints = typing.get_type_hints(cls)
+    return {
+        f.name: schema_tree(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else None
+        for f in dataclasses.fields(cls)
+    }
+
+
+def key_tree(node: dict, schema: dict) -> dict:
+    """The YAML's keys in the same shape (a value that is a dict where the schema has a section)."""
+    return {k: key_tree(v, schema.get(k) or {}) if isinstance(schema.get(k), dict) else None for k, v in node.items()}
+
+
+def config_classes(cls: type) -> set[type]:
+    hints = typing.get_type_hints(cls)
+    nested = [hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])]
+    return {cls}.union(*(config_classes(c) for c in nested))
+
+
+def test_the_yaml_gives_every_field_a_value_and_no_other_key():
+    schema = schema_tree(HybridFlowConfig)
+    with open(DEFAULT_CONFIG) as file:
+        assert key_tree(yaml.safe_load(file), schema) == schema
+
+
+def test_defaults_are_written_once_in_the_yaml_and_configs_are_built_by_keyword():
+    classes = config_classes(HybridFlowConfig)
+    assert len(classes) >= 15  # every section and subsection
+    for cls in classes:
+        for field in dataclasses.fields(cls):
+            where = f"{cls.__name__}.{field.name}"
+            assert field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING, where
+            assert field.kw_only, where
+
+
+def test_default_config_reads_the_yaml():
+    config = default_config()
+    yaml_values = OmegaConf.load(DEFAULT_CONFIG)
+    assert config.algorithm.gamma == yaml_values.algorithm.gamma
+    assert config.actor_rollout_ref.rollout.val_kwargs.do_sample is False  # validation's own settings
+    assert config.actor_rollout_ref.rollout.do_sample is True
+    assert config.critic.optim.lr == 1e-5 and config.actor_rollout_ref.actor.optim.lr == 1e-6
+
+
+def test_a_config_file_changes_only_the_keys_it_names(tmp_path):
+    partial = tmp_path / "run.yaml"
+    partial.write_text("algorithm:\n  lam: 0.9\nactor_rollout_ref:\n  rollout:\n    n: 3\n")
+    config = load_config(["algorithm.gamma=0.5"], config_file=partial)
+    defaults = default_config()
+    assert (config.algorithm.lam, config.actor_rollout_ref.rollout.n, config.algorithm.gamma) == (0.9, 3, 0.5)
+    config.algorithm.lam, config.actor_rollout_ref.rollout.n, config.algorithm.gamma = 1.0, 4, 1.0
+    assert config == defaults
 
 
 def test_overrides_fill_typed_fields():
@@ -33,6 +87,48 @@ def test_overrides_fill_typed_fields():
         ),
         ("data.train_batch_size=many", "data.train_batch_size", "could not be converted to Integer"),
         ("trainer", "trainer", "key=value"),
+        # a value its section rejects, named by the full key
+        ("algorithm.gamma=1.5", "algorithm.gamma", "must be in \\[0, 1\\]"),
+        ("algorithm.kl_ctrl.type=linear", "algorithm.kl_ctrl.type", "adaptive, fixed"),
+        ("algorithm.kl_ctrl.horizon=0", "algorithm.kl_ctrl.horizon", "positive"),
+        (
+            "actor_rollout_ref.actor.policy_loss.clip_ratio_c=0.5",
+            "actor_rollout_ref.actor.policy_loss.clip_ratio_c",
+            "> 1",
+        ),
+        (
+            "actor_rollout_ref.actor.policy_loss.clip_ratio_low=-0.1",
+            "actor_rollout_ref.actor.policy_loss.clip_ratio_low",
+            ">= 0",
+        ),
+        (
+            "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu=0",
+            "actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu",
+            "positive",
+        ),
+        (
+            "actor_rollout_ref.actor.optim.lr_scheduler=linear",
+            "actor_rollout_ref.actor.optim.lr_scheduler",
+            "constant, cosine",
+        ),
+        ("critic.fsdp.param_dtype=int8", "critic.fsdp.param_dtype", "bf16"),
+        ("actor_rollout_ref.rollout.temperature=0", "actor_rollout_ref.rollout.temperature", "do_sample=false"),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p=0", "actor_rollout_ref.rollout.val_kwargs.top_p", "\\(0, 1\\]"),
+        ("actor_rollout_ref.rollout.top_k=0", "actor_rollout_ref.rollout.top_k", "-1 \\(off\\) or positive"),
+        ("actor_rollout_ref.rollout.val_kwargs.n=0", "actor_rollout_ref.rollout.val_kwargs.n", "positive"),
+        (
+            "actor_rollout_ref.rollout.native.max_num_seqs=0",
+            "actor_rollout_ref.rollout.native.max_num_seqs",
+            "positive",
+        ),
+        (
+            "actor_rollout_ref.rollout.old_log_prob_source=cache",
+            "actor_rollout_ref.rollout.old_log_prob_source",
+            "auto, recompute, rollout",
+        ),
+        ("data.val_batch_size=0", "data.val_batch_size", "positive"),
+        ("trainer.total_training_steps=0", "trainer.total_training_steps", "-1"),
+        ("trainer.device=tpu", "trainer.device", "cpu, cuda"),
     ],
 )
 def test_bad_overrides_name_the_key(override, key, message):
@@ -79,14 +175,13 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (["custom_reward_function.path=/no/such.py"], "custom_reward_function.path", "does not exist"),
         (["trainer.logger=[console,neptune]"], "trainer.logger", "neptune"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "sglang"),
-        (["algorithm.gamma=1.5"], "algorithm", "gamma"),
+        (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in"),
         (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "not a complete checkpoint"),
     ],
 )
 def test_each_bad_config_fails_clearly_without_starting_ray(arithmetic_files, extra, key, message):
-    config = load_config(valid(arithmetic_files, *extra))
     with pytest.raises(ConfigError, match=message) as caught:
-        run(config)
+        run(load_config(valid(arithmetic_files, *extra)))
     assert caught.value.key == key
     assert not ray.is_initialized()
 

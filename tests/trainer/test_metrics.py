@@ -1,7 +1,7 @@
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.metrics import log_prob_mismatch, reduce_worker_metrics
+from hybridflow.trainer.metrics import log_prob_mismatch
 
 
 def test_log_prob_mismatch_over_response_tokens_only():
@@ -18,7 +18,3 @@ def test_log_prob_mismatch_over_response_tokens_only():
         abs(metrics["rollout/log_prob_diff_mean"] - 0.16) < 1e-6
         and abs(metrics["rollout/log_prob_diff_max"] - 0.5) < 1e-6
     )
-
-
-def test_worker_metrics_are_averaged_over_ranks():
-    assert reduce_worker_metrics([{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 4.0}]) == {"a": 2.0, "b": 3.0}

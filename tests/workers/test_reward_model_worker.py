@@ -4,10 +4,12 @@ import pytest
 import ray
 import torch
 
+from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, start_ray
 from hybridflow.models import load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
-from hybridflow.workers import RewardModelConfig, RewardModelWorker
+from hybridflow.trainer.config import load_config
+from hybridflow.workers import RewardModelWorker
 from hybridflow.workers.reward_model import last_token_scores
 
 
@@ -40,13 +42,17 @@ def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
         responses[i, : len(ids)] = torch.tensor(ids)
         mask[i, : len(ids)] = 1
     prompts = [[{"role": "user", "content": q}] for q in ["2+2?", "What is 3 * 4?", "Solve x"]]
-    data = DataProto.from_dict({"responses": responses, "response_mask": mask}, {"raw_prompt": prompts})
-    config = RewardModelConfig(enable=True)
-    config.model.path = str(reward_model_dir)
-    config.fsdp.param_dtype = "fp32"
+    data = DataProto.from_dict({RESPONSES: responses, RESPONSE_MASK: mask}, {RAW_PROMPT: prompts})
+    overrides = [
+        "reward_model.enable=true",
+        f"reward_model.model.path={reward_model_dir}",
+        "reward_model.fsdp.param_dtype=fp32",
+    ]
+    config = load_config(overrides).reward_model
     pool = RayResourcePool([2])
-    group = RayWorkerGroup(pool, RoleSpec(RewardModelWorker, (config, policy_path)))
-    scores = group.compute_rm_score(data).batch["rm_scores"]
+    worker = RoleSpec(RewardModelWorker, kwargs={"config": config, "policy_model_path": policy_path, "seed": 0})
+    group = RayWorkerGroup(pool, worker)
+    scores = group.compute_rm_score(data).batch[RM_SCORES]
     group.kill()
     pool.release()
     if started:

@@ -5,14 +5,16 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, REWARD_MODEL
+
 
 def make_row(data_source: str, question: str, ground_truth: str, extra_info: dict[str, Any]) -> dict[str, Any]:
     """One dataset row: a single user message, the rule-based ground truth, extras."""
     return {
-        "data_source": data_source,
-        "prompt": [{"role": "user", "content": question}],
-        "reward_model": {"ground_truth": ground_truth, "style": "rule"},
-        "extra_info": extra_info,
+        DATA_SOURCE: data_source,
+        "prompt": [{"role": "user", "content": question}],  # the default data.prompt_key
+        REWARD_MODEL: {"ground_truth": ground_truth, "style": "rule"},
+        EXTRA_INFO: extra_info,
     }
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> None:
     import torch
 
+    from hybridflow.batch_keys import ATTENTION_MASK, DATA_SOURCE, EXTRA_INFO, INPUT_IDS, REWARD_MODEL
     from hybridflow.data import DatasetConfig, RLHFDataset
     from hybridflow.data.io import write_rows
     from hybridflow.data.tasks import TASKS, make_task_rows
@@ -42,17 +43,19 @@ def main(argv: list[str] | None = None) -> None:
     model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_rows(make_task_rows(args.task, args.n, "test", args.seed), Path(tmp) / "test.parquet")
-        dataset = RLHFDataset(path, tokenizer, DatasetConfig(max_prompt_length=1024))
+        dataset = RLHFDataset(
+            path, tokenizer, DatasetConfig(prompt_key="prompt", max_prompt_length=1024, filter_overlong_prompts=True)
+        )
     loaded = time.time()
 
     scores, by_level = [], defaultdict(list)
     for first in range(0, len(dataset), args.batch_size):
         batch = dataset.collate([dataset[i] for i in range(first, min(first + args.batch_size, len(dataset)))])
-        inputs = batch.batch["input_ids"].to(args.device)
+        inputs = batch.batch[INPUT_IDS].to(args.device)
         with torch.no_grad():
             output = model.generate(
                 input_ids=inputs,
-                attention_mask=batch.batch["attention_mask"].to(args.device),
+                attention_mask=batch.batch[ATTENTION_MASK].to(args.device),
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
@@ -60,11 +63,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         texts = tokenizer.batch_decode(output[:, inputs.shape[1] :], skip_special_tokens=True)
         for i, text in enumerate(texts):
-            source, truth = batch.non_tensor_batch["data_source"][i], batch.non_tensor_batch["reward_model"][i]
-            result = get_scorer(source)(text, truth["ground_truth"], batch.non_tensor_batch["extra_info"][i])
+            source, truth = batch.non_tensor_batch[DATA_SOURCE][i], batch.non_tensor_batch[REWARD_MODEL][i]
+            result = get_scorer(source)(text, truth["ground_truth"], batch.non_tensor_batch[EXTRA_INFO][i])
             acc = float(result["acc"] if isinstance(result, dict) else result)
             scores.append(acc)
-            by_level[batch.non_tensor_batch["extra_info"][i].get("level", "all")].append(acc)
+            by_level[batch.non_tensor_batch[EXTRA_INFO][i].get("level", "all")].append(acc)
             if len(scores) <= args.show:
                 print(f"truth={truth['ground_truth']!r} response={text!r} acc={acc}")
     done = time.time()

@@ -1,5 +1,6 @@
 """The native generation engine: continuous batching over an own Llama/Qwen2/Mistral forward.
 
+- config.py    NativeEngineConfig: the engine's batch limits (`rollout.native.*`)
 - spec.py      ModelSpec: the architecture read from a Hugging Face config
 - weights.py   Weights: the engine's copy (fused q/k/v and gate/up), filled by HF parameter name
 - linear.py    Matrix: a weight matrix, pre-packed for oneDNN on CPU in bf16
@@ -12,7 +13,8 @@
 docs/performance.md has the measurements against transformers' `generate`.
 """
 
+from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.engine import Engine, EngineStats
 from hybridflow.rollout.native.rollout import NativeRollout
 
-__all__ = ["Engine", "EngineStats", "NativeRollout"]
+__all__ = ["Engine", "EngineStats", "NativeEngineConfig", "NativeRollout"]

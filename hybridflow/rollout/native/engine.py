@@ -23,6 +23,7 @@ import torch
 
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import model
+from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.native.weights import Weights
@@ -53,13 +54,11 @@ class _Group:
 class Engine:
     """Generates for many prompts at once with at most `max_num_seqs` sequences running."""
 
-    def __init__(
-        self, weights: Weights, max_num_seqs: int = 256, max_prefill_tokens: int = 8192, min_shared_prefix: int = 8
-    ):
+    def __init__(self, weights: Weights, config: NativeEngineConfig):
         self.weights = weights
-        self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
-        self.min_shared_prefix = min_shared_prefix  # shorter common prefixes are not worth a separate forward
+        self.max_num_seqs = config.max_num_seqs
+        self.max_prefill_tokens = config.max_prefill_tokens
+        self.min_shared_prefix = config.min_shared_prefix  # shorter common prefixes are not worth a separate forward
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()

@@ -8,8 +8,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
+from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.engine import Engine, EngineStats
 from hybridflow.rollout.native.spec import spec_from_config
 from hybridflow.rollout.native.weights import Weights
@@ -23,25 +25,24 @@ class NativeRollout(Rollout):
     compute dtype, default the model's (the trainer loads the generator in `rollout.dtype`,
     bf16 by default). stop_token_ids: tokens that end a response, default the EOS ids that
     `HFRollout` uses; [] generates every response to full length (benchmarks).
-    max_num_seqs: most sequences decoded together (the KV cache has that many slots);
-    max_prefill_tokens: most (padded) prompt tokens in one prefill forward.
+    engine_config: the engine's batch limits (`actor_rollout_ref.rollout.native.*`).
     """
 
     def __init__(
         self,
         model: nn.Module,
         tokenizer: PreTrainedTokenizerBase,
+        *,
+        engine_config: NativeEngineConfig,
         dtype: torch.dtype | None = None,
         stop_token_ids: list[int] | None = None,
-        max_num_seqs: int = 256,
-        max_prefill_tokens: int = 8192,
     ):
         self.tokenizer = tokenizer
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
         weights = Weights.from_model(model, spec_from_config(model.config), dtype)
-        self.engine = Engine(weights, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens)
+        self.engine = Engine(weights, engine_config)
 
     @property
     def stats(self) -> EngineStats:
@@ -54,8 +55,8 @@ class NativeRollout(Rollout):
 
         Identical prompts (e.g. the n interleaved repeats of a GRPO group) are prefilled once.
         """
-        prompt_ids = prompts.batch["input_ids"]
-        prompt_mask = prompts.batch["attention_mask"]
+        prompt_ids = prompts.batch[INPUT_IDS]
+        prompt_mask = prompts.batch[ATTENTION_MASK]
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
         responses, log_probs = self.engine.generate(token_lists, params, self.stop_token_ids, self.pad_token_id)
         responses, log_probs = responses.to(prompt_ids.device), log_probs.to(prompt_ids.device)

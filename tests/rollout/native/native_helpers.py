@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.native import NativeEngineConfig
+from hybridflow.trainer.config import default_config
 
 QUESTIONS = [
     "Hi",
@@ -21,7 +26,7 @@ def prompts_of(tokenizer, questions: list[str]) -> DataProto:
     ]
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     positions = (encoded["attention_mask"].cumsum(1) - 1).clamp(min=0)
-    batch = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], "position_ids": positions}
+    batch = {INPUT_IDS: encoded["input_ids"], ATTENTION_MASK: encoded["attention_mask"], POSITION_IDS: positions}
     return DataProto.from_dict(batch)
 
 
@@ -32,4 +37,11 @@ def greedy(max_new_tokens: int = 8) -> SamplingParams:
 def sampled(
     seed: int, max_new_tokens: int = 8, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1
 ) -> SamplingParams:
-    return SamplingParams(True, temperature, top_p, top_k, max_new_tokens, seed)
+    return SamplingParams(
+        do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, seed=seed
+    )
+
+
+def engine_config(**changes) -> NativeEngineConfig:
+    """The native engine's default settings (actor_rollout_ref.rollout.native in the YAML), with ``changes``."""
+    return dataclasses.replace(default_config().actor_rollout_ref.rollout.native, **changes)

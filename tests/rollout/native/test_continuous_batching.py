@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import greedy, prompts_of, sampled
+from native_helpers import engine_config, greedy, prompts_of, sampled
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.native import NativeRollout
@@ -37,11 +37,16 @@ def tiny_llama():
 def test_requests_that_join_later_generate_what_they_generate_alone(tiny_llama, max_num_seqs, min_shared_prefix):
     model, tokenizer = tiny_llama
     # A stop token that some requests meet early and others late or never, so lengths differ widely.
-    free = NativeRollout(model, tokenizer, stop_token_ids=[])
+    free = NativeRollout(model, tokenizer, engine_config=engine_config(), stop_token_ids=[])
     stop = _stop_token_spreading_lengths(
         free.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24)).batch["responses"]
     )
-    rollout = NativeRollout(model, tokenizer, stop_token_ids=[stop], max_num_seqs=max_num_seqs, max_prefill_tokens=64)
+    rollout = NativeRollout(
+        model,
+        tokenizer,
+        engine_config=engine_config(max_num_seqs=max_num_seqs, max_prefill_tokens=64),
+        stop_token_ids=[stop],
+    )
     rollout.engine.min_shared_prefix = min_shared_prefix
     alone = _alone(rollout, tokenizer, greedy(24))
     together = rollout.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24))
@@ -59,15 +64,23 @@ def test_samples_do_not_depend_on_how_requests_are_interleaved(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
     params = sampled(seed=7, max_new_tokens=12)
-    wide = NativeRollout(model, tokenizer, max_num_seqs=64).generate_sequences(prompts, params).batch
-    narrow = NativeRollout(model, tokenizer, max_num_seqs=2).generate_sequences(prompts, params).batch
+    wide = (
+        NativeRollout(model, tokenizer, engine_config=engine_config(max_num_seqs=64))
+        .generate_sequences(prompts, params)
+        .batch
+    )
+    narrow = (
+        NativeRollout(model, tokenizer, engine_config=engine_config(max_num_seqs=2))
+        .generate_sequences(prompts, params)
+        .batch
+    )
     assert torch.equal(wide["responses"], narrow["responses"])
     assert torch.allclose(wide["rollout_log_probs"], narrow["rollout_log_probs"], atol=1e-5)
 
 
 def test_release_cache_frees_it_and_the_next_generation_reallocates(tiny):
     _, model, tokenizer = tiny
-    rollout = NativeRollout(model, tokenizer)
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
     prompts = prompts_of(tokenizer, QUESTIONS[:3])
     first = rollout.generate_sequences(prompts, greedy(5)).batch["responses"]
     assert rollout.engine.cache is not None

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from native_helpers import QUESTIONS, greedy, prompts_of
+from native_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
@@ -22,7 +22,7 @@ def _perturbed(model):
 
 def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
     _, model, tokenizer = tiny
-    rollout = NativeRollout(model, tokenizer)
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
     prompts = prompts_of(tokenizer, QUESTIONS)
     before = rollout.generate_sequences(prompts, greedy(10)).batch
     pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
@@ -40,7 +40,7 @@ def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
 
 def test_load_weights_casts_to_the_engine_dtype_and_rejects_unknown_names(tiny):
     _, model, tokenizer = tiny
-    rollout = NativeRollout(model, tokenizer, dtype=torch.bfloat16)
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(), dtype=torch.bfloat16)
     norm = torch.full_like(model.model.norm.weight, 0.5)
     rollout.load_weights([("model.norm.weight", norm)])
     assert rollout.engine.weights.norm.dtype == torch.bfloat16 and (rollout.engine.weights.norm == 0.5).all()
@@ -53,11 +53,15 @@ def test_load_weights_casts_to_the_engine_dtype_and_rejects_unknown_names(tiny):
 def test_bf16_engine_after_load_weights_equals_one_built_from_the_updated_model():
     model = load_causal_lm("tiny-llama", dtype=torch.bfloat16)
     tokenizer = load_tokenizer("tiny-llama")
-    rollout = NativeRollout(model, tokenizer)  # bf16 on CPU: the products use packed weights
+    rollout = NativeRollout(
+        model, tokenizer, engine_config=engine_config()
+    )  # bf16 on CPU: the products use packed weights
     changed = _perturbed(model)
     rollout.load_weights(changed.named_parameters())
     prompts = prompts_of(tokenizer, QUESTIONS)
     got = rollout.generate_sequences(prompts, greedy(10)).batch
-    expected = NativeRollout(changed, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    expected = (
+        NativeRollout(changed, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
+    )
     assert torch.equal(got["responses"], expected["responses"])
     assert torch.equal(got["rollout_log_probs"], expected["rollout_log_probs"])

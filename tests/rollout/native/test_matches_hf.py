@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import QUESTIONS, greedy, prompts_of
+from native_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
@@ -12,7 +12,7 @@ from hybridflow.rollout.native import NativeRollout
 def test_greedy_equals_transformers_token_for_token(tiny, min_shared_prefix):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)  # different lengths, left-padded
-    native = NativeRollout(model, tokenizer)
+    native = NativeRollout(model, tokenizer, engine_config=engine_config())
     native.engine.min_shared_prefix = min_shared_prefix
     expected = HFRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
     got = native.generate_sequences(prompts, greedy(10)).batch
@@ -27,7 +27,7 @@ def test_greedy_equals_transformers_token_for_token(tiny, min_shared_prefix):
 def test_log_probs_match_an_independent_forward_pass(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
-    out = NativeRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
     p = prompts.batch["input_ids"].shape[1]
     with torch.no_grad():
         logits = model(
@@ -44,7 +44,7 @@ def test_temperature_scales_the_returned_log_probs(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS[:2])
     params = greedy(6).__class__(True, 0.7, 1.0, -1, 6, 5)
-    out = NativeRollout(model, tokenizer).generate_sequences(prompts, params).batch
+    out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, params).batch
     p = prompts.batch["input_ids"].shape[1]
     with torch.no_grad():
         logits = model(
@@ -85,6 +85,6 @@ def test_other_layouts_match_transformers(family):
     model.eval()
     prompts = prompts_of(tokenizer, QUESTIONS)
     expected = HFRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
-    got = NativeRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
+    got = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
     assert torch.equal(got["responses"], expected["responses"])
     assert torch.allclose(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5)

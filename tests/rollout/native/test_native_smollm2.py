@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from native_helpers import greedy, prompts_of
+from native_helpers import engine_config, greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
@@ -22,7 +22,7 @@ def test_bf16_greedy_answers_match_transformers():
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     prompts = prompts_of(tokenizer, ["What is 2+3?", "What is the capital of France?"])
     expected = HFRollout(model, tokenizer).generate_sequences(prompts, greedy(16)).batch
-    rollout = NativeRollout(model, tokenizer)
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
     got = rollout.generate_sequences(prompts, greedy(16)).batch
     answer = tokenizer.decode(got["responses"][0][got["response_mask"][0].bool()], skip_special_tokens=True)
     assert "5" in answer, answer

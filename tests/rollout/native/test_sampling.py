@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import QUESTIONS, greedy, prompts_of, sampled
+from native_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.rollout.base import response_mask_from
 from hybridflow.rollout.native import NativeRollout
@@ -12,7 +12,7 @@ from hybridflow.rollout.native.sampler import sample, uniforms
 @pytest.fixture(scope="module")
 def rollout(tiny):
     _, model, tokenizer = tiny
-    return NativeRollout(model, tokenizer)
+    return NativeRollout(model, tokenizer, engine_config=engine_config())
 
 
 def test_the_n_samples_of_a_prompt_share_one_prefill(rollout):
@@ -42,11 +42,17 @@ def test_top_k_1_is_greedy(rollout):
 def test_stopping_on_eos_masks_like_response_mask_from(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
-    free = NativeRollout(model, tokenizer, stop_token_ids=[]).generate_sequences(prompts, greedy(12)).batch
+    free = (
+        NativeRollout(model, tokenizer, engine_config=engine_config(), stop_token_ids=[])
+        .generate_sequences(prompts, greedy(12))
+        .batch
+    )
     eos = int(free["responses"][1, 4])  # pretend a token that request 1 generates is the EOS
     model.generation_config.eos_token_id = eos
     try:
-        stopped = NativeRollout(model, tokenizer).generate_sequences(prompts, greedy(12)).batch
+        stopped = (
+            NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(12)).batch
+        )
     finally:
         model.generation_config.eos_token_id = tokenizer.eos_token_id
     rollout_eos = [eos, tokenizer.eos_token_id]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from hybridflow.batch_keys import METRICS
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine, move_model, move_optimizer_state
@@ -10,8 +11,9 @@ from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
+from hybridflow.trainer.config import default_config
 
-GREEDY = SamplingParams(False, 1.0, 1.0, -1, 6, 0)
+GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
 
 
 def _trainer(config):
@@ -55,15 +57,19 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
     reference, switching = _trainer(config), _trainer(config)
     _step(reference, rollout_batch), _step(switching, rollout_batch)
     state_before = _optimizer_state(switching.optimizer)
-    generator = NativeRollout(load_causal_lm(tiny_path, dtype=torch.float32), tokenizer)  # the initial weights
+    engine_config = default_config().actor_rollout_ref.rollout.native
+    initial = load_causal_lm(tiny_path, dtype=torch.float32)
+    generator = NativeRollout(initial, tokenizer, engine_config=engine_config)
     before_sync = generator.generate_sequences(prompts, GREEDY).batch["responses"]
-    hybrid = HybridEngine(switching.model, switching.optimizer, generator, torch.device("cpu"), True, True)
+    hybrid = HybridEngine(
+        switching.model, switching.optimizer, generator, torch.device("cpu"), param_offload=True, optimizer_offload=True
+    )
     generated = hybrid.generate(prompts, GREEDY)
 
     expected = HFRollout(switching.model.eval(), tokenizer).generate_sequences(prompts, GREEDY).batch["responses"]
     assert not torch.equal(before_sync, expected)  # the update changed what the model says
     assert torch.equal(generated.batch["responses"], expected)  # the generator now has the trained weights
-    metrics = generated.meta_info["metrics"]
+    metrics = generated.meta_info[METRICS]
     for key in ["timing_s/weight_sync", "timing_s/offload", "timing_s/release_cache", "timing_s/reload"]:
         assert metrics[key] >= 0, key
     assert metrics["perf/max_memory_gb"] == metrics["perf/max_memory_gb_generation"] > 0

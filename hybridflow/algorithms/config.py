@@ -1,0 +1,25 @@
+"""The `algorithm.*` section: the advantage estimator and its settings, and KL in the reward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.algorithms.advantage import AdvantageConfig, list_adv_estimators
+from hybridflow.algorithms.kl import KL_TYPES, KLControlConfig
+from hybridflow.validation import require_choice
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig(AdvantageConfig):
+    """The estimator's own settings (gamma, lam, ...) are AdvantageConfig's fields, inherited:
+    the driver hands this config to the estimator as it is."""
+
+    adv_estimator: str  # a registered advantage estimator (list_adv_estimators()): grpo, gae, rloo, ...
+    use_kl_in_reward: bool  # subtract beta * KL(pi || ref) from the per-token reward
+    kl_penalty: str  # KL estimator used in the reward (KL_TYPES)
+    kl_ctrl: KLControlConfig  # the coefficient beta of that penalty
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice(self.adv_estimator, list_adv_estimators(), "adv_estimator")
+        require_choice(self.kl_penalty, KL_TYPES, "kl_penalty")

@@ -1,0 +1,43 @@
+"""The names of the columns a step's batch carries between the driver and the workers: one place.
+
+The values are the names users meet in metrics, checkpoints of batches and other frameworks
+(``old_log_probs`` beside ``ref_log_prob`` beside ``entropys`` is verl's spelling, kept). Code
+reads and writes columns through these constants, so a typo is an import error, not a KeyError
+three stages later. Shapes: B rows, P prompt columns (left-padded), R response columns.
+"""
+
+# ---- tensors (DataProto.batch) ----------------------------------------------------------------
+INPUT_IDS = "input_ids"  # (B, P) prompts; (B, P+R) after generation
+ATTENTION_MASK = "attention_mask"  # same shape as input_ids; 1 on real tokens
+POSITION_IDS = "position_ids"  # same shape as input_ids; counts real tokens from 0
+PROMPTS = "prompts"  # (B, P) the prompt part of input_ids
+RESPONSES = "responses"  # (B, R) generated tokens, padded after the first stop token
+RESPONSE_MASK = "response_mask"  # (B, R) 1 on real response tokens (the stop token included)
+ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the generator's log-probs of the sampled tokens
+OLD_LOG_PROBS = "old_log_probs"  # (B, R) the trainer's log-probs before the update (PPO's π_old)
+ENTROPYS = "entropys"  # (B, R) the policy's entropy at each response position
+REF_LOG_PROB = "ref_log_prob"  # (B, R) the reference policy's log-probs
+VALUES = "values"  # (B, R) the critic's values
+TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) reward scores (an outcome score on the last token)
+TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) scores after the KL penalty, when it is in the reward
+REWARD_BASELINES = "reward_baselines"  # (B,) ReMax: the score of the prompt's greedy response
+RM_SCORES = "rm_scores"  # (B, R) the reward model's scores
+ADVANTAGES = "advantages"  # (B, R)
+RETURNS = "returns"  # (B, R)
+
+PROMPT_TENSORS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # what generation reads
+
+# ---- per-row objects (DataProto.non_tensor_batch); the dataset's file columns keep these names -
+UID = "uid"  # group id shared by the n samples of one prompt
+DATA_SOURCE = "data_source"  # names the reward scorer
+REWARD_MODEL = "reward_model"  # {"ground_truth": ..., "style": "rule"}
+EXTRA_INFO = "extra_info"  # any per-row dict the task keeps
+RAW_PROMPT = "raw_prompt"  # the chat messages before templating
+INDEX = "index"  # the row's index in its dataset
+
+# ---- meta_info keys ---------------------------------------------------------------------------
+GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)
+SAMPLING = "sampling"  # generation settings to use: one of SAMPLING_MODES
+METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
+
+SAMPLING_MODES = ("train", "validate", "greedy")

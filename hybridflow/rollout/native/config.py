@@ -1,0 +1,19 @@
+"""The native engine's settings (`actor_rollout_ref.rollout.native.*`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.validation import require, require_positive
+
+
+@dataclass(kw_only=True)
+class NativeEngineConfig:
+    max_num_seqs: int  # most sequences decoded together: the KV cache has that many slots
+    max_prefill_tokens: int  # most (padded) prompt tokens in one prefill forward
+    min_shared_prefix: int  # a common prefix of the prompts shorter than this is not computed separately
+
+    def __post_init__(self) -> None:
+        require_positive(self.max_num_seqs, "max_num_seqs")
+        require_positive(self.max_prefill_tokens, "max_prefill_tokens")
+        require(self.min_shared_prefix >= 1, "min_shared_prefix", f"must be >= 1, got {self.min_shared_prefix}")

@@ -1,0 +1,42 @@
+"""Which roles a run needs, and the worker groups that play them (by the ``Role`` vocabulary)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hybridflow.algorithms import get_adv_estimator
+from hybridflow.controller import RayWorkerGroup, Role
+from hybridflow.trainer.config import HybridFlowConfig
+
+
+def needed_roles(config: HybridFlowConfig) -> list[Role]:
+    """The actor always; the reference for a KL term; the critic for an estimator that needs values;
+    the reward model when enabled."""
+    roles = [Role.ActorRollout]
+    if config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss:
+        roles.append(Role.RefPolicy)
+    if get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+        roles.append(Role.Critic)
+    if config.reward_model.enable:
+        roles.append(Role.RewardModel)
+    return roles
+
+
+@dataclass(kw_only=True)
+class RoleGroups:
+    """The worker groups of a run, one field per Role; roles a config does not need are None."""
+
+    actor_rollout: RayWorkerGroup
+    ref: RayWorkerGroup | None
+    critic: RayWorkerGroup | None
+    reward_model: RayWorkerGroup | None
+
+    @classmethod
+    def from_roles(cls, groups: Mapping[Role, RayWorkerGroup]) -> RoleGroups:
+        return cls(
+            actor_rollout=groups[Role.ActorRollout],
+            ref=groups.get(Role.RefPolicy),
+            critic=groups.get(Role.Critic),
+            reward_model=groups.get(Role.RewardModel),
+        )

@@ -1,0 +1,69 @@
+"""Fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor config, a rollout batch."""
+
+import pytest
+import torch
+
+from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
+from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.trainer.config import load_config
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> str:
+    return str(resolve_model_path("tiny-llama"))
+
+
+def fp32_actor_config(path: str, lr: float, *extra: str):
+    """An actor config in fp32 whose AdamW step is linear in the gradient (eps=1), so results compare exactly."""
+    return load_config(
+        [
+            f"actor_rollout_ref.model.path={path}",
+            "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+            "actor_rollout_ref.rollout.dtype=fp32",
+            "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.actor.shuffle=false",
+            f"actor_rollout_ref.actor.optim.lr={lr}",
+            "actor_rollout_ref.actor.optim.weight_decay=0.0",
+            "actor_rollout_ref.actor.optim.eps=1.0",
+            "actor_rollout_ref.actor.grad_clip=1000.0",
+            *extra,
+        ]
+    ).actor_rollout_ref
+
+
+@pytest.fixture(scope="session")
+def actor_config_factory():
+    return fp32_actor_config
+
+
+@pytest.fixture(scope="session")
+def rollout_batch(tiny_path) -> DataProto:
+    """Six prompt+response rows of different lengths, from greedy generation of the initial tiny model."""
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(tiny_path)
+    questions = ["1 + 1", "What is 12 times 3?", "hello", "Tell me 5 - 2", "9", "Add 7 and 8 and 100 please"]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    prompts = DataProto.from_dict(
+        {
+            INPUT_IDS: encoded["input_ids"],
+            ATTENTION_MASK: encoded["attention_mask"],
+            POSITION_IDS: (encoded["attention_mask"].cumsum(1) - 1).clamp(min=0),
+        }
+    )
+    rollout = HFRollout(load_causal_lm(tiny_path, dtype=torch.float32), tokenizer)
+    batch = rollout.generate_sequences(prompts, SamplingParams.greedy(max_new_tokens=5, seed=0))
+    batch.batch[RESPONSE_MASK][1, 3:] = 0  # responses of unequal lengths
+    batch.batch[RESPONSE_MASK][4, 1:] = 0
+    mask = batch.batch[RESPONSE_MASK].float()
+    batch.batch[ADVANTAGES] = torch.linspace(-1.0, 1.0, mask.numel()).view(mask.shape) * mask
+    batch.meta_info[GLOBAL_STEP] = 1  # the driver's step, which workers derive seeds from
+    return batch
