@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import QUESTIONS, engine_config, greedy, prompts_of
+from native_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
@@ -43,7 +43,7 @@ def test_log_probs_match_an_independent_forward_pass(tiny):
 def test_temperature_scales_the_returned_log_probs(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS[:2])
-    params = greedy(6).__class__(True, 0.7, 1.0, -1, 6, 5)
+    params = sampled(seed=5, max_new_tokens=6, temperature=0.7)
     out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, params).batch
     p = prompts.batch["input_ids"].shape[1]
     with torch.no_grad():
