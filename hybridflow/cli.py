@@ -1,40 +1,103 @@
-"""The ``hybridflow`` command."""
+"""The ``hybridflow`` command.
+
+An error in what the user gave (``UserError``: a config key, a file, a command's arguments) is
+printed as one message and the command exits with code 2; ``--debug`` (anywhere on the line) or
+``HYBRIDFLOW_DEBUG=1`` shows the traceback as well.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+import traceback
+from collections.abc import Callable
 
-USAGE = """usage: hybridflow <command> [args]
+from hybridflow.validation import UserError
+
+USAGE = """usage: hybridflow <command> [--debug] [args]
 
 commands:
-  train [--config FILE] key=value ...   run PPO/GRPO training (keys: hybridflow/config/ppo_trainer.yaml)
-  export CHECKPOINT OUT_DIR             write a checkpoint's actor as a Hugging Face model directory
+  train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
+  export CHECKPOINT|RUN_DIR OUT_DIR     write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
 """
+
+EXPORT_USAGE = """usage: hybridflow export CHECKPOINT|RUN_DIR OUT_DIR
+
+Writes the actor of a checkpoint (a global_step_N directory, or a run directory: its latest
+complete checkpoint) as a plain Hugging Face model directory (safetensors, config, tokenizer).
+"""
+
+
+def train_usage() -> str:
+    from hybridflow.trainer.config import DEFAULT_CONFIG, config_sections
+
+    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections())
+    return f"""usage: hybridflow train [--config FILE] [--debug] key=value ...
+
+Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
+holds only the keys it changes, and key=value overrides any key, for example
+  hybridflow train data.train_files=[data/arithmetic/train.parquet] trainer.total_training_steps=20
+
+config sections:
+{sections}
+"""
+
+
+def _train(args: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in args):
+        print(train_usage())
+        return 0
+    from hybridflow.trainer.main import main as train
+
+    train(args)
+    return 0
+
+
+def _export(args: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in args):
+        print(EXPORT_USAGE)
+        return 0
+    if len(args) != 2:
+        raise UserError(f"export takes a checkpoint (or run directory) and an output directory\n\n{EXPORT_USAGE}")
+    from hybridflow.trainer.export import export_checkpoint
+
+    print(f"exported to {export_checkpoint(args[0], args[1])}")
+    return 0
+
+
+def _report(args: list[str]) -> int:
+    from hybridflow.report import main as report
+
+    return report(args)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "export": _export, "report": _report}
+
+
+def run_command(command: Callable[[], int], debug: bool) -> int:
+    """``command()``'s exit code; a UserError is one message on stderr and exit code 2."""
+    try:
+        return command()
+    except UserError as error:
+        if debug:
+            traceback.print_exc()
+        print(f"hybridflow: error: {error}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args or os.environ.get("HYBRIDFLOW_DEBUG", "") not in ("", "0")
+    args = [arg for arg in args if arg != "--debug"]
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0
     command, rest = args[0], args[1:]
-    if command == "train":
-        from hybridflow.trainer.main import main as train
-
-        train(rest)
-        return 0
-    if command == "export" and len(rest) == 2:
-        from hybridflow.trainer.export import export_checkpoint
-
-        print(f"exported to {export_checkpoint(rest[0], rest[1])}")
-        return 0
-    if command == "report":
-        from hybridflow.report import main as report
-
-        return report(rest)
-    print(f"unknown command or arguments: {' '.join(args)}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"hybridflow: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return run_command(lambda: COMMANDS[command](rest), debug)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,11 @@ from __future__ import annotations
 from collections.abc import Collection
 
 
+class UserError(Exception):
+    """A problem with what the user gave (a config value, a file, a command's arguments): the command
+    line prints it as one message and exits with code 2, without a traceback (unless --debug)."""
+
+
 class InvalidSetting(ValueError):
     """A config field with a value that cannot work; ``field`` is the field's name (or a dotted path)."""
 

@@ -61,11 +61,14 @@ EstimatorFn = Callable[..., AdvantageOutput]
 class AdvantageEstimator:
     """A registered estimator: checks its inputs, then calls the function without autograd."""
 
-    def __init__(self, name: str, fn: EstimatorFn, needs_values: bool, needs_baseline: bool) -> None:
+    def __init__(
+        self, name: str, fn: EstimatorFn, needs_values: bool, needs_baseline: bool, needs_groups: bool
+    ) -> None:
         self.name = name
         self.fn = fn
         self.needs_values = needs_values  # the trainer must run a critic to get `values`
         self.needs_baseline = needs_baseline  # the trainer must run a greedy rollout for `reward_baselines`
+        self.needs_groups = needs_groups  # compares the samples of one prompt: a group of one gives 0 advantages
         functools.update_wrapper(self, fn)
 
     def __call__(
@@ -82,7 +85,9 @@ class AdvantageEstimator:
             return self.fn(token_level_rewards, response_mask, index, config, values, reward_baselines)
 
     def __repr__(self) -> str:
-        flags = f"needs_values={self.needs_values}, needs_baseline={self.needs_baseline}"
+        flags = (
+            f"needs_values={self.needs_values}, needs_baseline={self.needs_baseline}, needs_groups={self.needs_groups}"
+        )
         return f"AdvantageEstimator({self.name!r}, {flags})"
 
 
@@ -90,7 +95,7 @@ _ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", 
 
 
 def register_adv_estimator(
-    name: str, *, needs_values: bool = False, needs_baseline: bool = False
+    name: str, *, needs_values: bool = False, needs_baseline: bool = False, needs_groups: bool = False
 ) -> Callable[[EstimatorFn], AdvantageEstimator]:
     """Decorator: register an estimator function under `name` (duplicate names are rejected).
 
@@ -98,7 +103,7 @@ def register_adv_estimator(
     """
 
     def decorator(fn: EstimatorFn) -> AdvantageEstimator:
-        entry = AdvantageEstimator(name, fn, needs_values, needs_baseline)
+        entry = AdvantageEstimator(name, fn, needs_values, needs_baseline, needs_groups)
         _ADV_ESTIMATORS.add(name, entry)
         return entry
 

@@ -11,8 +11,10 @@ from hybridflow.validation import require_choice
 
 @dataclass(kw_only=True)
 class AlgorithmConfig(AdvantageConfig):
-    """The estimator's own settings (gamma, lam, ...) are AdvantageConfig's fields, inherited:
-    the driver hands this config to the estimator as it is."""
+    """The advantage estimator and its settings, and KL in the reward.
+
+    The estimator's own settings (gamma, lam, ...) are AdvantageConfig's fields, inherited: the
+    driver hands this config to the estimator as it is."""
 
     adv_estimator: str  # a registered advantage estimator (list_adv_estimators()): grpo, gae, rloo, ...
     use_kl_in_reward: bool  # subtract beta * KL(pi || ref) from the per-token reward

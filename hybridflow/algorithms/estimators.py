@@ -85,7 +85,7 @@ def compute_gae_advantage(
     return advantages, returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", needs_groups=True)
 def compute_grpo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -109,7 +109,7 @@ def compute_grpo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", needs_groups=True)
 def compute_rloo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -149,7 +149,7 @@ def compute_reinforce_plus_plus_advantage(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", needs_groups=True)
 def compute_reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -190,7 +190,7 @@ def compute_remax_outcome_advantage(
     return advantages, returns
 
 
-@register_adv_estimator("opo")
+@register_adv_estimator("opo", needs_groups=True)
 def compute_opo_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -217,7 +217,7 @@ def compute_opo_outcome_advantage(
     return advantages, advantages
 
 
-@register_adv_estimator("gpg")
+@register_adv_estimator("gpg", needs_groups=True)
 def compute_gpg_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -272,7 +272,7 @@ def _pass_at_k_values(group_scores: torch.Tensor, k: int) -> tuple[torch.Tensor,
     return mean_max, mean_max_sq, per_sample
 
 
-@register_adv_estimator("grpo_passk")
+@register_adv_estimator("grpo_passk", needs_groups=True)
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: torch.Tensor,
     response_mask: torch.Tensor,

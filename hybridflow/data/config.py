@@ -22,7 +22,7 @@ class DatasetConfig:
 
 @dataclass(kw_only=True)
 class DataConfig(DatasetConfig):
-    """The whole `data.*` section: the dataset's settings (inherited), its files and the batch loaders'."""
+    """Prompts: the files, how rows become prompts (DatasetConfig's fields, inherited), batch sizes."""
 
     train_files: list[str]  # parquet/jsonl files of training prompts
     val_files: list[str]  # held-out prompts for validation (empty: no validation)

@@ -118,6 +118,8 @@ class RefConfig:
 
 @dataclass(kw_only=True)
 class CriticConfig:
+    """The value model of PPO (built when algorithm.adv_estimator needs values, e.g. gae)."""
+
     model: ModelConfig  # path "" means: the actor's model
     ppo_mini_batch_size: int  # prompts per optimizer step, over all ranks
     ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank

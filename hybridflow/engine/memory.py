@@ -7,19 +7,15 @@ from pathlib import Path
 
 import torch
 
-_STATUS = Path("/proc/self/status")
+from hybridflow.procfs import status_gb
+
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 def _resident_peak_gb() -> float:
     """The process's peak resident set since the last reset (Linux VmHWM), else since it started."""
-    try:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    peak = status_gb("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 def peak_memory_gb(device: torch.device) -> float:

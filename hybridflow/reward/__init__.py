@@ -8,14 +8,16 @@ def score(solution_str, ground_truth, extra_info=None): ...
 result = RewardManager(tokenizer)(rollout_batch)  # result.token_level_scores: (B, R)
 """
 
-from hybridflow.reward.config import CustomRewardFunctionConfig
+from hybridflow.reward.config import CustomRewardFunctionConfig, RewardConfig
 from hybridflow.reward.custom import load_custom_reward_fn
-from hybridflow.reward.manager import RewardManager, RewardResult
+from hybridflow.reward.manager import RewardFailure, RewardManager, RewardResult
 from hybridflow.reward.registry import UnknownDataSourceError, get_scorer, list_scorers, register_scorer
 from hybridflow.reward.scorers import score_arithmetic, score_countdown, score_gsm8k, score_math
 
 __all__ = [
     "CustomRewardFunctionConfig",
+    "RewardConfig",
+    "RewardFailure",
     "RewardManager",
     "RewardResult",
     "UnknownDataSourceError",

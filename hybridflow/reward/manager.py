@@ -1,14 +1,19 @@
 """The reward manager: decode each response, score it, put the score on its last token.
 
-    manager = RewardManager(tokenizer)                # scorers chosen by data_source
-    manager = RewardManager(tokenizer, custom_fn=fn)  # fn(data_source, solution_str, ground_truth, extra_info)
+    manager = RewardManager(tokenizer, config)                # scorers chosen by data_source
+    manager = RewardManager(tokenizer, config, custom_fn=fn)  # fn(data_source, solution_str, ground_truth, extra_info)
+    manager.check_scorable(dataset.rows)              # before training: every row can be scored
     result = manager(batch)                           # batch: a rollout DataProto
     result.token_level_scores                         # (B, R) float32, one nonzero column per row at most
 
-A scorer that raises, or returns something that is not a finite number (or a dict with
-one under "score"), must not stop a training run of many hours: that sample scores 0, the
-failure is counted in `reward/scorer_failures`, and each kind of failure (data source and
-exception type) is logged once with its traceback.
+Before training, ``check_scorable`` makes sure that every data source has a scorer and that a
+custom function returns a score for a real row, so a run cannot "succeed" on zero rewards.
+During training a rare failure (a scorer that raises, or returns something that is not a
+finite number or a dict with one under "score") must not end a run of many hours: that sample
+scores 0, the failure is counted in `reward/scorer_failures`, and each kind of failure (data
+source and exception type) is logged once with its traceback. When more than
+``reward.max_failure_rate`` of a call's samples fail, the run stops with ``RewardFailure``,
+which shows the first failure's traceback.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,7 +34,9 @@ import torch
 import hybridflow.reward.scorers  # noqa: F401  (registers the built-in scorers)
 from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
 from hybridflow.protocol import DataProto
-from hybridflow.reward.registry import get_scorer
+from hybridflow.reward.config import RewardConfig
+from hybridflow.reward.registry import UnknownDataSourceError, get_scorer, list_scorers
+from hybridflow.validation import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,20 @@ class RewardResult:
 
 class ScorerFailure(Exception):
     """A scorer returned something that is not a usable score."""
+
+
+def describe_failure(error: BaseException) -> str:
+    """The exception with the frames of the scoring code that raised it (hybridflow's own frames left out)."""
+    package = str(Path(__file__).resolve().parents[1])
+    frames = [
+        f for f in traceback.extract_tb(error.__traceback__) if not str(Path(f.filename).resolve()).startswith(package)
+    ]
+    where = "".join(traceback.format_list(frames))
+    return where + "".join(traceback.format_exception_only(error)).rstrip()
+
+
+class RewardFailure(UserError):
+    """The data cannot be scored (found before training), or too many samples of a call failed to score."""
 
 
 def _as_score(result: Any) -> tuple[float, dict[str, Any]]:
@@ -65,22 +88,46 @@ def _as_score(result: Any) -> tuple[float, dict[str, Any]]:
 class RewardManager:
     """Scores a rollout batch with rule-based scorers (or one custom function)."""
 
-    def __init__(
-        self,
-        tokenizer: Any,
-        custom_fn: CustomRewardFn | None = None,
-        num_examine: int = 0,
-        data_source_key: str = DATA_SOURCE,
-    ) -> None:
-        """`num_examine`: print this many decoded responses per data source on each call (0: none).
-
-        `data_source_key`: the non-tensor key that names each sample's data source (picks the scorer).
-        """
+    def __init__(self, tokenizer: Any, config: RewardConfig, custom_fn: CustomRewardFn | None = None) -> None:
         self.tokenizer = tokenizer
+        self.config = config
         self.custom_fn = custom_fn
-        self.num_examine = num_examine
-        self.data_source_key = data_source_key
         self._logged_failures: set[tuple[str, str]] = set()
+
+    def check_scorable(self, rows: Iterable[dict[str, Any]]) -> None:
+        """RewardFailure unless every row's data source has a scorer (without a custom function) and,
+        with one, it returns a score for the first row given that row's ground truth as the answer."""
+        rows = list(rows)
+        if self.custom_fn is not None:
+            if rows:
+                self._check_custom_fn(rows[0])
+            return
+        counts: dict[str, int] = defaultdict(int)
+        for row in rows:
+            counts[str(row[DATA_SOURCE])] += 1
+        unknown = {}
+        for source, count in counts.items():
+            try:
+                get_scorer(source)
+            except UnknownDataSourceError:
+                unknown[source] = count
+        if unknown:
+            listed = ", ".join(f"{source!r} ({count} rows)" for source, count in sorted(unknown.items()))
+            raise RewardFailure(
+                f"no reward scorer for data_source {listed}; scorers exist for {', '.join(list_scorers())}. "
+                "Register one with hybridflow.reward.register_scorer, or give custom_reward_function.path"
+            )
+
+    def _check_custom_fn(self, row: dict[str, Any]) -> None:
+        ground_truth = row[REWARD_MODEL]["ground_truth"]
+        try:
+            _as_score(self.custom_fn(str(row[DATA_SOURCE]), str(ground_truth), ground_truth, row.get(EXTRA_INFO)))
+        except Exception as error:  # noqa: BLE001  (whatever it raises, the run must not start)
+            raise RewardFailure(
+                "the custom reward function (custom_reward_function.path / .name) failed on the first row, called as "
+                "fn(data_source, solution_str, ground_truth, extra_info) with the row's ground truth as the answer:\n"
+                + describe_failure(error)
+            ) from error
 
     def __call__(self, data: DataProto) -> RewardResult:
         responses = data.batch[RESPONSES]  # (B, R)
@@ -94,16 +141,19 @@ class RewardManager:
         texts = self.tokenizer.batch_decode(
             [response_ids[i, : int(last[i]) + 1].tolist() for i in range(batch_size)], skip_special_tokens=True
         )
-        sources = data.non_tensor_batch[self.data_source_key]
+        sources = data.non_tensor_batch[DATA_SOURCE]
         reward_models = data.non_tensor_batch[REWARD_MODEL]
         extra_infos = data.non_tensor_batch.get(EXTRA_INFO, np.full(batch_size, None, dtype=object))
 
         scores = torch.zeros(batch_size, dtype=torch.float32)
         per_sample: list[dict[str, Any]] = []
+        failures: list[BaseException] = []
         for i in range(batch_size):
-            score, extras, failed = self._score_one(str(sources[i]), texts[i], reward_models[i], extra_infos[i])
+            score, extras, error = self._score_one(str(sources[i]), texts[i], reward_models[i], extra_infos[i])
             scores[i] = score
-            per_sample.append({**extras, "score": score, "acc": extras.get("acc", score), "failed": failed})
+            failures += [error] if error is not None else []
+            per_sample.append({**extras, "score": score, "acc": extras.get("acc", score), "failed": error is not None})
+        self._stop_if_failing(failures, batch_size)
 
         token_level_scores = torch.zeros(batch_size, length, dtype=torch.float32)
         token_level_scores[torch.arange(batch_size), last.clamp(min=0)] = scores
@@ -114,8 +164,17 @@ class RewardManager:
             metrics=_metrics(sources, per_sample),
         )
 
-    def _score_one(self, source: str, text: str, reward_model: Any, extra_info: Any) -> tuple[float, dict, bool]:
-        """(score, extras, failed) for one sample; a failure scores 0 and is logged once per kind."""
+    def _stop_if_failing(self, failures: list[BaseException], batch_size: int) -> None:
+        if len(failures) > self.config.max_failure_rate * batch_size:
+            raise RewardFailure(
+                f"{len(failures)} of {batch_size} samples failed to score, more than reward.max_failure_rate="
+                f"{self.config.max_failure_rate}; the first failure:\n" + describe_failure(failures[0])
+            )
+
+    def _score_one(
+        self, source: str, text: str, reward_model: Any, extra_info: Any
+    ) -> tuple[float, dict, BaseException | None]:
+        """(score, extras, the failure or None) for one sample; a failure scores 0 and is logged once per kind."""
         try:
             ground_truth = reward_model["ground_truth"]
             if self.custom_fn is not None:
@@ -123,7 +182,7 @@ class RewardManager:
             else:
                 result = get_scorer(source)(text, ground_truth, extra_info)
             score, extras = _as_score(result)
-            return score, extras, False
+            return score, extras, None
         except Exception as error:  # noqa: BLE001  (any scorer bug must not end the run)
             kind = (source, type(error).__name__)
             if kind not in self._logged_failures:
@@ -135,12 +194,12 @@ class RewardManager:
                     error,
                     exc_info=error,
                 )
-            return 0.0, {}, True
+            return 0.0, {}, error
 
     def _examine(self, sources: np.ndarray, texts: list[str], reward_models: np.ndarray, rows: list[dict]) -> None:
         shown: dict[str, int] = defaultdict(int)
         for source, text, reward_model, row in zip(sources, texts, reward_models, rows, strict=True):
-            if shown[source] < self.num_examine:
+            if shown[source] < self.config.num_examine:
                 shown[source] += 1
                 truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else reward_model
                 print(f"[{source}] score={row['score']:.3f} ground_truth={truth!r}\n{text}\n")

@@ -8,14 +8,18 @@ size and the group size, which roles the algorithm needs) or the world outside t
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 
+import ray
 import torch
 
+from hybridflow.algorithms import get_adv_estimator
 from hybridflow.controller import Role
 from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
-from hybridflow.trainer.checkpoint import CheckpointManager
+from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.roles import needed_roles
 from hybridflow.trainer.tracking import check_loggers
@@ -76,6 +80,85 @@ def _check_batch_sizes(cfg: HybridFlowConfig) -> None:
         )
 
 
+def _check_group_size(cfg: HybridFlowConfig) -> None:
+    estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+    n = cfg.actor_rollout_ref.rollout.n
+    _check(
+        not estimator.needs_groups or n >= 2,
+        "actor_rollout_ref.rollout.n",
+        f"algorithm.adv_estimator={estimator.name} compares the samples of a prompt, and rollout.n={n} gives every "
+        "advantage 0: nothing would be learned",
+        "sample several responses per prompt (rollout.n=4, say), or use an estimator without groups (gae)",
+    )
+
+
+def local_cluster_cpus(cfg: HybridFlowConfig) -> int:
+    """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
+    to what the workers reserve (threads per worker bound the real CPU use, so a small machine may host
+    more ranks than it has cores)."""
+    trainer = cfg.trainer
+    reserved = math.ceil(cfg.world_size * trainer.cpus_per_worker)
+    return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
+
+
+def _check_local_cluster(cfg: HybridFlowConfig) -> None:
+    """A local Ray cluster is this one machine: the workers must fit on it (a joined cluster: check_cluster)."""
+    trainer = cfg.trainer
+    _check(
+        trainer.nnodes == 1,
+        "trainer.nnodes",
+        f"{trainer.nnodes} nodes asked for, but a local Ray cluster is this one machine",
+        "set trainer.nnodes=1, or join a cluster of that many nodes with trainer.ray_address",
+    )
+    cores = os.cpu_count() or 1
+    _check(
+        trainer.cpus_per_worker <= (trainer.ray_num_cpus or cores),
+        "trainer.cpus_per_worker",
+        f"each rank asks for {trainer.cpus_per_worker} CPUs, but this machine has {cores} cores"
+        + (f" and trainer.ray_num_cpus={trainer.ray_num_cpus}" if trainer.ray_num_cpus else ""),
+        f"set trainer.cpus_per_worker to at most {trainer.ray_num_cpus or cores}",
+    )
+    reserved = cfg.world_size * trainer.cpus_per_worker
+    _check(
+        reserved <= local_cluster_cpus(cfg),
+        "trainer.ray_num_cpus",
+        f"{cfg.world_size} ranks x {trainer.cpus_per_worker} CPUs = {reserved} do not fit in {trainer.ray_num_cpus}",
+        "raise trainer.ray_num_cpus, or set it to 0 (sized to the workers)",
+    )
+    if trainer.device == "cuda":
+        gpus = torch.cuda.device_count()
+        _check(
+            trainer.n_workers_per_node <= gpus,
+            "trainer.n_workers_per_node",
+            f"{trainer.n_workers_per_node} ranks need a GPU each; {gpus} are visible",
+            f"set trainer.n_workers_per_node to at most {gpus}",
+        )
+
+
+def check_cluster(cfg: HybridFlowConfig) -> None:
+    """After joining a Ray cluster (``trainer.ray_address``): enough live nodes, each able to hold one
+    node's share of ranks, so a bad request fails now rather than after the placement timeout."""
+    trainer = cfg.trainer
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    _check(
+        len(nodes) >= trainer.nnodes,
+        "trainer.nnodes",
+        f"{trainer.nnodes} nodes asked for; the Ray cluster at {trainer.ray_address} has {len(nodes)}",
+        f"set trainer.nnodes to at most {len(nodes)}, or add nodes to the cluster",
+    )
+    need_cpus = trainer.n_workers_per_node * trainer.cpus_per_worker
+    need_gpus = trainer.n_workers_per_node if trainer.device == "cuda" else 0
+    fitting = [r for r in nodes if r.get("CPU", 0) >= need_cpus and r.get("GPU", 0) >= need_gpus]
+    _check(
+        len(fitting) >= trainer.nnodes,
+        "trainer.cpus_per_worker",
+        f"each of {trainer.nnodes} nodes must hold {trainer.n_workers_per_node} ranks x {trainer.cpus_per_worker} CPUs"
+        + (f" and {need_gpus} GPUs" if need_gpus else "")
+        + f"; the cluster's nodes have {[(r.get('CPU', 0), r.get('GPU', 0)) for r in nodes]} (CPUs, GPUs)",
+        "lower trainer.cpus_per_worker or trainer.n_workers_per_node",
+    )
+
+
 def check_config(cfg: HybridFlowConfig) -> None:
     """Raise ConfigError naming the first problem; returns quietly when the config can run."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
@@ -87,6 +170,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
     if cfg.reward_model.enable:
         _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
     _check_batch_sizes(cfg)
+    _check_group_size(cfg)
     if cfg.custom_reward_function.path:
         _check_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     _check(
@@ -95,6 +179,8 @@ def check_config(cfg: HybridFlowConfig) -> None:
         "cuda asked for but no GPU is visible",
         "trainer.device=cpu",
     )
+    if not trainer.ray_address:
+        _check_local_cluster(cfg)
     try:
         check_loggers(trainer.logger)
     except ImportError as error:
@@ -102,7 +188,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
     if trainer.resume_mode not in ("auto", "disable"):
         try:
             CheckpointManager(Path(trainer.default_local_dir)).resume_from(trainer.resume_mode)
-        except FileNotFoundError as error:
+        except (CheckpointNotFound, CheckpointError) as error:
             raise ConfigError("trainer.resume_mode", str(error)) from None
 
 

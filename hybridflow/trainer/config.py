@@ -24,9 +24,9 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 from hybridflow.algorithms import AlgorithmConfig
 from hybridflow.data import DataConfig
 from hybridflow.engine.config import CriticConfig
-from hybridflow.reward import CustomRewardFunctionConfig
+from hybridflow.reward import CustomRewardFunctionConfig, RewardConfig
 from hybridflow.trainer.tracking import KNOWN_LOGGERS
-from hybridflow.validation import InvalidSetting, require, require_choice, require_positive
+from hybridflow.validation import InvalidSetting, UserError, require, require_choice, require_positive
 from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
@@ -35,6 +35,8 @@ DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
 
 @dataclass(kw_only=True)
 class TrainerConfig:
+    """The run: its length, workers and devices, Ray, logging, validation and checkpoints."""
+
     project_name: str  # groups runs in the output directory and loggers
     experiment_name: str  # this run's name
     total_epochs: int  # passes over the training prompts
@@ -47,6 +49,7 @@ class TrainerConfig:
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
     ray_address: str  # join this Ray cluster ("": start a local one)
+    cpu_kernel_cache_capacity: int  # compiled CPU kernels (per input shape) a worker keeps; bounds memory
     ray_num_cpus: int  # logical CPUs of a local Ray cluster (0: the machine's cores, or what the workers reserve)
     logger: list[str]  # any of: console | jsonl | tensorboard | wandb | mlflow
     val_before_train: bool  # validate once before the first step
@@ -72,6 +75,7 @@ class TrainerConfig:
         require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
         require_positive(self.max_colocate_count, "max_colocate_count")
         require_positive(self.placement_timeout_s, "placement_timeout_s")
+        require(self.cpu_kernel_cache_capacity >= 0, "cpu_kernel_cache_capacity", "must be >= 0")
         require(self.ray_num_cpus >= 0, "ray_num_cpus", f"must be >= 0, got {self.ray_num_cpus}")
         for name in self.logger:
             require_choice(name, KNOWN_LOGGERS, "logger")
@@ -93,6 +97,7 @@ class HybridFlowConfig:
     critic: CriticConfig
     reward_model: RewardModelConfig
     custom_reward_function: CustomRewardFunctionConfig
+    reward: RewardConfig
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
 
@@ -101,7 +106,7 @@ class HybridFlowConfig:
         return self.trainer.world_size
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem, named by its key, with what would fix it."""
 
     def __init__(self, key: str, problem: str, fix: str = ""):
@@ -160,6 +165,14 @@ def load_config(overrides: list[str] | None = None, config_file: str | Path | No
     except OmegaConfBaseException as error:
         raise _explain(error) from None
     return build(HybridFlowConfig, values)
+
+
+def config_sections() -> list[tuple[str, str]]:
+    """(top-level key, the first line of its dataclass's docstring), for ``hybridflow train --help``."""
+    hints = typing.get_type_hints(HybridFlowConfig)
+    return [
+        (f.name, (hints[f.name].__doc__ or "").strip().splitlines()[0]) for f in dataclasses.fields(HybridFlowConfig)
+    ]
 
 
 def default_config() -> HybridFlowConfig:

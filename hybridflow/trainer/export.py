@@ -1,4 +1,4 @@
-"""``hybridflow export <checkpoint> <out_dir>``: a checkpoint's actor as a plain Hugging Face model directory."""
+"""``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from hybridflow.engine.checkpoint import SHARDS
+from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointNotFound
 
 
 def consolidated_model_state(role_dir: Path) -> dict[str, torch.Tensor]:
@@ -20,13 +21,28 @@ def consolidated_model_state(role_dir: Path) -> dict[str, torch.Tensor]:
         return torch.load(target, weights_only=False)["model"]
 
 
+def _checkpoint_dir(path: Path) -> Path:
+    """``path`` itself when it holds an actor checkpoint, else (a run directory) its latest complete one."""
+    if (path / "actor").is_dir():
+        return path
+    latest = CheckpointManager(path).latest() if path.is_dir() else None
+    if latest is None:
+        raise CheckpointNotFound(
+            f"{path} is neither a checkpoint (a global_step_N directory with actor/) nor a run directory with a "
+            "complete checkpoint; give one of them"
+        )
+    return latest
+
+
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write safetensors weights, config, generation config and tokenizer that ``from_pretrained`` loads."""
-    role_dir = Path(checkpoint).expanduser() / "actor"
+    """Write safetensors weights, config, generation config and tokenizer that ``from_pretrained`` loads.
+
+    ``checkpoint``: a global_step_N directory, or a run directory (its latest complete checkpoint)."""
+    role_dir = _checkpoint_dir(Path(checkpoint).expanduser()) / "actor"
     hf_dir = role_dir / "huggingface"
     if not (role_dir / SHARDS).is_dir() or not (hf_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{checkpoint} has no actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); "
+        raise CheckpointNotFound(
+            f"{role_dir.parent} has no complete actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); "
             "give a global_step_N directory"
         )
     config = AutoConfig.from_pretrained(hf_dir)

@@ -1,26 +1,26 @@
 """``hybridflow train key=value ...``: check the config, start Ray, build the worker groups, run the loop.
 
-Also runnable as ``python -m hybridflow.trainer.main key=value ...``.
+Also runnable as ``python -m hybridflow.trainer.main key=value ...`` (the same command, errors included).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec, ray_session
+from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.reward import RewardManager, load_custom_reward_fn
-from hybridflow.trainer.check_config import check_config
-from hybridflow.trainer.config import HybridFlowConfig, load_config, to_yaml
+from hybridflow.trainer.check_config import check_cluster, check_config, local_cluster_cpus
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, load_config
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups, needed_roles
+from hybridflow.trainer.run_dir import prepare_run_dir
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
 
@@ -77,24 +77,15 @@ def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
     return RoleGroups.from_roles(groups)
 
 
-def local_cluster_cpus(config: HybridFlowConfig) -> int:
-    """``trainer.ray_num_cpus``, or (0) the machine's cores, raised to what the worker groups reserve."""
-    trainer = config.trainer
-    reserved = math.ceil(config.world_size * trainer.cpus_per_worker)
-    return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
-
-
 def run(config: HybridFlowConfig) -> dict[str, float]:
     console = Console()
     check_config(config)
     resolve_models(config)
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     data = config.data
+    train_dataset = RLHFDataset(data.train_files, tokenizer, data)
     train_loader = PromptDataLoader(
-        RLHFDataset(data.train_files, tokenizer, data),
-        data.train_batch_size,
-        shuffle=data.shuffle,
-        seed=config.trainer.seed,
+        train_dataset, data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
     )
     val_loader = None
     if data.val_files:
@@ -102,23 +93,30 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         val_loader = PromptDataLoader(
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
+    custom = config.custom_reward_function
+    reward_fn = RewardManager(
+        tokenizer, config.reward, load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    )
+    reward_fn.check_scorable([*train_dataset.rows, *(val_loader.dataset.rows if val_loader else [])])
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.total_training_steps > 0:
         total_steps = min(total_steps, config.trainer.total_training_steps)
     run_dir = Path(config.trainer.default_local_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(config))
-    custom = config.custom_reward_function
-    reward_fn = RewardManager(tokenizer, load_custom_reward_fn(custom.path, custom.name) if custom.path else None)
+    checkpoint = prepare_run_dir(config)
     console.print(
         f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} "
         f"workers; run dir {run_dir}"
     )
 
+    joined = config.trainer.ray_address
     with ray_session(
-        config.trainer.ray_address or None, None if config.trainer.ray_address else local_cluster_cpus(config)
+        joined or None,
+        None if joined else local_cluster_cpus(config),
+        worker_env=kernel_cache_env(config.trainer.cpu_kernel_cache_capacity),
     ):
+        if joined:
+            check_cluster(config)
         groups = build_groups(config, total_steps)
         tracking = Tracking(config.trainer.logger, run_dir, dataclasses.asdict(config))
         trainer = RayPPOTrainer(
@@ -131,7 +129,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
             total_steps,
         )
         try:
-            return trainer.fit()
+            return trainer.fit(resume_from=checkpoint)
         finally:
             tracking.finish()
 
@@ -140,9 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     config_file = None
     if args and args[0] == "--config":
+        if len(args) < 2:
+            raise ConfigError("--config", "needs a file", "hybridflow train --config FILE [key=value ...]")
         config_file, args = args[1], args[2:]
+        if not Path(config_file).is_file():
+            raise ConfigError("--config", f"file '{config_file}' does not exist", "give an existing YAML file")
     run(load_config(args, config_file))
 
 
 if __name__ == "__main__":
-    main()
+    from hybridflow.cli import main as cli
+
+    sys.exit(cli(["train", *sys.argv[1:]]))

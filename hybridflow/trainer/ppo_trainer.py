@@ -38,6 +38,7 @@ from hybridflow.batch_keys import (
 )
 from hybridflow.data import PromptDataLoader
 from hybridflow.lengths import balanced_order, packed_lengths
+from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
@@ -96,10 +97,12 @@ class RayPPOTrainer:
 
     # ---- the loop -------------------------------------------------------------------------
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, resume_from: Path | None = None) -> dict[str, float]:
+        """Train to ``total_steps``, first resuming from ``resume_from`` (a verified checkpoint) if given."""
         trainer = self.config.trainer
         metrics: dict[str, float] = {}
-        self.resume()
+        if resume_from is not None:
+            self.resume(resume_from)
         if self.global_step >= self.total_steps:
             print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
             return metrics
@@ -144,14 +147,11 @@ class RayPPOTrainer:
         }
         return self.checkpoints.save(self.global_step, write_roles, state)
 
-    def resume(self) -> None:
-        checkpoint = self.checkpoints.resume_from(self.config.trainer.resume_mode)
-        if checkpoint is None:
-            return
+    def resume(self, checkpoint: Path) -> None:
+        state = read_trainer_state(checkpoint)  # before the workers load: a bad one fails here, not in them
         self.groups.actor_rollout.load_checkpoint(str(checkpoint))
         if self.groups.critic is not None:
             self.groups.critic.load_checkpoint(str(checkpoint))
-        state = read_trainer_state(checkpoint)
         self.global_step = state["global_step"]
         self.train_loader.load_state_dict(state["data_loader"])
         self.kl_ctrl.value = state["kl_coef"]
@@ -186,6 +186,7 @@ class RayPPOTrainer:
                     self.update_actor(batch, metrics)
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(throughput_metrics(batch, timings, self.config.world_size))
+        metrics["perf/driver_rss_gb"] = resident_gb()
         return metrics
 
     # ---- the stages -----------------------------------------------------------------------

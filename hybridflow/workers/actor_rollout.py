@@ -14,6 +14,7 @@ from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
+from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.registry import build_rollout
@@ -94,7 +95,7 @@ class ActorRolloutWorker(Worker):
         )
         step = int(data.meta_info[GLOBAL_STEP])
         output = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
-        output.meta_info[METRICS]["perf/max_memory_gb"] = peak_memory_gb(
-            self.device
-        )  # the step's peak: reset when it generated
+        metrics = output.meta_info[METRICS]
+        metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
+        metrics["perf/worker_rss_gb"] = resident_gb()  # what the process holds between steps (mean over ranks)
         return output

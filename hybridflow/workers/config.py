@@ -11,6 +11,8 @@ from hybridflow.validation import require, require_positive
 
 @dataclass(kw_only=True)
 class ActorRolloutRefConfig:
+    """The policy: its model, training (actor), generation (rollout) and the frozen reference (ref)."""
+
     model: ModelConfig  # the policy; the reference starts from the same weights
     actor: ActorConfig
     rollout: RolloutConfig
@@ -22,6 +24,8 @@ class ActorRolloutRefConfig:
 
 @dataclass(kw_only=True)
 class RewardModelConfig:
+    """A learned reward model, whose scores are added to the rule-based ones (enable to use)."""
+
     enable: bool  # score responses with a reward-model worker group (added to rule-based scores)
     model: ModelConfig  # a sequence-classification model directory
     micro_batch_size_per_gpu: int  # samples per forward

@@ -1,6 +1,7 @@
 """load_custom_reward_fn: a user file's function, and errors that name the key to fix."""
 
 import pytest
+from reward_configs import TOLERANT
 
 from hybridflow.reward import RewardManager, load_custom_reward_fn
 
@@ -54,6 +55,6 @@ def test_file_that_fails_to_import(tmp_path):
 def test_the_manager_uses_it(reward_file, make_batch, tiny_tokenizer):
     fn = load_custom_reward_fn(str(reward_file), "length_reward")
     batch = make_batch(tiny_tokenizer, ["abc", "a"], ["s1", "s2"], ["", ""])
-    result = RewardManager(tiny_tokenizer, custom_fn=fn)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT, custom_fn=fn)(batch)
     assert result.extra["score"] == pytest.approx([1.0, 1 / 3])
     assert result.extra["source"] == ["s1", "s2"]

@@ -6,8 +6,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from reward_configs import TOLERANT
 
-from hybridflow.reward import RewardManager, register_scorer
+from hybridflow.reward import RewardConfig, RewardFailure, RewardManager, register_scorer
 
 
 @register_scorer("test_manager_raises")
@@ -41,7 +42,7 @@ def test_scores_sit_on_the_last_real_token(make_batch, tiny_tokenizer):
     assert tok.encode("3+4=7", add_special_tokens=False) == [digit("3"), digit("+"), digit("4"), digit("="), digit("7")]
     # with the eos token: "12" is 3 tokens (last index 2), "7" is 2 (index 1), "3+4=7" is 6 (index 5)
     batch = make_batch(tok, ["12", "7", "3+4=7"], ["arithmetic"] * 3, ["12", "8", "7"])
-    result = RewardManager(tok)(batch)
+    result = RewardManager(tok, TOLERANT)(batch)
     expected = torch.zeros(3, 8)
     expected[0, 2] = 1.0
     expected[2, 5] = 1.0  # row 1 ("7" for 8) is wrong: all zeros
@@ -63,7 +64,7 @@ def test_decoding_skips_special_tokens(make_batch, tiny_tokenizer):
         return 0.0
 
     ids = [tok.convert_tokens_to_ids("<|im_start|>")] + tok.encode("hi", add_special_tokens=False)
-    RewardManager(tok, custom_fn=custom)(make_batch(tok, [ids + [tok.eos_token_id]], ["x"], ["y"]))
+    RewardManager(tok, TOLERANT, custom_fn=custom)(make_batch(tok, [ids + [tok.eos_token_id]], ["x"], ["y"]))
     assert texts == ["hi"]
 
 
@@ -74,7 +75,7 @@ def test_mixed_sources_and_per_source_means(make_batch, tiny_tokenizer):
         ["openai/gsm8k", "openai/gsm8k", "arithmetic", "arithmetic"],
         ["5", "5", "6", "6"],
     )
-    result = RewardManager(tiny_tokenizer)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT)(batch)
     assert result.extra["score"] == [1.0, 0.0, 1.0, 0.0]  # strict gsm8k needs "####"
     assert result.metrics["reward/openai/gsm8k/mean"] == 0.5
     assert result.metrics["reward/arithmetic/mean"] == 0.5
@@ -84,7 +85,7 @@ def test_mixed_sources_and_per_source_means(make_batch, tiny_tokenizer):
 def test_failures_score_zero_are_counted_and_logged_once(make_batch, tiny_tokenizer, caplog):
     sources = ["test_manager_raises", "arithmetic", "test_manager_raises", "test_manager_nan", "test_manager_text"]
     batch = make_batch(tiny_tokenizer, ["1", "2", "3", "4", "5"], sources, ["1", "2", "3", "4", "5"])
-    manager = RewardManager(tiny_tokenizer)
+    manager = RewardManager(tiny_tokenizer, TOLERANT)
     with caplog.at_level(logging.WARNING, logger="hybridflow.reward.manager"):
         result = manager(batch)
         manager(batch)
@@ -100,13 +101,13 @@ def test_failures_score_zero_are_counted_and_logged_once(make_batch, tiny_tokeni
 
 def test_unknown_data_source_is_a_counted_failure(make_batch, tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["1"], ["no_such_source"], ["1"])
-    result = RewardManager(tiny_tokenizer)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT)(batch)
     assert result.metrics["reward/scorer_failures"] == 1
 
 
 def test_scorer_extras_become_per_sample_lists(make_batch, tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["ab", "7"], ["test_manager_extra", "arithmetic"], ["x", "7"])
-    result = RewardManager(tiny_tokenizer)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT)(batch)
     assert result.extra["length"] == [2, None]
     assert result.extra["tag"] == [0, None]
     assert result.extra["acc"] == [0.5, 1.0]  # no acc from the scorer: its score stands in
@@ -122,7 +123,7 @@ def test_custom_function_scores_every_sample(make_batch, tiny_tokenizer):
         return float(len(solution_str))
 
     batch = make_batch(tiny_tokenizer, ["ab", "abc"], ["anything", "arithmetic"], ["g0", "g1"])
-    result = RewardManager(tiny_tokenizer, custom_fn=custom)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT, custom_fn=custom)(batch)
     assert calls == [("anything", "ab", "g0", 0), ("arithmetic", "abc", "g1", 1)]
     assert result.extra["score"] == [2.0, 3.0]
 
@@ -132,7 +133,7 @@ def test_empty_response_and_full_width_response(make_batch, tiny_tokenizer):
     seven = tok.encode("7", add_special_tokens=False)
     full = seven * 4  # no eos, fills the whole width: the last token is at index 3
     batch = make_batch(tok, [[], full], ["arithmetic", "arithmetic"], ["7", "7777"], width=4)
-    result = RewardManager(tok)(batch)
+    result = RewardManager(tok, TOLERANT)(batch)
     assert result.extra["score"] == [0.0, 1.0]
     assert result.token_level_scores[1].tolist() == [0.0, 0.0, 0.0, 1.0]
     assert result.token_level_scores[0].tolist() == [0.0, 0.0, 0.0, 0.0]
@@ -140,6 +141,66 @@ def test_empty_response_and_full_width_response(make_batch, tiny_tokenizer):
 
 def test_numpy_and_torch_scalars_are_numbers(make_batch, tiny_tokenizer):
     batch = make_batch(tiny_tokenizer, ["1", "2"], ["test_manager_numpy"] * 2, ["", ""])
-    result = RewardManager(tiny_tokenizer)(batch)
+    result = RewardManager(tiny_tokenizer, TOLERANT)(batch)
     assert result.extra["score"] == [0.25, 0.75]
     assert result.metrics["reward/scorer_failures"] == 0
+
+
+def test_too_many_failures_stop_with_the_first_traceback(make_batch, tiny_tokenizer):
+    sources = ["arithmetic", "test_manager_raises", "arithmetic", "arithmetic"]
+    batch = make_batch(tiny_tokenizer, ["1", "2", "3", "4"], sources, ["1", "2", "3", "4"])
+    RewardManager(tiny_tokenizer, RewardConfig(max_failure_rate=0.25, num_examine=0))(batch)  # 1 of 4: allowed
+    with pytest.raises(RewardFailure, match="1 of 4 samples failed") as caught:
+        RewardManager(tiny_tokenizer, RewardConfig(max_failure_rate=0.2, num_examine=0))(batch)
+    assert "ZeroDivisionError: scorer bug" in str(caught.value) and "in _raises" in str(caught.value)
+
+
+def row(source: str, truth: str = "7") -> dict:
+    return {"data_source": source, "reward_model": {"ground_truth": truth, "style": "rule"}, "extra_info": {}}
+
+
+def test_rows_without_a_scorer_are_found_before_training(tiny_tokenizer):
+    manager = RewardManager(tiny_tokenizer, TOLERANT)
+    manager.check_scorable([row("arithmetic"), row("gsm8k")])
+    with pytest.raises(RewardFailure, match="no reward scorer for data_source 'my_task' \\(2 rows\\)"):
+        manager.check_scorable([row("arithmetic"), row("my_task"), row("my_task")])
+
+
+def good(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(solution_str == ground_truth)}
+
+
+def returns_nan(data_source, solution_str, ground_truth, extra_info=None):
+    return math.nan
+
+
+def returns_none(data_source, solution_str, ground_truth, extra_info=None):
+    return None
+
+
+def returns_text(data_source, solution_str, ground_truth, extra_info=None):
+    return "1.0"
+
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    return 1 / 0
+
+
+def too_few_arguments(solution_str):
+    return 1.0
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (returns_nan, "not a finite number"),
+        (returns_none, "not a finite number"),
+        (returns_text, "not a finite number"),
+        (raises, "ZeroDivisionError"),
+        (too_few_arguments, "TypeError"),
+    ],
+)
+def test_a_custom_function_must_score_a_real_row_before_training(tiny_tokenizer, fn, message):
+    RewardManager(tiny_tokenizer, TOLERANT, custom_fn=good).check_scorable([row("my_task")])  # any data source
+    with pytest.raises(RewardFailure, match=message):
+        RewardManager(tiny_tokenizer, TOLERANT, custom_fn=fn).check_scorable([row("my_task")])

@@ -25,6 +25,8 @@ def make_task_rows(task: str, count: int, split: str, seed: int) -> list[dict[st
     """`count` rows of a built-in task's `split` ("train" or "test"), deterministic in `seed`."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; known: {sorted(TASKS)}")
+    if count <= 0:
+        raise ValueError(f"{split} split of {count} rows: give a positive count (--{split} N)")
     return TASKS[task](count, split, seed)
 
 

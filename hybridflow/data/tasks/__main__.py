@@ -7,12 +7,19 @@ import argparse
 from hybridflow.data.tasks import TASKS, write_task
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} rows: give a positive count")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m hybridflow.data.tasks", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
-    parser.add_argument("--train", type=int, default=5000, help="rows in the train split")
-    parser.add_argument("--test", type=int, default=200, help="rows in the test split")
+    parser.add_argument("--train", type=_positive, default=5000, help="rows in the train split")
+    parser.add_argument("--test", type=_positive, default=200, help="rows in the test split")
     parser.add_argument("--seed", type=int, default=0, help="same seed, same files")
     args = parser.parse_args(argv)
     for split, path in write_task(args.task, args.out, args.train, args.test, args.seed).items():

@@ -1,0 +1,212 @@
+"""The fault suite: bad input fails before Ray starts, as one message naming the key or file with exit
+code 2; damaged checkpoints fall back to the newest good one; a run directory of another run refuses
+to resume; metrics never repeat a step."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from hybridflow.cli import main as cli
+
+MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
+
+CUSTOM_REWARDS = {
+    "raises": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1 / 0\n",
+    "nan": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('nan')\n",
+    "inf": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return float('inf')\n",
+    "none": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return None\n",
+    "string": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'good'\n",
+    "signature": "def compute_score(solution_str):\n    return 1.0\n",
+}
+
+
+def base(files, run_dir) -> list[str]:
+    train, test = files
+    return [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.response_length=6",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def fails_before_ray(args: list[str], capsys) -> str:
+    """Runs ``hybridflow train`` in this process; it must exit with 2 before Ray starts, within 10 s."""
+    start = time.perf_counter()
+    code = cli(["train", *args])
+    elapsed = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not ray.is_initialized()
+    assert elapsed < 10, elapsed
+    assert err.startswith("hybridflow: error: ") and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        (["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature"),
+        (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n': algorithm.adv_estimator=grpo"),
+        (["actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=rloo"], "adv_estimator=rloo compares"),
+        (["actor_rollout_ref.rollout.top_p=1.5"], "actor_rollout_ref.rollout.top_p"),
+        (["actor_rollout_ref.rollout.top_p=0"], "actor_rollout_ref.rollout.top_p"),
+        (["actor_rollout_ref.rollout.top_k=0"], "actor_rollout_ref.rollout.top_k"),
+        (["trainer.total_training_steps=0"], "trainer.total_training_steps"),
+        (["trainer.nnodes=2"], "trainer.nnodes': 2 nodes asked for, but a local Ray cluster is this one machine"),
+        (["trainer.cpus_per_worker=100"], "trainer.cpus_per_worker': each rank asks for 100.0 CPUs"),
+        (["actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu=0"], "log_prob_micro_batch_size_per_gpu"),
+        (["actor_rollout_ref.rollout.val_kwargs.n=0"], "actor_rollout_ref.rollout.val_kwargs.n"),
+        (["data.val_batch_size=0"], "data.val_batch_size"),
+        (["actor_rollout_ref.actor.policy_loss.clip_ratio=-0.2"], "actor_rollout_ref.actor.policy_loss.clip_ratio"),
+        (["trainer.default_local_dir=/sys/hybridflow-run"], "trainer.default_local_dir': cannot write to /sys"),
+        (["data.train_files=[/no/such.parquet]"], "data.train_files': file '/no/such.parquet' does not exist"),
+        (["no_such_section.key=1"], "no_such_section"),
+    ],
+)
+def test_bad_settings_fail_before_ray(arithmetic_files, tmp_path, capsys, extra, expected):
+    err = fails_before_ray([*base(arithmetic_files, tmp_path / "run"), *extra], capsys)
+    assert expected in err
+
+
+@pytest.mark.parametrize("kind", sorted(CUSTOM_REWARDS))
+def test_a_custom_reward_that_cannot_score_fails_before_ray(arithmetic_files, tmp_path, capsys, kind):
+    reward = tmp_path / "reward.py"
+    reward.write_text(CUSTOM_REWARDS[kind])
+    err = fails_before_ray([*base(arithmetic_files, tmp_path / "run"), f"custom_reward_function.path={reward}"], capsys)
+    assert "custom reward function (custom_reward_function.path / .name) failed on the first row" in err
+
+
+def test_a_data_source_without_a_scorer_fails_before_ray(tmp_path, capsys):
+    from hybridflow.data.io import write_rows
+    from hybridflow.data.tasks import make_task_rows
+
+    rows = make_task_rows("arithmetic", 8, "train", 0)
+    for row in rows[:3]:
+        row["data_source"] = "my_unregistered_task"
+    files = (write_rows(rows, tmp_path / "train.parquet"), write_rows(rows, tmp_path / "test.parquet"))
+    err = fails_before_ray(base(files, tmp_path / "run"), capsys)
+    assert "no reward scorer for data_source 'my_unregistered_task' (6 rows)" in err  # 3 in each file
+
+
+def test_the_real_command_prints_one_message_and_exits_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.main", "actor_rollout_ref.rollout.top_k=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "hybridflow: error: config key 'actor_rollout_ref.rollout.top_k': must be -1 (off) or positive, got 0"
+    ]
+    debug = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "train", "--debug", "actor_rollout_ref.rollout.top_k=0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_help(capsys):
+    assert cli(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "usage: hybridflow train" in out
+    for section in ("data", "actor_rollout_ref", "critic", "reward", "algorithm", "trainer"):
+        assert f"\n  {section} " in out, section
+    assert cli(["export", "--help"]) == 0 and "usage: hybridflow export" in capsys.readouterr().out
+    assert cli(["export", "/no/such/run", "/tmp/out"]) == 2
+    assert "neither a checkpoint" in capsys.readouterr().err
+
+
+# ---- whole runs ---------------------------------------------------------------------------
+
+
+def records(run_dir) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(MEASUREMENTS)}
+
+
+def train(args: list[str]) -> None:
+    assert cli(["train", *args]) == 0
+
+
+def run_args(files, run_dir, steps: int) -> list[str]:
+    return [
+        *base(files, run_dir),
+        "actor_rollout_ref.actor.optim.lr=1e-2",
+        f"trainer.total_training_steps={steps}",
+        "trainer.save_freq=1",
+        "trainer.val_before_train=false",
+        "trainer.n_workers_per_node=1",
+    ]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_the_run_redoes_its_step(arithmetic_files, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    train(run_args(arithmetic_files, run_dir, 3))
+    original = records(run_dir)
+    (run_dir / "global_step_3" / "actor" / "dcp" / ".metadata").unlink()  # the newest checkpoint is damaged
+    train(run_args(arithmetic_files, run_dir, 4))  # resumes from step 2, redoes step 3, then step 4
+    resumed = records(run_dir)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    assert comparable(resumed[3]) == pytest.approx(comparable(original[3]), rel=1e-5, abs=1e-6)
+    assert not list(run_dir.glob("*.tmp-*"))
+
+    # a run directory of another model refuses to resume, its config untouched
+    saved = (run_dir / "config.yaml").read_bytes()
+    err = fails_before_ray([*run_args(arithmetic_files, run_dir, 5), "actor_rollout_ref.model.path=tiny-qwen2"], capsys)
+    assert "trainer.default_local_dir" in err and "actor_rollout_ref.model.path" in err
+    assert "trainer.experiment_name" in err and "trainer.resume_mode=disable" in err
+    assert (run_dir / "config.yaml").read_bytes() == saved
+
+
+def test_a_rerun_without_checkpoints_starts_a_new_metrics_file(arithmetic_files, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    args = [*run_args(arithmetic_files, run_dir, 1), "trainer.save_freq=-1"]
+    train(args)
+    first = (run_dir / "metrics.jsonl").read_text()
+    train(args)
+    assert "kept them as metrics.before-" in capsys.readouterr().out
+    kept = list(run_dir.glob("metrics.before-*.jsonl"))
+    assert len(kept) == 1 and kept[0].read_text() == first
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_a_joined_cluster_too_small_fails_before_placement():
+    from ray.cluster_utils import Cluster
+
+    from hybridflow.controller import start_ray
+    from hybridflow.trainer.check_config import check_cluster
+    from hybridflow.trainer.config import ConfigError, load_config
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        assert start_ray(address=cluster.address)
+        joined = [f"trainer.ray_address={cluster.address}"]
+        check_cluster(load_config(joined))  # 1 node of 2 CPUs holds 2 ranks of 1 CPU
+        start = time.perf_counter()
+        with pytest.raises(ConfigError, match="2 nodes asked for; the Ray cluster .* has 1") as caught:
+            check_cluster(load_config([*joined, "trainer.nnodes=2"]))
+        assert caught.value.key == "trainer.nnodes"
+        with pytest.raises(ConfigError, match="2 ranks x 100.0 CPUs") as caught:
+            check_cluster(load_config([*joined, "trainer.cpus_per_worker=100"]))
+        assert caught.value.key == "trainer.cpus_per_worker" and time.perf_counter() - start < 5
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
