@@ -5,6 +5,7 @@ Config key: `actor_rollout_ref.actor.loss_agg_mode` (and `critic.loss_agg_mode`)
 Modes (L = per-token loss, m = response mask, T = response length, S = sequences):
 
 - `token-mean`: Σ_{i,t} m·L / Σ_{i,t} m — every token weighs the same (DAPO, Yu et al. 2025).
+- `token-sum`: Σ_{i,t} m·L — no normalisation: the loss (and gradient) scale with the tokens.
 - `seq-mean-token-sum`: (1/S) Σ_i Σ_t m·L — each sequence's token sum, averaged.
 - `seq-mean-token-mean`: (1/S) Σ_i (Σ_t m·L / Σ_t m) — the original GRPO (Shao et al. 2024).
 - `seq-mean-token-sum-norm`: (1/S) Σ_i (Σ_t m·L / C) with a constant C (default T), so that
@@ -32,7 +33,7 @@ import torch
 
 from hybridflow.algorithms.masked import masked_sum
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: LossAggregati
         else:
             n_tokens = max(float(agg.global_tokens), 1.0)
         return masked_sum(loss_mat, loss_mask) / n_tokens
+    if agg.mode == "token-sum":  # a sum over micro-batches is the mini-batch's sum: no totals needed
+        return masked_sum(loss_mat, loss_mask)
 
     seq_sum = masked_sum(loss_mat, loss_mask, dim=-1)  # (B,)
     seq_tokens = loss_mask.bool().sum(dim=-1).to(loss_mat.dtype)  # (B,)

@@ -72,7 +72,7 @@ class ActorConfig:
     # update's own forward before its optimizer step (exact), with no separate pass
     reuse_update_log_probs: bool
     policy_loss: PolicyLossConfig  # loss_mode and clip ratios
-    loss_agg_mode: str  # algorithms.AGG_MODES: token-mean | seq-mean-token-sum | seq-mean-token-mean | ...
+    loss_agg_mode: str  # algorithms.AGG_MODES: token-mean | token-sum | seq-mean-token-sum | ...
     entropy_coeff: float  # weight of the entropy bonus (subtracted from the loss)
     use_kl_loss: bool  # add KL(pi || ref) to the loss (GRPO style) instead of / besides the reward
     kl_loss_coef: float  # weight of the KL loss

@@ -17,6 +17,7 @@ M = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])  # third r
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 4 + 5 + 6) / 5),  # 18 / 5 tokens
+        ("token-sum", 1 + 2 + 4 + 5 + 6),  # the masked tokens, summed
         ("seq-mean-token-sum", (3 + 15) / 2),  # sums 3 and 15 over 2 non-empty sequences
         ("seq-mean-token-mean", (1.5 + 5.0) / 2),  # means 3/2 and 15/3
         ("seq-mean-token-sum-norm", (3 / 3 + 15 / 3) / 2),  # sums divided by T = 3
@@ -33,7 +34,7 @@ def test_norm_constant():
 
 def test_unknown_mode_is_rejected():
     with pytest.raises(ValueError, match="token-mean"):
-        LossAggregation("token-sum")
+        LossAggregation("token_sum")
 
 
 def test_token_mean_with_accumulation_is_not_mean_of_means():
