@@ -4,7 +4,7 @@
 - aggregation.py  loss_agg_mode and the gradient-accumulation contract
 - config.py       AlgorithmConfig: the `algorithm.*` section
 - advantage.py    AdvantageConfig and the estimator registry (algorithm.adv_estimator)
-- estimators.py   gae, grpo, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk
+- estimators.py   gae, grpo, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk, pass_at_k
 - policy_loss.py  PolicyLossConfig, the loss registry (actor.policy_loss.loss_mode) and
                   vanilla, gspo, gpg, cispo; cov_losses.py: clip_cov, kl_cov
 - value_loss.py   clipped critic loss

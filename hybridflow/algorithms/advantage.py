@@ -42,10 +42,10 @@ class AdvantageConfig:
 
     gamma: float  # discount factor γ (gae, reinforce_plus_plus)
     lam: float  # GAE λ (gae)
-    norm_adv_by_std_in_grpo: bool  # divide by the group std (grpo, grpo_passk); false: Dr.GRPO
+    norm_adv_by_std_in_grpo: bool  # divide by the group std (grpo, grpo_passk, pass_at_k); false: Dr.GRPO
     epsilon: float  # added to a standard deviation before dividing by it
     gae_whiten: bool  # whiten GAE advantages over the batch's response tokens (PPO practice)
-    pass_k: int  # k of the pass@k objective (grpo_passk)
+    pass_k: int  # k of the pass@k objective (pass_at_k), below the group size
     gpg_norm_by_std: bool  # GPG's F_norm: group std instead of 1 (gpg)
 
     def __post_init__(self) -> None:
@@ -56,19 +56,27 @@ class AdvantageConfig:
 
 
 EstimatorFn = Callable[..., AdvantageOutput]
+SignalCheck = Callable[["AdvantageConfig", int], "str | None"]
 
 
 class AdvantageEstimator:
     """A registered estimator: checks its inputs, then calls the function without autograd."""
 
     def __init__(
-        self, name: str, fn: EstimatorFn, needs_values: bool, needs_baseline: bool, needs_groups: bool
+        self,
+        name: str,
+        fn: EstimatorFn,
+        needs_values: bool,
+        needs_baseline: bool,
+        needs_groups: bool,
+        signal_check: SignalCheck | None = None,
     ) -> None:
         self.name = name
         self.fn = fn
         self.needs_values = needs_values  # the trainer must run a critic to get `values`
         self.needs_baseline = needs_baseline  # the trainer must run a greedy rollout for `reward_baselines`
         self.needs_groups = needs_groups  # compares the samples of one prompt: a group of one gives 0 advantages
+        self.signal_check = signal_check  # (config, group size) -> why every advantage would be 0, or None
         functools.update_wrapper(self, fn)
 
     def __call__(
@@ -95,15 +103,22 @@ _ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", 
 
 
 def register_adv_estimator(
-    name: str, *, needs_values: bool = False, needs_baseline: bool = False, needs_groups: bool = False
+    name: str,
+    *,
+    needs_values: bool = False,
+    needs_baseline: bool = False,
+    needs_groups: bool = False,
+    signal_check: SignalCheck | None = None,
 ) -> Callable[[EstimatorFn], AdvantageEstimator]:
     """Decorator: register an estimator function under `name` (duplicate names are rejected).
 
     The decorated name is bound to the registry entry, so direct calls check inputs too.
+    ``signal_check(config, group_size)``: a reason when those settings give every advantage 0
+    (the config check refuses them), else None.
     """
 
     def decorator(fn: EstimatorFn) -> AdvantageEstimator:
-        entry = AdvantageEstimator(name, fn, needs_values, needs_baseline, needs_groups)
+        entry = AdvantageEstimator(name, fn, needs_values, needs_baseline, needs_groups, signal_check)
         _ADV_ESTIMATORS.add(name, entry)
         return entry
 

@@ -281,6 +281,47 @@ def compute_grpo_passk_outcome_advantage(
     values: torch.Tensor | None = None,
     reward_baselines: torch.Tensor | None = None,
 ) -> AdvantageOutput:
+    """Pass@k GRPO as verl defines ``grpo_passk``: only the best sample of each group is pushed.
+
+    A = (s_best - s_second) / (std_G + ε) for the group's best sample (the first of equal bests),
+    0 for the others; no std division when `norm_adv_by_std_in_grpo` is false. A group of one
+    gets 0 (verl raises). (B, T) → advantages = returns: (B, T).
+    """
+    scores = sequence_scores(token_level_rewards, response_mask).to(torch.float64).cpu()
+    gid, n_groups = group_ids(index)
+    stats = group_stats(scores, index)
+    adv = torch.zeros_like(scores)
+    for g in range(n_groups):
+        members = (gid == g).nonzero(as_tuple=True)[0]
+        if len(members) < 2:
+            continue
+        top = torch.topk(scores[members], 2)
+        gap = top.values[0] - top.values[1]
+        if config.norm_adv_by_std_in_grpo:
+            gap = gap / (stats.std[members[0]] + config.epsilon)
+        adv[members[top.indices[0]]] = gap
+    advantages = to_tokens(adv.to(token_level_rewards.device), response_mask, _float_dtype(token_level_rewards))
+    return advantages, advantages
+
+
+def _pass_at_k_signal(config: AdvantageConfig, group_size: int) -> str | None:
+    if config.pass_k >= group_size:
+        return (
+            f"algorithm.pass_k={config.pass_k} is not below rollout.n={group_size}: every k-subset is the whole "
+            "group and every advantage is 0; set pass_k below rollout.n"
+        )
+    return None
+
+
+@register_adv_estimator("pass_at_k", needs_groups=True, signal_check=_pass_at_k_signal)
+def compute_pass_at_k_outcome_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray | Any,
+    config: AdvantageConfig,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+) -> AdvantageOutput:
     """Pass@k advantage (Chen et al. 2025, "Pass@k Training"), analytical form.
 
     The reward of a k-subset of a group is its best score (pass@k for 0/1 rewards). Over all

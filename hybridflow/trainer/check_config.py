@@ -90,6 +90,8 @@ def _check_group_size(cfg: HybridFlowConfig) -> None:
         "advantage 0: nothing would be learned",
         "sample several responses per prompt (rollout.n=4, say), or use an estimator without groups (gae)",
     )
+    reason = estimator.signal_check(cfg.algorithm, n) if estimator.signal_check else None
+    _check(reason is None, "algorithm.adv_estimator", f"{estimator.name}: {reason}", "change the settings it names")
 
 
 def local_cluster_cpus(cfg: HybridFlowConfig) -> int:

@@ -156,34 +156,48 @@ def test_gpg_by_hand():
     torch.testing.assert_close(adv[:2, 0], torch.tensor([1.5, -1.5]) / (math.sqrt(0.5) + EPS))
 
 
-def test_grpo_passk_binary_closed_form():
+def test_pass_at_k_binary_closed_form():
     rewards, mask = outcome_rewards([1.0, 0.0, 0.0, 0.0], [1] * 4, 1)
-    adv, _ = estimate("grpo_passk", rewards, mask, ["q"] * 4, pass_k=2)
+    adv, _ = estimate("pass_at_k", rewards, mask, ["q"] * 4, pass_k=2)
     # N = 4, N_neg = 3, k = 2: R̄ = 1 - C(3,2)/C(4,2) = 1 - 3/6 = 0.5; σ = sqrt(0.5·0.5) = 0.5
     # A_pos = (1 - 0.5) / 0.5 = 1; A_neg = (1 - 0.5 - C(2,1)/C(3,1)) / 0.5 = (0.5 - 2/3) / 0.5 = -1/3
     torch.testing.assert_close(adv[:, 0], torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3]), atol=1e-5, rtol=1e-5)
 
 
-def test_grpo_passk_continuous_scores():
+def test_pass_at_k_continuous_scores():
     rewards, mask = outcome_rewards([0.0, 1.0, 3.0], [1] * 3, 1)
-    adv, _ = estimate("grpo_passk", rewards, mask, ["q"] * 3, pass_k=2)
+    adv, _ = estimate("pass_at_k", rewards, mask, ["q"] * 3, pass_k=2)
     # pairs {0,1}→1, {0,3}→3, {1,3}→3: E[max] = 7/3, E[max²] = 19/3, var = 19/3 - 49/9 = 8/9
     # pairs containing 0: max 1, 3 → 2; containing 1: 1, 3 → 2; containing 3: 3, 3 → 3
     sigma = math.sqrt(8 / 9)
     expected = torch.tensor([2 - 7 / 3, 2 - 7 / 3, 3 - 7 / 3]) / sigma
     torch.testing.assert_close(adv[:, 0], expected, atol=1e-5, rtol=1e-5)
-    adv, _ = estimate("grpo_passk", rewards, mask, ["q"] * 3, pass_k=2, norm_adv_by_std_in_grpo=False)
+    adv, _ = estimate("pass_at_k", rewards, mask, ["q"] * 3, pass_k=2, norm_adv_by_std_in_grpo=False)
     torch.testing.assert_close(adv[:, 0], torch.tensor([-1 / 3, -1 / 3, 2 / 3]), atol=1e-6, rtol=1e-6)
 
 
-def test_grpo_passk_with_k_equal_group_size_is_zero():
+def test_pass_at_k_with_k_equal_group_size_is_zero():
     rewards, mask = outcome_rewards([1.0, 0.0, 0.0], [1] * 3, 1)
-    adv, _ = estimate("grpo_passk", rewards, mask, ["q"] * 3, pass_k=8)  # k clamped to 3
+    adv, _ = estimate("pass_at_k", rewards, mask, ["q"] * 3, pass_k=8)  # k clamped to 3
     # every 3-subset is the whole group: every sample sees the same max, advantage 0
     assert torch.equal(adv, torch.zeros_like(adv))
 
 
-@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "gpg", "grpo_passk", "reinforce_plus_plus_baseline"])
+def test_grpo_passk_pushes_only_the_best_sample():
+    rewards, mask = outcome_rewards([0.2, 1.0, 0.5, 0.0, 3.0, 3.0], [1] * 6, 1)
+    adv, ret = estimate("grpo_passk", rewards, mask, ["a", "a", "a", "a", "b", "b"])
+    # group a: best 1.0, second 0.5: gap 0.5; mean 0.425, squared deviations 0.050625 + 0.330625
+    # + 0.005625 + 0.180625 = 0.5675, unbiased std = sqrt(0.5675 / 3). Group b: two equal bests: gap 0
+    expected = torch.tensor([0.0, 0.5 / (math.sqrt(0.5675 / 3) + EPS), 0.0, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(adv[:, 0], expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(adv, ret)
+    adv, _ = estimate("grpo_passk", rewards, mask, ["a", "a", "a", "a", "b", "b"], norm_adv_by_std_in_grpo=False)
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 0.5, 0.0, 0.0, 0.0, 0.0]), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name", ["grpo", "rloo", "opo", "gpg", "grpo_passk", "pass_at_k", "reinforce_plus_plus_baseline"]
+)
 def test_single_sample_and_equal_groups_give_zero(name):
     rewards, mask = outcome_rewards([0.3, 0.1, 0.1, 0.1], [2, 1, 2, 3], 3)
     adv, ret = estimate(name, rewards, mask, ["alone", "same", "same", "same"])

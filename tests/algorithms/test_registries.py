@@ -21,6 +21,7 @@ ESTIMATORS = [
     "grpo",
     "grpo_passk",
     "opo",
+    "pass_at_k",
     "reinforce_plus_plus",
     "reinforce_plus_plus_baseline",
     "remax",

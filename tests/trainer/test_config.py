@@ -176,6 +176,11 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (["trainer.logger=[console,neptune]"], "trainer.logger", "neptune"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "sglang"),
         (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in"),
+        (
+            ["algorithm.adv_estimator=pass_at_k", "algorithm.pass_k=4"],
+            "algorithm.adv_estimator",
+            "not below rollout.n=4",
+        ),
         (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "not a complete checkpoint"),
     ],
 )
