@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.reward.shaping import OverlongBufferConfig
 from hybridflow.validation import require
 
 
@@ -24,6 +25,7 @@ class RewardConfig:
 
     max_failure_rate: float  # stop when more than this fraction of a call's samples fail to score (0: any failure)
     num_examine: int  # print this many decoded responses per data source on each scoring call
+    overlong_buffer: OverlongBufferConfig  # DAPO's soft overlong penalty on training rewards
 
     def __post_init__(self) -> None:
         require(0 <= self.max_failure_rate <= 1, "max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}")

@@ -173,6 +173,14 @@ def check_config(cfg: HybridFlowConfig) -> None:
         _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
     _check_batch_sizes(cfg)
     _check_group_size(cfg)
+    overlong = cfg.reward.overlong_buffer
+    _check(
+        not overlong.enable or overlong.len <= arr.rollout.response_length,
+        "reward.overlong_buffer.len",
+        f"{overlong.len} tokens is longer than the whole budget actor_rollout_ref.rollout.response_length="
+        f"{arr.rollout.response_length}",
+        "make the buffer a part of the budget (DAPO: 4096 of 20480)",
+    )
     if cfg.custom_reward_function.path:
         _check_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     _check(

@@ -41,6 +41,7 @@ from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
+from hybridflow.reward.shaping import overlong_penalty
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, throughput_metrics, timer
@@ -167,7 +168,7 @@ class RayPPOTrainer:
                 with timer("gen_baseline", timings):
                     batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts)
             with timer("reward", timings):
-                batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics)
+                batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
             with timer("old_log_prob", timings):
                 self.old_log_probs(batch, metrics)
             if groups.ref is not None:
@@ -247,16 +248,25 @@ class RayPPOTrainer:
     def greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy response per prompt, repeated over its n samples."""
         greedy = self.rollout(prompts.select(deepcopy=True), "greedy", {})
-        scores = self.score(greedy, {}).sum(dim=1)
+        scores = self.score(greedy, {}, shaped=True).sum(dim=1)
         return scores.repeat_interleave(self.config.actor_rollout_ref.rollout.n)
 
-    def score(self, batch: DataProto, metrics: dict[str, float]) -> torch.Tensor:
-        """Token-level scores (B, R): rule-based or custom reward, plus the reward model's when enabled."""
+    def score(self, batch: DataProto, metrics: dict[str, float], shaped: bool) -> torch.Tensor:
+        """Token-level scores (B, R): rule-based or custom reward, plus the reward model's when enabled;
+        ``shaped`` (training rewards, not validation): plus the overlong penalty on the last token."""
         result = self.reward_fn(batch)
         metrics.update(result.metrics)
         scores = result.token_level_scores
         if self.groups.reward_model is not None:
             scores = scores + self.groups.reward_model.compute_rm_score(batch).batch[RM_SCORES]
+        overlong = self.config.reward.overlong_buffer
+        if shaped and overlong.enable:
+            lengths = batch.batch[RESPONSE_MASK].sum(dim=1)
+            penalty = overlong_penalty(lengths, scores.shape[1], overlong.len, overlong.penalty_factor)
+            scores = scores.clone()
+            scores[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] += penalty.to(scores.dtype)
+            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
+            metrics["reward/overlong_penalty/fraction"] = (penalty < 0).float().mean().item()
         return scores
 
     def compute_advantage(self, batch: DataProto, metrics: dict[str, float]) -> None:
@@ -292,5 +302,5 @@ class RayPPOTrainer:
                 batch = self.rollout(prompts, "validate", {})
                 sources += list(batch.non_tensor_batch[DATA_SOURCE])
                 uids += [f"{index}/{uid}" for uid in batch.non_tensor_batch[UID]]
-                scores += self.score(batch, {}).sum(dim=1).tolist()
+                scores += self.score(batch, {}, shaped=False).sum(dim=1).tolist()
         return validation_metrics(sources, uids, scores, n=self.config.actor_rollout_ref.rollout.val_kwargs.n)

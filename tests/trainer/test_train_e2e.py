@@ -154,3 +154,19 @@ def test_on_policy_update_supplies_the_old_log_probs_exactly(arithmetic_files, t
             "actor/pg_clipfrac",
         ]:
             assert reused[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
+
+
+def test_overlong_penalty_shapes_training_rewards_not_validation(arithmetic_files, tmp_path):
+    factor = 0.5
+    records = short_run(
+        arithmetic_files,
+        tmp_path,
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=6",  # the whole budget (response_length=6): each token costs factor / 6
+        f"reward.overlong_buffer.penalty_factor={factor}",
+    )
+    assert "reward/overlong_penalty/mean" not in records[0]  # validation before training: unshaped
+    for record in records[1:]:
+        penalty = record["reward/overlong_penalty/mean"]
+        assert penalty == pytest.approx(-factor * record["response_length/mean"] / 6, rel=1e-5)
+        assert record["critic/score/mean"] == pytest.approx(record["reward/arithmetic/mean"] + penalty, abs=1e-6)
