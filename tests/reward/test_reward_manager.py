@@ -1,5 +1,6 @@
 """RewardManager: score placement at the last response token, extras, metrics, failures."""
 
+import dataclasses
 import logging
 import math
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from reward_configs import TOLERANT
 
-from hybridflow.reward import RewardConfig, RewardFailure, RewardManager, register_scorer
+from hybridflow.reward import RewardFailure, RewardManager, register_scorer
 
 
 @register_scorer("test_manager_raises")
@@ -149,9 +150,9 @@ def test_numpy_and_torch_scalars_are_numbers(make_batch, tiny_tokenizer):
 def test_too_many_failures_stop_with_the_first_traceback(make_batch, tiny_tokenizer):
     sources = ["arithmetic", "test_manager_raises", "arithmetic", "arithmetic"]
     batch = make_batch(tiny_tokenizer, ["1", "2", "3", "4"], sources, ["1", "2", "3", "4"])
-    RewardManager(tiny_tokenizer, RewardConfig(max_failure_rate=0.25, num_examine=0))(batch)  # 1 of 4: allowed
+    RewardManager(tiny_tokenizer, dataclasses.replace(TOLERANT, max_failure_rate=0.25))(batch)  # 1 of 4: allowed
     with pytest.raises(RewardFailure, match="1 of 4 samples failed") as caught:
-        RewardManager(tiny_tokenizer, RewardConfig(max_failure_rate=0.2, num_examine=0))(batch)
+        RewardManager(tiny_tokenizer, dataclasses.replace(TOLERANT, max_failure_rate=0.2))(batch)
     assert "ZeroDivisionError: scorer bug" in str(caught.value) and "in _raises" in str(caught.value)
 
 
