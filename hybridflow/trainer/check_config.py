@@ -3,7 +3,8 @@
 Each section validates its own values when the config is built (``__post_init__`` of its
 dataclass). What is left here needs several sections at once (batch sizes against the world
 size and the group size, which roles the algorithm needs) or the world outside the config
-(files, model directories, installed packages, a visible GPU, the checkpoint to resume).
+(files, model directories, installed packages, a visible GPU). The checkpoint to resume is verified
+once, by ``run_dir.prepare_run_dir``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from hybridflow.algorithms import get_adv_estimator
 from hybridflow.controller import Role
 from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
-from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.roles import needed_roles
 from hybridflow.trainer.tracking import check_loggers
@@ -195,11 +195,6 @@ def check_config(cfg: HybridFlowConfig) -> None:
         check_loggers(trainer.logger)
     except ImportError as error:
         raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
-    if trainer.resume_mode not in ("auto", "disable"):
-        try:
-            CheckpointManager(Path(trainer.default_local_dir)).resume_from(trainer.resume_mode)
-        except (CheckpointNotFound, CheckpointError) as error:
-            raise ConfigError("trainer.resume_mode", str(error)) from None
 
 
 def _check_custom_reward(path: str, name: str) -> None:

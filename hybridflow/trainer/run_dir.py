@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hybridflow.algorithms import get_adv_estimator
-from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
+from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound, read_trainer_state
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, to_yaml
 
 CONFIG_FILE = "config.yaml"
@@ -85,7 +85,10 @@ def prepare_run_dir(config: HybridFlowConfig) -> Path | None:
     checkpoints = CheckpointManager(run_dir, trainer.max_ckpt_to_keep)
     for stale in checkpoints.remove_unfinished():
         print(f"removed {stale.name}, left by an interrupted checkpoint save")
-    checkpoint = checkpoints.resume_from(trainer.resume_mode)
+    try:
+        checkpoint = checkpoints.resume_from(trainer.resume_mode)  # verified once, here, before any worker
+    except (CheckpointNotFound, CheckpointError) as error:
+        raise ConfigError("trainer.resume_mode", str(error)) from None
     saved_config = run_dir / CONFIG_FILE
     if checkpoint is not None and saved_config.is_file():
         differences = incompatible_keys(saved_config, config)
