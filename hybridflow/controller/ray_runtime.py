@@ -32,7 +32,8 @@ def kernel_cache_env(capacity: int) -> dict[str, str]:
     cache and ideep's LRU cache, 1024 entries each by default). Packed batches change shape every step,
     so with the defaults every step adds kernels until both caches are full: a worker's resident memory
     grew ~190 MB per step on smollm2 and ~12 MB on tiny-llama, for some 50 steps (bench/memory.py).
-    A step reuses its own shapes across layers, so a small cache loses no speed (capacity 0 costs ~20%)."""
+    A step reuses its own shapes across layers, so a small cache loses no speed, while no cache costs
+    time (bench/kernel_caches.py). Capacity must be >= 1: ideep crashes the process at 0."""
     return {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(capacity), "LRU_CACHE_CAPACITY": str(capacity)}
 
 

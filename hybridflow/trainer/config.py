@@ -75,7 +75,11 @@ class TrainerConfig:
         require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
         require_positive(self.max_colocate_count, "max_colocate_count")
         require_positive(self.placement_timeout_s, "placement_timeout_s")
-        require(self.cpu_kernel_cache_capacity >= 0, "cpu_kernel_cache_capacity", "must be >= 0")
+        require(
+            self.cpu_kernel_cache_capacity >= 1,
+            "cpu_kernel_cache_capacity",
+            f"must be >= 1 (torch's ideep cache crashes at 0), got {self.cpu_kernel_cache_capacity}",
+        )
         require(self.ray_num_cpus >= 0, "ray_num_cpus", f"must be >= 0, got {self.ray_num_cpus}")
         for name in self.logger:
             require_choice(name, KNOWN_LOGGERS, "logger")
