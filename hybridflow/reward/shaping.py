@@ -30,3 +30,19 @@ def overlong_penalty(
     linearly to ``-penalty_factor`` at ``max_response_length``: min(-(L - (L_max - buf)) / buf · factor, 0)."""
     exceed = response_lengths.float() - (max_response_length - buffer_len)
     return torch.clamp(-exceed / buffer_len * penalty_factor, max=0.0)
+
+
+def apply_overlong_penalty(
+    token_level_scores: torch.Tensor, response_mask: torch.Tensor, config: OverlongBufferConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B, R) scores with each response's penalty added on its last token (R is the budget), and the
+    metrics ``reward/overlong_penalty/{mean,fraction}``. The input is not modified."""
+    lengths = response_mask.sum(dim=1)
+    penalty = overlong_penalty(lengths, token_level_scores.shape[1], config.len, config.penalty_factor)
+    shaped = token_level_scores.clone()
+    shaped[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] += penalty.to(shaped.dtype)
+    metrics = {
+        "reward/overlong_penalty/mean": penalty.mean().item(),
+        "reward/overlong_penalty/fraction": (penalty < 0).float().mean().item(),
+    }
+    return shaped, metrics

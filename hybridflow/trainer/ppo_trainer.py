@@ -41,7 +41,7 @@ from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
-from hybridflow.reward.shaping import overlong_penalty
+from hybridflow.reward.shaping import apply_overlong_penalty
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, throughput_metrics, timer
@@ -261,12 +261,8 @@ class RayPPOTrainer:
             scores = scores + self.groups.reward_model.compute_rm_score(batch).batch[RM_SCORES]
         overlong = self.config.reward.overlong_buffer
         if shaped and overlong.enable:
-            lengths = batch.batch[RESPONSE_MASK].sum(dim=1)
-            penalty = overlong_penalty(lengths, scores.shape[1], overlong.len, overlong.penalty_factor)
-            scores = scores.clone()
-            scores[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] += penalty.to(scores.dtype)
-            metrics["reward/overlong_penalty/mean"] = penalty.mean().item()
-            metrics["reward/overlong_penalty/fraction"] = (penalty < 0).float().mean().item()
+            scores, shaping_metrics = apply_overlong_penalty(scores, batch.batch[RESPONSE_MASK], overlong)
+            metrics.update(shaping_metrics)
         return scores
 
     def compute_advantage(self, batch: DataProto, metrics: dict[str, float]) -> None:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hybridflow.reward.shaping import OverlongBufferConfig, overlong_penalty
+from hybridflow.reward.shaping import OverlongBufferConfig, apply_overlong_penalty, overlong_penalty
 from hybridflow.validation import InvalidSetting
 
 
@@ -23,3 +23,16 @@ def test_bad_settings_name_the_field(changes, field):
     with pytest.raises(InvalidSetting) as caught:
         OverlongBufferConfig(**({"enable": True, "len": 4, "penalty_factor": 1.0} | changes))
     assert caught.value.field == field
+
+
+def test_the_penalty_goes_on_each_response_last_token():
+    scores = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    config = OverlongBufferConfig(enable=True, len=2, penalty_factor=1.0)
+    shaped, metrics = apply_overlong_penalty(scores, mask, config)
+    # budget 4, buffer 2: length 3 -> -0.5 on token 2; length 4 -> -1 on token 3; empty -> 0
+    expected = torch.tensor([[0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(shaped, expected)
+    assert scores[0, 2] == 1.0  # the input is left as it was
+    assert metrics["reward/overlong_penalty/mean"] == -0.5
+    assert metrics["reward/overlong_penalty/fraction"] == pytest.approx(2 / 3)
