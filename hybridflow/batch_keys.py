@@ -13,9 +13,11 @@ POSITION_IDS = "position_ids"  # same shape as input_ids; counts real tokens fro
 PROMPTS = "prompts"  # (B, P) the prompt part of input_ids
 RESPONSES = "responses"  # (B, R) generated tokens, padded after the first stop token
 RESPONSE_MASK = "response_mask"  # (B, R) 1 on real response tokens (the stop token included)
+TRUNCATED = "truncated"  # (B,) bool: the response holds no stop token (cut at the length budget)
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the generator's log-probs of the sampled tokens
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) the trainer's log-probs before the update (PPO's π_old)
 ENTROPYS = "entropys"  # (B, R) the policy's entropy at each response position
+ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) rollout-correction importance weights for the policy loss
 REF_LOG_PROB = "ref_log_prob"  # (B, R) the reference policy's log-probs
 VALUES = "values"  # (B, R) the critic's values
 TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) reward scores (an outcome score on the last token)
@@ -38,6 +40,8 @@ INDEX = "index"  # the row's index in its dataset
 # ---- meta_info keys ---------------------------------------------------------------------------
 GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)
 SAMPLING = "sampling"  # generation settings to use: one of SAMPLING_MODES
+SAMPLING_ROUND = "sampling_round"  # dynamic sampling: the step's generation round (0 first; seeds derive from it)
+OLD_POLICY = "old_policy"  # "rollout": the update uses the rollout's log-probs as the old policy (bypass mode)
 METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
 
 SAMPLING_MODES = ("train", "validate", "greedy")

@@ -23,11 +23,17 @@ micro-batch means. When the globals are None, the micro-batch itself is the whol
 `LossAggregation.for_minibatch` computes the globals from the mini-batch's mask.
 Under data parallelism with gradient all-reduce *averaging*, counts taken over all ranks
 must be divided by the world size (or the loss multiplied by it) to keep the same scale.
+
+Token weights
+-------------
+`token_weights` (B, T), when set, multiplies each per-token loss before the reduction (the
+counts stay the mask's): rollout-correction importance weights enter every policy loss this way
+(`LossAggregation.weighted`), so no loss has to know about them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +50,7 @@ class LossAggregation:
     global_tokens: float | None = None  # response tokens in the whole mini-batch; None: this batch's
     global_seqs: float | None = None  # non-empty sequences in the mini-batch; None: this batch's
     norm_constant: float | None = None  # seq-mean-token-sum-norm divisor; None: response length T
+    token_weights: torch.Tensor | None = None  # (B, T) multiplies the per-token losses; None: all 1
 
     def __post_init__(self) -> None:
         if self.mode not in AGG_MODES:
@@ -65,6 +72,10 @@ class LossAggregation:
             norm_constant = float(response_mask.shape[-1])
         return cls(mode, global_tokens=tokens, global_seqs=seqs, norm_constant=norm_constant)
 
+    def weighted(self, token_weights: torch.Tensor | None) -> LossAggregation:
+        """The same aggregation with per-token loss weights (B, T) (detached), e.g. importance weights."""
+        return replace(self, token_weights=None if token_weights is None else token_weights.detach())
+
 
 def count_tokens_and_seqs(response_mask: torch.Tensor) -> tuple[float, float]:
     """(number of response tokens, number of sequences with >= 1 response token) of a (B, T) mask."""
@@ -80,6 +91,8 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: LossAggregati
     """
     if isinstance(agg, str):
         agg = LossAggregation(agg)
+    if agg.token_weights is not None:
+        loss_mat = loss_mat * agg.token_weights.to(loss_mat.dtype)
     if agg.mode == "token-mean":
         if agg.global_tokens is None:
             n_tokens = loss_mask.bool().sum().to(loss_mat.dtype).clamp_min(1.0)

@@ -1,11 +1,14 @@
-"""The `algorithm.*` section: the advantage estimator and its settings, and KL in the reward."""
+"""The `algorithm.*` section: the advantage estimator and its settings, KL in the reward, and what the
+driver does to a batch before the updates (rollout correction, dynamic sampling, truncated responses)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from hybridflow.algorithms.advantage import AdvantageConfig, list_adv_estimators
+from hybridflow.algorithms.dynamic_sampling import FilterGroupsConfig
 from hybridflow.algorithms.kl import KL_TYPES, KLControlConfig
+from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig
 from hybridflow.validation import require_choice
 
 
@@ -20,6 +23,9 @@ class AlgorithmConfig(AdvantageConfig):
     use_kl_in_reward: bool  # subtract beta * KL(pi || ref) from the per-token reward
     kl_penalty: str  # KL estimator used in the reward (KL_TYPES)
     kl_ctrl: KLControlConfig  # the coefficient beta of that penalty
+    rollout_correction: RolloutCorrectionConfig  # importance weights / rejection between trainer and rollout
+    filter_groups: FilterGroupsConfig  # DAPO's dynamic sampling: train only on groups whose rewards differ
+    mask_truncated_responses: bool  # responses cut at the length budget leave the updates (DAPO's overlong filter)
 
     def __post_init__(self) -> None:
         super().__post_init__()

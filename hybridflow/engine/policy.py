@@ -12,7 +12,18 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
-from hybridflow.batch_keys import ADVANTAGES, ENTROPYS, METRICS, OLD_LOG_PROBS, REF_LOG_PROB, RESPONSE_MASK, RESPONSES
+from hybridflow.batch_keys import (
+    ADVANTAGES,
+    ENTROPYS,
+    METRICS,
+    OLD_LOG_PROBS,
+    OLD_POLICY,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_IS_WEIGHTS,
+    ROLLOUT_LOG_PROBS,
+)
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
@@ -20,6 +31,26 @@ from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
 _ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching
+
+
+class FirstPass:
+    """The log-probs and entropy of each row at its first forward in an update (later epochs skipped)."""
+
+    def __init__(self, shape: torch.Size, bypass: bool):
+        self.bypass = bypass  # the loss's old policy is the rollout's log-probs
+        self.log_probs = torch.zeros(shape, dtype=torch.float32)
+        self.entropy = torch.zeros(shape, dtype=torch.float32)
+        self.seen = torch.zeros(shape[0], dtype=torch.bool)
+
+    def record(self, rows: torch.Tensor, log_prob: torch.Tensor, entropy: torch.Tensor) -> None:
+        rows = rows.cpu()
+        new = ~self.seen[rows]
+        self.log_probs[rows[new]] = log_prob[new.to(log_prob.device)].float().cpu()
+        self.entropy[rows[new]] = entropy[new.to(entropy.device)].float().cpu()
+        self.seen[rows] = True
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {OLD_LOG_PROBS: self.log_probs, ENTROPYS: self.entropy}
 
 
 class PolicyEngine:
@@ -53,28 +84,32 @@ class PolicyEngine:
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
     def _micro_loss(
-        self, micro: DataProto, agg: LossAggregation, temperature: float, pre_update: dict[str, torch.Tensor] | None
+        self, micro: DataProto, agg: LossAggregation, temperature: float, first_pass: FirstPass | None
     ) -> tuple[torch.Tensor, dict]:
         cfg = self.config
         batch = micro.batch
         mask = batch[RESPONSE_MASK]
         entropy_in_loss = cfg.entropy_coeff != 0
-        on_policy = pre_update is not None
         log_prob, entropy = response_log_probs(
             self.model,
             micro,
             temperature,
-            with_entropy=entropy_in_loss or on_policy,
+            with_entropy=entropy_in_loss or first_pass is not None,
             remove_padding=cfg.use_remove_padding,
             entropy_grad=entropy_in_loss,
         )
-        if on_policy:  # before the optimizer step the current log-probs are the old ones, exactly
-            old_log_prob = log_prob.detach()
-            pre_update[OLD_LOG_PROBS][batch[_ROW]] = old_log_prob
-            pre_update[ENTROPYS][batch[_ROW]] = entropy.detach()
-        else:
+        if first_pass is not None:
+            first_pass.record(batch[_ROW], log_prob.detach(), entropy.detach())
+        if OLD_LOG_PROBS in batch.keys():
             old_log_prob = batch[OLD_LOG_PROBS]
-        pg_loss, metrics = self.policy_loss(old_log_prob, log_prob, batch[ADVANTAGES], mask, cfg.policy_loss, agg)
+        elif first_pass.bypass:  # the rollout's log-probs are the old policy
+            old_log_prob = batch[ROLLOUT_LOG_PROBS]
+        else:  # one optimizer step on this batch: before it, the current log-probs are the old ones, exactly
+            old_log_prob = log_prob.detach()
+        policy_agg = agg.weighted(batch.get(ROLLOUT_IS_WEIGHTS, None))
+        pg_loss, metrics = self.policy_loss(
+            old_log_prob, log_prob, batch[ADVANTAGES], mask, cfg.policy_loss, policy_agg
+        )
         loss = pg_loss
         metrics = {f"actor/{k}": v for k, v in metrics.items()}
         metrics["actor/pg_loss"] = pg_loss.detach()
@@ -92,15 +127,18 @@ class PolicyEngine:
     def update_policy(self, data: DataProto, mini_batch_size: int, temperature: float, seed: int) -> DataProto:
         """PPO epochs over this rank's batch; metrics include ``perf/mfu_update`` and ``perf/tflops_update``.
 
-        Without ``old_log_probs`` in ``data`` the update must be a single optimizer step on the
-        batch (``ActorConfig.single_update_step``): the log-probs of its own forward, before that
-        step, serve as the old ones, and come back with their entropy ((B, R) each, in ``data``'s
-        order) as the output's tensors. With them, the output holds the metrics alone.
+        Without ``old_log_probs`` in ``data`` the old policy is either the rollout's log-probs
+        (``meta_info[OLD_POLICY] == "rollout"``, the bypass mode) or, for a single optimizer step on
+        the batch (``ActorConfig.single_update_step``), the update's own log-probs before that step.
+        Either way the log-probs (and entropy) of each row's first forward in the update come back as
+        the output's ``old_log_probs`` / ``entropys`` ((B, R), ``data``'s order): the trainer's view of
+        the sampled tokens, for the metrics. With old log-probs given, the output holds the metrics alone.
         """
         cfg = self.config
-        pre_update = None
+        first_pass = None
         if OLD_LOG_PROBS not in data.batch.keys():
-            if not cfg.single_update_step(mini_batch_size, len(data)):
+            bypass = data.meta_info.get(OLD_POLICY) == "rollout"
+            if not bypass and not cfg.single_update_step(mini_batch_size, len(data)):
                 raise ValueError(
                     f"the batch has no old_log_probs, but the update is not one optimizer step on it "
                     f"({cfg.ppo_epochs} epoch(s), mini-batches of {mini_batch_size} of {len(data)} samples): "
@@ -109,8 +147,7 @@ class PolicyEngine:
             # a new TensorDict, so that the row index stays out of the caller's batch
             data = data.select(batch_keys=list(data.batch.keys()))
             data.batch[_ROW] = torch.arange(len(data))
-            shape = data.batch[RESPONSES].shape
-            pre_update = {key: torch.zeros(shape, dtype=torch.float32) for key in (OLD_LOG_PROBS, ENTROPYS)}
+            first_pass = FirstPass(data.batch[RESPONSES].shape, bypass)
         start = time.perf_counter()
         metrics = run_updates(
             self.model,
@@ -121,9 +158,10 @@ class PolicyEngine:
             prefix="actor",
             mini_batch_size=mini_batch_size,
             seed=seed,
-            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, pre_update),
+            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, first_pass),
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
         work = pass_work(data, cfg.use_remove_padding)
         metrics.update(self.meter.metrics("update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
-        return DataProto.from_dict(pre_update, meta_info={METRICS: metrics})
+        tensors = first_pass.tensors() if first_pass is not None else None
+        return DataProto.from_dict(tensors, meta_info={METRICS: metrics})

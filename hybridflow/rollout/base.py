@@ -17,6 +17,7 @@ from hybridflow.batch_keys import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    TRUNCATED,
 )
 from hybridflow.protocol import DataProto
 
@@ -85,6 +86,12 @@ def response_mask_from(responses: torch.Tensor, eos_token_ids: list[int]) -> tor
     return (~eos_seen_before).long()
 
 
+def truncated_rows(responses: torch.Tensor, response_mask: torch.Tensor, stop_token_ids: list[int]) -> torch.Tensor:
+    """True for the rows whose response holds no stop token: cut at the length budget. (B, R) -> (B,) bool."""
+    stops = torch.isin(responses, torch.tensor(stop_token_ids, dtype=responses.dtype, device=responses.device))
+    return ~(stops & response_mask.bool()).any(dim=1)
+
+
 def assemble_batch(
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
@@ -92,8 +99,10 @@ def assemble_batch(
     response_mask: torch.Tensor,
     rollout_log_probs: torch.Tensor,
     pad_token_id: int,
+    stop_token_ids: list[int],
 ) -> dict[str, torch.Tensor]:
     """The training batch of prompts + responses: positions count real tokens from the first one."""
+    truncated = truncated_rows(responses, response_mask, stop_token_ids)
     responses = responses.masked_fill(response_mask == 0, pad_token_id)
     attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -105,4 +114,5 @@ def assemble_batch(
         POSITION_IDS: position_ids,
         RESPONSE_MASK: response_mask,
         ROLLOUT_LOG_PROBS: rollout_log_probs * response_mask,
+        TRUNCATED: truncated,
     }

@@ -55,7 +55,9 @@ class HFRollout(Rollout):
         log_probs = nn.functional.pad(log_probs, (0, pad), value=0.0)
         mask = response_mask_from(responses, self.eos_token_ids)
         mask[:, generated.shape[1] :] = 0
-        batch = assemble_batch(prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id)
+        batch = assemble_batch(
+            prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id, self.eos_token_ids
+        )
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
 
     @torch.no_grad()

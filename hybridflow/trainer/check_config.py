@@ -94,6 +94,27 @@ def _check_group_size(cfg: HybridFlowConfig) -> None:
     _check(reason is None, "algorithm.adv_estimator", f"{estimator.name}: {reason}", "change the settings it names")
 
 
+def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
+    """Rollout correction needs the trainer's old log-probs; dynamic sampling needs groups."""
+    algorithm, rollout = cfg.algorithm, cfg.actor_rollout_ref.rollout
+    correction = algorithm.rollout_correction
+    _check(
+        not correction.enabled or rollout.old_log_prob_source == "recompute",
+        "algorithm.rollout_correction",
+        f"rollout_is={correction.rollout_is} / rollout_rs={correction.rollout_rs} weigh the trainer's old log-probs "
+        f"against the rollout's, but actor_rollout_ref.rollout.old_log_prob_source={rollout.old_log_prob_source} "
+        "uses the rollout's as the old policy (bypass mode: the loss's ratio is already the correction)",
+        "set actor_rollout_ref.rollout.old_log_prob_source=recompute, or rollout_is=null and rollout_rs=null",
+    )
+    _check(
+        not algorithm.filter_groups.enable or rollout.n >= 2,
+        "algorithm.filter_groups.enable",
+        f"dynamic sampling keeps groups whose rewards differ, and rollout.n={rollout.n} gives one sample per group: "
+        "every group would be dropped",
+        "sample several responses per prompt (actor_rollout_ref.rollout.n=4, say), or filter_groups.enable=false",
+    )
+
+
 def local_cluster_cpus(cfg: HybridFlowConfig) -> int:
     """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
     to what the workers reserve (threads per worker bound the real CPU use, so a small machine may host
@@ -181,6 +202,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
         f"{arr.rollout.response_length}",
         "make the buffer a part of the budget (DAPO: 4096 of 20480)",
     )
+    _check_batch_shaping(cfg)
     if cfg.custom_reward_function.path:
         _check_custom_reward(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
     _check(

@@ -15,6 +15,7 @@ from hybridflow.batch_keys import (
     ENTROPYS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
+    RESPONSES,
     RETURNS,
     ROLLOUT_LOG_PROBS,
     TOKEN_LEVEL_REWARDS,
@@ -43,11 +44,15 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
 
 
 def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
-    """Scores, rewards, advantages, lengths, entropy and (with a critic) values of a step's batch."""
+    """Scores, rewards, advantages, lengths, entropy and (with a critic) values of a step's batch.
+
+    Lengths describe the responses as generated; advantages, returns, entropy and values the tokens
+    the updates trained on (``response_mask``, after any loss mask)."""
     tensors = batch.batch
     mask = tensors[RESPONSE_MASK].bool()
-    sequence_mask = mask.any(dim=1)
-    response_lengths = tensors[RESPONSE_MASK].sum(dim=1).float()
+    generated = generated_mask(batch)
+    sequence_mask = generated.bool().any(dim=1)
+    response_lengths = generated.sum(dim=1).float()
     prompt_lengths = tensors[ATTENTION_MASK][:, :-response_length].sum(dim=1).float()
     metrics = {
         **_stats("critic/score", tensors[TOKEN_LEVEL_SCORES].sum(dim=1)),
@@ -85,9 +90,15 @@ def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: 
     return metrics
 
 
+def generated_mask(batch: DataProto) -> torch.Tensor:
+    """(B, R) 1 on every generated response token: the response mask as generation made it, before
+    any loss mask (rejection, truncated responses) changed ``response_mask``."""
+    return batch.batch[ATTENTION_MASK][:, -batch.batch[RESPONSES].shape[1] :]
+
+
 def log_prob_mismatch(batch: DataProto) -> dict[str, float]:
-    """How far the generator's log-probs are from the trainer's for the same tokens (masked)."""
-    mask = batch.batch[RESPONSE_MASK].bool()
+    """How far the generator's log-probs are from the trainer's for the same tokens (every generated one)."""
+    mask = generated_mask(batch).bool()
     diff = (batch.batch[ROLLOUT_LOG_PROBS] - batch.batch[OLD_LOG_PROBS]).abs()[mask]
     if diff.numel() == 0:
         return {}

@@ -1,7 +1,8 @@
 """The driver's RL loop: the dataflow of one PPO/GRPO step, one named call per stage.
 
-    prompts -> generate_sequences -> reward -> compute_log_prob -> compute_ref_log_prob
-            -> compute_values -> KL + advantage -> update_critic -> update_actor -> metrics
+    prompts -> generate_sequences -> reward (-> more prompts: dynamic sampling) -> compute_log_prob
+            -> compute_ref_log_prob -> compute_values -> KL + advantage -> loss masks and weights
+            -> update_critic -> update_actor -> metrics
 
 Every worker call returns a DataProto; the metrics it measured (the mean over its ranks) come in
 its ``meta_info[METRICS]`` and are taken out by ``take_metrics``, the one way they reach a step's
@@ -17,22 +18,28 @@ import numpy as np
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator, make_kl_controller
+from hybridflow.algorithms.dynamic_sampling import informative_groups, rows_of_groups, select_groups
+from hybridflow.algorithms.rollout_correction import correction_diagnostics, rollout_correction
 from hybridflow.batch_keys import (
     ADVANTAGES,
     DATA_SOURCE,
     GLOBAL_STEP,
     METRICS,
     OLD_LOG_PROBS,
+    OLD_POLICY,
     PROMPT_TENSORS,
     REF_LOG_PROB,
     RESPONSE_MASK,
     RETURNS,
     REWARD_BASELINES,
     RM_SCORES,
+    ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,
     SAMPLING,
+    SAMPLING_ROUND,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
+    TRUNCATED,
     UID,
     VALUES,
 )
@@ -44,9 +51,10 @@ from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
-from hybridflow.trainer.metrics import data_metrics, log_prob_mismatch, throughput_metrics, timer
+from hybridflow.trainer.metrics import data_metrics, generated_mask, log_prob_mismatch, throughput_metrics, timer
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import RoleGroups
+from hybridflow.trainer.rollout_batches import concat_rollouts
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.val_metrics import validation_metrics
 
@@ -61,12 +69,14 @@ def take_metrics(output: DataProto, metrics: dict[str, float]) -> DataProto:
 
 def on_policy_update(config: HybridFlowConfig) -> bool:
     """Whether the actor update is one optimizer step on this very batch, with nothing needing old
-    log-probs before it (KL in the reward does): its own pre-step log-probs then are the old ones."""
+    log-probs before it (KL in the reward and the rollout correction do): its own pre-step log-probs
+    then are the old ones."""
     actor = config.actor_rollout_ref.actor
     return (
         actor.reuse_update_log_probs
         and actor.single_update_step(actor.ppo_mini_batch_size, config.data.train_batch_size)
         and not config.algorithm.use_kl_in_reward
+        and not config.algorithm.rollout_correction.enabled
     )
 
 
@@ -92,6 +102,7 @@ class RayPPOTrainer:
         self.kl_ctrl = make_kl_controller(config.algorithm.kl_ctrl)
         self.on_policy = on_policy_update(config)
         self.global_step = 0
+        self.batches = self.train_batches()  # one iterator: dynamic sampling draws more prompts from it
         self.last_log_prob_diff: float | None = None
         self.progress = RunProgress(total_steps, enabled=False)
         self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
@@ -110,7 +121,7 @@ class RayPPOTrainer:
         with RunProgress(self.total_steps, start_step=self.global_step) as self.progress:
             if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
                 self.tracking.log(self.validate(), step=0)
-            for prompts in self.train_batches():
+            for prompts in self.batches:
                 self.global_step += 1
                 metrics = self.train_step(prompts)
                 last = self.global_step >= self.total_steps
@@ -161,14 +172,8 @@ class RayPPOTrainer:
     def train_step(self, prompts: DataProto) -> dict[str, float]:
         groups, metrics, timings = self.groups, {}, {}
         with timer("step", timings):
-            with timer("gen", timings), self.progress.stage("generation"):
-                batch = self.rollout(prompts, "train", metrics)
+            batch = self.experience(prompts, metrics, timings)
             batch.reorder(self.rank_order(batch))
-            if self.estimator.needs_baseline:
-                with timer("gen_baseline", timings):
-                    batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts)
-            with timer("reward", timings):
-                batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
             with timer("old_log_prob", timings):
                 self.old_log_probs(batch, metrics)
             if groups.ref is not None:
@@ -179,6 +184,7 @@ class RayPPOTrainer:
                     batch.union(take_metrics(groups.critic.compute_values(batch), metrics))
             with timer("adv", timings):
                 self.compute_advantage(batch, metrics)
+                self.loss_masks_and_weights(batch, metrics)
             if groups.critic is not None:
                 with timer("update_critic", timings), self.progress.stage("critic update"):
                     take_metrics(groups.critic.update_critic(batch), metrics)
@@ -192,16 +198,67 @@ class RayPPOTrainer:
 
     # ---- the stages -----------------------------------------------------------------------
 
-    def rollout(self, prompts: DataProto, sampling: str, metrics: dict[str, float]) -> DataProto:
+    def experience(self, prompts: DataProto, metrics: dict[str, float], timings: dict[str, float]) -> DataProto:
+        """The step's scored rollouts. With dynamic sampling (``algorithm.filter_groups``), groups whose
+        rewards are all equal are dropped and more prompts generated until the batch is full again."""
+        batch = self.scored_rollout(prompts, 0, metrics, timings)
+        dynamic = self.config.algorithm.filter_groups
+        if not dynamic.enable:
+            return batch
+        rounds, kept, dropped = [batch], [], []
+        while True:
+            informative = informative_groups(batch.non_tensor_batch[UID], batch.batch[TOKEN_LEVEL_SCORES].sum(dim=1))
+            kept += [uid for uid, differs in informative.items() if differs]
+            dropped += [uid for uid, differs in informative.items() if not differs]
+            if len(kept) >= len(prompts) or not dynamic.may_generate(len(rounds)):
+                break
+            more = next(self.batches, None)
+            if more is None:  # the data ran out
+                break
+            batch = self.scored_rollout(more, len(rounds), {}, timings)
+            rounds.append(batch)
+        whole = concat_rollouts(rounds, self.train_loader.dataset.tokenizer.pad_token_id)
+        chosen, filler = select_groups(kept, dropped, len(prompts))
+        metrics.update(
+            {
+                "dynamic_sampling/gen_rounds": len(rounds),
+                "dynamic_sampling/informative_groups": len(kept),
+                "dynamic_sampling/dropped_groups": len(dropped),
+                "dynamic_sampling/filler_groups": filler,
+            }
+        )
+        if filler:
+            print(
+                f"step {self.global_step}: {filler} of {len(prompts)} groups have equal rewards after {len(rounds)} "
+                "generation rounds (algorithm.filter_groups.max_num_gen_batches); trained on as filler"
+            )
+        return whole[rows_of_groups(whole.non_tensor_batch[UID], chosen)]
+
+    def scored_rollout(
+        self, prompts: DataProto, round_index: int, metrics: dict[str, float], timings: dict[str, float]
+    ) -> DataProto:
+        """One generation round: rollouts of ``prompts`` (and ReMax's greedy baseline), with their scores."""
+        with timer("gen", timings), self.progress.stage("generation"):
+            batch = self.rollout(prompts, "train", metrics, round_index)
+        if self.estimator.needs_baseline:
+            with timer("gen_baseline", timings):
+                batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts, round_index)
+        with timer("reward", timings):
+            batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
+        return batch
+
+    def rollout(self, prompts: DataProto, sampling: str, metrics: dict[str, float], round_index: int = 0) -> DataProto:
         """n responses per prompt, with a group id (uid) shared by the samples of one prompt.
 
         ``sampling``: "train" (rollout.n samples, training settings), "validate" (val_kwargs), "greedy" (1 greedy).
+        ``round_index``: the step's generation round (dynamic sampling), for distinct uids and seeds.
         """
         rollout_config = self.config.actor_rollout_ref.rollout
         n = {"train": rollout_config.n, "validate": rollout_config.val_kwargs.n, "greedy": 1}[sampling]
-        prompts.non_tensor_batch[UID] = np.array([f"{self.global_step}-{i}" for i in range(len(prompts))], dtype=object)
+        prefix = f"{self.global_step}" if round_index == 0 else f"{self.global_step}.{round_index}"
+        prompts.non_tensor_batch[UID] = np.array([f"{prefix}-{i}" for i in range(len(prompts))], dtype=object)
         gen_input = prompts.pop(batch_keys=list(PROMPT_TENSORS))
-        gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling}
+        gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling, SAMPLING_ROUND: round_index}
         generated = take_metrics(
             self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
         )
@@ -224,30 +281,52 @@ class RayPPOTrainer:
             and self.global_step % rollout.log_prob_check_every != 0
         )
         metrics["rollout/used_rollout_log_probs"] = float(use_rollout)
-        if use_rollout:
-            batch.batch[OLD_LOG_PROBS] = batch.batch[ROLLOUT_LOG_PROBS]
-            return
-        if self.on_policy:
-            return  # the update computes them before its optimizer step and returns them (update_actor)
+        batch.meta_info[OLD_POLICY] = "rollout" if use_rollout else "trainer"
+        if use_rollout or self.on_policy:
+            return  # the update takes its old policy as configured, and returns the trainer's log-probs (update_actor)
         batch.union(take_metrics(self.groups.actor_rollout.compute_log_prob(batch), metrics))
         self.measure_log_prob_mismatch(batch, metrics)
 
+    def loss_masks_and_weights(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """What leaves the updates, and how the policy loss weighs the rest (after the advantages, which
+        every sample shapes): the rollout correction's weights and rejections, and truncated responses."""
+        algorithm, tensors = self.config.algorithm, batch.batch
+        correction = algorithm.rollout_correction
+        if correction.enabled:  # on_policy_update is off then: the old log-probs are here
+            result = rollout_correction(
+                tensors[OLD_LOG_PROBS], tensors[ROLLOUT_LOG_PROBS], tensors[RESPONSE_MASK], correction
+            )
+            metrics.update(result.metrics)
+            tensors[RESPONSE_MASK] = tensors[RESPONSE_MASK] * result.keep
+            if result.weights is not None:
+                tensors[ROLLOUT_IS_WEIGHTS] = result.weights
+        if algorithm.mask_truncated_responses:
+            truncated = tensors[TRUNCATED]
+            tensors[RESPONSE_MASK] = tensors[RESPONSE_MASK] * ~truncated[:, None]
+            metrics["response/masked_truncated_ratio"] = truncated.float().mean().item()
+
     def update_actor(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """The policy update; on an on-policy step without old log-probs, it returns the ones it
-        computed before its optimizer step (with their entropy), for the metrics."""
+        """The policy update; without old log-probs (an on-policy step, or the rollout's as the old
+        policy), it returns the trainer's log-probs of each row's first forward (and entropy), for the metrics."""
         computed_old_log_probs = OLD_LOG_PROBS not in batch.batch.keys()
         batch.union(take_metrics(self.groups.actor_rollout.update_actor(batch), metrics))
         if computed_old_log_probs:
             self.measure_log_prob_mismatch(batch, metrics)
 
     def measure_log_prob_mismatch(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """The trainer-vs-rollout gap: ``rollout/log_prob_diff_*`` and the ``rollout_corr/*`` diagnostics
+        (the rollout correction adds what it did to these when it runs)."""
+        tensors = batch.batch
+        metrics.update(
+            correction_diagnostics(tensors[OLD_LOG_PROBS], tensors[ROLLOUT_LOG_PROBS], generated_mask(batch))
+        )
         mismatch = log_prob_mismatch(batch)
         metrics.update(mismatch)
         self.last_log_prob_diff = mismatch.get("rollout/log_prob_diff_mean")
 
-    def greedy_baseline(self, prompts: DataProto) -> torch.Tensor:
+    def greedy_baseline(self, prompts: DataProto, round_index: int) -> torch.Tensor:
         """ReMax's baseline: the reward of one greedy response per prompt, repeated over its n samples."""
-        greedy = self.rollout(prompts.select(deepcopy=True), "greedy", {})
+        greedy = self.rollout(prompts.select(deepcopy=True), "greedy", {}, round_index)
         scores = self.score(greedy, {}, shaped=True).sum(dim=1)
         return scores.repeat_interleave(self.config.actor_rollout_ref.rollout.n)
 
@@ -268,9 +347,11 @@ class RayPPOTrainer:
     def compute_advantage(self, batch: DataProto, metrics: dict[str, float]) -> None:
         tensors, algorithm = batch.batch, self.config.algorithm
         if algorithm.use_kl_in_reward:
+            # the old policy's log-probs: the trainer's, or the rollout's in bypass mode
+            old_policy = tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in tensors.keys() else tensors[ROLLOUT_LOG_PROBS]
             rewards, kl_metrics = apply_kl_penalty(
                 tensors[TOKEN_LEVEL_SCORES],
-                tensors[OLD_LOG_PROBS],
+                old_policy,
                 tensors[REF_LOG_PROB],
                 tensors[RESPONSE_MASK],
                 self.kl_ctrl,

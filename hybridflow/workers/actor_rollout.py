@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.batch_keys import GLOBAL_STEP, METRICS, SAMPLING
+from hybridflow.batch_keys import GLOBAL_STEP, METRICS, SAMPLING, SAMPLING_ROUND
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters
@@ -46,7 +46,9 @@ class ActorRolloutWorker(Worker):
     def _sampling(self, meta_info: dict) -> SamplingParams:
         """The call's settings: training (rollout.*), validation (rollout.val_kwargs) or greedy (ReMax's baseline)."""
         cfg = self.config.rollout
-        seed = cfg.sampling_seed(step=int(meta_info[GLOBAL_STEP]), rank=self.rank)
+        # dynamic sampling's round r of a step samples as ranks r·W .. r·W+W-1 would: seeds stay distinct
+        rank = self.rank + int(meta_info.get(SAMPLING_ROUND, 0)) * self.world_size
+        seed = cfg.sampling_seed(step=int(meta_info[GLOBAL_STEP]), rank=rank)
         sampling = meta_info[SAMPLING]
         if sampling == "greedy":
             return SamplingParams.greedy(max_new_tokens=cfg.response_length, seed=seed)
@@ -88,7 +90,8 @@ class ActorRolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
     def update_actor(self, data: DataProto) -> DataProto:
         """The policy update; its metrics in the output. Given a batch without old_log_probs (an
-        on-policy step), the old log-probs and entropy it took from its own forward come back too."""
+        on-policy step, or the bypass mode: the rollout's log-probs as the old policy), the log-probs
+        and entropy of each row's first forward come back too (PolicyEngine.update_policy)."""
         cfg = self.config
         mini_batch = samples_per_rank(
             cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size"

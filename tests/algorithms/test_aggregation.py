@@ -77,3 +77,15 @@ def test_accumulated_micro_batches_equal_the_whole(batch, length, n_micro, mode,
     (grad_acc,) = torch.autograd.grad(accumulated, weights)
     torch.testing.assert_close(accumulated, whole)
     torch.testing.assert_close(grad_acc, grad_whole)
+
+
+def test_token_weights_multiply_the_per_token_losses():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    weights = torch.tensor([[2.0, 0.0, 9.0], [1.0, 1.0, 0.5]])
+    agg = LossAggregation("token-mean").weighted(weights)
+    # (1·2 + 2·0 + 4·1 + 5·1 + 6·0.5) / 5 tokens: the counts stay the mask's
+    assert agg_loss(loss, mask, agg).item() == pytest.approx(14.0 / 5)
+    seq = LossAggregation("seq-mean-token-sum").weighted(weights)
+    assert agg_loss(loss, mask, seq).item() == pytest.approx((2.0 + 12.0) / 2)
+    assert LossAggregation("token-mean").weighted(None).token_weights is None

@@ -61,7 +61,9 @@ class NativeRollout(Rollout):
         responses, log_probs = self.engine.generate(token_lists, params, self.stop_token_ids, self.pad_token_id)
         responses, log_probs = responses.to(prompt_ids.device), log_probs.to(prompt_ids.device)
         mask = response_mask_from(responses, self.stop_token_ids) if self.stop_token_ids else torch.ones_like(responses)
-        batch = assemble_batch(prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id)
+        batch = assemble_batch(
+            prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id, self.stop_token_ids
+        )
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
 
     @torch.no_grad()
