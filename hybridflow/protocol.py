@@ -421,6 +421,9 @@ class DataProtoFuture:
     collect_fn: Callable[[list[DataProto]], DataProto]
     futures: list[Any]
     dispatch_fn: Callable[[DataProto], DataProto] | None = None
+    # the producing group's wait on the driver: a failed rank becomes a WorkerError naming it (not
+    # sent to workers, which resolve with plain ray.get)
+    wait_fn: Callable[[list[Any]], list[DataProto]] | None = None
 
     def chunk(self, chunks: int) -> list[DataProtoFuture]:
         if self.dispatch_fn is not None:
@@ -433,8 +436,12 @@ class DataProtoFuture:
     def get(self) -> DataProto:
         import ray
 
-        data = self.collect_fn(ray.get(self.futures))
+        outputs = self.wait_fn(self.futures) if self.wait_fn is not None else ray.get(self.futures)
+        data = self.collect_fn(outputs)
         return self.dispatch_fn(data) if self.dispatch_fn is not None else data
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "wait_fn": None}
 
 
 def materialize(value: Any) -> Any:

@@ -6,7 +6,10 @@
 - advantage.py    AdvantageConfig and the estimator registry (algorithm.adv_estimator)
 - estimators.py   gae, grpo, rloo, reinforce_plus_plus(_baseline), remax, opo, gpg, grpo_passk, pass_at_k
 - policy_loss.py  PolicyLossConfig, the loss registry (actor.policy_loss.loss_mode) and
-                  vanilla, gspo, gpg, cispo; cov_losses.py: clip_cov, kl_cov
+                  vanilla, gspo, gpg, cispo; cov_losses.py: clip_cov, kl_cov; soft_losses.py:
+                  geo_mean, sapo, dro; dppo_losses.py: dppo_tv, dppo_kl
+- rollout_correction.py  importance weights / rejection between trainer and rollout, diagnostics
+- dynamic_sampling.py    DAPO's group filter (algorithm.filter_groups)
 - value_loss.py   clipped critic loss
 - kl.py           KL estimators, KL controllers (KLControlConfig), KL in the reward or as a loss
 - entropy.py      entropy and log-probs from logits
@@ -15,7 +18,9 @@ docs/algorithms.md lists every estimator, loss and KL type with its formula.
 """
 
 from hybridflow.algorithms import cov_losses as _cov_losses  # noqa: F401  (registers clip_cov, kl_cov)
+from hybridflow.algorithms import dppo_losses as _dppo_losses  # noqa: F401  (registers dppo_tv, dppo_kl)
 from hybridflow.algorithms import estimators as _estimators  # noqa: F401  (registers the estimators)
+from hybridflow.algorithms import soft_losses as _soft_losses  # noqa: F401  (registers geo_mean, sapo, dro)
 from hybridflow.algorithms.advantage import (
     AdvantageConfig,
     AdvantageEstimator,

@@ -40,15 +40,18 @@ class PolicyLossConfig:
     """Settings of the policy losses (`actor_rollout_ref.actor.policy_loss.*`)."""
 
     loss_mode: str  # a registered policy loss (list_policy_losses())
-    clip_ratio: float  # PPO ε, used for both sides unless clip_ratio_low/high are set
+    clip_ratio: float  # PPO ε, used for both sides unless clip_ratio_low/high are set (geo_mean: in log space; dppo: δ)
     clip_ratio_low: float | None  # ε_low: ratio floor 1 - ε_low (None: clip_ratio)
     clip_ratio_high: float | None  # ε_high: ratio ceiling 1 + ε_high (DAPO clip-higher; None: clip_ratio)
-    clip_ratio_c: float  # dual-clip bound c > 1 on the ratio for A < 0 (vanilla)
+    clip_ratio_c: float  # dual-clip bound c > 1 on the ratio for A < 0 (vanilla); dppo: the importance-weight cap
     clip_cov_ratio: float  # clip_cov: fraction of response tokens whose gradient is detached
     clip_cov_lb: float  # clip_cov: lower bound of the covariance of eligible tokens
     clip_cov_ub: float  # clip_cov: upper bound of the covariance of eligible tokens
     kl_cov_ratio: float  # kl_cov: fraction of response tokens that get the KL penalty
     ppo_kl_coef: float  # kl_cov: coefficient of |log r| on the selected tokens
+    tau_pos: float  # sapo: gate temperature for tokens with A > 0
+    tau_neg: float  # sapo: gate temperature for tokens with A <= 0
+    dro_beta: float  # dro: weight of the quadratic log-ratio penalty
     log_ratio_clamp: float  # |log r| is clamped to this before exp, for stability
 
     def __post_init__(self) -> None:
@@ -60,6 +63,8 @@ class PolicyLossConfig:
         require_positive(self.clip_cov_ratio, "clip_cov_ratio")
         require_positive(self.kl_cov_ratio, "kl_cov_ratio")
         require_positive(self.log_ratio_clamp, "log_ratio_clamp")
+        for name in ("tau_pos", "tau_neg", "dro_beta"):
+            require_positive(getattr(self, name), name)
 
     def clip_bounds(self) -> tuple[float, float]:
         """(ε_low, ε_high), each falling back to clip_ratio."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,29 +64,40 @@ class WorkerHost:
         self.specs = specs
         self.roles: dict[str, Worker] = {}
         self.methods = {name: set(registered_methods(spec.cls)) for name, spec in specs.items()}
+        self.spans: list[tuple[str, str, float, float]] = []  # (role, method, start, end), wall-clock seconds
 
     def node_address(self) -> tuple[str, int, str]:
         return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
     def setup(self, env: DistEnv, num_threads: int) -> int:
+        building = None
         try:
             torch.set_num_threads(num_threads)
             init_distributed(env)
-            for name, spec in self.specs.items():
-                self.roles[name] = spec.cls(*spec.args, **spec.kwargs)
+            for building, spec in self.specs.items():
+                self.roles[building] = spec.cls(*spec.args, **spec.kwargs)
         except BaseException as error:
-            raise _HostedError(error, traceback.format_exc()) from error
+            where = f"while building role '{building}' of this process:\n" if building else ""
+            raise _HostedError(error, where + traceback.format_exc()) from error
         return os.getpid()
 
     def call(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
         if method not in self.methods.get(role, ()):
             raise AttributeError(f"role '{role}' has no @register'ed method '{method}'")
         try:
-            args = tuple(materialize(a) for a in args)
+            args = tuple(materialize(a) for a in args)  # waiting for another group's output is not this call's work
             kwargs = {k: materialize(v) for k, v in kwargs.items()}
-            return getattr(self.roles[role], method)(*args, **kwargs)
+            start = time.time()
+            result = getattr(self.roles[role], method)(*args, **kwargs)
+            self.spans.append((role, method, start, time.time()))
+            return result
         except BaseException as error:
             raise _HostedError(error, traceback.format_exc()) from error
+
+    def take_spans(self) -> list[tuple[str, str, float, float]]:
+        """The (role, method, start, end) of every call since the last take, and forget them."""
+        spans, self.spans = self.spans, []
+        return spans
 
     def mesh_coord(self, role: str, mesh_name: str) -> MeshCoord:
         return self.roles[role].dispatch_mesh(mesh_name)
@@ -187,6 +199,11 @@ class RayWorkerGroup(WorkerGroup):
 
     def _fetch_mesh(self, mesh_name: str) -> list[MeshCoord]:
         return ray.get([h.mesh_coord.remote(self.role, mesh_name) for h in self.hosts])
+
+    def take_spans(self) -> list[list[tuple[str, str, float, float]]]:
+        """Per rank, the (role, method, start, end) of the calls its process ran since the last take
+        (every role it hosts: colocated groups share the processes)."""
+        return ray.get([host.take_spans.remote() for host in self.hosts])
 
     def kill(self) -> None:
         for host in self.hosts:

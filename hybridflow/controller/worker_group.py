@@ -34,6 +34,25 @@ def _first(outputs: list) -> Any:
     return outputs[0]
 
 
+class GroupMethod:
+    """A ``@register``ed method seen from the driver: ``group.method(...)`` calls it on the ranks as
+    its registration says (blocking or not); ``group.method.future(...)`` always returns at once, with
+    a DataProtoFuture (DataProto-collecting methods) or a GroupFuture to resolve where the data is
+    needed, so calls to groups on different resource pools run at the same time."""
+
+    def __init__(self, group: WorkerGroup, name: str, spec: MethodSpec, doc: str | None):
+        self.group = group
+        self.__name__ = name
+        self.__doc__ = doc
+        self.spec = spec
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.group._call(self.__name__, self.spec, args, kwargs)
+
+    def future(self, *args: Any, **kwargs: Any) -> DataProtoFuture | GroupFuture:
+        return self.group._call(self.__name__, self.spec, args, kwargs, blocking=False)
+
+
 class WorkerGroup(ABC):
     """``group.method(*args)`` dispatches the arguments over the ranks, runs the method of the same
     name on every rank (or on rank 0), and collects the outputs, as the method's ``@register`` says.
@@ -50,15 +69,10 @@ class WorkerGroup(ABC):
         for method_name, spec in self.method_specs.items():
             setattr(self, method_name, self._group_method(method_name, spec))
 
-    def _group_method(self, method_name: str, spec: MethodSpec) -> Callable:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return self._call(method_name, spec, args, kwargs)
+    def _group_method(self, method_name: str, spec: MethodSpec) -> GroupMethod:
+        return GroupMethod(self, method_name, spec, getattr(self.worker_cls, method_name).__doc__)
 
-        call.__name__ = method_name
-        call.__doc__ = getattr(self.worker_cls, method_name).__doc__
-        return call
-
-    def _call(self, method_name: str, spec: MethodSpec, args: tuple, kwargs: dict) -> Any:
+    def _call(self, method_name: str, spec: MethodSpec, args: tuple, kwargs: dict, blocking: bool | None = None) -> Any:
         mode = spec.dispatch_mode
         plan: DispatchPlan = mode.dispatch(self.layout, args, kwargs)
         if len(plan.args) != self.world_size or len(plan.kwargs) != self.world_size:
@@ -72,13 +86,14 @@ class WorkerGroup(ABC):
             collect = partial(mode.collect, spec=plan.collect)
             selected_ranks = plan.collect.ranks
         futures = [self._execute(r, method_name, plan.args[r], plan.kwargs[r]) for r in ranks]
-        if spec.blocking:
+        if spec.blocking if blocking is None else blocking:
             outputs = self._wait(method_name, futures, ranks)
             return collect(outputs if selected_ranks is None else [outputs[r] for r in selected_ranks])
         if selected_ranks is not None:
             futures, ranks = [futures[r] for r in selected_ranks], list(selected_ranks)
         if mode.returns_proto and spec.execute_mode is Execute.ALL:
-            return DataProtoFuture(collect_fn=collect, futures=futures)
+            wait = partial(self._wait, method_name, ranks=ranks)
+            return DataProtoFuture(collect_fn=collect, futures=futures, wait_fn=wait)
         return GroupFuture(futures, collect, partial(self._wait, method_name, ranks=ranks))
 
     @abstractmethod

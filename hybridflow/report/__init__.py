@@ -1,4 +1,5 @@
-"""Reports of a training run: PNG curves and one self-contained HTML page from ``<run_dir>/metrics.jsonl``.
+"""Reports of a training run: PNG curves and one self-contained HTML page from ``<run_dir>/metrics.jsonl``
+(and the Gantt chart of its last steps per resource pool from ``<run_dir>/timeline.jsonl``).
 
 hybridflow report runs/hybridflow/run        # or: python -m hybridflow.report runs/hybridflow/run
 -> runs/hybridflow/run/report/report.html and runs/hybridflow/run/report/*.png
@@ -28,10 +29,23 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     metrics = load_metrics(metrics_file)
     figures = [(spec.title, path) for spec, path in draw_all(metrics, out)]
+    figures += _timeline_figure(run_dir, out)
     config = run_dir / "config.yaml"
     page = out / "report.html"
     page.write_text(render_page(run_dir, metrics, figures, config.read_text() if config.is_file() else None))
     return page
+
+
+def _timeline_figure(run_dir: Path, out: Path) -> list[tuple[str, Path]]:
+    """The Gantt chart of the last steps' spans per pool, when the run wrote a timeline."""
+    from hybridflow.report.timeline import TIMELINE_FILE, draw_timeline, load_timeline
+
+    path = out / "timeline.png"
+    source = run_dir / TIMELINE_FILE
+    if source.is_file() and draw_timeline(load_timeline(source), path):
+        return [("Timeline per resource pool", path)]
+    path.unlink(missing_ok=True)
+    return []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from hybridflow.controller import Role
 from hybridflow.models import list_builtin_models
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.placement import PlacementPlan, placement_plan
 from hybridflow.trainer.roles import needed_roles
 from hybridflow.trainer.tracking import check_loggers
 
@@ -57,15 +58,15 @@ def _check_model_path(path: str, key: str) -> None:
     )
 
 
-def _check_batch_sizes(cfg: HybridFlowConfig) -> None:
-    world = cfg.world_size
+def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     train = cfg.data.train_batch_size
-    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor)]
-    if Role.Critic in needed_roles(cfg):
-        sections.append(("critic", cfg.critic))
-    for prefix, section in sections:
+    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, Role.ActorRollout)]
+    if Role.Critic in plan.role_pool:
+        sections.append(("critic", cfg.critic, Role.Critic))
+    for prefix, section, role in sections:
         mini = section.ppo_mini_batch_size
+        world = plan.world_size(role)
         _check(
             train % mini == 0,
             f"{prefix}.ppo_mini_batch_size",
@@ -75,8 +76,10 @@ def _check_batch_sizes(cfg: HybridFlowConfig) -> None:
         _check(
             (mini * n) % world == 0,
             f"{prefix}.ppo_mini_batch_size",
-            f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over {world} ranks",
-            "make ppo_mini_batch_size * rollout.n a multiple of nnodes * n_workers_per_node",
+            f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} ranks of "
+            f"pool '{plan.role_pool[role]}' ({role.value})",
+            "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
+            "or its trainer.resource_pool_spec entry)",
         )
 
 
@@ -117,14 +120,14 @@ def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
 
 def local_cluster_cpus(cfg: HybridFlowConfig) -> int:
     """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
-    to what the workers reserve (threads per worker bound the real CPU use, so a small machine may host
-    more ranks than it has cores)."""
+    to what the workers of every pool reserve (threads per worker bound the real CPU use, so a small
+    machine may host more ranks than it has cores)."""
     trainer = cfg.trainer
-    reserved = math.ceil(cfg.world_size * trainer.cpus_per_worker)
+    reserved = math.ceil(placement_plan(cfg).processes * trainer.cpus_per_worker)
     return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
 
 
-def _check_local_cluster(cfg: HybridFlowConfig) -> None:
+def _check_local_cluster(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
     """A local Ray cluster is this one machine: the workers must fit on it (a joined cluster: check_cluster)."""
     trainer = cfg.trainer
     _check(
@@ -133,6 +136,13 @@ def _check_local_cluster(cfg: HybridFlowConfig) -> None:
         f"{trainer.nnodes} nodes asked for, but a local Ray cluster is this one machine",
         "set trainer.nnodes=1, or join a cluster of that many nodes with trainer.ray_address",
     )
+    for name, nodes in plan.pools.items():
+        _check(
+            len(nodes) == 1,
+            f"trainer.resource_pool_spec.{name}",
+            f"pool '{name}' spans {len(nodes)} nodes, but a local Ray cluster is this one machine",
+            "give one process count per pool, e.g. [2], or join a cluster with trainer.ray_address",
+        )
     cores = os.cpu_count() or 1
     _check(
         trainer.cpus_per_worker <= (trainer.ray_num_cpus or cores),
@@ -141,21 +151,28 @@ def _check_local_cluster(cfg: HybridFlowConfig) -> None:
         + (f" and trainer.ray_num_cpus={trainer.ray_num_cpus}" if trainer.ray_num_cpus else ""),
         f"set trainer.cpus_per_worker to at most {trainer.ray_num_cpus or cores}",
     )
-    reserved = cfg.world_size * trainer.cpus_per_worker
+    reserved = plan.processes * trainer.cpus_per_worker
     _check(
         reserved <= local_cluster_cpus(cfg),
         "trainer.ray_num_cpus",
-        f"{cfg.world_size} ranks x {trainer.cpus_per_worker} CPUs = {reserved} do not fit in {trainer.ray_num_cpus}",
+        f"{plan.processes} ranks in pools {plan.pools} x {trainer.cpus_per_worker} CPUs = {reserved} do not fit "
+        f"in {trainer.ray_num_cpus}",
         "raise trainer.ray_num_cpus, or set it to 0 (sized to the workers)",
     )
     if trainer.device == "cuda":
         gpus = torch.cuda.device_count()
         _check(
-            trainer.n_workers_per_node <= gpus,
-            "trainer.n_workers_per_node",
-            f"{trainer.n_workers_per_node} ranks need a GPU each; {gpus} are visible",
-            f"set trainer.n_workers_per_node to at most {gpus}",
+            plan.processes <= gpus,
+            "trainer.placement",
+            f"the pools {plan.pools} hold {plan.processes} ranks that need a GPU each; {gpus} are visible",
+            f"use at most {gpus} ranks over all pools (fewer per pool, or colocate roles)",
         )
+
+
+def pool_processes_per_node(plan: PlacementPlan) -> list[int]:
+    """Processes on node i summed over the pools (a pool's i-th entry is on the cluster's i-th node)."""
+    width = max(len(nodes) for nodes in plan.pools.values())
+    return [sum(nodes[i] for nodes in plan.pools.values() if i < len(nodes)) for i in range(width)]
 
 
 def check_cluster(cfg: HybridFlowConfig) -> None:
@@ -169,13 +186,15 @@ def check_cluster(cfg: HybridFlowConfig) -> None:
         f"{trainer.nnodes} nodes asked for; the Ray cluster at {trainer.ray_address} has {len(nodes)}",
         f"set trainer.nnodes to at most {len(nodes)}, or add nodes to the cluster",
     )
-    need_cpus = trainer.n_workers_per_node * trainer.cpus_per_worker
-    need_gpus = trainer.n_workers_per_node if trainer.device == "cuda" else 0
+    per_node = pool_processes_per_node(placement_plan(cfg))
+    busiest = max(per_node)
+    need_cpus = busiest * trainer.cpus_per_worker
+    need_gpus = busiest if trainer.device == "cuda" else 0
     fitting = [r for r in nodes if r.get("CPU", 0) >= need_cpus and r.get("GPU", 0) >= need_gpus]
     _check(
-        len(fitting) >= trainer.nnodes,
+        len(fitting) >= len(per_node),
         "trainer.cpus_per_worker",
-        f"each of {trainer.nnodes} nodes must hold {trainer.n_workers_per_node} ranks x {trainer.cpus_per_worker} CPUs"
+        f"each of {len(per_node)} nodes must hold up to {busiest} ranks (all pools) x {trainer.cpus_per_worker} CPUs"
         + (f" and {need_gpus} GPUs" if need_gpus else "")
         + f"; the cluster's nodes have {[(r.get('CPU', 0), r.get('GPU', 0)) for r in nodes]} (CPUs, GPUs)",
         "lower trainer.cpus_per_worker or trainer.n_workers_per_node",
@@ -192,7 +211,8 @@ def check_config(cfg: HybridFlowConfig) -> None:
         _check_model_path(cfg.critic.model.path, "critic.model.path")
     if cfg.reward_model.enable:
         _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
-    _check_batch_sizes(cfg)
+    plan = placement_plan(cfg)  # ConfigError for a placement that leaves a role without a pool
+    _check_batch_sizes(cfg, plan)
     _check_group_size(cfg)
     overlong = cfg.reward.overlong_buffer
     _check(
@@ -212,7 +232,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
         "trainer.device=cpu",
     )
     if not trainer.ray_address:
-        _check_local_cluster(cfg)
+        _check_local_cluster(cfg, plan)
     try:
         check_loggers(trainer.logger)
     except ImportError as error:

@@ -31,6 +31,7 @@ from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
 DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
+PLACEMENTS = ("all_colocate", "group_colocate", "separate", "custom")  # see trainer/placement.py
 
 
 @dataclass(kw_only=True)
@@ -46,6 +47,9 @@ class TrainerConfig:
     device: str  # cpu (gloo) | cuda (nccl)
     cpus_per_worker: float  # CPUs reserved per rank in the Ray placement group
     threads_per_worker: int  # torch threads per rank (0: cpus_per_worker, at least 1)
+    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model) | separate | custom
+    resource_pool_spec: dict[str, list[int]]  # custom: pool name -> processes per node, e.g. {actor: [2], critic: [1]}
+    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model) -> pool name
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
     ray_address: str  # join this Ray cluster ("": start a local one)
@@ -73,6 +77,13 @@ class TrainerConfig:
         require_choice(self.device, DEVICES, "device")
         require_positive(self.cpus_per_worker, "cpus_per_worker")
         require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
+        require_choice(self.placement, PLACEMENTS, "placement")
+        require(
+            self.placement == "custom" or not (self.resource_pool_spec or self.role_pool),
+            "placement",
+            f"resource_pool_spec / role_pool are read only with placement=custom, but placement={self.placement}",
+            "set trainer.placement=custom, or drop the pools",
+        )
         require_positive(self.max_colocate_count, "max_colocate_count")
         require_positive(self.placement_timeout_s, "placement_timeout_s")
         require(

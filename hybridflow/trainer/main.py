@@ -11,11 +11,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec, ray_session
+from hybridflow.controller import Role, RoleSpec, ray_session
 from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.reward import RewardManager, load_custom_reward_fn
+from hybridflow.trainer import placement
 from hybridflow.trainer.check_config import check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, load_config
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
@@ -62,19 +63,8 @@ def role_specs(config: HybridFlowConfig, total_steps: int) -> dict[Role, RoleSpe
 
 
 def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
-    """All roles colocated: one process per rank holds the actor (+ rollout), reference, critic, reward model."""
-    trainer = config.trainer
-    pool = RayResourcePool(
-        [trainer.n_workers_per_node] * trainer.nnodes,
-        use_gpu=trainer.device == "cuda",
-        max_colocate_count=trainer.max_colocate_count,
-        cpus_per_worker=trainer.cpus_per_worker,
-        threads_per_worker=trainer.threads_per_worker or None,
-        ready_timeout_s=trainer.placement_timeout_s,
-        name="hybridflow",
-    )
-    groups = RayWorkerGroup.colocated(pool, role_specs(config, total_steps), name="hybridflow")
-    return RoleGroups.from_roles(groups)
+    """The worker groups of every role the run needs, placed as ``trainer.placement`` says."""
+    return placement.build_groups(config, role_specs(config, total_steps))
 
 
 def run(config: HybridFlowConfig) -> dict[str, float]:
@@ -104,9 +94,11 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         total_steps = min(total_steps, config.trainer.total_training_steps)
     run_dir = Path(config.trainer.default_local_dir)
     checkpoint = prepare_run_dir(config)
+    plan = placement.placement_plan(config)
+    pools = ", ".join(f"{name} {sum(nodes)}" for name, nodes in plan.pools.items())
     console.print(
-        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {config.world_size} "
-        f"workers; run dir {run_dir}"
+        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {plan.processes} "
+        f"workers ({config.trainer.placement}: {pools}); run dir {run_dir}"
     )
 
     joined = config.trainer.ray_address

@@ -7,10 +7,16 @@
 Every worker call returns a DataProto; the metrics it measured (the mean over its ranks) come in
 its ``meta_info[METRICS]`` and are taken out by ``take_metrics``, the one way they reach a step's
 metrics.
+
+Calls to stages that do not depend on each other are issued with ``.future(...)`` and resolved
+where their data is needed: on one resource pool Ray runs them in order, on different pools
+(``trainer.placement``) at the same time. The step's timeline (trainer/timeline.py) records which
+pool ran what when; the ``timing_s/*`` metrics come from it.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,18 +49,21 @@ from hybridflow.batch_keys import (
     UID,
     VALUES,
 )
+from hybridflow.controller import Role
 from hybridflow.data import PromptDataLoader
 from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.procfs import resident_gb
-from hybridflow.protocol import DataProto
+from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import data_metrics, generated_mask, log_prob_mismatch, throughput_metrics, timer
+from hybridflow.trainer.placement import placement_plan
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import RoleGroups
 from hybridflow.trainer.rollout_batches import concat_rollouts
+from hybridflow.trainer.timeline import TIMELINE_FILE, StepTimeline
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.val_metrics import validation_metrics
 
@@ -105,7 +114,10 @@ class RayPPOTrainer:
         self.batches = self.train_batches()  # one iterator: dynamic sampling draws more prompts from it
         self.last_log_prob_diff: float | None = None
         self.progress = RunProgress(total_steps, enabled=False)
-        self.checkpoints = CheckpointManager(Path(config.trainer.default_local_dir), config.trainer.max_ckpt_to_keep)
+        self.run_dir = Path(config.trainer.default_local_dir)
+        self.checkpoints = CheckpointManager(self.run_dir, config.trainer.max_ckpt_to_keep)
+        self.plan = placement_plan(config)
+        self.timeline = StepTimeline()  # the current step's; validation before training goes to step 0's
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -120,20 +132,29 @@ class RayPPOTrainer:
             return metrics
         with RunProgress(self.total_steps, start_step=self.global_step) as self.progress:
             if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
-                self.tracking.log(self.validate(), step=0)
+                with self.timeline.driver("validate"):
+                    self.tracking.log(self.validate(), step=0)
+            self.timeline.collect(self.groups)  # validation before training (step 0) or loading a checkpoint
+            if self.global_step == 0:
+                self.timeline.append_to(self.run_dir / TIMELINE_FILE, 0)
             for prompts in self.batches:
                 self.global_step += 1
+                self.timeline = StepTimeline()
                 metrics = self.train_step(prompts)
                 last = self.global_step >= self.total_steps
                 if self.val_batches is not None and (
                     last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)
                 ):
-                    metrics.update(self.validate())
+                    with self.timeline.driver("validate"):
+                        metrics.update(self.validate())
                 if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
                     timings: dict[str, float] = {}
                     with timer("save_checkpoint", timings), self.progress.stage("checkpoint"):
-                        self.save_checkpoint()
+                        with self.timeline.driver("save_checkpoint"):
+                            self.save_checkpoint()
                     metrics["timing_s/save_checkpoint"] = timings["save_checkpoint"]
+                self.timeline.collect(self.groups)
+                self.timeline.append_to(self.run_dir / TIMELINE_FILE, self.global_step)
                 self.tracking.log(metrics, step=self.global_step)
                 self.progress.step_done(self.global_step, metrics)
                 if last:
@@ -170,55 +191,68 @@ class RayPPOTrainer:
         print(f"resumed from {checkpoint} at step {self.global_step}")
 
     def train_step(self, prompts: DataProto) -> dict[str, float]:
-        groups, metrics, timings = self.groups, {}, {}
-        with timer("step", timings):
-            batch = self.experience(prompts, metrics, timings)
-            batch.reorder(self.rank_order(batch))
-            with timer("old_log_prob", timings):
-                self.old_log_probs(batch, metrics)
-            if groups.ref is not None:
-                with timer("ref", timings):
-                    batch.union(take_metrics(groups.ref.compute_ref_log_prob(batch), metrics))
-            if groups.critic is not None:
-                with timer("values", timings):
-                    batch.union(take_metrics(groups.critic.compute_values(batch), metrics))
-            with timer("adv", timings):
-                self.compute_advantage(batch, metrics)
-                self.loss_masks_and_weights(batch, metrics)
-            if groups.critic is not None:
-                with timer("update_critic", timings), self.progress.stage("critic update"):
-                    take_metrics(groups.critic.update_critic(batch), metrics)
-            if self.global_step > self.config.trainer.critic_warmup:
-                with timer("update_actor", timings), self.progress.stage("actor update"):
-                    self.update_actor(batch, metrics)
+        groups, metrics, timeline = self.groups, {}, self.timeline
+        batch = self.experience(prompts, metrics)  # responses in rank order (scored, with dynamic sampling)
+        # the stages that read only the responses, issued at once: where their pools differ, they run together
+        after_generation = [
+            self.old_log_probs(batch, metrics),
+            groups.ref.compute_ref_log_prob.future(batch) if groups.ref is not None else None,
+            groups.critic.compute_values.future(batch) if groups.critic is not None else None,
+        ]
+        if TOKEN_LEVEL_SCORES not in batch.batch.keys():
+            batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
+        with self.progress.stage("log-probs and values"):
+            for output in after_generation:
+                if output is not None:
+                    batch.union(take_metrics(output.get(), metrics))
+        if after_generation[0] is not None:
+            self.measure_log_prob_mismatch(batch, metrics)
+        with timeline.driver("adv"):
+            self.compute_advantage(batch, metrics)
+            self.loss_masks_and_weights(batch, metrics)
+        critic_update = groups.critic.update_critic.future(batch) if groups.critic is not None else None
+        if self.global_step > self.config.trainer.critic_warmup:
+            with self.progress.stage("actor update"):
+                self.update_actor(batch, metrics)
+        if critic_update is not None:
+            with self.progress.stage("critic update"):
+                take_metrics(critic_update.get(), metrics)
+        timeline.collect(groups)
+        timings = timeline.stage_seconds() | {"step": time.time() - timeline.start}
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
-        metrics.update(throughput_metrics(batch, timings, self.config.world_size))
+        metrics.update(throughput_metrics(batch, timings, self.plan.processes))
         metrics["perf/driver_rss_gb"] = resident_gb()
         return metrics
 
     # ---- the stages -----------------------------------------------------------------------
 
-    def experience(self, prompts: DataProto, metrics: dict[str, float], timings: dict[str, float]) -> DataProto:
-        """The step's scored rollouts. With dynamic sampling (``algorithm.filter_groups``), groups whose
-        rewards are all equal are dropped and more prompts generated until the batch is full again."""
-        batch = self.scored_rollout(prompts, 0, metrics, timings)
+    def experience(self, prompts: DataProto, metrics: dict[str, float]) -> DataProto:
+        """The step's rollouts, in rank order. With dynamic sampling (``algorithm.filter_groups``) they are
+        scored here: groups whose rewards are all equal are dropped and more prompts generated until the
+        batch is full again."""
         dynamic = self.config.algorithm.filter_groups
-        if not dynamic.enable:
-            return batch
+        batch = self.generate(prompts, 0, metrics, scored=dynamic.enable)
+        if dynamic.enable:
+            batch = self.informative_batch(batch, len(prompts), metrics)
+        return batch.reorder(self.rank_order(batch))
+
+    def informative_batch(self, batch: DataProto, n_groups: int, metrics: dict[str, float]) -> DataProto:
+        """``n_groups`` groups whose rewards differ, generating more rounds from the loader as needed."""
+        dynamic = self.config.algorithm.filter_groups
         rounds, kept, dropped = [batch], [], []
         while True:
             informative = informative_groups(batch.non_tensor_batch[UID], batch.batch[TOKEN_LEVEL_SCORES].sum(dim=1))
             kept += [uid for uid, differs in informative.items() if differs]
             dropped += [uid for uid, differs in informative.items() if not differs]
-            if len(kept) >= len(prompts) or not dynamic.may_generate(len(rounds)):
+            if len(kept) >= n_groups or not dynamic.may_generate(len(rounds)):
                 break
             more = next(self.batches, None)
             if more is None:  # the data ran out
                 break
-            batch = self.scored_rollout(more, len(rounds), {}, timings)
+            batch = self.generate(more, len(rounds), {}, scored=True)
             rounds.append(batch)
         whole = concat_rollouts(rounds, self.train_loader.dataset.tokenizer.pad_token_id)
-        chosen, filler = select_groups(kept, dropped, len(prompts))
+        chosen, filler = select_groups(kept, dropped, n_groups)
         metrics.update(
             {
                 "dynamic_sampling/gen_rounds": len(rounds),
@@ -229,21 +263,18 @@ class RayPPOTrainer:
         )
         if filler:
             print(
-                f"step {self.global_step}: {filler} of {len(prompts)} groups have equal rewards after {len(rounds)} "
+                f"step {self.global_step}: {filler} of {n_groups} groups have equal rewards after {len(rounds)} "
                 "generation rounds (algorithm.filter_groups.max_num_gen_batches); trained on as filler"
             )
         return whole[rows_of_groups(whole.non_tensor_batch[UID], chosen)]
 
-    def scored_rollout(
-        self, prompts: DataProto, round_index: int, metrics: dict[str, float], timings: dict[str, float]
-    ) -> DataProto:
-        """One generation round: rollouts of ``prompts`` (and ReMax's greedy baseline), with their scores."""
-        with timer("gen", timings), self.progress.stage("generation"):
+    def generate(self, prompts: DataProto, round_index: int, metrics: dict[str, float], scored: bool) -> DataProto:
+        """One generation round: rollouts of ``prompts`` (and ReMax's greedy baseline), scored if asked."""
+        with self.progress.stage("generation"):
             batch = self.rollout(prompts, "train", metrics, round_index)
-        if self.estimator.needs_baseline:
-            with timer("gen_baseline", timings):
+            if self.estimator.needs_baseline:
                 batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts, round_index)
-        with timer("reward", timings):
+        if scored:
             batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
         return batch
 
@@ -267,12 +298,14 @@ class RayPPOTrainer:
         return batch
 
     def rank_order(self, batch: DataProto) -> list[int]:
-        """Rows reordered so that every data-parallel rank gets about as many tokens to compute,
-        with the samples of one prompt on one rank (packing computes their prompt once)."""
-        return balanced_order(packed_lengths(batch), self.config.world_size, groups=list(batch.non_tensor_batch[UID]))
+        """Rows reordered so that every data-parallel rank of the actor gets about as many tokens to
+        compute, with the samples of one prompt on one rank (packing computes their prompt once)."""
+        ranks = self.plan.world_size(Role.ActorRollout)
+        return balanced_order(packed_lengths(batch), ranks, groups=list(batch.non_tensor_batch[UID]))
 
-    def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> None:
-        """The trainer's log-probs of the sampled tokens, or the generator's when configured (and, for auto, close)."""
+    def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProtoFuture | None:
+        """The trainer's log-probs of the sampled tokens (a pending pass), or None where the update supplies
+        the old policy: the generator's log-probs when configured (and, for auto, close), or its own."""
         rollout = self.config.actor_rollout_ref.rollout
         use_rollout = rollout.old_log_prob_source == "rollout" or (
             rollout.old_log_prob_source == "auto"
@@ -283,9 +316,8 @@ class RayPPOTrainer:
         metrics["rollout/used_rollout_log_probs"] = float(use_rollout)
         batch.meta_info[OLD_POLICY] = "rollout" if use_rollout else "trainer"
         if use_rollout or self.on_policy:
-            return  # the update takes its old policy as configured, and returns the trainer's log-probs (update_actor)
-        batch.union(take_metrics(self.groups.actor_rollout.compute_log_prob(batch), metrics))
-        self.measure_log_prob_mismatch(batch, metrics)
+            return None  # the update takes its old policy as configured, and returns the trainer's log-probs
+        return self.groups.actor_rollout.compute_log_prob.future(batch)
 
     def loss_masks_and_weights(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """What leaves the updates, and how the policy loss weighs the rest (after the advantages, which
@@ -333,11 +365,14 @@ class RayPPOTrainer:
     def score(self, batch: DataProto, metrics: dict[str, float], shaped: bool) -> torch.Tensor:
         """Token-level scores (B, R): rule-based or custom reward, plus the reward model's when enabled;
         ``shaped`` (training rewards, not validation): plus the overlong penalty on the last token."""
-        result = self.reward_fn(batch)
+        reward_model = self.groups.reward_model
+        rm_scores = reward_model.compute_rm_score.future(batch) if reward_model is not None else None
+        with self.timeline.driver("reward"):  # the rule-based reward, while the reward model scores
+            result = self.reward_fn(batch)
         metrics.update(result.metrics)
         scores = result.token_level_scores
-        if self.groups.reward_model is not None:
-            scores = scores + self.groups.reward_model.compute_rm_score(batch).batch[RM_SCORES]
+        if rm_scores is not None:
+            scores = scores + rm_scores.get().batch[RM_SCORES]
         overlong = self.config.reward.overlong_buffer
         if shaped and overlong.enable:
             scores, shaping_metrics = apply_overlong_penalty(scores, batch.batch[RESPONSE_MASK], overlong)

@@ -25,18 +25,31 @@ def needed_roles(config: HybridFlowConfig) -> list[Role]:
 
 @dataclass(kw_only=True)
 class RoleGroups:
-    """The worker groups of a run, one field per Role; roles a config does not need are None."""
+    """The worker groups of a run, one field per Role (roles a config does not need are None), and
+    the resource pool each runs on."""
 
     actor_rollout: RayWorkerGroup
     ref: RayWorkerGroup | None
     critic: RayWorkerGroup | None
     reward_model: RayWorkerGroup | None
+    pool_of: dict[Role, str]
 
     @classmethod
-    def from_roles(cls, groups: Mapping[Role, RayWorkerGroup]) -> RoleGroups:
+    def from_roles(cls, groups: Mapping[Role, RayWorkerGroup], pool_of: Mapping[Role, str]) -> RoleGroups:
         return cls(
             actor_rollout=groups[Role.ActorRollout],
             ref=groups.get(Role.RefPolicy),
             critic=groups.get(Role.Critic),
             reward_model=groups.get(Role.RewardModel),
+            pool_of=dict(pool_of),
         )
+
+    def by_pool(self) -> dict[str, RayWorkerGroup]:
+        """One group per pool (the roles of a pool share its processes, so any of them stands for it)."""
+        groups = {Role.ActorRollout: self.actor_rollout, Role.RefPolicy: self.ref, Role.Critic: self.critic}
+        groups[Role.RewardModel] = self.reward_model
+        pools: dict[str, RayWorkerGroup] = {}
+        for role, group in groups.items():
+            if group is not None:
+                pools.setdefault(self.pool_of[role], group)
+        return pools

@@ -17,9 +17,12 @@ from omegaconf import OmegaConf
 from hybridflow.algorithms import get_adv_estimator
 from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound, read_trainer_state
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, to_yaml
+from hybridflow.trainer.timeline import TIMELINE_FILE
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
+# metrics.jsonl and timeline.jsonl hold one record per step (or span): on resume the steps after the
+# checkpoint are dropped (the run redoes them); a fresh run in a used directory sets the old ones aside
 
 # Keys whose change makes a directory's checkpoints mean something else: the models (the shapes of the
 # state), and what the data loader's saved position counts (the files, the batch size, the order).
@@ -56,7 +59,7 @@ def incompatible_keys(saved: Path, config: HybridFlowConfig) -> list[str]:
     return differences
 
 
-def _keep_metrics_up_to(path: Path, step: int) -> int:
+def _keep_records_up_to(path: Path, step: int) -> int:
     """Drop the records of steps after ``step`` (logged after the checkpoint, and about to be redone)."""
     lines = path.read_text().splitlines()
     kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
@@ -100,14 +103,15 @@ def prepare_run_dir(config: HybridFlowConfig) -> Path | None:
                 "change trainer.experiment_name (a new run directory), or set trainer.resume_mode=disable to "
                 "start over here",
             )
-    metrics = run_dir / METRICS_FILE
-    if checkpoint is not None and metrics.is_file():
-        step = read_trainer_state(checkpoint)["global_step"]
-        if dropped := _keep_metrics_up_to(metrics, step):
-            print(f"{METRICS_FILE}: dropped {dropped} record(s) after step {step}, which the resumed run redoes")
-    elif metrics.is_file() and metrics.stat().st_size:
-        kept = metrics.with_name(f"metrics.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
-        metrics.rename(kept)
-        print(f"{run_dir} held metrics of an earlier run without a checkpoint to resume: kept them as {kept.name}")
+    for name in (METRICS_FILE, TIMELINE_FILE):
+        log = run_dir / name
+        if checkpoint is not None and log.is_file():
+            step = read_trainer_state(checkpoint)["global_step"]
+            if dropped := _keep_records_up_to(log, step):
+                print(f"{name}: dropped {dropped} record(s) after step {step}, which the resumed run redoes")
+        elif log.is_file() and log.stat().st_size:
+            kept = log.with_name(f"{log.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+            log.rename(kept)
+            print(f"{run_dir} held {name} of an earlier run without a checkpoint to resume: kept it as {kept.name}")
     saved_config.write_text(to_yaml(config))
     return checkpoint

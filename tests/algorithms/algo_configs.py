@@ -19,6 +19,9 @@ POLICY_LOSS = PolicyLossConfig(
     clip_cov_ub=5.0,
     kl_cov_ratio=0.0002,
     ppo_kl_coef=1.0,
+    tau_pos=1.0,
+    tau_neg=1.05,
+    dro_beta=0.1,
     log_ratio_clamp=20.0,
 )
 

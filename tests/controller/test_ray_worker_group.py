@@ -18,6 +18,7 @@ from hybridflow.controller import (
     Role,
     RoleSpec,
     Worker,
+    WorkerError,
     register,
     start_ray,
 )
@@ -253,3 +254,39 @@ def test_pool_too_large_for_the_cluster_fails_clearly():
     too_big = RayResourcePool([1], cpus_per_worker=1000, ready_timeout_s=2)
     with pytest.raises(RuntimeError, match="could not place them"):
         RayWorkerGroup(too_big, RoleSpec(SumWorker))
+
+
+class SlowOrFailing(Worker):
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)  # blocking when called plainly
+    def work(self, data: DataProto, seconds: float, fail_rank: int) -> DataProto:
+        time.sleep(seconds)
+        if self.rank == fail_rank:
+            raise ArithmeticError(f"rank {self.rank} cannot")
+        return DataProto.from_dict({"y": data.batch["x"] * 2})
+
+
+def test_future_of_a_blocking_method_returns_at_once_and_names_a_failing_rank(pool):
+    group = RayWorkerGroup(pool([2]), RoleSpec(SlowOrFailing), name="slow")
+    data = DataProto.from_dict({"x": torch.arange(4.0)})
+    started = time.time()
+    pending = group.work.future(data, 2.0, -1)
+    assert isinstance(pending, DataProtoFuture) and time.time() - started < 1.5  # did not wait for the 2 s
+    assert pending.get().batch["y"].tolist() == [0.0, 2.0, 4.0, 6.0]
+    assert group.work(data, 0.0, -1).batch["y"].tolist() == [0.0, 2.0, 4.0, 6.0]  # the plain call still blocks
+    with pytest.raises(WorkerError) as raised:
+        group.work.future(data, 0.0, 1).get()
+    assert raised.value.group == "slow" and raised.value.rank == 1 and raised.value.method == "work"
+    assert "ArithmeticError: rank 1 cannot" in str(raised.value)
+
+
+def test_workers_report_the_spans_of_their_calls(pool):
+    group = RayWorkerGroup(pool([2]), RoleSpec(SlowOrFailing), name="slow")
+    group.take_spans()  # construction is not a call
+    before = time.time()
+    group.work(DataProto.from_dict({"x": torch.arange(2.0)}), 0.2, -1)
+    per_rank = group.take_spans()
+    assert len(per_rank) == 2
+    for spans in per_rank:
+        ((role, method, start, end),) = spans
+        assert role == "slow" and method == "work" and before <= start and end - start >= 0.2
+    assert group.take_spans() == [[], []]  # taken once

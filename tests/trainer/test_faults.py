@@ -70,6 +70,11 @@ def fails_before_ray(args: list[str], capsys) -> str:
         (["trainer.default_local_dir=/sys/hybridflow-run"], "trainer.default_local_dir': cannot write to /sys"),
         (["data.train_files=[/no/such.parquet]"], "data.train_files': file '/no/such.parquet' does not exist"),
         (["no_such_section.key=1"], "no_such_section"),
+        (
+            ["trainer.placement=custom", "trainer.resource_pool_spec.a=[3]", "trainer.role_pool.actor_rollout=a"],
+            "do not split over the 3 ranks of pool 'a' (actor_rollout)",
+        ),
+        (["trainer.placement=custom"], "trainer.resource_pool_spec': placement=custom needs named pools"),
     ],
 )
 def test_bad_settings_fail_before_ray(arithmetic_files, tmp_path, capsys, extra, expected):
@@ -185,7 +190,7 @@ def test_a_rerun_without_checkpoints_starts_a_new_metrics_file(arithmetic_files,
     train(args)
     first = (run_dir / "metrics.jsonl").read_text()
     train(args)
-    assert "kept them as metrics.before-" in capsys.readouterr().out
+    assert "kept it as metrics.before-" in capsys.readouterr().out
     kept = list(run_dir.glob("metrics.before-*.jsonl"))
     assert len(kept) == 1 and kept[0].read_text() == first
     assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
@@ -209,7 +214,7 @@ def test_a_joined_cluster_too_small_fails_before_placement():
         with pytest.raises(ConfigError, match="2 nodes asked for; the Ray cluster .* has 1") as caught:
             check_cluster(load_config([*joined, "trainer.nnodes=2"]))
         assert caught.value.key == "trainer.nnodes"
-        with pytest.raises(ConfigError, match="2 ranks x 100.0 CPUs") as caught:
+        with pytest.raises(ConfigError, match=r"up to 2 ranks \(all pools\) x 100.0 CPUs") as caught:
             check_cluster(load_config([*joined, "trainer.cpus_per_worker=100"]))
         assert caught.value.key == "trainer.cpus_per_worker" and time.perf_counter() - start < 5
     finally:

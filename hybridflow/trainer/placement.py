@@ -1,0 +1,119 @@
+"""Placement: which resource pool each model role runs on (``trainer.placement``), and the worker groups.
+
+The HybridFlow paper's three placements, plus an explicit form:
+
+- ``all_colocate``: one pool; every role of the run is fused into one process per rank (one
+  process group), and the stages run one after another.
+- ``group_colocate``: the actor and the reference on pool ``actor``, the critic and the reward
+  model on pool ``critic``: stages of the two groups overlap.
+- ``separate``: one pool per role, named after it.
+- ``custom``: ``trainer.resource_pool_spec`` names the pools with their processes per node (pools
+  may differ in size) and ``trainer.role_pool`` maps each role (actor_rollout, ref, critic,
+  reward_model) to one.
+
+The presets give every pool ``trainer.n_workers_per_node`` processes on each of ``trainer.nnodes``
+nodes, so ``separate`` uses as many processes as the run has roles times that. Roles on one pool
+share its processes; roles on different pools are different Ray actors with their own process
+groups, and the driver's non-blocking calls let them work at the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.roles import RoleGroups, needed_roles
+
+ROLE_NAMES = tuple(role.value for role in Role)
+
+_GROUPS = {Role.ActorRollout: "actor", Role.RefPolicy: "actor", Role.Critic: "critic", Role.RewardModel: "critic"}
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    """Pools (name -> processes per node) and the pool of each role the run needs."""
+
+    pools: dict[str, list[int]]
+    role_pool: dict[Role, str]
+
+    def world_size(self, role: Role) -> int:
+        """Ranks of the pool ``role`` runs on: its data-parallel size."""
+        return sum(self.pools[self.role_pool[role]])
+
+    def roles_on(self, pool: str) -> list[Role]:
+        return [role for role, name in self.role_pool.items() if name == pool]
+
+    @property
+    def processes(self) -> int:
+        return sum(sum(nodes) for nodes in self.pools.values())
+
+
+def placement_plan(config: HybridFlowConfig) -> PlacementPlan:
+    """The pools and the role -> pool map of ``config``; ConfigError naming the key when it does not fit."""
+    trainer = config.trainer
+    roles = needed_roles(config)
+    per_pool = [trainer.n_workers_per_node] * trainer.nnodes
+    if trainer.placement == "all_colocate":
+        return PlacementPlan({"global": per_pool}, {role: "global" for role in roles})
+    if trainer.placement == "group_colocate":
+        role_pool = {role: _GROUPS[role] for role in roles}
+        return PlacementPlan({name: list(per_pool) for name in dict.fromkeys(role_pool.values())}, role_pool)
+    if trainer.placement == "separate":
+        return PlacementPlan({role.value: list(per_pool) for role in roles}, {role: role.value for role in roles})
+    return _custom_plan(config, roles)
+
+
+def _custom_plan(config: HybridFlowConfig, roles: list[Role]) -> PlacementPlan:
+    trainer = config.trainer
+    spec, mapping = trainer.resource_pool_spec, trainer.role_pool
+    example = "trainer.resource_pool_spec={actor:[2],critic:[1]} trainer.role_pool={actor_rollout:actor,critic:critic}"
+    if not spec:
+        raise ConfigError("trainer.resource_pool_spec", "placement=custom needs named pools", f"e.g. {example}")
+    for name, nodes in spec.items():
+        if not nodes or any(int(n) < 1 for n in nodes):
+            raise ConfigError(
+                f"trainer.resource_pool_spec.{name}",
+                f"{nodes} is not a list of process counts per node (each >= 1)",
+                "e.g. [2] for 2 processes on one node",
+            )
+    for role_name, pool in mapping.items():
+        if role_name not in ROLE_NAMES:
+            raise ConfigError(f"trainer.role_pool.{role_name}", "no such role", f"roles are {', '.join(ROLE_NAMES)}")
+        if pool not in spec:
+            raise ConfigError(
+                f"trainer.role_pool.{role_name}",
+                f"pool '{pool}' is not in trainer.resource_pool_spec ({', '.join(spec)})",
+                "name a pool of trainer.resource_pool_spec, or add it there",
+            )
+    missing = [role.value for role in roles if role.value not in mapping]
+    if missing:
+        raise ConfigError(
+            "trainer.role_pool",
+            f"this run needs the roles {', '.join(r.value for r in roles)}, and {', '.join(missing)} have no pool",
+            f"map each to a pool, e.g. trainer.role_pool.{missing[0]}={next(iter(spec))}",
+        )
+    role_pool = {role: mapping[role.value] for role in roles}
+    used = dict.fromkeys(role_pool.values())
+    return PlacementPlan({name: [int(n) for n in spec[name]] for name in used}, role_pool)
+
+
+def build_groups(config: HybridFlowConfig, specs: dict[Role, RoleSpec]) -> RoleGroups:
+    """One Ray worker group per pool, its roles fused into one process per rank; a view per role."""
+    trainer = config.trainer
+    plan = placement_plan(config)
+    groups: dict[Role, RayWorkerGroup] = {}
+    for pool_name, nodes in plan.pools.items():
+        pool = RayResourcePool(
+            nodes,
+            use_gpu=trainer.device == "cuda",
+            max_colocate_count=trainer.max_colocate_count,
+            cpus_per_worker=trainer.cpus_per_worker,
+            threads_per_worker=trainer.threads_per_worker or None,
+            ready_timeout_s=trainer.placement_timeout_s,
+            name=pool_name,
+        )
+        pool_specs = {role.value: specs[role] for role in plan.roles_on(pool_name)}
+        views = RayWorkerGroup.colocated(pool, pool_specs, name=pool_name)
+        groups.update({Role(name): view for name, view in views.items()})
+    return RoleGroups.from_roles(groups, pool_of=plan.role_pool)

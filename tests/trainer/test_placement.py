@@ -1,0 +1,117 @@
+"""Placement plans from config, without Ray: presets, the explicit form, and its errors."""
+
+import pytest
+
+from hybridflow.controller import Role
+from hybridflow.trainer.check_config import pool_processes_per_node
+from hybridflow.trainer.config import ConfigError, load_config
+from hybridflow.trainer.placement import PlacementPlan, placement_plan
+
+PPO_ALL_ROLES = [
+    "algorithm.adv_estimator=gae",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "reward_model.enable=true",
+    "reward_model.model.path=tiny-llama",
+]
+
+
+def plan_of(*overrides: str) -> PlacementPlan:
+    return placement_plan(load_config([*PPO_ALL_ROLES, *overrides]))
+
+
+def test_all_colocate_is_one_pool_for_every_role():
+    plan = plan_of("trainer.n_workers_per_node=2")
+    assert plan.pools == {"global": [2]}
+    assert set(plan.role_pool) == set(Role) and set(plan.role_pool.values()) == {"global"}
+    assert plan.processes == 2 and plan.world_size(Role.Critic) == 2
+
+
+def test_group_colocate_pairs_actor_with_ref_and_critic_with_reward_model():
+    plan = plan_of("trainer.placement=group_colocate", "trainer.n_workers_per_node=1")
+    assert plan.pools == {"actor": [1], "critic": [1]}
+    assert plan.roles_on("actor") == [Role.ActorRollout, Role.RefPolicy]
+    assert plan.roles_on("critic") == [Role.Critic, Role.RewardModel]
+
+
+def test_group_colocate_without_critic_or_reward_model_is_one_pool():
+    plan = placement_plan(load_config(["trainer.placement=group_colocate"]))  # GRPO: the actor alone
+    assert plan.pools == {"actor": [2]} and list(plan.role_pool) == [Role.ActorRollout]
+
+
+def test_separate_gives_each_role_its_own_pool():
+    plan = plan_of("trainer.placement=separate", "trainer.n_workers_per_node=1")
+    assert plan.pools == {"actor_rollout": [1], "ref": [1], "critic": [1], "reward_model": [1]}
+    assert plan.processes == 4
+
+
+def test_custom_pools_of_different_sizes():
+    plan = plan_of(
+        "trainer.placement=custom",
+        "trainer.resource_pool_spec.train=[2]",
+        "trainer.resource_pool_spec.small=[1]",
+        "trainer.role_pool.actor_rollout=train",
+        "trainer.role_pool.ref=train",
+        "trainer.role_pool.critic=small",
+        "trainer.role_pool.reward_model=small",
+    )
+    assert plan.world_size(Role.ActorRollout) == 2 and plan.world_size(Role.Critic) == 1
+    assert plan.processes == 3
+
+
+def test_custom_pools_not_used_by_this_run_are_not_started():
+    plan = placement_plan(
+        load_config(
+            [
+                "trainer.placement=custom",
+                "trainer.resource_pool_spec.a=[2]",
+                "trainer.resource_pool_spec.b=[1]",
+                "trainer.role_pool.actor_rollout=a",
+                "trainer.role_pool.critic=b",  # GRPO has no critic
+            ]
+        )
+    )
+    assert plan.pools == {"a": [2]}
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (["trainer.placement=custom"], "trainer.resource_pool_spec", "needs named pools"),
+        (
+            ["trainer.placement=custom", "trainer.resource_pool_spec.a=[2]", "trainer.role_pool.actor_rollout=a"],
+            "trainer.role_pool",
+            "ref, critic, reward_model have no pool",
+        ),
+        (
+            ["trainer.placement=custom", "trainer.resource_pool_spec.a=[2]", "trainer.role_pool.actor=a"],
+            "trainer.role_pool.actor",
+            "no such role",
+        ),
+        (
+            ["trainer.placement=custom", "trainer.resource_pool_spec.a=[0]", "trainer.role_pool.actor_rollout=a"],
+            "trainer.resource_pool_spec.a",
+            "each >= 1",
+        ),
+        (
+            ["trainer.placement=custom", "trainer.resource_pool_spec.a=[1]", "trainer.role_pool.actor_rollout=b"],
+            "trainer.role_pool.actor_rollout",
+            "pool 'b' is not in",
+        ),
+    ],
+)
+def test_custom_errors_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError, match=words) as error:
+        plan_of(*overrides)
+    assert error.value.key == key
+
+
+def test_pools_only_with_custom():
+    with pytest.raises(ConfigError, match="read only with placement=custom"):
+        load_config(["trainer.resource_pool_spec.a=[1]"])
+    with pytest.raises(ConfigError, match="trainer.placement"):
+        load_config(["trainer.placement=spread"])
+
+
+def test_processes_per_node_add_up_over_pools():
+    plan = PlacementPlan({"a": [2, 2], "b": [1]}, {Role.ActorRollout: "a", Role.Critic: "b"})
+    assert pool_processes_per_node(plan) == [3, 2]

@@ -1,0 +1,164 @@
+"""PPO with actor, reference, critic and reward model under each placement (tiny-llama, fp32, CPU)."""
+
+import json
+import subprocess
+
+import pytest
+from test_train_e2e import assert_all_finite
+
+from hybridflow.controller import WorkerError
+from hybridflow.models import resolve_model_path
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.main import run
+from hybridflow.trainer.timeline import TIMELINE_FILE
+
+MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
+
+PPO_ALL_ROLES = [
+    "algorithm.adv_estimator=gae",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "algorithm.use_kl_in_reward=true",
+    "reward_model.enable=true",
+    "reward_model.model.path=tiny-llama",
+    "critic.ppo_mini_batch_size=2",
+    "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+    "actor_rollout_ref.ref.fsdp.param_dtype=fp32",
+    "actor_rollout_ref.rollout.dtype=fp32",
+    "critic.fsdp.param_dtype=fp32",
+    "reward_model.fsdp.param_dtype=fp32",
+]
+
+
+def ppo_run(files, run_dir, *extra: str) -> list[dict]:
+    train, _ = files
+    config = load_config(
+        [
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.response_length=6",
+            "trainer.total_training_steps=2",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={run_dir}",
+            *PPO_ALL_ROLES,
+            *extra,
+        ]
+    )
+    run(config)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def learned(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(MEASUREMENTS)} for r in records]
+
+
+def timeline(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / TIMELINE_FILE).read_text().splitlines()]
+
+
+def test_the_three_placements_give_the_same_run(arithmetic_files, tmp_path):
+    runs = {
+        placement: ppo_run(
+            arithmetic_files, tmp_path / placement, f"trainer.placement={placement}", "trainer.n_workers_per_node=1"
+        )
+        for placement in ("all_colocate", "group_colocate", "separate")
+    }
+    reference = learned(runs["all_colocate"])
+    assert_all_finite(runs["all_colocate"])
+    assert "critic/vf_loss" in reference[1] and "actor/kl_loss" in reference[1]
+    for placement in ("group_colocate", "separate"):
+        other = learned(runs[placement])
+        assert [sorted(r) for r in other] == [sorted(r) for r in reference], placement
+        for mine, theirs in zip(other, reference):
+            for key, value in theirs.items():  # one rank per pool everywhere: the same reductions, fp32
+                assert mine[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (placement, key)
+    lanes = {placement: {span["lane"] for span in timeline(tmp_path / placement)} for placement in runs}
+    assert lanes["all_colocate"] == {"driver", "global"}
+    assert lanes["group_colocate"] == {"driver", "actor", "critic"}
+    assert lanes["separate"] == {"driver", "actor_rollout", "ref", "critic", "reward_model"}
+    stages = {(s["lane"], s["stage"]) for s in timeline(tmp_path / "separate") if s["step"] == 1}
+    for expected in [
+        ("actor_rollout", "gen"),
+        ("actor_rollout", "old_log_prob"),
+        ("ref", "ref"),
+        ("critic", "values"),
+        ("reward_model", "rm"),
+        ("critic", "update_critic"),
+        ("actor_rollout", "update_actor"),
+        ("driver", "reward"),
+        ("driver", "adv"),
+    ]:
+        assert expected in stages, expected
+
+
+def overlapping(spans: list[dict], a: tuple[str, str], b: tuple[str, str]) -> bool:
+    first = [s for s in spans if (s["lane"], s["stage"]) == a]
+    second = [s for s in spans if (s["lane"], s["stage"]) == b]
+    return any(x["start"] < y["end"] and y["start"] < x["end"] for x in first for y in second)
+
+
+def test_pools_of_different_sizes_and_overlapping_stages(arithmetic_files, tmp_path):
+    """The actor and reference on 2 ranks, the critic and the reward model on 1: the batch collected from one
+    pool is split by the other's dispatch; the critic's stages run while the actor's do."""
+    pools = [
+        "trainer.placement=custom",
+        "trainer.resource_pool_spec.train=[2]",
+        "trainer.resource_pool_spec.judge=[1]",
+        "trainer.role_pool.actor_rollout=train",
+        "trainer.role_pool.ref=train",
+        "trainer.role_pool.critic=judge",
+        "trainer.role_pool.reward_model=judge",
+    ]
+    records = ppo_run(arithmetic_files, tmp_path / "custom", *pools)
+    colocated = ppo_run(arithmetic_files, tmp_path / "colocated", "trainer.n_workers_per_node=2")
+    assert_all_finite(records)
+    for mine, theirs in zip(learned(records), learned(colocated)):
+        assert mine["response_length/mean"] == theirs["response_length/mean"]  # the same samples
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean"):
+            # the critic on 1 rank instead of 2 sums its gradients in another order
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-4, abs=1e-6), key
+    spans = [s for s in timeline(tmp_path / "custom") if s["step"] >= 1]
+    assert {(s["lane"], s["rank"]) for s in spans if s["lane"] != "driver"} == {
+        ("train", 0),
+        ("train", 1),
+        ("judge", 0),
+    }
+    # the critic's values and the reward model's scores run beside the actor's old log-probs and reference pass
+    after_generation = [("judge", "values"), ("judge", "rm")], [("train", "old_log_prob"), ("train", "ref")]
+    assert any(overlapping(spans, a, b) for a in after_generation[0] for b in after_generation[1])
+
+
+def broken_reward_model(tmp_path):
+    """A reward model whose vocabulary is smaller than its tokenizer's: it loads, then fails on real text."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    source = resolve_model_path("tiny-llama")
+    config = AutoConfig.from_pretrained(source)
+    config.vocab_size, config.num_labels = 8, 1
+    directory = tmp_path / "broken-rm"
+    LlamaForSequenceClassification(config).save_pretrained(directory)
+    AutoTokenizer.from_pretrained(source).save_pretrained(directory)
+    return directory
+
+
+def worker_processes() -> set[int]:
+    found = subprocess.run(["pgrep", "-f", "ray::WorkerHost"], capture_output=True, text=True).stdout.split()
+    return {int(pid) for pid in found}
+
+
+def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(arithmetic_files, tmp_path):
+    before = worker_processes()
+    with pytest.raises(WorkerError) as raised:
+        ppo_run(
+            arithmetic_files,
+            tmp_path / "run",
+            "trainer.placement=group_colocate",
+            "trainer.n_workers_per_node=1",
+            f"reward_model.model.path={broken_reward_model(tmp_path)}",
+        )
+    error = raised.value
+    assert error.group == "reward_model" and error.method == "compute_rm_score" and error.rank == 0
+    assert "IndexError" in error.remote_traceback and "compute_rm_score" in error.remote_traceback
+    assert worker_processes() <= before  # every pool's processes are gone
