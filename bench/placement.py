@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/placement.py                      # smollm2-135m, 3 steps per placement
     .venv/bin/python bench/placement.py --model tiny-llama --steps 4 --response-length 16
+    .venv/bin/python bench/placement.py --threads 1 --plots docs/images   # also each placement's Gantt chart
 
 One invocation runs the same PPO job (GAE, KL loss against the reference, a reward model, the
 arithmetic task; one rank per pool, ``--threads`` torch threads per rank) under ``all_colocate``,
@@ -29,6 +30,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from hybridflow.data.tasks import write_task
+from hybridflow.report.timeline import Span, draw_timeline
 
 PLACEMENTS = ("all_colocate", "group_colocate", "separate")
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "rm", "adv", "update_critic", "update_actor")
@@ -110,6 +112,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--response-length", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="torch threads (and CPUs reserved) per rank")
+    parser.add_argument("--plots", type=Path, default=None, help="write each placement's last-step Gantt chart here")
     args = parser.parse_args()
     print(f"load before: {os.getloadavg()[0]:.2f} (1-min load average, {os.cpu_count()} cores)")
     results = {}
@@ -119,6 +122,11 @@ def main() -> None:
         for placement in PLACEMENTS:
             results[placement] = run(placement, args, data, Path(tmp) / placement)
     print(f"load after: {os.getloadavg()[0]:.2f}")
+    if args.plots is not None:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        for placement, (_, spans) in results.items():
+            last = [Span(**s) for s in spans if s["step"] == args.steps]
+            draw_timeline(last, args.plots / f"placement_{placement}_t{args.threads}.png")
 
     measured = {}
     for placement, (metrics, spans) in results.items():

@@ -4,12 +4,10 @@ import json
 import subprocess
 
 import pytest
-from test_train_e2e import assert_all_finite
+from test_train_e2e import assert_all_finite, short_run
 
 from hybridflow.controller import WorkerError
 from hybridflow.models import resolve_model_path
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run
 from hybridflow.trainer.timeline import TIMELINE_FILE
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
@@ -30,24 +28,7 @@ PPO_ALL_ROLES = [
 
 
 def ppo_run(files, run_dir, *extra: str) -> list[dict]:
-    train, _ = files
-    config = load_config(
-        [
-            f"data.train_files=[{train}]",
-            "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-            "actor_rollout_ref.rollout.n=2",
-            "actor_rollout_ref.rollout.response_length=6",
-            "trainer.total_training_steps=2",
-            "trainer.logger=[jsonl]",
-            f"trainer.default_local_dir={run_dir}",
-            *PPO_ALL_ROLES,
-            *extra,
-        ]
-    )
-    run(config)
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return short_run(files, run_dir, *PPO_ALL_ROLES, "trainer.val_before_train=false", *extra)
 
 
 def learned(records: list[dict]) -> list[dict]:

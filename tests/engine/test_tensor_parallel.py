@@ -1,0 +1,90 @@
+"""A training step in the (dp, tp) layout against one unsharded process (fp32, gloo, Ray ranks)."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
+from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel, check_divisible, training_mesh
+from hybridflow.models import load_causal_lm
+from hybridflow.trainer.config import default_config
+
+FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
+
+
+def token_log_probs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, vocab, (4, 9), generator=generator)
+    weights = torch.rand((4, 8), generator=generator)  # per-token weights: a stand-in for A * mask
+    return input_ids, weights
+
+
+class ParallelStep(Worker):
+    def __init__(self, *, path: str, dp: int, tp: int):
+        super().__init__()
+        self.mesh = training_mesh(self.device, dp, tp)
+        torch.manual_seed(0)
+        model = load_causal_lm(path, dtype=torch.float32)
+        apply_tensor_parallel(model, self.mesh["tp"])
+        self.model = shard_model(model, self.mesh["dp"], FP32)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def loss_and_grads(self, input_ids: torch.Tensor, weights: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        """The whole batch's loss -Σ w·log p / Σ w, its rows split over dp; tp peers share rows."""
+        dp_mesh = self.mesh["dp"]
+        dp, dp_rank = dp_mesh.size(), dp_mesh.get_local_rank()
+        rows = slice(dp_rank * len(input_ids) // dp, (dp_rank + 1) * len(input_ids) // dp)
+        share = -(weights[rows] * token_log_probs(self.model, input_ids[rows])).sum() / weights.sum()
+        (share * dp).backward()  # FSDP averages gradients over dp: the sum of the shares' gradients
+        loss = share.detach().clone()
+        dist.all_reduce(loss, group=dp_mesh.get_group())
+        grads = {name: p.grad.full_tensor() for name, p in self.model.named_parameters()}
+        return float(loss), grads
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def local_numel(self, name: str) -> int:
+        """Elements of parameter ``name`` this rank holds (its shard)."""
+        return dict(self.model.named_parameters())[name].to_local().numel()
+
+
+@pytest.fixture(scope="module")
+def unsharded(tiny_path):
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_path, dtype=torch.float32)
+    input_ids, weights = batch(model.config.vocab_size)
+    loss = -(weights * token_log_probs(model, input_ids)).sum() / weights.sum()
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}, (input_ids, weights)
+
+
+@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), (2, 2)])
+def test_a_step_in_the_training_layout_matches_one_process(local_ray, tiny_path, unsharded, dp, tp):
+    loss, grads, (input_ids, weights) = unsharded
+    pool = RayResourcePool([dp * tp])
+    group = RayWorkerGroup(pool, RoleSpec(ParallelStep, kwargs={"path": tiny_path, "dp": dp, "tp": tp}))
+    try:
+        q_proj = "model.layers.0.self_attn.q_proj.weight"
+        assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
+        for rank_loss, rank_grads in group.loss_and_grads(input_ids, weights):
+            assert rank_loss == pytest.approx(loss, rel=1e-5)
+            assert rank_grads.keys() == grads.keys()
+            for name, grad in grads.items():
+                torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        group.kill()
+        pool.release()
+
+
+def test_a_layout_that_splits_heads_is_refused(tiny_path):
+    config = load_causal_lm(tiny_path, dtype=torch.float32).config  # 4 query heads, 2 key/value heads
+    check_divisible(config, 2)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_divisible(config, 4)
