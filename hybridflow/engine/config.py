@@ -61,6 +61,7 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank (gradient accumulation)
     ppo_epochs: int  # passes over the batch per training step
     shuffle: bool  # shuffle samples between mini-batches (seeded)
+    tensor_model_parallel_size: int  # t: ranks that split each decoder layer (DTensor); FSDP2 over the other ranks
     log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing old log-probs
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
@@ -87,6 +88,7 @@ class ActorConfig:
             "ppo_mini_batch_size",
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
+            "tensor_model_parallel_size",
             "log_prob_micro_batch_size_per_gpu",
             "ppo_max_token_len_per_gpu",
             "log_prob_max_token_len_per_gpu",

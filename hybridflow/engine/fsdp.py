@@ -45,5 +45,21 @@ def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    """The global gradient norm, after scaling the gradients down to ``max_norm`` when above it."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
+    if len(meshes) <= 1:  # one layout (FSDP2 alone): torch's own clipping
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    # tensor-parallel layers live on the (dp, tp) mesh, the rest on dp alone: torch cannot stack their
+    # norms, so each parameter's norm is reduced on its own mesh (a scalar each) and then combined
+    squares = []
+    for grad in grads:
+        norm = torch.linalg.vector_norm(grad, 2.0)
+        squares.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
+    total = sum(squares) ** 0.5
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0 and total == total and total != float("inf"):
+        for grad in grads:
+            grad.mul_(coefficient)
+    return total

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
@@ -56,7 +57,15 @@ class FirstPass:
 class PolicyEngine:
     """A sharded policy model with its optimizer and learning-rate schedule."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, config: ActorConfig):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        config: ActorConfig,
+        dp_group: dist.ProcessGroup | None = None,
+    ):
+        self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -159,6 +168,7 @@ class PolicyEngine:
             mini_batch_size=mini_batch_size,
             seed=seed,
             micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, first_pass),
+            dp_group=self.dp_group,
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
         work = pass_work(data, cfg.use_remove_padding)

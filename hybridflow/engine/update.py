@@ -29,12 +29,15 @@ from hybridflow.protocol import DataProto
 MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
 
 
-def global_aggregation(mode: str, response_mask: torch.Tensor) -> LossAggregation:
-    """LossAggregation whose totals are the mini-batch's over every data-parallel rank."""
+def global_aggregation(
+    mode: str, response_mask: torch.Tensor, dp_group: dist.ProcessGroup | None = None
+) -> LossAggregation:
+    """LossAggregation whose totals are the mini-batch's over every data-parallel rank (``dp_group``;
+    None: all ranks)."""
     mask = response_mask.bool()
     counts = torch.tensor([mask.sum(), mask.any(dim=-1).sum()], dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(counts)
+        dist.all_reduce(counts, group=dp_group)
     return LossAggregation(
         mode, global_tokens=float(counts[0]), global_seqs=float(counts[1]), norm_constant=float(response_mask.shape[-1])
     )
@@ -56,6 +59,7 @@ def run_updates(
     seed: int,
     micro_loss: MicroLossFn,
     loss_share_keys: tuple[str, ...] = (),
+    dp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
@@ -65,12 +69,13 @@ def run_updates(
     With ``config.use_dynamic_bsz`` micro-batches hold at most ``config.ppo_max_token_len_per_gpu``
     real tokens (collective: every rank runs as many micro-batches).
     """
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    # the data-parallel size: FSDP2 averages gradients over these ranks (tensor-parallel peers share rows)
+    world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     max_token_len = config.ppo_max_token_len_per_gpu if config.use_dynamic_bsz else None
     totals: dict[str, list[float]] = defaultdict(list)
     model.train()
     for mini_batch in data.make_iterator(mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle, seed=seed):
-        agg = global_aggregation(config.loss_agg_mode, mini_batch.batch[RESPONSE_MASK])
+        agg = global_aggregation(config.loss_agg_mode, mini_batch.batch[RESPONSE_MASK], dp_group)
         optimizer.zero_grad(set_to_none=True)
         groups = micro_batch_groups(row_lengths(mini_batch), config.ppo_micro_batch_size_per_gpu, max_token_len)
         shares: dict[str, float] = defaultdict(float)

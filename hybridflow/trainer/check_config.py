@@ -64,9 +64,16 @@ def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
     sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, Role.ActorRollout)]
     if Role.Critic in plan.role_pool:
         sections.append(("critic", cfg.critic, Role.Critic))
+    tp = cfg.actor_rollout_ref.actor.tensor_model_parallel_size
+    _check(
+        plan.world_size(Role.ActorRollout) % tp == 0,
+        "actor_rollout_ref.actor.tensor_model_parallel_size",
+        f"{tp} does not divide the {plan.world_size(Role.ActorRollout)} ranks of the actor's pool",
+        "choose a divisor of the actor pool's ranks",
+    )
     for prefix, section, role in sections:
         mini = section.ppo_mini_batch_size
-        world = plan.world_size(role)
+        world = plan.world_size(role) // (tp if role is Role.ActorRollout else 1)  # data-parallel ranks
         _check(
             train % mini == 0,
             f"{prefix}.ppo_mini_batch_size",
@@ -76,8 +83,8 @@ def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
         _check(
             (mini * n) % world == 0,
             f"{prefix}.ppo_mini_batch_size",
-            f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} ranks of "
-            f"pool '{plan.role_pool[role]}' ({role.value})",
+            f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} data-parallel "
+            f"ranks of pool '{plan.role_pool[role]}' ({role.value})",
             "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
             "or its trainer.resource_pool_spec entry)",
         )

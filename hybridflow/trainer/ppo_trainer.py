@@ -298,9 +298,11 @@ class RayPPOTrainer:
         return batch
 
     def rank_order(self, batch: DataProto) -> list[int]:
-        """Rows reordered so that every data-parallel rank of the actor gets about as many tokens to
-        compute, with the samples of one prompt on one rank (packing computes their prompt once)."""
-        ranks = self.plan.world_size(Role.ActorRollout)
+        """Rows reordered so that every data-parallel rank of the actor's training layout gets about as
+        many tokens to compute, with the samples of one prompt on one rank (packing computes their prompt
+        once)."""
+        tp = self.config.actor_rollout_ref.actor.tensor_model_parallel_size
+        ranks = self.plan.world_size(Role.ActorRollout) // tp
         return balanced_order(packed_lengths(batch), ranks, groups=list(batch.non_tensor_batch[UID]))
 
     def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProtoFuture | None:

@@ -8,10 +8,12 @@ import torch
 
 from hybridflow.batch_keys import GLOBAL_STEP, METRICS, SAMPLING, SAMPLING_ROUND
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
+from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
@@ -21,6 +23,8 @@ from hybridflow.rollout.registry import build_rollout
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
+TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
+
 
 class ActorRolloutWorker(Worker):
     def __init__(self, *, config: ActorRolloutRefConfig, total_training_steps: int, seed: int):
@@ -28,10 +32,26 @@ class ActorRolloutWorker(Worker):
         self.config = config
         self.seed = seed
         self.tokenizer = load_tokenizer(config.model.path)
+        tp = config.actor.tensor_model_parallel_size
+        if self.world_size % tp:
+            raise ValueError(
+                f"actor.tensor_model_parallel_size={tp} does not divide the actor's {self.world_size} ranks"
+            )
+        # the training layout: tp ranks split each layer and see the same rows; FSDP2 over the dp ranks
+        mesh = training_mesh(self.device, self.world_size // tp, tp)
+        self.register_dispatch_mesh(TRAIN_MESH, mesh)
+        self.dp_size = mesh["dp"].size()
         model, optimizer, scheduler = build_trainable(
-            load_causal_lm, config.model, config.actor.fsdp, config.actor.optim, self.device, seed, total_training_steps
+            load_causal_lm,
+            config.model,
+            config.actor.fsdp,
+            config.actor.optim,
+            self.device,
+            seed,
+            total_training_steps,
+            mesh,
         )
-        self.actor = PolicyEngine(model, optimizer, scheduler, config.actor)
+        self.actor = PolicyEngine(model, optimizer, scheduler, config.actor, dp_group=mesh["dp"].get_group())
         generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
         self.rollout = build_rollout(generator, self.tokenizer, config.rollout)
         self.hybrid = HybridEngine(
@@ -82,19 +102,19 @@ class ActorRolloutWorker(Worker):
             Path(directory) / "actor", self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """old_log_probs and entropys (B, R)."""
         return self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
     def update_actor(self, data: DataProto) -> DataProto:
         """The policy update; its metrics in the output. Given a batch without old_log_probs (an
         on-policy step, or the bypass mode: the rollout's log-probs as the old policy), the log-probs
         and entropy of each row's first forward come back too (PolicyEngine.update_policy)."""
         cfg = self.config
         mini_batch = samples_per_rank(
-            cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.world_size, "actor.ppo_mini_batch_size"
+            cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.dp_size, "actor.ppo_mini_batch_size"
         )
         step = int(data.meta_info[GLOBAL_STEP])
         output = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)

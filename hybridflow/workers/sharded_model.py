@@ -8,10 +8,12 @@ from collections.abc import Callable
 import torch
 import transformers
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 
 
 def quiet_libraries() -> None:
@@ -22,15 +24,26 @@ def quiet_libraries() -> None:
 
 
 def build_sharded(
-    load: Callable[..., nn.Module], model: ModelConfig, fsdp: FSDPConfig, device: torch.device, seed: int
+    load: Callable[..., nn.Module],
+    model: ModelConfig,
+    fsdp: FSDPConfig,
+    device: torch.device,
+    seed: int,
+    mesh: DeviceMesh | None = None,
 ) -> nn.Module:
+    """Load, then shard: over all ranks (FSDP2), or on a (dp, tp) ``mesh`` tensor parallelism inside
+    each tp group and FSDP2 over dp."""
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(model.path, dtype=torch.float32)
     if model.enable_gradient_checkpointing:
         module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     module.config.use_cache = False
-    return shard_model(module.to(device), data_parallel_mesh(device), fsdp)
+    module = module.to(device)
+    if mesh is None:
+        return shard_model(module, data_parallel_mesh(device), fsdp)
+    apply_tensor_parallel(module, mesh["tp"])
+    return shard_model(module, mesh["dp"], fsdp)
 
 
 def build_trainable(
@@ -41,8 +54,9 @@ def build_trainable(
     device: torch.device,
     seed: int,
     total_steps: int,
+    mesh: DeviceMesh | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    module = build_sharded(load, model, fsdp, device, seed)
+    module = build_sharded(load, model, fsdp, device, seed, mesh)
     optimizer = build_optimizer(module, optim)
     return module, optimizer, build_lr_scheduler(optimizer, optim, total_steps)
 

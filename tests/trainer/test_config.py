@@ -163,7 +163,7 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (
             ["trainer.n_workers_per_node=3", "actor_rollout_ref.rollout.n=1"],
             "actor_rollout_ref.actor.ppo_mini_batch_size",
-            "do not split over the 3 ranks",
+            "do not split over the 3 data-parallel ranks",
         ),
         (
             ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=3"],

@@ -72,7 +72,7 @@ def fails_before_ray(args: list[str], capsys) -> str:
         (["no_such_section.key=1"], "no_such_section"),
         (
             ["trainer.placement=custom", "trainer.resource_pool_spec.a=[3]", "trainer.role_pool.actor_rollout=a"],
-            "do not split over the 3 ranks of pool 'a' (actor_rollout)",
+            "do not split over the 3 data-parallel ranks of pool 'a' (actor_rollout)",
         ),
         (["trainer.placement=custom"], "trainer.resource_pool_spec': placement=custom needs named pools"),
     ],
