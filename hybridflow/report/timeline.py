@@ -36,6 +36,8 @@ EXTRA_COLOURS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02
 
 @dataclass(frozen=True)
 class Span:
+    """One stage on one worker (or the driver) in one step; times in seconds since that step began."""
+
     step: int
     lane: str
     stage: str
@@ -45,9 +47,15 @@ class Span:
 
 
 def load_timeline(path: Path) -> list[Span]:
-    """Every span in ``path``; ValueError naming the file and line for one that is not a span."""
+    """Every span in ``path``; ValueError naming the file and line for one that is not a span.
+
+    An unfinished last line (no newline: the run was killed mid-write) is skipped, as load_metrics does,
+    so a crashed run still gets its report; a bad line anywhere else means a bad writer and raises.
+    """
+    text = Path(path).read_text()
+    lines = text.splitlines()
     spans = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
@@ -63,6 +71,8 @@ def load_timeline(path: Path) -> list[Span]:
                 )
             )
         except (ValueError, KeyError, TypeError) as error:
+            if number == len(lines) and not text.endswith("\n"):
+                break
             raise ValueError(f"{path}:{number}: not a timeline span ({error}): {line[:120]}") from None
     return spans
 

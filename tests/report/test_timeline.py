@@ -27,6 +27,14 @@ def test_load_round_trip_and_a_clear_error(tmp_path):
         load_timeline(path)
 
 
+def test_an_unfinished_last_line_is_skipped(tmp_path):
+    spans = [span("actor", "gen", 0.0, 2.0)]
+    path = tmp_path / "timeline.jsonl"
+    write_spans(path, spans)
+    path.write_text(path.read_text() + '{"step": 1, "lane": "cri')  # the run was killed mid-write
+    assert load_timeline(path) == spans
+
+
 def test_overlap_by_hand():
     spans = [
         span("a", "gen", 0.0, 2.0),
