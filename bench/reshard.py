@@ -131,13 +131,13 @@ def layouts(path: str, world: int) -> list[tuple[int, int]]:
     """(t, tg) pairs: t divides the process count and splits the model's heads, tg divides t."""
     from transformers import AutoConfig
 
-    from hybridflow.engine.tensor_parallel import check_divisible
+    from hybridflow.models.split_sizes import check_tensor_parallel_size
 
     config = AutoConfig.from_pretrained(path)
     pairs = []
     for t in range(1, world + 1):
         try:
-            check_divisible(config, t)
+            check_tensor_parallel_size(config, t, "t")
         except ValueError:
             continue
         if world % t == 0:

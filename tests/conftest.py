@@ -1,9 +1,11 @@
 """Fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor config, a rollout batch."""
 
 import pytest
+import ray
 import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
+from hybridflow.controller import start_ray
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
@@ -67,3 +69,12 @@ def rollout_batch(tiny_path) -> DataProto:
     batch.batch[ADVANTAGES] = torch.linspace(-1.0, 1.0, mask.numel()).view(mask.shape) * mask
     batch.meta_info[GLOBAL_STEP] = 1  # the driver's step, which workers derive seeds from
     return batch
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for a module's worker groups (shut down after it, unless one was running)."""
+    started = start_ray(num_cpus=8)
+    yield
+    if started:
+        ray.shutdown()

@@ -10,7 +10,8 @@ MFU. A decoder's forward costs, per sequence of L tokens,
 where a pass that runs the LM head on some positions only (the response tokens, see forward.py)
 counts the head's weights for those positions alone; backward is twice the forward, so a
 training step is 3x forward (activation recomputation from gradient checkpointing is not counted: these
-are model FLOPs, not hardware FLOPs).
+are model FLOPs, not hardware FLOPs). A rank of a tensor-parallel group counts its share: 1/t of the
+decoder's layers and heads, and the whole (replicated) LM head (``ModelFlops.per_rank``).
 
 The peak is measured, not looked up: large bf16 matmuls for about half a second, once per process
 and device (``peak_flops``). On a CPU that is the matmul rate of the cores this process gets
@@ -27,6 +28,8 @@ from functools import cache
 
 import torch
 from torch import nn
+
+from hybridflow.engine.tensor_parallel import tensor_parallel_size
 
 PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
 
@@ -49,6 +52,12 @@ class ModelFlops:
     def training(self, lengths: Sequence[int], head_tokens: int | None = None) -> float:
         """Forward plus backward."""
         return 3.0 * self.forward(lengths, head_tokens)
+
+    def per_rank(self, tp: int) -> ModelFlops:
+        """What one of ``tp`` tensor-parallel ranks computes of the same rows: 1/tp of the decoder's
+        linear layers and attention heads, and the whole LM head (replicated, engine/tensor_parallel)."""
+        decoder = self.linear_weights - self.head_weights
+        return ModelFlops(decoder // tp + self.head_weights, self.attention_width // tp, self.head_weights)
 
 
 def model_flops(model: nn.Module) -> ModelFlops:
@@ -107,7 +116,7 @@ class PassMeter:
     """Times one role's passes and reports their FLOP/s against the peak measured at start-up."""
 
     def __init__(self, model: nn.Module):
-        self.flops = model_flops(model)
+        self.flops = model_flops(model).per_rank(tensor_parallel_size(model))
         self.peak = peak_flops(model_device(model))
 
     def metrics(self, name: str, work: PassWork, seconds: float, training: bool, repeats: int = 1) -> dict[str, float]:

@@ -75,6 +75,13 @@ def switch_bytes(model_bytes: float, *, dp: int, t: int, tg: int, method: str) -
     raise ValueError(f"unknown switch method {method!r}; known: {', '.join(SWITCH_METHODS)}")
 
 
+def predicted_switch_bytes(split_bytes: float, whole_bytes: float, *, dp: int, t: int, tg: int, method: str) -> float:
+    """Bytes one rank receives for a whole model: ``split_bytes`` of tensor-parallel weights (switch_bytes)
+    and ``whole_bytes`` of weights every tp rank holds whole (embeddings, norms, LM head), which only
+    FSDP2's gather over dp brings, in every method."""
+    return switch_bytes(split_bytes, dp=dp, t=t, tg=tg, method=method) + whole_bytes * (dp - 1) / dp
+
+
 def peak_generation_bytes(model_bytes: float, *, tg: int, method: str) -> float:
     """Weight bytes a rank holds for generation: its generation shard (hybridflow) or a full copy."""
     return model_bytes / tg if method == "hybridflow" else model_bytes

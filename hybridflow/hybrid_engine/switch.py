@@ -1,4 +1,5 @@
-"""The actor's switch between training (FSDP2) and generation (a rollout engine) on the same devices."""
+"""The actor's switch between training (FSDP2, optionally tensor-parallel) and generation (a rollout
+engine, optionally tensor-parallel in groups of tg) on the same devices."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import time
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from hybridflow.batch_keys import METRICS
-from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
+from hybridflow.hybrid_engine.layout import LayoutShape
 from hybridflow.hybrid_engine.offload import move_model, move_optimizer_state
+from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams
 
@@ -20,13 +23,17 @@ OFFLOAD_DEVICE = torch.device("cpu")
 class HybridEngine:
     """One actor in two modes. ``generate`` switches to generation, generates, and switches back.
 
-    To generation: the rollout's weights are overwritten in place from the FSDP2 shards, one
-    gathered parameter at a time, so the only other copy of the model is the rollout's own;
-    then, when configured, the optimizer state (``optimizer_offload``) and the parameter shards
+    To generation: the rollout's weights are overwritten in place with this rank's generation slice
+    (reshard.py: gathered from the training shards one parameter at a time, only the missing pieces,
+    inside the rank's gather group), so the only other copy is the rollout's own 1/tg of the
+    weights; then, when configured, the optimizer state (``optimizer_offload``) and the parameter shards
     with their gradients (``param_offload``) move to the CPU, leaving the devices to the KV cache.
     Back to training: the KV cache is freed and the offloaded state returns.
 
-    Each call reports the switch times (``timing_s/weight_sync``, ``timing_s/offload``,
+    Each call reports what the switch moved: ``switch/received_mb`` (bytes this rank received),
+    ``switch/predicted_mb`` (the paper's formula for them), ``switch/generation_weights_mb`` (the
+    generation weights the rank holds) and ``switch/training_params_mb`` (its training shards); the
+    switch times (``timing_s/weight_sync``, ``timing_s/offload``,
     ``timing_s/release_cache``, ``timing_s/reload``), the bytes offloaded and the peak memory of
     the generation (``perf/max_memory_gb_generation``, and ``perf/max_memory_gb``, which the
     actor's update raises to the step's peak: the counter is reset here, at the step's start).
@@ -41,19 +48,28 @@ class HybridEngine:
         *,
         param_offload: bool,
         optimizer_offload: bool,
+        dtype: torch.dtype,
+        shape: LayoutShape | None = None,
+        gather_group: torch.distributed.ProcessGroup | None = None,
     ):
+        """dtype: of the generation weights (what travels); shape and gather_group: the actor's layouts
+        (hybrid_engine/layout.py); None for a model on one process."""
         self.model = model
         self.optimizer = optimizer
         self.rollout = rollout
         self.device = device
         self.param_offload = param_offload
         self.optimizer_offload = optimizer_offload
+        self.dtype = dtype
+        self.shape = shape or LayoutShape(dp=1, t=1, tg=1)
+        self.gather_group = gather_group
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         """The rollout's output, with the switch metrics in ``meta_info[METRICS]``."""
         reset_peak_memory(self.device)
         clock = [time.perf_counter()]
-        self.rollout.load_weights(full_parameters(self.model))
+        report = SwitchReport()
+        self.rollout.load_weights(generation_weights(self.model, self.dtype, self.gather_group, report))
         clock.append(time.perf_counter())
         offloaded = self._offload()
         clock.append(time.perf_counter())
@@ -71,11 +87,20 @@ class HybridEngine:
             "timing_s/offload": clock[2] - clock[1],
             "timing_s/release_cache": clock[4] - clock[3],
             "timing_s/reload": clock[5] - clock[4],
+            "switch/received_mb": report.received / 2**20,
+            "switch/predicted_mb": report.predicted(self.shape) / 2**20,
+            "switch/generation_weights_mb": report.held / 2**20,
+            "switch/training_params_mb": self._training_bytes() / 2**20,
             "perf/offloaded_gb": offloaded / 2**30,
             "perf/max_memory_gb_generation": peak,
             "perf/max_memory_gb": peak,
         }
         return output
+
+    def _training_bytes(self) -> int:
+        """This rank's shards of the training parameters (fp32 masters)."""
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters())
+        return sum(t.numel() * t.element_size() for t in local)
 
     def _offload(self) -> int:
         moved = 0

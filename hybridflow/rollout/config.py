@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hybridflow.models.dtypes import DTYPES
 from hybridflow.rollout.native.config import NativeEngineConfig
-from hybridflow.rollout.registry import ROLLOUT_BACKENDS
+from hybridflow.rollout.registry import ROLLOUT_BACKENDS, TENSOR_PARALLEL_BACKENDS
 from hybridflow.validation import require, require_choice, require_positive
 
 # Where the old log-probs (PPO's π_old) come from: a trainer pass, the generator's own log-probs,
@@ -41,6 +41,7 @@ class RolloutConfig(SamplingConfig):
     name: str  # generation backend (rollout.registry): native (continuous batching) | hf (transformers generate)
     response_length: int  # max new tokens per response
     dtype: str  # dtype of the generation copy of the weights (bf16 | fp32)
+    tensor_model_parallel_size: int  # tg: ranks generating together (1/tg of weights and KV cache each); divides t
     seed: int  # base seed of sampling; see sampling_seed
     seed_per_step: int  # added to the seed once per training step (sampling_seed)
     seed_per_rank: int  # added to the seed once per data-parallel rank (sampling_seed)
@@ -55,6 +56,14 @@ class RolloutConfig(SamplingConfig):
         require_choice(self.name, ROLLOUT_BACKENDS, "name")
         require_positive(self.response_length, "response_length")
         require_choice(self.dtype, DTYPES, "dtype")
+        require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
+        require(
+            self.tensor_model_parallel_size == 1 or self.name in TENSOR_PARALLEL_BACKENDS,
+            "tensor_model_parallel_size",
+            f"{self.tensor_model_parallel_size} needs a tensor-parallel backend; "
+            f"rollout.name={self.name} generates on one rank",
+            f"use rollout.name one of {list(TENSOR_PARALLEL_BACKENDS)}, or tensor_model_parallel_size=1",
+        )
         require_choice(self.old_log_prob_source, OLD_LOG_PROB_SOURCES, "old_log_prob_source")
         require_positive(self.log_prob_tolerance, "log_prob_tolerance")
         require_positive(self.log_prob_check_every, "log_prob_check_every")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -13,19 +14,25 @@ from hybridflow.rollout.base import Rollout
 if TYPE_CHECKING:  # rollout/config.py checks rollout.name against ROLLOUT_BACKENDS
     from hybridflow.rollout.config import RolloutConfig
 
-RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, "RolloutConfig"], Rollout]
+# (model, tokenizer, config, tp_group): tp_group holds the ranks generating together (None: one rank)
+RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, "RolloutConfig", "dist.ProcessGroup | None"], Rollout]
+TENSOR_PARALLEL_BACKENDS = ("native",)  # the backends that take rollout.tensor_model_parallel_size > 1
 
 
-def _hf(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+def _hf(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig, tp_group: dist.ProcessGroup | None
+) -> Rollout:
     from hybridflow.rollout.hf_rollout import HFRollout
 
     return HFRollout(model, tokenizer)
 
 
-def _native(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
+def _native(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig, tp_group: dist.ProcessGroup | None
+) -> Rollout:
     from hybridflow.rollout.native import NativeRollout
 
-    return NativeRollout(model, tokenizer, engine_config=config.native)
+    return NativeRollout(model, tokenizer, engine_config=config.native, tp_group=tp_group)
 
 
 ROLLOUT_BACKENDS: dict[str, RolloutFactory] = {"hf": _hf, "native": _native}
@@ -38,8 +45,13 @@ def register_rollout(name: str, factory: RolloutFactory) -> None:
     ROLLOUT_BACKENDS[name] = factory
 
 
-def build_rollout(model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig) -> Rollout:
-    """The backend ``config.name`` over ``model``."""
+def build_rollout(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    config: RolloutConfig,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Rollout:
+    """The backend ``config.name`` over ``model``, tensor-parallel over ``tp_group`` when given."""
     if config.name not in ROLLOUT_BACKENDS:
         raise ValueError(f"unknown rollout backend '{config.name}'; known: {sorted(ROLLOUT_BACKENDS)}")
-    return ROLLOUT_BACKENDS[config.name](model, tokenizer, config)
+    return ROLLOUT_BACKENDS[config.name](model, tokenizer, config, tp_group)

@@ -15,10 +15,12 @@ from pathlib import Path
 
 import ray
 import torch
+from transformers import AutoConfig
 
 from hybridflow.algorithms import get_adv_estimator
 from hybridflow.controller import Role
-from hybridflow.models import list_builtin_models
+from hybridflow.models import list_builtin_models, resolve_model_path
+from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.placement import PlacementPlan, placement_plan
@@ -88,6 +90,27 @@ def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
             "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
             "or its trainer.resource_pool_spec entry)",
         )
+
+
+def _check_parallel_layouts(cfg: HybridFlowConfig) -> None:
+    """The generation groups fit inside the training ones (tg divides t), and the model splits evenly."""
+    arr = cfg.actor_rollout_ref
+    t, tg = arr.actor.tensor_model_parallel_size, arr.rollout.tensor_model_parallel_size
+    _check(
+        t % tg == 0,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        f"{tg} does not divide actor.tensor_model_parallel_size={t}: every generation shard must be made of "
+        "whole training shards (the 3D-HybridEngine's regrouping)",
+        f"choose a divisor of {t}",
+    )
+    if t == 1:
+        return
+    model_config = AutoConfig.from_pretrained(resolve_model_path(arr.model.path))
+    for key, size in (("actor", t), ("rollout", tg)):
+        try:
+            check_tensor_parallel_size(model_config, size, f"actor_rollout_ref.{key}.tensor_model_parallel_size")
+        except ValueError as error:
+            raise ConfigError(f"actor_rollout_ref.{key}.tensor_model_parallel_size", str(error)) from None
 
 
 def _check_group_size(cfg: HybridFlowConfig) -> None:
@@ -220,6 +243,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
         _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
     plan = placement_plan(cfg)  # ConfigError for a placement that leaves a role without a pool
     _check_batch_sizes(cfg, plan)
+    _check_parallel_layouts(cfg)
     _check_group_size(cfg)
     overlong = cfg.reward.overlong_buffer
     _check(

@@ -1,4 +1,10 @@
-"""The hybrid actor: trains with FSDP2 and generates in the same process, on the same devices."""
+"""The hybrid actor: trains with FSDP2 and generates in the same process, on the same devices.
+
+Two layouts over the same ranks (hybrid_engine/layout.py): training (dp, t) and generation in groups
+of tg. ``generate_sequences`` splits prompts over the generation groups and collects one rank of
+each; ``compute_log_prob`` / ``update_actor`` split rows over the training dp ranks. The driver sees
+neither: dispatch reads the meshes each rank declares.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +19,8 @@ from hybridflow.engine.checkpoint import load_training_state, save_training_stat
 from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
-from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine import HybridEngine
+from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
@@ -24,6 +30,7 @@ from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
 TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
+GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences splits prompts over its dp
 
 
 class ActorRolloutWorker(Worker):
@@ -37,9 +44,13 @@ class ActorRolloutWorker(Worker):
             raise ValueError(
                 f"actor.tensor_model_parallel_size={tp} does not divide the actor's {self.world_size} ranks"
             )
-        # the training layout: tp ranks split each layer and see the same rows; FSDP2 over the dp ranks
-        mesh = training_mesh(self.device, self.world_size // tp, tp)
+        # training: tp ranks split each layer and see the same rows, FSDP2 over the dp ranks;
+        # generation: groups of tg ranks split each layer and see the same prompts
+        shape = LayoutShape(dp=self.world_size // tp, t=tp, tg=config.rollout.tensor_model_parallel_size)
+        self.layouts = ActorLayouts.build(self.device, shape)
+        mesh = self.layouts.training
         self.register_dispatch_mesh(TRAIN_MESH, mesh)
+        self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
         self.dp_size = mesh["dp"].size()
         model, optimizer, scheduler = build_trainable(
             load_causal_lm,
@@ -52,8 +63,10 @@ class ActorRolloutWorker(Worker):
             mesh,
         )
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor, dp_group=mesh["dp"].get_group())
-        generator = load_causal_lm(config.model.path, dtype=parse_dtype(config.rollout.dtype)).to(self.device)
-        self.rollout = build_rollout(generator, self.tokenizer, config.rollout)
+        generation_dtype = parse_dtype(config.rollout.dtype)
+        generator = load_causal_lm(config.model.path, dtype=generation_dtype).to(self.device)
+        self.rollout = build_rollout(generator, self.tokenizer, config.rollout, self.layouts.generation_group)
+        del generator  # the rollout keeps its own copy (1/tg of the weights)
         self.hybrid = HybridEngine(
             model,
             optimizer,
@@ -61,13 +74,18 @@ class ActorRolloutWorker(Worker):
             self.device,
             param_offload=config.actor.param_offload,
             optimizer_offload=config.actor.optimizer_offload,
+            dtype=generation_dtype,
+            shape=shape,
+            gather_group=self.layouts.gather_group,
         )
 
     def _sampling(self, meta_info: dict) -> SamplingParams:
         """The call's settings: training (rollout.*), validation (rollout.val_kwargs) or greedy (ReMax's baseline)."""
         cfg = self.config.rollout
-        # dynamic sampling's round r of a step samples as ranks r·W .. r·W+W-1 would: seeds stay distinct
-        rank = self.rank + int(meta_info.get(SAMPLING_ROUND, 0)) * self.world_size
+        # the generation group's index (its ranks sample alike); dynamic sampling's round r of a step samples
+        # as groups r·G .. r·G+G-1 would: seeds stay distinct
+        groups = self.generation_coord.dp_size
+        rank = self.generation_coord.dp_rank + int(meta_info.get(SAMPLING_ROUND, 0)) * groups
         seed = cfg.sampling_seed(step=int(meta_info[GLOBAL_STEP]), rank=rank)
         sampling = meta_info[SAMPLING]
         if sampling == "greedy":
@@ -75,9 +93,10 @@ class ActorRolloutWorker(Worker):
         source = cfg.val_kwargs if sampling == "validate" else cfg
         return SamplingParams.from_config(source, max_new_tokens=cfg.response_length, seed=seed)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(GENERATE_MESH))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Switch to generation, generate, switch back (see HybridEngine); the switch's metrics in the output."""
+        """Switch to generation, generate, switch back (see HybridEngine); the switch's metrics in the output.
+        Every rank of a generation group gets the same prompts; one of them is collected."""
         return self.hybrid.generate(prompts, self._sampling(prompts.meta_info))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -5,7 +5,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from hybridflow.engine.flops import flops_metrics, model_flops, peak_flops
+from hybridflow.engine.flops import ModelFlops, flops_metrics, model_flops, peak_flops
 from hybridflow.models import load_causal_lm
 
 
@@ -47,3 +47,11 @@ def test_peak_is_measured_once():
 def test_flops_metrics():
     metrics = flops_metrics("update", flops=6e12, seconds=2.0, peak=1e13)
     assert metrics == {"perf/tflops_update": 3.0, "perf/mfu_update": 0.3}
+
+
+def test_a_tensor_parallel_rank_counts_its_share_of_the_layers_and_the_whole_head():
+    flops = ModelFlops(linear_weights=1000, attention_width=64, head_weights=200)
+    rank = flops.per_rank(2)
+    assert rank == ModelFlops(linear_weights=600, attention_width=32, head_weights=200)  # (1000 - 200) / 2 + 200
+    assert rank.forward([3]) == 2.0 * 600 * 3 + 2.0 * 32 * 9
+    assert flops.per_rank(1) == flops

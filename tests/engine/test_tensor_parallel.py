@@ -8,8 +8,9 @@ import torch.distributed as dist
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.tensor_parallel import apply_tensor_parallel, check_divisible, training_mesh
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.models import load_causal_lm
+from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.trainer.config import default_config
 
 FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
@@ -85,6 +86,6 @@ def test_a_step_in_the_training_layout_matches_one_process(local_ray, tiny_path,
 
 def test_a_layout_that_splits_heads_is_refused(tiny_path):
     config = load_causal_lm(tiny_path, dtype=torch.float32).config  # 4 query heads, 2 key/value heads
-    check_divisible(config, 2)
+    check_tensor_parallel_size(config, 2, "actor.tensor_model_parallel_size")
     with pytest.raises(ValueError, match="num_key_value_heads"):
-        check_divisible(config, 4)
+        check_tensor_parallel_size(config, 4, "actor.tensor_model_parallel_size")

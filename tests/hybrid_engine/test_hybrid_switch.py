@@ -62,7 +62,13 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
     generator = NativeRollout(initial, tokenizer, engine_config=engine_config)
     before_sync = generator.generate_sequences(prompts, GREEDY).batch["responses"]
     hybrid = HybridEngine(
-        switching.model, switching.optimizer, generator, torch.device("cpu"), param_offload=True, optimizer_offload=True
+        switching.model,
+        switching.optimizer,
+        generator,
+        torch.device("cpu"),
+        param_offload=True,
+        optimizer_offload=True,
+        dtype=torch.float32,
     )
     generated = hybrid.generate(prompts, GREEDY)
 
@@ -73,6 +79,9 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
     for key in ["timing_s/weight_sync", "timing_s/offload", "timing_s/release_cache", "timing_s/reload"]:
         assert metrics[key] >= 0, key
     assert metrics["perf/max_memory_gb"] == metrics["perf/max_memory_gb_generation"] > 0
+    weight_mb = sum(p.numel() * 4 for p in switching.model.parameters()) / 2**20
+    assert metrics["switch/generation_weights_mb"] == metrics["switch/training_params_mb"] == pytest.approx(weight_mb)
+    assert metrics["switch/received_mb"] == metrics["switch/predicted_mb"] == 0.0  # one process: nothing moves
     assert metrics["perf/offloaded_gb"] == 0.0  # the training state already lives in CPU memory here
     for before, after in zip(state_before, _optimizer_state(switching.optimizer), strict=True):
         assert torch.equal(before, after)

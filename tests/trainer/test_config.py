@@ -126,6 +126,11 @@ def test_overrides_fill_typed_fields():
             "actor_rollout_ref.rollout.old_log_prob_source",
             "auto, recompute, rollout",
         ),
+        (
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=0",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "positive",
+        ),
         ("data.val_batch_size=0", "data.val_batch_size", "positive"),
         ("trainer.total_training_steps=0", "trainer.total_training_steps", "-1"),
         ("trainer.device=tpu", "trainer.device", "cpu, cuda"),
@@ -182,6 +187,24 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "not below rollout.n=4",
         ),
         (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "not a complete checkpoint"),
+        (
+            [
+                "actor_rollout_ref.actor.tensor_model_parallel_size=2",
+                "actor_rollout_ref.rollout.tensor_model_parallel_size=4",
+            ],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "does not divide actor.tensor_model_parallel_size=2",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "needs a tensor-parallel backend",
+        ),
+        (  # tiny-llama has 2 key/value heads: 4 ranks cannot each hold whole ones
+            ["trainer.n_workers_per_node=4", "actor_rollout_ref.actor.tensor_model_parallel_size=4"],
+            "actor_rollout_ref.actor.tensor_model_parallel_size",
+            "num_key_value_heads",
+        ),
     ],
 )
 def test_each_bad_config_fails_clearly_without_starting_ray(arithmetic_files, extra, key, message):

@@ -1,7 +1,12 @@
-"""GRPO with the actor trained tensor-parallel (t=2) against data-parallel (t=1): tiny-llama, fp32, 2 ranks.
+"""GRPO with the 3D-HybridEngine's layouts against plain data parallelism: tiny-llama, fp32, 2 ranks.
 
-Generation is tg=1 in both (every rank generates its own prompts with the full generation copy), so
-the samples are the same; the update splits each layer over the 2 ranks instead of the rows."""
+t=1: each rank trains on its rows (FSDP2) and generates its prompts from a whole copy. t=2, tg=1: the
+actor's layers are split over the 2 ranks in training; each rank still generates its own prompts,
+from a whole copy gathered within the TP group. t=2, tg=2: the 2 ranks also generate together, each
+holding half of every layer and of the KV cache, and the switch moves nothing (the training shard is
+the generation shard). Samples are seeded per generation group, so t=2, tg=2 (one group) draws what
+one rank alone draws, and t=2, tg=1 what t=1 on 2 ranks draws; in fp32 each pair agrees on every loss
+to rounding."""
 
 import pytest
 from test_train_e2e import assert_all_finite, short_run
@@ -13,19 +18,37 @@ FP32 = [
     "trainer.val_before_train=false",
     "trainer.save_freq=2",
 ]
+# name: (ranks, t, tg)
+LAYOUTS = {"one_rank": (1, 1, 1), "t1": (2, 1, 1), "t2_tg1": (2, 2, 1), "t2_tg2": (2, 2, 2)}
+SAME_SAMPLES = {"t2_tg1": "t1", "t2_tg2": "one_rank"}
 
 
-def test_grpo_with_a_tensor_parallel_actor_matches_data_parallel(arithmetic_files, tmp_path):
+def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_files, tmp_path):
     runs = {
-        t: short_run(
-            arithmetic_files, tmp_path / f"t{t}", *FP32, f"actor_rollout_ref.actor.tensor_model_parallel_size={t}"
+        name: short_run(
+            arithmetic_files,
+            tmp_path / name,
+            *FP32,
+            f"trainer.n_workers_per_node={ranks}",
+            f"actor_rollout_ref.actor.tensor_model_parallel_size={t}",
+            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tg}",
         )
-        for t in (1, 2)
+        for name, (ranks, t, tg) in LAYOUTS.items()
     }
-    assert_all_finite(runs[2])
-    for tensor_parallel, data_parallel in zip(runs[2], runs[1]):
-        assert tensor_parallel["response_length/mean"] == data_parallel["response_length/mean"]  # same samples
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/log_prob_diff_mean"):
-            # another reduction order (the layer's halves summed instead of the rows'): a small tolerance
-            assert tensor_parallel[key] == pytest.approx(data_parallel[key], rel=1e-4, abs=1e-6), key
-    assert (tmp_path / "t2" / "global_step_2" / "actor").is_dir()  # the 2-D sharded state saves
+    for name, reference in SAME_SAMPLES.items():
+        assert_all_finite(runs[name])
+        for layout, data_parallel in zip(runs[name], runs[reference]):
+            assert layout["response_length/mean"] == data_parallel["response_length/mean"], name  # same samples
+            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/log_prob_diff_mean"):
+                # another reduction order (the layer's halves summed instead of the rows'): a small tolerance
+                assert layout[key] == pytest.approx(data_parallel[key], rel=1e-4, abs=1e-6), (name, key)
+    for step in range(2):
+        whole, split = runs["t2_tg1"][step], runs["t2_tg2"][step]
+        for record in (whole, split, runs["t1"][step]):
+            assert record["switch/received_mb"] == pytest.approx(record["switch/predicted_mb"], rel=1e-9)
+        assert split["switch/received_mb"] == 0.0  # tg = t, dp = 1: each rank's training shard is its generation shard
+        assert whole["switch/received_mb"] > 0.0
+        # generation weights: the decoder layers halved, embeddings / norms / head whole
+        assert split["switch/generation_weights_mb"] < whole["switch/generation_weights_mb"]
+        assert whole["switch/generation_weights_mb"] == pytest.approx(runs["t1"][step]["switch/generation_weights_mb"])
+    assert (tmp_path / "t2_tg2" / "global_step_2" / "actor").is_dir()  # the 2-D sharded state saves

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from hybridflow.engine.fsdp import decoder_layers
 from hybridflow.engine.tensor_parallel import llama, mistral, qwen2
+from hybridflow.models.split_sizes import check_tensor_parallel_size
 
 TP_PLANS: dict[str, Callable[[], dict[str, ParallelStyle]]] = {
     "llama": llama.decoder_layer_plan,
@@ -32,31 +33,25 @@ def training_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
 
 
-def check_divisible(config, tp: int) -> None:
-    """Each rank must hold whole attention heads (query and key/value) and an equal slice of the MLP."""
-    sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", config.num_attention_heads),
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = {name: size for name, size in sizes.items() if size % tp}
-    if bad:
-        raise ValueError(
-            f"tensor_model_parallel_size={tp} does not divide the model's {bad}: choose a divisor of "
-            f"{', '.join(f'{name}={size}' for name, size in sizes.items())}"
-        )
-
-
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place)."""
     model_type = model.config.model_type
     if model_type not in TP_PLANS:
         raise ValueError(f"no tensor-parallel plan for model type '{model_type}'; plans: {', '.join(TP_PLANS)}")
     tp = tp_mesh.size()
-    check_divisible(model.config, tp)
+    check_tensor_parallel_size(model.config, tp, "tensor_model_parallel_size")
     if tp == 1:
         return model
     plan = TP_PLANS[model_type]()
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, plan)
     return model
+
+
+def tensor_parallel_size(model: nn.Module) -> int:
+    """How many ranks split the model's layers (the size of the "tp" mesh its parameters live on; 1: none)."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+            return mesh.size(mesh.mesh_dim_names.index("tp"))
+    return 1

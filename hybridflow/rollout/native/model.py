@@ -11,6 +11,9 @@ HF to rounding and bf16 results match HF bf16 closely.
 GQA without repeating keys: the G = Hq/Hkv query heads that share a kv head are folded into
 the query axis, so attention runs as (B*Hkv, G*T, D) queries against (B*Hkv, L, D) keys: one
 `scaled_dot_product_attention` call in prefill, two batched matmuls around a softmax in decode.
+
+Under tensor parallelism (parallel.py) the same code runs on a rank's heads and MLP slice (its
+`weights.spec` is the local one); the two row-parallel products are summed over the group.
 """
 
 from __future__ import annotations
@@ -55,11 +58,11 @@ def _qkv(layer: LayerWeights, x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
     return layer.qkv(rms_norm(x, layer.input_norm, spec.rms_norm_eps))
 
 
-def _output_and_mlp(layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+def _output_and_mlp(weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Residual stream after the attention output projection and the SwiGLU MLP: (..., H)."""
-    x = x + layer.o(attn)
-    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, spec.rms_norm_eps)).chunk(2, dim=-1)
-    return x + layer.down(F.silu(gate) * up)
+    x = x + weights.tp.all_reduce(layer.o(attn))
+    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)).chunk(2, dim=-1)
+    return x + weights.tp.all_reduce(layer.down(F.silu(gate) * up))
 
 
 def _logits(weights: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,7 @@ def prefill(
         q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
-        x = _output_and_mlp(layer, x, attn, spec)
+        x = _output_and_mlp(weights, layer, x, attn)
     last = x[torch.arange(b, device=x.device), lengths - 1]  # (Bp, H)
     return _logits(weights, last)
 
@@ -138,5 +141,5 @@ def decode(
         q = qk[:, :hq].reshape(b * hkv, g, d)
         scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
         attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
-        x = _output_and_mlp(layer, x, attn.view(b, spec.q_size), spec)
+        x = _output_and_mlp(weights, layer, x, attn.view(b, spec.q_size))
     return _logits(weights, x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
@@ -13,6 +14,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.engine import Engine, EngineStats
+from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import spec_from_config
 from hybridflow.rollout.native.weights import Weights
 
@@ -26,6 +28,8 @@ class NativeRollout(Rollout):
     bf16 by default). stop_token_ids: tokens that end a response, default the EOS ids that
     `HFRollout` uses; [] generates every response to full length (benchmarks).
     engine_config: the engine's batch limits (`actor_rollout_ref.rollout.native.*`).
+    tp_group: the ranks that generate together, tensor-parallel (parallel.py); every rank of it must
+    make the same calls with the same prompts. None: this rank generates alone with a whole copy.
     """
 
     def __init__(
@@ -36,12 +40,14 @@ class NativeRollout(Rollout):
         engine_config: NativeEngineConfig,
         dtype: torch.dtype | None = None,
         stop_token_ids: list[int] | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ):
         self.tokenizer = tokenizer
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
-        weights = Weights.from_model(model, spec_from_config(model.config), dtype)
+        tp = TensorParallelGroup.of(tp_group)
+        weights = Weights.from_model(model, spec_from_config(model.config), dtype, tp)
         self.engine = Engine(weights, engine_config)
 
     @property
@@ -68,7 +74,8 @@ class NativeRollout(Rollout):
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Overwrite the engine's weights in place from (Hugging Face parameter name, full tensor) pairs.
+        """Overwrite the engine's weights in place from (Hugging Face parameter name, tensor) pairs: the
+        full tensor, or under tensor parallelism this rank's slice of it (`TensorParallelGroup.shard`).
 
         Takes the tensors one at a time (as the trainer gathers FSDP2 shards), casting to the
         engine's dtype and device; rotary buffers are ignored, unknown names raise KeyError.

@@ -4,6 +4,9 @@ Every tensor here is written through one name map (`Weights.target`), from Huggi
 parameter names, both when the engine is built from a model and when the trainer pushes
 new weights (`Weights.load`), so the two paths cannot drift apart. Fused matrices are
 filled slice by slice in place: no update ever allocates.
+
+Under tensor parallelism (parallel.py) the copy holds this rank's slice of each decoder layer, and
+every tensor it is given is that slice (`TensorParallelGroup.shard` of the full one).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 from torch import nn
 
 from hybridflow.rollout.native.linear import Matrix
+from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import ModelSpec
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -36,17 +40,28 @@ class LayerWeights:
 
 @dataclass
 class Weights:
-    spec: ModelSpec
+    spec: ModelSpec  # the shapes this rank computes (1/tp of the heads and MLP width: tp.local_spec)
     embed: torch.Tensor  # (V, H)
     layers: list[LayerWeights]
     norm: torch.Tensor  # (H,)
     lm_head: Matrix  # weight (V, H); the same tensor as `embed` when tied
+    tp: TensorParallelGroup  # the ranks this copy is split over (size 1: a whole copy)
 
     @classmethod
     def allocate(
-        cls, spec: ModelSpec, qkv_bias: bool, o_bias: bool, dtype: torch.dtype, device: torch.device | str
+        cls,
+        spec: ModelSpec,
+        qkv_bias: bool,
+        o_bias: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        tp: TensorParallelGroup | None = None,
     ) -> Weights:
-        """Uninitialised weights of the right shapes (fill them with `load`)."""
+        """Uninitialised weights of this rank's shapes (fill them with `load`); spec: the whole model's;
+        tp: the group they are split over (None: a whole copy)."""
+        tp = tp or TensorParallelGroup()
+        spec = tp.local_spec(spec)
+        o_bias = o_bias and tp.holds("self_attn.o_proj.bias")
         h, q, k, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
 
         def empty(*shape: int) -> torch.Tensor:
@@ -65,20 +80,37 @@ class Weights:
         ]
         embed = empty(spec.vocab_size, h)
         lm_head = Matrix(embed if spec.tie_word_embeddings else empty(spec.vocab_size, h))
-        return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head)
+        return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head, tp=tp)
 
     def matrices(self) -> list[Matrix]:
         """Every weight matrix that a forward multiplies by."""
         return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
+    def nbytes(self) -> int:
+        """Bytes of this rank's weights (a tied LM head once; not the packed copies that `Matrix` keeps
+        for oneDNN on CPU in bf16, which double the matrices' share there)."""
+        tensors = [self.embed, self.norm, self.lm_head.weight]
+        for layer in self.layers:
+            tensors += [layer.input_norm, layer.post_norm]
+            matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            tensors += [t for m in matrices for t in (m.weight, m.bias) if t is not None]
+        unique = {id(t): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
     @classmethod
-    def from_model(cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype) -> Weights:
-        """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype`."""
+    def from_model(
+        cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallelGroup | None = None
+    ) -> Weights:
+        """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype` (this
+        rank's slices of them under tensor parallelism)."""
         params = dict(model.named_parameters())
         attn = "model.layers.0.self_attn"
         device = next(model.parameters()).device
-        weights = cls.allocate(spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, device)
-        missing = sorted(set(weights.target_names()) - weights.load(params.items()))
+        weights = cls.allocate(
+            spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, device, tp
+        )
+        shards = ((name, weights.tp.shard(name, tensor)) for name, tensor in params.items())
+        missing = sorted(set(weights.target_names()) - weights.load(shards))
         if missing:
             raise ValueError(f"the model lacks {len(missing)} tensors the engine needs, e.g. {missing[:3]}")
         return weights
@@ -100,7 +132,7 @@ class Weights:
 
     def target(self, name: str) -> tuple[torch.Tensor, Matrix | None] | None:
         """Where HF parameter `name` is copied: (tensor or slice of a fused one, its Matrix if any); None: ignored."""
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or not self.tp.holds(name):
             return None
         if name == "model.embed_tokens.weight":
             return self.embed, self.lm_head if self.lm_head.weight is self.embed else None
@@ -134,7 +166,8 @@ class Weights:
 
     @torch.no_grad()
     def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy each (HF name, full tensor) into place (casting dtype/device); returns the names used.
+        """Copy each (HF name, tensor: this rank's slice of it) into place (casting dtype/device); returns
+        the names used.
 
         Matrices written to are repacked (in place) at the end.
         """

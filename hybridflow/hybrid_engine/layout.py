@@ -1,0 +1,82 @@
+"""The actor's two layouts over its dp * t ranks, as device meshes: training (dp, t) and generation.
+
+Training: rank = dp_index * t + tp_index (engine/tensor_parallel.training_mesh). Generation (§5.3 of
+the HybridFlow paper, regroup.py): inside each training TP group, the t / tg generation groups are
+strided (t=4, tg=2: {0, 2} and {1, 3}) and the gather groups consecutive ({0, 1} and {2, 3}). In
+rank tables, with m = t / tg:
+
+    training   (dp, t)            ranks.view(dp, t)
+    gather     (dp * tg, m)       ranks.view(dp * tg, m)                      row: one generation shard
+    generation (dp * m, tg)       ranks.view(dp, tg, m).transpose(1, 2)       row: ranks generating together
+
+so the generation mesh's first dimension is the generation data-parallel index (prompts are split
+over it) and its second the generation tensor-parallel index (the shard a rank holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from hybridflow.engine.tensor_parallel import training_mesh
+from hybridflow.hybrid_engine.regroup import Regrouping
+
+
+@dataclass(frozen=True)
+class LayoutShape:
+    """dp x t training ranks generating in groups of tg (tg divides t)."""
+
+    dp: int
+    t: int
+    tg: int
+
+    def __post_init__(self) -> None:
+        Regrouping(t=self.t, tg=self.tg)  # tg must divide t
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.t
+
+    @property
+    def micro_dp(self) -> int:
+        return self.t // self.tg
+
+    def training_ranks(self) -> torch.Tensor:
+        return torch.arange(self.world).view(self.dp, self.t)
+
+    def gather_ranks(self) -> torch.Tensor:
+        return torch.arange(self.world).view(self.dp * self.tg, self.micro_dp)
+
+    def generation_ranks(self) -> torch.Tensor:
+        grid = torch.arange(self.world).view(self.dp, self.tg, self.micro_dp)
+        return grid.transpose(1, 2).reshape(self.dp * self.micro_dp, self.tg)
+
+
+@dataclass
+class ActorLayouts:
+    """This rank's meshes and groups in both layouts."""
+
+    shape: LayoutShape
+    training: DeviceMesh  # (dp, tp)
+    generation: DeviceMesh  # (dp, tp): generation data-parallel and tensor-parallel indices
+    gather_group: dist.ProcessGroup | None  # the ranks whose training shards make this rank's generation shard
+
+    @classmethod
+    def build(cls, device: torch.device, shape: LayoutShape) -> ActorLayouts:
+        """Every rank of the default process group calls this with the same shape (it creates groups)."""
+        if shape.world != dist.get_world_size():
+            raise ValueError(f"a layout of {shape.dp} x {shape.t} ranks over {dist.get_world_size()} processes")
+        device_type = device.type
+        training = training_mesh(device, shape.dp, shape.t)  # the same table as shape.training_ranks()
+        generation = DeviceMesh(device_type, shape.generation_ranks(), mesh_dim_names=("dp", "tp"))
+        gather = DeviceMesh(device_type, shape.gather_ranks(), mesh_dim_names=("shard", "gather"))
+        gather_group = gather["gather"].get_group() if shape.micro_dp > 1 else None
+        return cls(shape=shape, training=training, generation=generation, gather_group=gather_group)
+
+    @property
+    def generation_group(self) -> dist.ProcessGroup | None:
+        """The tg ranks that generate together (None: each rank generates alone)."""
+        return self.generation["tp"].get_group() if self.shape.tg > 1 else None

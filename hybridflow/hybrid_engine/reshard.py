@@ -1,0 +1,95 @@
+"""The switch's data movement: this rank's generation weights, built from the training shards (§5.3).
+
+One parameter at a time, each rank
+1. casts its training shard to the generation dtype (so that bf16, not the fp32 masters, travels),
+2. gathers it over the data-parallel ranks (FSDP2's shard → the rank's tensor-parallel shard, or the
+   whole tensor for weights that tensor parallelism does not split),
+3. for a tensor-parallel weight, gathers the missing pieces of its generation shard from its gather
+   group (layout.py) — nothing, when tg = t.
+
+The result is exactly the slice the generation engine holds (rollout/native/parallel.py); a weight
+whose training split disagrees with the generation split is refused. `SwitchReport` counts what
+moved, for the switch's metrics and for the paper's formulas (regroup.predicted_switch_bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
+from hybridflow.rollout.native.parallel import shard_dim
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class SwitchReport:
+    """What one switch moved and built on this rank (bytes, generation dtype)."""
+
+    received: int = 0  # from other ranks
+    split: int = 0  # whole size of the tensor-parallel weights
+    whole: int = 0  # whole size of the weights every tp rank holds in full
+    held: int = 0  # the generation weights this rank was given: its generation shard
+
+    def predicted(self, shape: LayoutShape) -> float:
+        """What ``received`` must be by the paper's formulas."""
+        return predicted_switch_bytes(self.split, self.whole, dp=shape.dp, t=shape.t, tg=shape.tg, method="hybridflow")
+
+
+def tensor_parallel_dim(tensor: DTensor) -> int | None:
+    """The dimension the training layout splits over its "tp" mesh dimension (None: not split there)."""
+    names = tensor.device_mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        return None
+    placement = tensor.placements[names.index("tp")]
+    return placement.dim if placement.is_shard() else None
+
+
+def _unshard_data_parallel(tensor: DTensor) -> torch.Tensor:
+    """The rank's tensor-parallel shard (or the whole tensor): every mesh dimension but "tp" gathered."""
+    names = tensor.device_mesh.mesh_dim_names or ()
+    placements = [p if name == "tp" else Replicate() for name, p in zip(names, tensor.placements)]
+    return tensor.redistribute(tensor.device_mesh, placements).to_local()
+
+
+def generation_weights(
+    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
+    one at a time; ``report`` accumulates the bytes."""
+    for name, param in model.named_parameters():
+        part = param.detach().to(dtype)
+        if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
+            report.whole += _nbytes(part)
+            report.held += _nbytes(part)
+            yield name, part
+            continue
+        own = _nbytes(part.to_local())
+        whole_bytes = part.numel() * part.element_size()
+        dim = tensor_parallel_dim(part)
+        piece = _unshard_data_parallel(part)
+        if dim is None:
+            report.whole += whole_bytes
+        else:
+            if shard_dim(name) != dim:
+                raise ValueError(
+                    f"{name}: the training layout splits dimension {dim}, the generation engine {shard_dim(name)}; "
+                    "the tensor-parallel plan (engine/tensor_parallel) and rollout/native/parallel.py must agree"
+                )
+            report.split += whole_bytes
+            if gather_group is not None:
+                piece = gather_generation_shard(piece, dim, gather_group)
+        report.received += _nbytes(piece) - own
+        report.held += _nbytes(piece)
+        yield name, piece
+    for name, buffer in model.named_buffers():
+        yield name, buffer.full_tensor() if isinstance(buffer, DTensor) else buffer

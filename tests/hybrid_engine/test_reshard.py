@@ -1,0 +1,134 @@
+"""The 3D-HybridEngine's switch on real layouts: a tiny Qwen2 (q/k/v biases, tied head) trained as
+(dp, t) under FSDP2 + DTensor, switched to generation groups of tg (gloo ranks, fp32).
+
+After the switch every rank holds exactly its generation slice of the trained weights, received
+exactly the bytes the paper's formula predicts, and its generation group generates what one process
+with the whole trained model generates."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
+from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel
+from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
+from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
+from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.native.parallel import TensorParallelGroup, shard_dim
+from hybridflow.trainer.config import default_config
+
+GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
+ENGINE = default_config().actor_rollout_ref.rollout.native
+FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
+
+
+def trained_model(path: str):
+    """The model with seeded changes, standing in for training (the generator starts from the original)."""
+    model = load_causal_lm(path, dtype=torch.float32)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.add_(0.05 * torch.randn(param.shape, generator=noise))
+    return model
+
+
+def prompts() -> DataProto:
+    ids = torch.tensor([[0, 5, 9, 13, 21], [0, 0, 7, 8, 9], [3, 4, 5, 6, 7], [0, 0, 0, 40, 41]])
+    mask = (ids != 0).long()
+    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: (mask.cumsum(1) - 1).clamp(min=0)})
+
+
+class ActorSwitch(Worker):
+    def __init__(self, *, path: str, t: int, tg: int):
+        super().__init__()
+        torch.set_num_threads(1)
+        self.shape = LayoutShape(dp=self.world_size // t, t=t, tg=tg)
+        self.layouts = ActorLayouts.build(self.device, self.shape)
+        model = trained_model(path)
+        apply_tensor_parallel(model, self.layouts.training["tp"])
+        self.model = shard_model(model, self.layouts.training["dp"], FP32)
+        original = load_causal_lm(path, dtype=torch.float32)
+        tokenizer = load_tokenizer(path)
+        self.rollout = NativeRollout(original, tokenizer, engine_config=ENGINE, tp_group=self.layouts.generation_group)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def switch_and_generate(self) -> dict:
+        report = SwitchReport()
+        self.rollout.load_weights(generation_weights(self.model, torch.float32, self.layouts.gather_group, report))
+        generation = self.layouts.generation
+        batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
+        responses = self.rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
+        layer = self.rollout.engine.weights.layers[0]
+        dist.barrier()
+        return {
+            "report": report,
+            "predicted": report.predicted(self.shape),
+            "generation_index": (generation["dp"].get_local_rank(), generation["tp"].get_local_rank()),
+            "qkv": layer.qkv.weight.clone(),
+            "qkv_bias": layer.qkv.bias.clone(),
+            "down": layer.down.weight.clone(),
+            "responses": responses,
+        }
+
+
+@pytest.fixture(scope="module")
+def path():
+    return str(resolve_model_path("tiny-qwen2", num_key_value_heads=4))  # 4 query and 4 key/value heads
+
+
+@pytest.fixture(scope="module")
+def expected(path):
+    """The trained weights whole, and what one process generates with them."""
+    model = trained_model(path)
+    single = NativeRollout(model, load_tokenizer(path), engine_config=ENGINE)
+    return dict(model.named_parameters()), single.generate_sequences(prompts(), GREEDY).batch[RESPONSES]
+
+
+def first_layer_slice(weights: dict, name: str, tg: int, index: int) -> torch.Tensor:
+    full = weights[f"model.layers.0.{name}"].detach()
+    return TensorParallelGroup(size=tg, rank=index).shard(f"model.layers.0.{name}", full)
+
+
+@pytest.mark.parametrize("dp, t, tg", [(1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 4, 2), (1, 4, 4)])
+def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(local_ray, path, expected, dp, t, tg):
+    weights, responses = expected
+    pool = RayResourcePool([dp * t])
+    group = RayWorkerGroup(pool, RoleSpec(ActorSwitch, kwargs={"path": path, "t": t, "tg": tg}))
+    try:
+        outputs = group.switch_and_generate()
+    finally:
+        group.kill()
+        pool.release()
+    split = sum(w.numel() * 4 for n, w in weights.items() if shard_dim(n) is not None)
+    whole = sum(w.numel() * 4 for n, w in weights.items() if shard_dim(n) is None)
+    regrouping = Regrouping(t=t, tg=tg)
+    by_group: dict[int, list[torch.Tensor]] = {}
+    for rank, out in enumerate(outputs):
+        gen_dp, gen_tp = out["generation_index"]
+        assert gen_tp == regrouping.generation_shard(rank % t)  # the strided groups of §5.3
+        report = out["report"]
+        assert (report.split, report.whole) == (split, whole)
+        assert (
+            report.received
+            == out["predicted"]
+            == predicted_switch_bytes(split, whole, dp=dp, t=t, tg=tg, method="hybridflow")
+        )
+        assert report.held == split // tg + whole  # 1/tg of the split weights, never a whole copy
+        qkv = torch.cat([first_layer_slice(weights, f"self_attn.{p}_proj.weight", tg, gen_tp) for p in "qkv"])
+        qkv_bias = torch.cat([first_layer_slice(weights, f"self_attn.{p}_proj.bias", tg, gen_tp) for p in "qkv"])
+        torch.testing.assert_close(out["qkv"], qkv, rtol=0, atol=0)
+        torch.testing.assert_close(out["qkv_bias"], qkv_bias, rtol=0, atol=0)
+        torch.testing.assert_close(out["down"], first_layer_slice(weights, "mlp.down_proj.weight", tg, gen_tp))
+        by_group.setdefault(gen_dp, []).append(out["responses"])
+    assert len(by_group) == dp * t // tg
+    for same_prompts in by_group.values():  # a group's ranks generate alike
+        assert all(torch.equal(r, same_prompts[0]) for r in same_prompts)
+    assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)

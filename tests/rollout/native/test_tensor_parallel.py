@@ -1,0 +1,119 @@
+"""The native engine tensor-parallel over 2 gloo ranks (tg=2) against one process (tg=1), fp32.
+
+Each rank holds half of every decoder layer and of the KV cache; the tokens must be the same and
+the log-probs equal to rounding (the row-parallel sums are added in another order)."""
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from native_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
+
+from hybridflow.batch_keys import RESPONSES, ROLLOUT_LOG_PROBS
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.native.parallel import TensorParallelGroup, shard_dim
+
+TG = 2
+
+
+class TensorParallelGenerator(Worker):
+    def __init__(self, *, name: str):
+        super().__init__()
+        torch.set_num_threads(1)
+        model = load_causal_lm(name, dtype=torch.float32).eval()
+        self.rollout = NativeRollout(
+            model, load_tokenizer(name), engine_config=engine_config(), tp_group=dist.group.WORLD
+        )
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def generate(self, prompts, params) -> dict[str, torch.Tensor]:
+        output = self.rollout.generate_sequences(prompts, params)
+        return {key: output.batch[key] for key in (RESPONSES, ROLLOUT_LOG_PROBS)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def held(self) -> dict:
+        """What this rank holds: its first layer's matrices, its weight and KV-cache bytes."""
+        engine = self.rollout.engine
+        layer = engine.weights.layers[0]
+        return {
+            "qkv": layer.qkv.weight.clone(),
+            "qkv_bias": None if layer.qkv.bias is None else layer.qkv.bias.clone(),
+            "o": layer.o.weight.clone(),
+            "gate_up": layer.gate_up.weight.clone(),
+            "down": layer.down.weight.clone(),
+            "weight_bytes": engine.weights.nbytes(),
+            "cache_bytes": engine.cache.nbytes() if engine.cache is not None else 0,
+        }
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+def family(request):
+    started = start_ray(num_cpus=8)
+    pool = RayResourcePool([TG])
+    group = RayWorkerGroup(pool, RoleSpec(TensorParallelGenerator, kwargs={"name": request.param}))
+    model = load_causal_lm(request.param, dtype=torch.float32).eval()
+    tokenizer = load_tokenizer(request.param)
+    single = NativeRollout(model, tokenizer, engine_config=engine_config())
+    yield model, tokenizer, single, group
+    group.kill()
+    pool.release()
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("params", [greedy(12), sampled(seed=3, max_new_tokens=12, temperature=0.8, top_p=0.9)])
+def test_tensor_parallel_generation_matches_one_process(family, params):
+    model, tokenizer, single, group = family
+    prompts = prompts_of(tokenizer, QUESTIONS * 2)
+    expected = single.generate_sequences(prompts, params)
+    for output in group.generate(prompts, params):  # both ranks produce the whole output
+        assert torch.equal(output[RESPONSES], expected.batch[RESPONSES])
+        torch.testing.assert_close(output[ROLLOUT_LOG_PROBS], expected.batch[ROLLOUT_LOG_PROBS], rtol=1e-5, atol=1e-5)
+
+
+def test_each_rank_holds_its_slice_and_half_the_cache(family):
+    model, tokenizer, single, group = family
+    single.generate_sequences(prompts_of(tokenizer, QUESTIONS * 2), greedy(12))  # the same cache shape as the group
+    params = dict(model.named_parameters())
+    prefix = "model.layers.0."
+
+    def piece(name: str, rank: int) -> torch.Tensor:
+        return TensorParallelGroup(size=TG, rank=rank).shard(prefix + name, params[prefix + name].detach())
+
+    full_weights = single.engine.weights.nbytes()
+    split_bytes = sum(t.numel() * 4 for n, t in params.items() if shard_dim(n) is not None)
+    for rank, held in enumerate(group.held()):
+        qkv = torch.cat([piece(f"self_attn.{p}_proj.weight", rank) for p in "qkv"])
+        torch.testing.assert_close(held["qkv"], qkv, rtol=0, atol=0)
+        if held["qkv_bias"] is not None:
+            bias = torch.cat([piece(f"self_attn.{p}_proj.bias", rank) for p in "qkv"])
+            torch.testing.assert_close(held["qkv_bias"], bias, rtol=0, atol=0)
+        torch.testing.assert_close(held["o"], piece("self_attn.o_proj.weight", rank), rtol=0, atol=0)
+        gate_up = torch.cat([piece("mlp.gate_proj.weight", rank), piece("mlp.up_proj.weight", rank)])
+        torch.testing.assert_close(held["gate_up"], gate_up, rtol=0, atol=0)
+        torch.testing.assert_close(held["down"], piece("mlp.down_proj.weight", rank), rtol=0, atol=0)
+        assert held["weight_bytes"] == full_weights - split_bytes // TG  # the projections halved, the rest whole
+        assert held["cache_bytes"] == single.engine.cache.nbytes() // TG
+
+
+def test_the_split_of_each_tensor():
+    assert shard_dim("model.layers.3.self_attn.q_proj.weight") == 0
+    assert shard_dim("model.layers.3.self_attn.k_proj.bias") == 0
+    assert shard_dim("model.layers.3.mlp.up_proj.weight") == 0
+    assert shard_dim("model.layers.3.self_attn.o_proj.weight") == 1
+    assert shard_dim("model.layers.3.mlp.down_proj.weight") == 1
+    assert shard_dim("model.layers.3.self_attn.o_proj.bias") is None  # added once, by rank 0
+    assert shard_dim("model.layers.3.input_layernorm.weight") is None
+    assert shard_dim("model.embed_tokens.weight") is None
+    assert not TensorParallelGroup(size=2, rank=1).holds("model.layers.0.self_attn.o_proj.bias")
+    assert TensorParallelGroup(size=2, rank=0).holds("model.layers.0.self_attn.o_proj.bias")
+
+
+def test_a_size_that_splits_heads_is_refused():
+    model = load_causal_lm("tiny-llama", dtype=torch.float32)  # 4 query heads, 2 key/value heads
+    from hybridflow.rollout.native.spec import spec_from_config
+
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        TensorParallelGroup(size=4, rank=0).local_spec(spec_from_config(model.config))
