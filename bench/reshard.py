@@ -1,28 +1,31 @@
 """The actor's switch from its training layout (dp, t) to a generation layout (tg): bytes, time, memory.
 
-    .venv/bin/python bench/reshard.py --world 3             # smollm2-135m on 3 processes (t = 1, 3)
-    .venv/bin/python bench/reshard.py --model tiny-llama    # 4 processes (t = 1, 2)
+    .venv/bin/python bench/reshard.py --world 3                           # SmolLM2-135M on 3 processes (t = 1, 3)
+    .venv/bin/python bench/reshard.py --model smollm2-8h --plot docs/images/reshard.png   # 4 processes (t = 1, 2, 4)
+    .venv/bin/python bench/reshard.py --model tiny-llama                  # seconds, 4 processes (t = 1, 2)
 
 Run by hand, not a test. Each of the Ray ranks holds the model in a training layout: tensor
 parallelism over t ranks (engine/tensor_parallel), FSDP2 over dp = world / t. Then, for each generation
 tensor-parallel size tg dividing t, three ways to build the generation weights are timed, and the
 bytes each rank received are counted from the collectives' inputs and outputs:
 
-- gather_all (what the hybrid actor does today, DeepSpeed-Chat's row in the paper's Table 2):
-  every rank gathers every parameter in full;
+- gather_all (the hybrid actor before the 3D-HybridEngine, DeepSpeed-Chat's row in the paper's
+  Table 2): every rank gathers every parameter in full;
 - hybridflow_v (the paper's vanilla HybridFlow): gather the rank's TP shard over dp, then the full
   tensor over the training TP group, then keep the generation slice;
-- hybridflow (§5.3, hybrid_engine/regroup.py): gather the TP shard over dp, then only the missing
-  pieces of the rank's generation shard, inside its gather group of t / tg ranks.
+- hybridflow (§5.3): what a run does, `hybrid_engine/reshard.generation_weights` on the actor's
+  layouts (`hybrid_engine/layout.py`): the TP shard gathered over dp, then only the missing pieces of
+  the rank's generation shard, inside its gather group of t / tg ranks.
 
-"predicted" is `regroup.switch_bytes` for the tensor-parallel weights (the formulas of Table 2 plus
-FSDP's gather over dp) plus the replicated weights' FSDP gather (embeddings, norms, LM head, which
-every method holds in full). "peak" is the generation weights a rank holds afterwards (gathered
-one parameter at a time, so hybridflow_v's full tensor exists for one parameter at once, not for
-the whole model as in the paper's accounting).
+"predicted" is `regroup.predicted_switch_bytes`: Table 2's formulas for the tensor-parallel weights plus
+FSDP's gather over dp of every weight (embeddings, norms and LM head are held whole by every tp rank).
+"held" is the generation weights a rank holds afterwards (gathered one parameter at a time, so
+hybridflow_v's full tensor exists for one parameter at once, not for the whole model as in the paper's
+accounting).
 
-t runs over the divisors of the process count that split the model's heads evenly: SmolLM2-135M has
-9 query and 3 key/value heads, so it takes t in {1, 3} (``--world 3``); tiny-llama t in {1, 2, 4}.
+SmolLM2-135M has 9 query and 3 key/value heads, so it splits over t in {1, 3} only (``--world 3``).
+``--model smollm2-8h`` is a random Llama of SmolLM2-135M's size (576 wide, 30 layers, MLP 1536, vocabulary
+49152) with 8 query and 4 key/value heads, which splits over 1, 2 or 4 ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import ray
 import torch
@@ -39,10 +43,23 @@ from torch.distributed.tensor import DTensor, Replicate
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
-from hybridflow.hybrid_engine.regroup import Regrouping, gather_generation_shard, new_gather_groups, switch_bytes
+from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
+from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
 from hybridflow.models import load_causal_lm, resolve_model_path
 from hybridflow.trainer.config import default_config
 from hybridflow.workers.sharded_model import quiet_libraries
+
+METHODS = ("gather_all", "hybridflow_v", "hybridflow")
+# SmolLM2-135M's sizes with heads that split over 2 and 4 ranks (random weights: for bytes and timings)
+SMOLLM2_8H = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+}
 
 
 def local_bytes(tensor: torch.Tensor) -> int:
@@ -60,7 +77,7 @@ class Resharder(Worker):
         apply_tensor_parallel(model, self.mesh["tp"])
         fsdp = default_config().actor_rollout_ref.actor.fsdp
         self.model = shard_model(model, self.mesh["dp"], fsdp)
-        self.tp_groups = self.mesh.mesh.tolist()  # row i: the global ranks of dp index i's TP group
+        self.layouts: dict[int, ActorLayouts] = {}  # by tg
 
     def _tp_shard(self, param: DTensor) -> tuple[torch.Tensor, int]:
         """The rank's TP shard (or the full tensor, for a replicated weight) gathered over dp, and bytes received."""
@@ -69,62 +86,75 @@ class Resharder(Worker):
         gathered = param.redistribute(param.device_mesh, placements).to_local()
         return gathered, local_bytes(gathered) - local_bytes(param)
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def switch(self, tg: int, method: str) -> dict[str, float]:
+    def _hybridflow(self, tg: int) -> tuple[int, list[torch.Tensor], SwitchReport]:
+        """The production switch: hybrid_engine/reshard.py on the actor's layouts."""
+        if tg not in self.layouts:  # collective: every rank builds the same groups
+            shape = LayoutShape(dp=self.world_size // self.t, t=self.t, tg=tg)
+            self.layouts[tg] = ActorLayouts.build(self.device, shape)
+        report = SwitchReport()
+        held = [
+            piece for _, piece in generation_weights(self.model, torch.bfloat16, self.layouts[tg].gather_group, report)
+        ]
+        return report.received, held, report
+
+    def _baseline(self, tg: int, method: str) -> tuple[int, list[torch.Tensor]]:
         regrouping = Regrouping(t=self.t, tg=tg)
-        groups = new_gather_groups(regrouping, self.tp_groups) if method == "hybridflow" else []
         tp_rank = self.mesh["tp"].get_local_rank()
-        my_group = None
-        if groups:
-            my_group = groups[self.mesh["dp"].get_local_rank() * tg + regrouping.generation_shard(tp_rank)]
-        dist.barrier()
-        start = time.perf_counter()
-        received = tp_bytes = replicated_bytes = 0
-        held = []
+        received, held = 0, []
         for _, param in self.model.named_parameters():
             tensor_parallel = param.device_mesh.ndim == 2 and any(p.is_shard() for p in param.placements[1:])
-            full_bytes = param.numel() * param.element_size()
             if method == "gather_all":
                 full = param.full_tensor()
                 received += local_bytes(full) - local_bytes(param)
                 held.append(full)
-            else:
-                shard, got = self._tp_shard(param)
-                received += got
-                if not tensor_parallel:
-                    held.append(shard)
-                elif method == "hybridflow_v":
-                    pieces = [torch.empty_like(shard) for _ in range(self.t)]
-                    dist.all_gather(pieces, shard.contiguous(), group=self.mesh["tp"].get_group())
-                    full = torch.cat(pieces, dim=param.placements[1].dim)
-                    received += local_bytes(full) - local_bytes(shard)
-                    held.append(full.chunk(tg, dim=param.placements[1].dim)[regrouping.generation_shard(tp_rank)])
-                    del full, pieces
-                else:
-                    generation = gather_generation_shard(shard, param.placements[1].dim, my_group)
-                    received += local_bytes(generation) - local_bytes(shard)
-                    held.append(generation)
-            if tensor_parallel:
-                tp_bytes += full_bytes
-            else:
-                replicated_bytes += full_bytes
+                continue
+            shard, got = self._tp_shard(param)
+            received += got
+            if not tensor_parallel:
+                held.append(shard)
+                continue
+            pieces = [torch.empty_like(shard) for _ in range(self.t)]
+            dist.all_gather(pieces, shard.contiguous(), group=self.mesh["tp"].get_group())
+            full = torch.cat(pieces, dim=param.placements[1].dim)
+            received += local_bytes(full) - local_bytes(shard)
+            held.append(full.chunk(tg, dim=param.placements[1].dim)[regrouping.generation_shard(tp_rank)].clone())
+            del full, pieces
+        return received, held
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def switch(self, tg: int, method: str) -> dict[str, float]:
+        if method == "hybridflow":
+            self._hybridflow(tg)  # builds the groups outside the timed part
+        tp_bytes = sum(p.numel() * p.element_size() for _, p in self._split_params())
+        whole_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) - tp_bytes
+        dist.barrier()
+        start = time.perf_counter()
+        if method == "hybridflow":
+            received, held, _ = self._hybridflow(tg)
+        else:
+            received, held = self._baseline(tg, method)
         dist.barrier()
         seconds = time.perf_counter() - start
-        peak = sum(local_bytes(h) for h in held)
         dp = self.world_size // self.t
-        predicted = switch_bytes(tp_bytes, dp=dp, t=self.t, tg=tg, method=method)
-        predicted += replicated_bytes * (dp - 1) / dp  # replicated over tp, sharded over dp, in every method
+        predicted = predicted_switch_bytes(tp_bytes, whole_bytes, dp=dp, t=self.t, tg=tg, method=method)
         if method == "gather_all":
-            peak_predicted = tp_bytes + replicated_bytes
+            peak_predicted = tp_bytes + whole_bytes
         else:
-            peak_predicted = replicated_bytes + tp_bytes / tg  # held afterwards (V's full copy is per parameter)
+            peak_predicted = whole_bytes + tp_bytes / tg  # held afterwards (V's full copy is per parameter)
         return {
             "received_mb": received / 2**20,
             "predicted_mb": predicted / 2**20,
             "seconds": seconds,
-            "peak_mb": peak / 2**20,
+            "peak_mb": sum(local_bytes(h) for h in held) / 2**20,
             "peak_predicted_mb": peak_predicted / 2**20,
         }
+
+    def _split_params(self):
+        return [
+            (n, p)
+            for n, p in self.model.named_parameters()
+            if p.device_mesh.ndim == 2 and any(pl.is_shard() for pl in p.placements[1:])
+        ]
 
 
 def layouts(path: str, world: int) -> list[tuple[int, int]]:
@@ -145,17 +175,53 @@ def layouts(path: str, world: int) -> list[tuple[int, int]]:
     return pairs
 
 
+def model_path(name: str) -> str:
+    if name == "smollm2-8h":
+        return str(resolve_model_path("tiny-llama", **SMOLLM2_8H))
+    return str(resolve_model_path(name))
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """Two panels: MB received per rank and generation weights held, by layout and method."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    layouts_seen = list(dict.fromkeys((r["dp"], r["t"], r["tg"]) for r in rows))
+    figure = Figure(figsize=(10, 4))
+    FigureCanvasAgg(figure)
+    width = 0.8 / len(METHODS)
+    for index, (key, label) in enumerate((("received_mb", "MB received per rank"), ("peak_mb", "generation MB held"))):
+        axes = figure.add_subplot(1, 2, index + 1)
+        for m, method in enumerate(METHODS):
+            values = [
+                next(r[key] for r in rows if (r["dp"], r["t"], r["tg"]) == lay and r["method"] == method)
+                for lay in layouts_seen
+            ]
+            axes.bar([i + m * width for i in range(len(layouts_seen))], values, width, label=method)
+        axes.set_xticks([i + width for i in range(len(layouts_seen))])
+        axes.set_xticklabels([f"dp{dp} t{t}\ntg{tg}" for dp, t, tg in layouts_seen], fontsize=8)
+        axes.set_ylabel(label)
+        axes.grid(axis="y", alpha=0.3)
+    figure.axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="a model name, or smollm2-8h")
     parser.add_argument("--world", type=int, default=4, help="processes (ranks)")
     parser.add_argument("--repeats", type=int, default=3, help="switches timed per case (median)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the bytes and memory chart here (PNG)")
     args = parser.parse_args()
-    path = str(resolve_model_path(args.model))
+    path = model_path(args.model)
     print(f"{args.model}, {args.world} processes, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
     started = start_ray(num_cpus=args.world)
     print(f"{'dp':>3} {'t':>3} {'tg':>3} {'method':<13} {'MB/rank':>9} {'predicted':>10} {'s/switch':>9}", end="")
-    print(f" {'peak MB':>8} {'pred.':>8}")
+    print(f" {'held MB':>8} {'pred.':>8} {'time/gather_all':>16}")
+    rows = []
     try:
         by_t: dict[int, list[int]] = {}
         for t, tg in layouts(path, args.world):
@@ -164,13 +230,16 @@ def main() -> None:
             pool = RayResourcePool([args.world], cpus_per_worker=1.0)
             group = RayWorkerGroup(pool, RoleSpec(Resharder, kwargs={"path": path, "t": t}))
             for tg in tgs:
-                for method in ("gather_all", "hybridflow_v", "hybridflow"):
+                baseline = None
+                for method in METHODS:
                     runs = [group.switch(tg, method)[0] for _ in range(args.repeats)]
                     row = runs[-1] | {"seconds": sorted(r["seconds"] for r in runs)[len(runs) // 2]}
+                    baseline = baseline or row["seconds"]
+                    rows.append(row | {"dp": args.world // t, "t": t, "tg": tg, "method": method})
                     print(
                         f"{args.world // t:>3} {t:>3} {tg:>3} {method:<13} {row['received_mb']:>9.2f} "
                         f"{row['predicted_mb']:>10.2f} {row['seconds']:>9.3f} {row['peak_mb']:>8.1f} "
-                        f"{row['peak_predicted_mb']:>8.1f}",
+                        f"{row['peak_predicted_mb']:>8.1f} {row['seconds'] / baseline:>16.2f}",
                         flush=True,
                     )
             group.kill()
@@ -179,6 +248,9 @@ def main() -> None:
         if started:
             ray.shutdown()
     print(f"load after: {os.getloadavg()[0]:.2f}")
+    if args.plot is not None:
+        plot(rows, args.plot, f"switch to the generation layout: {args.model} (bf16) on {args.world} processes")
+        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

@@ -110,3 +110,17 @@ def test_a_switch_holds_exactly_the_generation_shard(switchers, tg):
     for generation, received, shard in switchers.switch(tg):
         torch.testing.assert_close(generation, FULL.chunk(tg, dim=0)[shard], rtol=0, atol=0)
         assert received == switch_bytes(full_bytes, dp=1, t=4, tg=tg, method="hybridflow")
+
+
+@pytest.mark.parametrize("dp, t, tg", [(1, 4, 2), (2, 4, 2), (3, 2, 1), (2, 8, 4), (2, 2, 2)])
+def test_the_rank_tables_are_the_regrouping_inside_each_training_group(dp, t, tg):
+    from hybridflow.hybrid_engine.layout import LayoutShape
+
+    shape = LayoutShape(dp=dp, t=t, tg=tg)
+    regrouping = Regrouping(t=t, tg=tg)
+    training = shape.training_ranks().tolist()
+    expected_generation = [[tp_group[i] for i in g] for tp_group in training for g in regrouping.generation_groups()]
+    expected_gather = [[tp_group[i] for i in g] for tp_group in training for g in regrouping.gather_groups()]
+    assert shape.generation_ranks().tolist() == expected_generation  # row: a generation group, column: its shard
+    assert shape.gather_ranks().tolist() == expected_gather
+    assert sorted(r for row in expected_generation for r in row) == list(range(dp * t))
