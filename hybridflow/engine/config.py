@@ -111,11 +111,13 @@ class RefConfig:
     use_remove_padding: bool  # run the forward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
     log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch on one rank
+    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the others
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
         require_positive(self.log_prob_micro_batch_size_per_gpu, "log_prob_micro_batch_size_per_gpu")
         require_positive(self.log_prob_max_token_len_per_gpu, "log_prob_max_token_len_per_gpu")
+        require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
 
 
 @dataclass(kw_only=True)
@@ -127,6 +129,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank
     ppo_epochs: int  # passes over the batch per training step
     shuffle: bool  # shuffle samples between mini-batches (seeded)
+    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the others
     forward_micro_batch_size_per_gpu: int  # samples per forward when computing values
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
@@ -144,6 +147,7 @@ class CriticConfig:
             "ppo_mini_batch_size",
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
+            "tensor_model_parallel_size",
             "forward_micro_batch_size_per_gpu",
             "ppo_max_token_len_per_gpu",
             "forward_max_token_len_per_gpu",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, compute_value_loss
@@ -20,8 +21,16 @@ from hybridflow.protocol import DataProto
 
 
 class CriticEngine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler, config: CriticConfig):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        config: CriticConfig,
+        dp_group: dist.ProcessGroup | None = None,
+    ):
         self.model = model
+        self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.config = config
@@ -66,6 +75,7 @@ class CriticEngine:
             mini_batch_size=mini_batch_size,
             seed=seed,
             micro_loss=self._micro_loss,
+            dp_group=self.dp_group,
             loss_share_keys=("critic/vf_loss",),
         )
         work = pass_work(data, cfg.use_remove_padding)

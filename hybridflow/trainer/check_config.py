@@ -60,22 +60,35 @@ def _check_model_path(path: str, key: str) -> None:
     )
 
 
+def tensor_parallel_sizes(cfg: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
+    """Each role whose layers can split over ranks: (its config key, the size)."""
+    arr = cfg.actor_rollout_ref
+    return {
+        Role.ActorRollout: ("actor_rollout_ref.actor.tensor_model_parallel_size", arr.actor.tensor_model_parallel_size),
+        Role.RefPolicy: ("actor_rollout_ref.ref.tensor_model_parallel_size", arr.ref.tensor_model_parallel_size),
+        Role.Critic: ("critic.tensor_model_parallel_size", cfg.critic.tensor_model_parallel_size),
+    }
+
+
 def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     train = cfg.data.train_batch_size
     sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, Role.ActorRollout)]
     if Role.Critic in plan.role_pool:
         sections.append(("critic", cfg.critic, Role.Critic))
-    tp = cfg.actor_rollout_ref.actor.tensor_model_parallel_size
-    _check(
-        plan.world_size(Role.ActorRollout) % tp == 0,
-        "actor_rollout_ref.actor.tensor_model_parallel_size",
-        f"{tp} does not divide the {plan.world_size(Role.ActorRollout)} ranks of the actor's pool",
-        "choose a divisor of the actor pool's ranks",
-    )
+    sizes = tensor_parallel_sizes(cfg)
+    for role, (key, tp) in sizes.items():
+        if role in plan.role_pool:
+            _check(
+                plan.world_size(role) % tp == 0,
+                key,
+                f"{tp} does not divide the {plan.world_size(role)} ranks of pool "
+                f"'{plan.role_pool[role]}' ({role.value})",
+                "choose a divisor of the pool's ranks",
+            )
     for prefix, section, role in sections:
         mini = section.ppo_mini_batch_size
-        world = plan.world_size(role) // (tp if role is Role.ActorRollout else 1)  # data-parallel ranks
+        world = plan.world_size(role) // sizes[role][1]  # data-parallel ranks
         _check(
             train % mini == 0,
             f"{prefix}.ppo_mini_batch_size",
@@ -103,14 +116,18 @@ def _check_parallel_layouts(cfg: HybridFlowConfig) -> None:
         "whole training shards (the 3D-HybridEngine's regrouping)",
         f"choose a divisor of {t}",
     )
-    if t == 1:
-        return
-    model_config = AutoConfig.from_pretrained(resolve_model_path(arr.model.path))
-    for key, size in (("actor", t), ("rollout", tg)):
+    roles = needed_roles(cfg)
+    paths = {Role.ActorRollout: arr.model.path, Role.RefPolicy: arr.model.path, Role.Critic: cfg.critic.model.path}
+    checks = [(Role.ActorRollout, "actor_rollout_ref.rollout.tensor_model_parallel_size", tg)]
+    checks += [(role, key, size) for role, (key, size) in tensor_parallel_sizes(cfg).items()]
+    for role, key, size in checks:
+        if size == 1 or role not in roles:
+            continue
+        model_config = AutoConfig.from_pretrained(resolve_model_path(paths[role] or arr.model.path))
         try:
-            check_tensor_parallel_size(model_config, size, f"actor_rollout_ref.{key}.tensor_model_parallel_size")
+            check_tensor_parallel_size(model_config, size, key)
         except ValueError as error:
-            raise ConfigError(f"actor_rollout_ref.{key}.tensor_model_parallel_size", str(error)) from None
+            raise ConfigError(key, str(error)) from None
 
 
 def _check_group_size(cfg: HybridFlowConfig) -> None:

@@ -6,12 +6,15 @@ from pathlib import Path
 
 from hybridflow.batch_keys import GLOBAL_STEP
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
 from hybridflow.models import load_critic
 from hybridflow.protocol import DataProto
-from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
+from hybridflow.workers.sharded_model import build_trainable, role_mesh, samples_per_rank
+
+CRITIC_MESH = "critic"  # the critic's (dp, tp) layout: compute_values and update_critic split rows over dp
 
 
 class CriticWorker(Worker):
@@ -20,10 +23,14 @@ class CriticWorker(Worker):
         self.config = config
         self.n_samples = n_samples
         self.seed = seed
+        tp = config.tensor_model_parallel_size
+        mesh = role_mesh(self.device, self.world_size, tp, "critic.tensor_model_parallel_size")
+        self.register_dispatch_mesh(CRITIC_MESH, mesh)
+        self.dp_size = mesh["dp"].size()
         model, optimizer, scheduler = build_trainable(
-            load_critic, config.model, config.fsdp, config.optim, self.device, seed, total_training_steps
+            load_critic, config.model, config.fsdp, config.optim, self.device, seed, total_training_steps, mesh
         )
-        self.critic = CriticEngine(model, optimizer, scheduler, config)
+        self.critic = CriticEngine(model, optimizer, scheduler, config, dp_group=mesh["dp"].get_group())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
@@ -37,16 +44,16 @@ class CriticWorker(Worker):
             Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
         )
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(CRITIC_MESH))
     def compute_values(self, data: DataProto) -> DataProto:
         """values (B, R)."""
         return self.critic.compute_values(data)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(CRITIC_MESH))
     def update_critic(self, data: DataProto) -> DataProto:
         """The value update; its metrics in the output (no tensors)."""
         mini_batch = samples_per_rank(
-            self.config.ppo_mini_batch_size, self.n_samples, self.world_size, "critic.ppo_mini_batch_size"
+            self.config.ppo_mini_batch_size, self.n_samples, self.dp_size, "critic.ppo_mini_batch_size"
         )
         step = int(data.meta_info[GLOBAL_STEP])
         return self.critic.update_critic(data, mini_batch, seed=self.seed + step)

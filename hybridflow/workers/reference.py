@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Worker, register
+from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ActorRolloutRefConfig
-from hybridflow.workers.sharded_model import build_sharded
+from hybridflow.workers.sharded_model import build_sharded, role_mesh
+
+REF_MESH = "ref"  # the reference's (dp, tp) layout: compute_ref_log_prob splits rows over dp
 
 
 class RefPolicyWorker(Worker):
     def __init__(self, *, config: ActorRolloutRefConfig, seed: int):
         super().__init__()
         self.config = config
-        self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed).eval()
+        tp = config.ref.tensor_model_parallel_size
+        mesh = role_mesh(self.device, self.world_size, tp, "ref.tensor_model_parallel_size")
+        self.register_dispatch_mesh(REF_MESH, mesh)
+        self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed, mesh).eval()
         self.model.requires_grad_(False)
         self.ref = ReferenceEngine(self.model, config.ref)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(REF_MESH))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """ref_log_prob (B, R), at the rollout's temperature."""
         return self.ref.compute_ref_log_prob(data, self.config.rollout.temperature)

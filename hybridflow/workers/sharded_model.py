@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
-from hybridflow.engine.tensor_parallel import apply_tensor_parallel
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 
 
 def quiet_libraries() -> None:
@@ -59,6 +59,13 @@ def build_trainable(
     module = build_sharded(load, model, fsdp, device, seed, mesh)
     optimizer = build_optimizer(module, optim)
     return module, optimizer, build_lr_scheduler(optimizer, optim, total_steps)
+
+
+def role_mesh(device: torch.device, world_size: int, tp: int, key: str) -> DeviceMesh:
+    """A role's (dp, tp) training mesh over its ``world_size`` ranks; ``key`` names the setting in errors."""
+    if world_size % tp:
+        raise ValueError(f"{key}={tp} does not divide the role's {world_size} ranks")
+    return training_mesh(device, world_size // tp, tp)
 
 
 def samples_per_rank(prompts: int, n: int, world_size: int, what: str) -> int:

@@ -200,6 +200,21 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "actor_rollout_ref.rollout.tensor_model_parallel_size",
             "needs a tensor-parallel backend",
         ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=3"],
+            "critic.tensor_model_parallel_size",
+            "does not divide the 2 ranks of pool",
+        ),
+        (
+            ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.tensor_model_parallel_size=4"],
+            "actor_rollout_ref.ref.tensor_model_parallel_size",
+            "does not divide the 2 ranks of pool",
+        ),
+        (
+            ["trainer.n_workers_per_node=4", "algorithm.adv_estimator=gae", "critic.tensor_model_parallel_size=4"],
+            "critic.tensor_model_parallel_size",
+            "num_key_value_heads",
+        ),
         (  # tiny-llama has 2 key/value heads: 4 ranks cannot each hold whole ones
             ["trainer.n_workers_per_node=4", "actor_rollout_ref.actor.tensor_model_parallel_size=4"],
             "actor_rollout_ref.actor.tensor_model_parallel_size",

@@ -52,3 +52,32 @@ def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_file
         assert split["switch/generation_weights_mb"] < whole["switch/generation_weights_mb"]
         assert whole["switch/generation_weights_mb"] == pytest.approx(runs["t1"][step]["switch/generation_weights_mb"])
     assert (tmp_path / "t2_tg2" / "global_step_2" / "actor").is_dir()  # the 2-D sharded state saves
+
+
+def test_ppo_with_a_tensor_parallel_reference_and_critic_matches_data_parallel(arithmetic_files, tmp_path):
+    """GAE with a critic and the KL loss against the reference: the reference and the critic split their
+    layers over the 2 ranks (their own tensor_model_parallel_size) and agree with t=1 to rounding."""
+    ppo = [
+        *FP32,
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.ref.fsdp.param_dtype=fp32",
+        "critic.fsdp.param_dtype=fp32",
+        "critic.ppo_mini_batch_size=4",
+    ]
+    runs = {
+        t: short_run(
+            arithmetic_files,
+            tmp_path / f"t{t}",
+            *ppo,
+            f"actor_rollout_ref.ref.tensor_model_parallel_size={t}",
+            f"critic.tensor_model_parallel_size={t}",
+        )
+        for t in (1, 2)
+    }
+    assert_all_finite(runs[2])
+    for split, data_parallel in zip(runs[2], runs[1]):
+        assert split["response_length/mean"] == data_parallel["response_length/mean"]  # same samples
+        for key in ("actor/kl_loss", "actor/pg_loss", "critic/vf_loss", "critic/grad_norm", "critic/values/mean"):
+            assert split[key] == pytest.approx(data_parallel[key], rel=1e-4, abs=1e-6), key
+    assert (tmp_path / "t2" / "global_step_2" / "critic").is_dir()  # the critic's 2-D sharded state saves
