@@ -45,7 +45,7 @@ from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
-from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
+from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights, tensor_parallel_dim
 from hybridflow.models import load_causal_lm, resolve_model_path
 from hybridflow.trainer.config import default_config
 from hybridflow.workers.sharded_model import quiet_libraries
@@ -86,7 +86,7 @@ class Resharder(Worker):
         gathered = param.redistribute(param.device_mesh, placements).to_local()
         return gathered, local_bytes(gathered) - local_bytes(param)
 
-    def _hybridflow(self, tg: int) -> tuple[int, list[torch.Tensor], SwitchReport]:
+    def _hybridflow(self, tg: int) -> tuple[int, list[torch.Tensor]]:
         """The production switch: hybrid_engine/reshard.py on the actor's layouts."""
         if tg not in self.layouts:  # collective: every rank builds the same groups
             shape = LayoutShape(dp=self.world_size // self.t, t=self.t, tg=tg)
@@ -95,14 +95,14 @@ class Resharder(Worker):
         held = [
             piece for _, piece in generation_weights(self.model, torch.bfloat16, self.layouts[tg].gather_group, report)
         ]
-        return report.received, held, report
+        return report.received, held
 
     def _baseline(self, tg: int, method: str) -> tuple[int, list[torch.Tensor]]:
         regrouping = Regrouping(t=self.t, tg=tg)
         tp_rank = self.mesh["tp"].get_local_rank()
         received, held = 0, []
         for _, param in self.model.named_parameters():
-            tensor_parallel = param.device_mesh.ndim == 2 and any(p.is_shard() for p in param.placements[1:])
+            tensor_parallel = tensor_parallel_dim(param) is not None
             if method == "gather_all":
                 full = param.full_tensor()
                 received += local_bytes(full) - local_bytes(param)
@@ -125,12 +125,13 @@ class Resharder(Worker):
     def switch(self, tg: int, method: str) -> dict[str, float]:
         if method == "hybridflow":
             self._hybridflow(tg)  # builds the groups outside the timed part
-        tp_bytes = sum(p.numel() * p.element_size() for _, p in self._split_params())
+        split = [p for p in self.model.parameters() if tensor_parallel_dim(p) is not None]
+        tp_bytes = sum(p.numel() * p.element_size() for p in split)
         whole_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters()) - tp_bytes
         dist.barrier()
         start = time.perf_counter()
         if method == "hybridflow":
-            received, held, _ = self._hybridflow(tg)
+            received, held = self._hybridflow(tg)
         else:
             received, held = self._baseline(tg, method)
         dist.barrier()
@@ -148,13 +149,6 @@ class Resharder(Worker):
             "peak_mb": sum(local_bytes(h) for h in held) / 2**20,
             "peak_predicted_mb": peak_predicted / 2**20,
         }
-
-    def _split_params(self):
-        return [
-            (n, p)
-            for n, p in self.model.named_parameters()
-            if p.device_mesh.ndim == 2 and any(pl.is_shard() for pl in p.placements[1:])
-        ]
 
 
 def layouts(path: str, world: int) -> list[tuple[int, int]]:
