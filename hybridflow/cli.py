@@ -20,6 +20,8 @@ commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
   export CHECKPOINT|RUN_DIR OUT_DIR     write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
+  plan [--config FILE] [--cluster NAME] [--nodes N] key=value ...
+                                        choose the placement and parallel layouts of a run (writes plan.yaml)
 """
 
 EXPORT_USAGE = """usage: hybridflow export CHECKPOINT|RUN_DIR OUT_DIR
@@ -72,7 +74,13 @@ def _report(args: list[str]) -> int:
     return report(args)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "export": _export, "report": _report}
+def _plan(args: list[str]) -> int:
+    from hybridflow.planner.command import main as plan
+
+    return plan(args)
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "export": _export, "report": _report, "plan": _plan}
 
 
 def run_command(command: Callable[[], int], debug: bool) -> int:

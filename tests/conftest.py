@@ -6,6 +6,7 @@ import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.controller import start_ray
+from hybridflow.data.tasks import write_task
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
@@ -78,3 +79,11 @@ def local_ray():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def arithmetic_files(tmp_path_factory):
+    """The built-in arithmetic task's train and test parquet files (64 and 8 prompts)."""
+    out = tmp_path_factory.mktemp("arithmetic")
+    write_task("arithmetic", out, train=64, test=8, seed=0)
+    return out / "train.parquet", out / "test.parquet"

@@ -1,0 +1,136 @@
+"""``hybridflow plan``: the best placement and layouts of a run's config on a cluster, as config overrides.
+
+    hybridflow plan [--config FILE] [--cluster a100-80g|h100-80g|cpu] [--nodes N] [--top K] [--out FILE] key=value ...
+
+Prints the best candidates (predicted seconds per phase and step, memory per device) and writes the
+best one (``--out``, default plan.yaml) as the ``--config`` file's keys, if one was given, with the plan's
+on top: the pools (``trainer.placement=custom``), each role's pool and each model's tensor-parallel
+sizes. ``hybridflow train --config plan.yaml`` with the same key=value settings runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from hybridflow.controller import Role
+from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset
+from hybridflow.planner.cost import PHASES
+from hybridflow.planner.search import Plan, plan_run
+from hybridflow.planner.workload import workload_from_config
+from hybridflow.validation import UserError
+
+FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", "--out": "FILE"}
+USAGE = __doc__
+
+
+def plan_overrides(plan: Plan, cluster: ClusterSpec) -> dict:
+    """The plan as nested config keys: pools per node, each role's pool, each model's layout."""
+    pools, role_pool = {}, {}
+    actor_rollout_ref: dict = {}
+    critic: dict = {}
+    for device_set in plan.sets:
+        name = device_set.roles[0].value
+        per_node = min(device_set.devices, cluster.devices_per_node)
+        pools[name] = [per_node] * (device_set.devices // per_node)
+        for role, layout in device_set.layouts.items():
+            role_pool[role.value] = name
+            if role is Role.ActorRollout:
+                actor_rollout_ref["actor"] = {"tensor_model_parallel_size": layout.t}
+                actor_rollout_ref["rollout"] = {"tensor_model_parallel_size": layout.tg}
+            elif role is Role.RefPolicy:
+                actor_rollout_ref["ref"] = {"tensor_model_parallel_size": layout.t}
+            elif role is Role.Critic:
+                critic["tensor_model_parallel_size"] = layout.t
+    overrides: dict = {
+        "trainer": {
+            "placement": "custom",
+            "nnodes": cluster.nodes,
+            "n_workers_per_node": cluster.devices_per_node,
+            "device": "cpu" if cluster.name == "cpu" else "cuda",
+            "resource_pool_spec": pools,
+            "role_pool": role_pool,
+        },
+        "actor_rollout_ref": actor_rollout_ref,
+    }
+    if critic:
+        overrides["critic"] = critic
+    return overrides
+
+
+def merged(base: dict, changes: dict) -> dict:
+    """``base`` with ``changes`` written over it, key by key in nested sections."""
+    result = dict(base)
+    for key, value in changes.items():
+        result[key] = (
+            merged(result[key], value) if isinstance(value, dict) and isinstance(result.get(key), dict) else value
+        )
+    return result
+
+
+def plans_table(plans: list[Plan], top: int) -> str:
+    """The best ``top`` plans: sets (devices, layouts), seconds per phase and per step, memory."""
+    names = ["gen", "score", "update"]
+    lines = [
+        f"{'#':>2}  {'s/step':>9}  " + "".join(f"{n:>9}" for n in names) + "  sets (devices: role t/tg, GB/device)"
+    ]
+    for index, plan in enumerate(plans[:top], start=1):
+        sets = "; ".join(
+            f"{s.devices}: "
+            + ", ".join(
+                f"{r.value} {lay.t}/{lay.tg}" if r is Role.ActorRollout else f"{r.value} {lay.t}"
+                for r, lay in s.layouts.items()
+            )
+            + f" ({s.memory / 1e9:.1f})"
+            for s in plan.sets
+        )
+        phases = "".join(f"{seconds:>9.2f}" for seconds in plan.phase_seconds)
+        lines.append(f"{index:>2}  {plan.seconds:>9.2f}  {phases}  {sets}")
+    return "\n".join(lines)
+
+
+def _parse(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    flags, overrides = {}, []
+    it = iter(args)
+    for arg in it:
+        if arg in FLAGS:
+            value = next(it, None)
+            if value is None:
+                raise UserError(f"{arg} needs a value ({FLAGS[arg]})\n\n{USAGE}")
+            flags[arg] = value
+        elif arg.startswith("--"):
+            raise UserError(f"unknown option {arg}\n\n{USAGE}")
+        else:
+            overrides.append(arg)
+    return flags, overrides
+
+
+def main(args: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in args):
+        print(USAGE)
+        return 0
+    from hybridflow.trainer.config import load_config
+
+    flags, overrides = _parse(args)
+    name = flags.get("--cluster", "cpu")
+    if name not in PRESETS:
+        raise UserError(f"--cluster {name}: no such preset; presets: {', '.join(PRESETS)}")
+    cluster = cluster_preset(name, int(flags.get("--nodes", 1)))
+    config_file = flags.get("--config")
+    workload = workload_from_config(load_config(overrides, config_file))
+    try:
+        plans = plan_run(workload, cluster)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+    top = int(flags.get("--top", 5))
+    print(
+        f"{len(plans)} feasible plans on {cluster.devices} x {cluster.name}; phases: "
+        + ", ".join("+".join(p) for p in PHASES)
+    )
+    print(plans_table(plans, top))
+    out = Path(flags.get("--out", "plan.yaml"))
+    base = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file else {}
+    out.write_text(OmegaConf.to_yaml(OmegaConf.create(merged(base, plan_overrides(plans[0], cluster)))))
+    print(f"wrote the best plan to {out}: hybridflow train --config {out} (with the same key=value settings)")
+    return 0

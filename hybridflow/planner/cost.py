@@ -1,0 +1,160 @@
+"""The cost model: seconds of each stage and bytes of memory per device, for one model in one layout.
+
+Kinds of work (per device, one step):
+- training and scoring passes are compute-bound: (2 forward, 6 forward + backward) x the weights a rank
+  multiplies (1/t of the decoder, the whole LM head) x its tokens, plus causal attention, at
+  ``flops x train_efficiency``; tensor parallelism adds 2 (forward) or 4 (forward + backward)
+  all-reduces of the activations per layer per micro-batch; FSDP's parameter gathers overlap compute
+  (the pass takes the longer of the two);
+- generation is bound by reading the weights and KV cache once per decode step (``memory_bandwidth x
+  decode_efficiency``) or by compute, whichever is slower, plus 2 all-reduces per layer per step
+  when tg > 1; prefill is compute;
+- the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link.
+
+Memory per device: fp32 masters, gradients and Adam's two moments (16 bytes per weight) for trained
+models, fp32 weights for scored ones, all sharded over every rank of the model (FSDP over dp, tensor
+parallelism over t); the actor's bf16 generation copy (1/tg of the decoder, whole embeddings); and the
+largest transient: activations of a micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti
+et al. 2022, over t; with gradient checkpointing each layer's bf16 input and one layer's activations) and
+its fp32 logits, or the KV cache of the rank's generation group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import ceil
+
+from hybridflow.controller import Role
+from hybridflow.hybrid_engine.regroup import predicted_switch_bytes
+from hybridflow.planner.cluster import ClusterSpec
+from hybridflow.planner.workload import ModelShape, Workload
+
+TRAINED = (Role.ActorRollout, Role.Critic)
+ROLE_STAGES: dict[Role, tuple[str, ...]] = {
+    Role.ActorRollout: ("gen", "old_log_prob", "update_actor"),
+    Role.RefPolicy: ("ref",),
+    Role.Critic: ("values", "update_critic"),
+    Role.RewardModel: ("rm",),
+}
+# the dataflow's phases: stages of one phase on different device sets run at the same time
+PHASES: tuple[tuple[str, ...], ...] = (
+    ("gen",),
+    ("old_log_prob", "ref", "values", "rm"),
+    ("update_actor", "update_critic"),
+)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A model on ``devices`` devices: tensor parallelism over t, FSDP over the rest; the actor generates
+    in groups of tg."""
+
+    devices: int
+    t: int = 1
+    tg: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.devices // self.t
+
+
+def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
+    """One all-reduce (ring) of ``nbytes`` among ``size`` devices."""
+    if size == 1:
+        return 0.0
+    return cluster.collective_latency + nbytes * 2 * (size - 1) / size / cluster.link_bandwidth(size)
+
+
+def pass_seconds(
+    shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec, *, backward: bool, epochs: int = 1
+) -> float:
+    """A scoring pass (backward=False) or ``epochs`` training passes over the step's samples."""
+    rows = ceil(workload.samples / layout.dp)
+    length = workload.prompt_length + workload.response_length
+    factor = 6 if backward else 2
+    weights = shape.layer_params / layout.t + shape.vocab * shape.hidden
+    attention = 2 * shape.layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
+    compute = factor * rows * length * (weights + attention) / (cluster.flops * cluster.train_efficiency)
+    gather = 2 * shape.params / layout.t * (layout.dp - 1) / layout.dp / cluster.link_bandwidth(layout.devices)
+    micro_batches = ceil(rows / workload.micro_batch)
+    per_layer = 4 if backward else 2
+    activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
+    tp = micro_batches * shape.layers * per_layer * _collective(cluster, layout.t, activation)
+    return epochs * (max(compute, gather * (3 if backward else 1)) + tp)
+
+
+def generation_seconds(shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> float:
+    """Prefill and decode of the step's samples, the generation groups working at once, each in waves of
+    at most ``max_num_seqs`` sequences."""
+    groups = layout.devices // layout.tg
+    waves = ceil(ceil(workload.samples / groups) / workload.max_num_seqs)
+    batch = ceil(workload.samples / groups / waves)
+    weights = shape.layer_params / layout.tg + shape.vocab * shape.hidden  # multiplied per token on a rank
+    compute_rate = cluster.flops * cluster.train_efficiency
+    prefill = 2 * weights * batch * workload.prompt_length / compute_rate
+    context = workload.prompt_length + workload.response_length / 2  # the mean over decode steps
+    read = 2 * weights + batch * context * shape.kv_bytes_per_token() / layout.tg
+    memory_bound = read / (cluster.memory_bandwidth * cluster.decode_efficiency)
+    compute_bound = 2 * weights * batch / compute_rate
+    tp = 2 * shape.layers * _collective(cluster, layout.tg, batch * shape.hidden * 2)
+    return waves * (prefill + workload.response_length * (max(memory_bound, compute_bound) + tp))
+
+
+def switch_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec) -> float:
+    """The actor's switch to generation: the regrouped switch's bytes over the link (bf16)."""
+    received = predicted_switch_bytes(
+        2 * shape.layer_params, 2 * shape.embedding_params, dp=layout.dp, t=layout.t, tg=layout.tg, method="hybridflow"
+    )
+    return received / cluster.link_bandwidth(layout.devices)
+
+
+def stage_seconds(role: Role, shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> dict:
+    """Seconds of each of ``role``'s stages (ROLE_STAGES) in ``layout``."""
+    if role is Role.ActorRollout:
+        return {
+            "gen": switch_seconds(shape, layout, cluster) + generation_seconds(shape, layout, workload, cluster),
+            "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
+            "update_actor": pass_seconds(shape, layout, workload, cluster, backward=True, epochs=workload.actor_epochs),
+        }
+    if role is Role.Critic:
+        return {
+            "values": pass_seconds(shape, layout, workload, cluster, backward=False),
+            "update_critic": pass_seconds(
+                shape, layout, workload, cluster, backward=True, epochs=workload.critic_epochs
+            ),
+        }
+    stage = ROLE_STAGES[role][0]
+    return {stage: pass_seconds(shape, layout, workload, cluster, backward=False)}
+
+
+def memory_bytes(role: Role, shape: ModelShape, layout: Layout, workload: Workload) -> tuple[float, float]:
+    """(held all the time, largest transient) bytes per device of ``role``'s model in ``layout``."""
+    shard = layout.devices
+    static = (16 if role in TRAINED else 4) * shape.params / shard
+    length = workload.prompt_length + workload.response_length
+    micro = min(workload.micro_batch, ceil(workload.samples / layout.dp))
+    logits = 4 * micro * length * shape.vocab
+    layer_activations = 34 * micro * length * shape.hidden / layout.t
+    if role in TRAINED and workload.gradient_checkpointing:  # layer inputs, and one layer recomputed at a time
+        transient = 2 * micro * length * shape.hidden * shape.layers + layer_activations + logits
+    elif role in TRAINED:  # every layer's activations are kept for the backward
+        transient = layer_activations * shape.layers + logits
+    else:  # a forward keeps about one layer's
+        transient = 4 * micro * length * shape.hidden + logits
+    if role is Role.ActorRollout:
+        static += 2 * (shape.layer_params / layout.tg + shape.embedding_params)  # the generation copy
+        groups = layout.devices // layout.tg
+        running = min(ceil(workload.samples / groups), workload.max_num_seqs)
+        kv_cache = running * length * shape.kv_bytes_per_token() / layout.tg
+        transient = max(transient, kv_cache)
+    return static, transient
+
+
+def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[Layout]:
+    """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
+    node; the actor's tg divides t; the reward model is data-parallel only."""
+    sizes = [t for t in range(1, min(devices, cluster.devices_per_node) + 1) if devices % t == 0]
+    sizes = [t for t in sizes if shape.splits_over(t)] if role is not Role.RewardModel else [1]
+    if role is Role.ActorRollout:
+        return [Layout(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0]
+    return [Layout(devices, t) for t in sizes]

@@ -1,0 +1,142 @@
+"""What one RL step asks of each model: its shape, and the batch every stage runs on.
+
+A run's config gives both (`workload_from_config`: the models' Hugging Face configs, the batch sizes and
+lengths, which roles the algorithm needs); paper-scale studies use the Llama shapes of `PAPER_MODELS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.controller import Role
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    tied_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of the decoder layers: what tensor parallelism splits."""
+        attention = (
+            self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
+        )
+        return self.layers * (attention + 3 * self.hidden * self.ffn + 2 * self.hidden)
+
+    @property
+    def embedding_params(self) -> int:
+        """Embeddings and LM head (kept whole on every tensor-parallel rank)."""
+        return self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+
+    @property
+    def params(self) -> int:
+        return self.layer_params + self.embedding_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights multiplied per token (the input embedding is a lookup)."""
+        return self.layer_params + self.vocab * self.hidden
+
+    def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
+
+    def splits_over(self, t: int) -> bool:
+        """Whole query and key/value heads and equal MLP slices on each of t ranks."""
+        return self.heads % t == 0 and self.kv_heads % t == 0 and self.ffn % t == 0
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelShape:
+    return ModelShape(
+        name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=32000,
+        tied_embeddings=False,
+    )  # fmt: skip
+
+
+# the paper's model sizes (Llama-2 7B / 13B / 70B, Code Llama 34B)
+PAPER_MODELS = {
+    "llama-7b": _llama("llama-7b", 32, 4096, 32, 32, 11008),
+    "llama-13b": _llama("llama-13b", 40, 5120, 40, 40, 13824),
+    "llama-34b": _llama("llama-34b", 48, 8192, 64, 8, 22016),
+    "llama-70b": _llama("llama-70b", 80, 8192, 64, 8, 28672),
+}
+
+
+def shape_from_hf(config, name: str) -> ModelShape:
+    """The shape of a Hugging Face Llama-family config."""
+    return ModelShape(
+        name=name,
+        layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        heads=config.num_attention_heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        ffn=config.intermediate_size,
+        vocab=config.vocab_size,
+        tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One step: ``prompts`` x ``n`` samples of ``prompt_length`` + ``response_length`` tokens."""
+
+    models: dict[Role, ModelShape]  # the roles the run needs (the actor generates and trains)
+    prompts: int
+    n: int
+    prompt_length: int
+    response_length: int
+    actor_epochs: int = 1
+    critic_epochs: int = 1
+    micro_batch: int = 8  # samples per forward/backward on one device (activation memory)
+    gradient_checkpointing: bool = False  # keep only each layer's input for the backward
+    max_num_seqs: int = 256  # most sequences a generation group decodes at once (its KV cache's slots)
+
+    @property
+    def samples(self) -> int:
+        return self.prompts * self.n
+
+    @property
+    def tokens(self) -> int:
+        return self.samples * (self.prompt_length + self.response_length)
+
+
+def workload_from_config(config) -> Workload:
+    """The workload of a ``HybridFlowConfig``: its needed roles' model shapes and its batch."""
+    from transformers import AutoConfig
+
+    from hybridflow.models import resolve_model_path
+    from hybridflow.trainer.roles import needed_roles
+
+    arr = config.actor_rollout_ref
+    paths = {
+        Role.ActorRollout: arr.model.path,
+        Role.RefPolicy: arr.model.path,
+        Role.Critic: config.critic.model.path or arr.model.path,
+        Role.RewardModel: config.reward_model.model.path,
+    }
+    models = {}
+    for role in needed_roles(config):
+        path = paths[role]
+        models[role] = shape_from_hf(AutoConfig.from_pretrained(resolve_model_path(path)), str(path))
+    return Workload(
+        models=models,
+        prompts=config.data.train_batch_size,
+        n=arr.rollout.n,
+        prompt_length=config.data.max_prompt_length,
+        response_length=arr.rollout.response_length,
+        actor_epochs=arr.actor.ppo_epochs,
+        critic_epochs=config.critic.ppo_epochs,
+        micro_batch=arr.actor.ppo_micro_batch_size_per_gpu,
+        gradient_checkpointing=arr.model.enable_gradient_checkpointing,
+        max_num_seqs=arr.rollout.native.max_num_seqs,
+    )

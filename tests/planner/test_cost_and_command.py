@@ -1,0 +1,93 @@
+"""The cost model's formulas by hand, and `hybridflow plan` writing a config that `hybridflow train` accepts."""
+
+from dataclasses import replace
+
+import pytest
+from omegaconf import OmegaConf
+
+from hybridflow.cli import main as cli
+from hybridflow.controller import Role
+from hybridflow.planner.cluster import cluster_preset
+from hybridflow.planner.cost import Layout, generation_seconds, memory_bytes, pass_seconds, switch_seconds
+from hybridflow.planner.workload import ModelShape, Workload
+from hybridflow.trainer.check_config import check_config
+from hybridflow.trainer.config import load_config
+
+SHAPE = ModelShape(name="m", layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=10, tied_embeddings=True)
+CLUSTER = replace(
+    cluster_preset("a100-80g"), flops=1000.0, train_efficiency=0.5, decode_efficiency=0.5, memory_bandwidth=100.0,
+    intra_node_bandwidth=50.0, collective_latency=0.01,
+)  # fmt: skip
+WORK = Workload(models={Role.ActorRollout: SHAPE}, prompts=2, n=2, prompt_length=3, response_length=1, micro_batch=4)
+
+
+def test_the_shape_counts_weights_by_hand():
+    # per layer: q,k,v 8x(2+2+2... ) = 8*8*3, o 8*8, MLP 3*8*16, norms 2*8
+    assert SHAPE.layer_params == 2 * (8 * 24 + 64 + 384 + 16)
+    assert SHAPE.embedding_params == 80 and SHAPE.params == SHAPE.layer_params + 80
+    assert SHAPE.kv_bytes_per_token() == 2 * 2 * 2 * 4 * 2
+
+
+def test_a_scoring_pass_by_hand():
+    # one device: 4 samples x 4 tokens; 2 x (weights + attention) FLOPs per token at 500 FLOP/s
+    weights = SHAPE.layer_params + 80
+    attention = 2 * 2 * 8 * 4
+    expected = 2 * 16 * (weights + attention) / 500
+    assert pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=False) == pytest.approx(expected)
+    # two tensor-parallel ranks: half the decoder and attention each, plus 2 all-reduces per layer of (4, 4, 8) bf16
+    split = 2 * 16 * (SHAPE.layer_params / 2 + 80 + attention / 2) / 500
+    all_reduce = 0.01 + 4 * 4 * 8 * 2 * 2 * (1 / 2) / 50
+    assert pass_seconds(SHAPE, Layout(2, t=2), WORK, CLUSTER, backward=False) == pytest.approx(
+        split + 2 * 2 * all_reduce
+    )
+
+
+def test_generation_and_the_switch_by_hand():
+    weights = SHAPE.layer_params + 80  # multiplied per token: the decoder and the LM head
+    prefill = 2 * weights * 4 * 3 / 500
+    read = 2 * weights + 4 * 3.5 * SHAPE.kv_bytes_per_token()
+    step = max(read / 50, 2 * weights * 4 / 500)
+    assert generation_seconds(SHAPE, Layout(1), WORK, CLUSTER) == pytest.approx(prefill + step)
+    assert switch_seconds(SHAPE, Layout(2, t=2, tg=2), CLUSTER) == 0.0  # each rank's shard is its generation shard
+    # t=2, tg=1: the other half of the bf16 decoder comes over the link
+    assert switch_seconds(SHAPE, Layout(2, t=2, tg=1), CLUSTER) == pytest.approx(2 * SHAPE.layer_params / 2 / 50)
+
+
+def test_memory_by_hand():
+    static, transient = memory_bytes(Role.ActorRollout, SHAPE, Layout(2, t=2, tg=2), WORK)
+    assert static == pytest.approx(16 * SHAPE.params / 2 + 2 * (SHAPE.layer_params / 2 + 80))
+    activations = 34 * 4 * 4 * 8 / 2 * 2 + 4 * 4 * 4 * 10  # a micro-batch of 4 samples x 4 tokens, 2 layers, t 2
+    kv_cache = 4 * 4 * SHAPE.kv_bytes_per_token() / 2
+    assert transient == pytest.approx(max(activations, kv_cache))
+    ref_static, _ = memory_bytes(Role.RefPolicy, SHAPE, Layout(2), WORK)
+    assert ref_static == pytest.approx(4 * SHAPE.params / 2)
+
+
+def test_hybridflow_plan_writes_a_config_that_train_accepts(arithmetic_files, tmp_path, capsys):
+    train, _ = arithmetic_files
+    settings = [
+        f"data.train_files=[{train}]",
+        "algorithm.adv_estimator=gae",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    ]
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "data:\n  train_batch_size: 4\nactor_rollout_ref:\n  actor:\n    ppo_mini_batch_size: 4\n"
+        "critic:\n  ppo_mini_batch_size: 4\n"
+    )
+    out = tmp_path / "plan.yaml"
+    assert cli(["plan", "--config", str(base), "--cluster", "cpu", "--out", str(out), *settings]) == 0
+    printed = capsys.readouterr().out
+    assert "feasible plans on 2 x cpu" in printed and "s/step" in printed
+    written = OmegaConf.to_container(OmegaConf.load(out))
+    assert written["data"]["train_batch_size"] == 4  # the --config file's keys are kept
+    assert written["trainer"]["placement"] == "custom"
+    assert set(written["trainer"]["role_pool"]) == {"actor_rollout", "ref", "critic"}
+    config = load_config(settings, out)
+    check_config(config)  # validated like any config: the pools fit this machine, batches split over them
+    assert sum(sum(nodes) for nodes in written["trainer"]["resource_pool_spec"].values()) == 2
+
+
+def test_plan_refuses_an_unknown_cluster(capsys):
+    assert cli(["plan", "--cluster", "tpu-v9"]) == 2
+    assert "no such preset" in capsys.readouterr().err
