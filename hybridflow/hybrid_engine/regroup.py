@@ -87,23 +87,13 @@ def peak_generation_bytes(model_bytes: float, *, tg: int, method: str) -> float:
     return model_bytes / tg if method == "hybridflow" else model_bytes
 
 
-def new_gather_groups(regrouping: Regrouping, tp_group_ranks: list[list[int]]) -> list[dist.ProcessGroup]:
-    """A process group per gather group of every training TP group (``tp_group_ranks``: global ranks of
-    each TP group, tp-local order). Every rank must call this with the same arguments (collective);
-    returns the groups in the order of ``[g for tp_group in tp_group_ranks for g in gather_groups]``."""
-    groups = []
-    for ranks in tp_group_ranks:
-        for local in regrouping.gather_groups():
-            groups.append(dist.new_group([ranks[i] for i in local]))
-    return groups
-
-
-def gather_generation_shard(training_shard: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+def gather_generation_shard(training_shard: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor:
     """This rank's generation shard of one weight: its gather group's training shards (of equal
-    shape) concatenated along the sharded ``dim`` in rank order. The input is part of the result."""
-    size = dist.get_world_size(group)
-    if size == 1:
+    shape) concatenated along the sharded ``dim`` in rank order (hybrid_engine/layout.py builds the
+    groups; None: the rank's training shard is its generation shard). The input is part of the result."""
+    if group is None or dist.get_world_size(group) == 1:
         return training_shard
+    size = dist.get_world_size(group)
     pieces = [torch.empty_like(training_shard) for _ in range(size)]
     dist.all_gather(pieces, training_shard.contiguous(), group=group)
     return torch.cat(pieces, dim=dim)

@@ -86,8 +86,7 @@ def generation_weights(
                     "the tensor-parallel plan (engine/tensor_parallel) and rollout/native/parallel.py must agree"
                 )
             report.split += whole_bytes
-            if gather_group is not None:
-                piece = gather_generation_shard(piece, dim, gather_group)
+            piece = gather_generation_shard(piece, dim, gather_group)
         report.received += _nbytes(piece) - own
         report.held += _nbytes(piece)
         yield name, piece

@@ -43,40 +43,36 @@ class ClusterSpec:
         return self.devices_per_node if self.nodes > 1 else 1
 
 
+# A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 300 GB/s per direction, 200 Gb/s IB per GPU
+A100_80G = ClusterSpec(
+    name="a100-80g",
+    nodes=1,
+    devices_per_node=8,
+    device_memory=76 * GB,
+    flops=312e12,
+    train_efficiency=0.40,
+    decode_efficiency=0.60,
+    memory_bandwidth=2.0e12,
+    intra_node_bandwidth=300 * GB,
+    inter_node_bandwidth=25 * GB,
+    collective_latency=20e-6,
+)
 PRESETS: dict[str, ClusterSpec] = {
-    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense, 2.0 TB/s HBM2e, NVLink 3 300 GB/s per direction, 200 Gb/s IB per GPU
-    "a100-80g": ClusterSpec(
-        name="a100-80g",
-        nodes=1,
-        devices_per_node=8,
-        device_memory=76 * GB,
-        flops=312e12,
-        train_efficiency=0.40,
-        decode_efficiency=0.60,
-        memory_bandwidth=2.0e12,
-        intra_node_bandwidth=300 * GB,
-        inter_node_bandwidth=25 * GB,
-        collective_latency=20e-6,
-    ),
+    "a100-80g": A100_80G,
     # H100 SXM 80 GB: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink 4 450 GB/s per direction, 400 Gb/s IB per GPU
-    "h100-80g": ClusterSpec(
+    "h100-80g": dataclasses.replace(
+        A100_80G,
         name="h100-80g",
-        nodes=1,
-        devices_per_node=8,
-        device_memory=76 * GB,
         flops=989e12,
-        train_efficiency=0.40,
-        decode_efficiency=0.60,
         memory_bandwidth=3.35e12,
         intra_node_bandwidth=450 * GB,
         inter_node_bandwidth=50 * GB,
-        collective_latency=20e-6,
     ),
     # this project's machine: 2 cores (one rank each), 24 GiB shared; bf16 matmul ~0.4 TFLOP/s per core
     # (engine/flops.py's measured peak), a gloo all-reduce between 2 processes ~1.1 ms (bench/gloo_allreduce.py)
-    "cpu": ClusterSpec(
+    "cpu": dataclasses.replace(
+        A100_80G,
         name="cpu",
-        nodes=1,
         devices_per_node=2,
         device_memory=10 * GB,
         flops=0.4e12,

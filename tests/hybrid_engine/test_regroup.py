@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
+from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
 from hybridflow.hybrid_engine.regroup import (
     Regrouping,
     gather_generation_shard,
-    new_gather_groups,
     peak_generation_bytes,
     switch_bytes,
 )
@@ -84,9 +84,9 @@ class Switcher(Worker):
         t = self.world_size
         regrouping = Regrouping(t=t, tg=tg)
         training_shard = FULL.chunk(t, dim=0)[self.rank].clone()
-        groups = new_gather_groups(regrouping, [list(range(t))])
+        layouts = ActorLayouts.build(self.device, LayoutShape(dp=1, t=t, tg=tg))
         shard = regrouping.generation_shard(self.rank)
-        generation = gather_generation_shard(training_shard, 0, groups[shard])
+        generation = gather_generation_shard(training_shard, 0, layouts.gather_group)
         received = generation.numel() * generation.element_size() - training_shard.numel() * 4
         dist.barrier()
         return generation, received, shard
@@ -114,7 +114,6 @@ def test_a_switch_holds_exactly_the_generation_shard(switchers, tg):
 
 @pytest.mark.parametrize("dp, t, tg", [(1, 4, 2), (2, 4, 2), (3, 2, 1), (2, 8, 4), (2, 2, 2)])
 def test_the_rank_tables_are_the_regrouping_inside_each_training_group(dp, t, tg):
-    from hybridflow.hybrid_engine.layout import LayoutShape
 
     shape = LayoutShape(dp=dp, t=t, tg=tg)
     regrouping = Regrouping(t=t, tg=tg)
