@@ -26,6 +26,8 @@ class ClusterSpec:
     intra_node_bandwidth: float  # bytes/s per device in a collective inside a node
     inter_node_bandwidth: float  # bytes/s per device in a collective across nodes
     collective_latency: float  # seconds of fixed cost per collective call
+    layer_overhead: float  # seconds of fixed cost per decoder layer per training/scoring forward (dispatch)
+    decode_layer_overhead: float  # the same for the generation engine's prefill and decode calls
 
     @property
     def devices(self) -> int:
@@ -56,6 +58,8 @@ A100_80G = ClusterSpec(
     intra_node_bandwidth=300 * GB,
     inter_node_bandwidth=25 * GB,
     collective_latency=20e-6,
+    layer_overhead=50e-6,
+    decode_layer_overhead=20e-6,
 )
 PRESETS: dict[str, ClusterSpec] = {
     "a100-80g": A100_80G,
@@ -87,6 +91,13 @@ PRESETS: dict[str, ClusterSpec] = {
 
 
 def cluster_preset(name: str, nodes: int = 1) -> ClusterSpec:
+    """A preset on ``nodes`` nodes; ``cpu`` with this machine's coefficients once ``hybridflow plan
+    --calibrate`` has measured them (planner/calibrate.py)."""
     if name not in PRESETS:
         raise ValueError(f"unknown cluster preset {name!r}; presets: {', '.join(PRESETS)}")
-    return PRESETS[name].with_nodes(nodes)
+    preset = PRESETS[name]
+    if name == "cpu":
+        from hybridflow.planner.calibrate import load_calibration
+
+        preset = load_calibration(preset) or preset
+    return preset.with_nodes(nodes)

@@ -1,6 +1,7 @@
 """``hybridflow plan``: the best placement and layouts of a run's config on a cluster, as config overrides.
 
     hybridflow plan [--config FILE] [--cluster a100-80g|h100-80g|cpu] [--nodes N] [--top K] [--out FILE] key=value ...
+    hybridflow plan --calibrate      measure this machine for the cpu preset (planner/calibrate.py)
 
 Prints the best candidates (predicted seconds per phase and step, memory per device) and writes the
 best one (``--out``, default plan.yaml) as the ``--config`` file's keys, if one was given, with the plan's
@@ -109,6 +110,16 @@ def _parse(args: list[str]) -> tuple[dict[str, str], list[str]]:
 def main(args: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in args):
         print(USAGE)
+        return 0
+    if args == ["--calibrate"]:
+        from hybridflow.planner.calibrate import calibrate, save_calibration
+
+        print("calibrating the cpu preset on this machine (about a minute) ...", flush=True)
+        cluster = calibrate(PRESETS["cpu"])
+        path = save_calibration(cluster)
+        for name, value in vars(cluster).items():
+            print(f"  {name:<22} {value:.4g}" if isinstance(value, float) else f"  {name:<22} {value}")
+        print(f"wrote {path}")
         return 0
     from hybridflow.trainer.config import load_config
 

@@ -9,7 +9,9 @@ Kinds of work (per device, one step):
 - generation is bound by reading the weights and KV cache once per decode step (``memory_bandwidth x
   decode_efficiency``) or by compute, whichever is slower, plus 2 all-reduces per layer per step
   when tg > 1; prefill is compute;
-- the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link.
+- the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link;
+- every forward call of a layer costs a fixed ``layer_overhead`` besides (``decode_layer_overhead`` in the
+  generation engine): kernel dispatch, what dominates small models and small batches on a CPU.
 
 Memory per device: fp32 masters, gradients and Adam's two moments (16 bytes per weight) for trained
 models, fp32 weights for scored ones, all sharded over every rank of the model (FSDP over dp, tensor
@@ -80,7 +82,8 @@ def pass_seconds(
     per_layer = 4 if backward else 2
     activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
     tp = micro_batches * shape.layers * per_layer * _collective(cluster, layout.t, activation)
-    return epochs * (max(compute, gather * (3 if backward else 1)) + tp)
+    overhead = micro_batches * shape.layers * cluster.layer_overhead * (3 if backward else 1)
+    return epochs * (max(compute, gather * (3 if backward else 1)) + tp + overhead)
 
 
 def generation_seconds(shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> float:
@@ -97,6 +100,9 @@ def generation_seconds(shape: ModelShape, layout: Layout, workload: Workload, cl
     memory_bound = read / (cluster.memory_bandwidth * cluster.decode_efficiency)
     compute_bound = 2 * weights * batch / compute_rate
     tp = 2 * shape.layers * _collective(cluster, layout.tg, batch * shape.hidden * 2)
+    overhead = shape.layers * cluster.decode_layer_overhead  # per forward call: the prefill and each decode step
+    prefill += overhead
+    tp += overhead
     return waves * (prefill + workload.response_length * (max(memory_bound, compute_bound) + tp))
 
 

@@ -89,22 +89,11 @@ class Planner:
         return best
 
     def device_set(self, roles: tuple[Role, ...], devices: int) -> DeviceSet | None:
-        """The set on ``devices`` devices with each model's best layout, or None where it does not fit
-        (the models' held memory adds up; their transients do not, the stages run one at a time)."""
+        """The set on ``devices`` devices with each model's best layout, or None where it does not fit."""
         chosen = {role: self.best_layout(role, devices) for role in roles}
         if any(value is None for value in chosen.values()):
             return None
-        static = transient = 0.0
-        stages: dict[str, float] = {}
-        for role, (layout, seconds) in chosen.items():
-            held, peak = memory_bytes(role, self.workload.models[role], layout, self.workload)
-            static, transient = static + held, max(transient, peak)
-            for stage, value in seconds.items():
-                stages[stage] = stages.get(stage, 0.0) + value
-        if static + transient > self.cluster.device_memory:
-            return None
-        layouts = {role: layout for role, (layout, _) in chosen.items()}
-        return DeviceSet(roles, devices, layouts, stages, static + transient)
+        return evaluate_set(self.workload, self.cluster, {role: layout for role, (layout, _) in chosen.items()})
 
     def fewest_units(self, roles: tuple[Role, ...]) -> int | None:
         total = self.cluster.devices // self.unit
@@ -128,6 +117,24 @@ class Planner:
                 if all(s is not None for s in sets):
                     found.append(step_plan(sets))
         return sorted(found, key=lambda plan: plan.seconds)
+
+
+def evaluate_set(workload: Workload, cluster: ClusterSpec, layouts: dict[Role, Layout]) -> DeviceSet | None:
+    """Colocated models in the given layouts (all on the same devices): their stages' seconds added up,
+    or None where they do not fit (held memory adds up; transients do not, the stages run one at a time)."""
+    devices = {layout.devices for layout in layouts.values()}
+    if len(devices) != 1:
+        raise ValueError(f"colocated models share their devices; got layouts on {sorted(devices)}")
+    static = transient = 0.0
+    stages: dict[str, float] = {}
+    for role, layout in layouts.items():
+        held, peak = memory_bytes(role, workload.models[role], layout, workload)
+        static, transient = static + held, max(transient, peak)
+        for stage, value in stage_seconds(role, workload.models[role], layout, workload, cluster).items():
+            stages[stage] = stages.get(stage, 0.0) + value
+    if static + transient > cluster.device_memory:
+        return None
+    return DeviceSet(tuple(layouts), devices.pop(), dict(layouts), stages, static + transient)
 
 
 def step_plan(sets: list[DeviceSet]) -> Plan:

@@ -16,7 +16,8 @@ from hybridflow.trainer.config import load_config
 SHAPE = ModelShape(name="m", layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=10, tied_embeddings=True)
 CLUSTER = replace(
     cluster_preset("a100-80g"), flops=1000.0, train_efficiency=0.5, decode_efficiency=0.5, memory_bandwidth=100.0,
-    intra_node_bandwidth=50.0, collective_latency=0.01,
+    intra_node_bandwidth=50.0, collective_latency=0.01, layer_overhead=0.0,
+    decode_layer_overhead=0.0,
 )  # fmt: skip
 WORK = Workload(models={Role.ActorRollout: SHAPE}, prompts=2, n=2, prompt_length=3, response_length=1, micro_batch=4)
 
@@ -51,6 +52,16 @@ def test_generation_and_the_switch_by_hand():
     assert switch_seconds(SHAPE, Layout(2, t=2, tg=2), CLUSTER) == 0.0  # each rank's shard is its generation shard
     # t=2, tg=1: the other half of the bf16 decoder comes over the link
     assert switch_seconds(SHAPE, Layout(2, t=2, tg=1), CLUSTER) == pytest.approx(2 * SHAPE.layer_params / 2 / 50)
+
+
+def test_the_fixed_cost_of_each_layer_call():
+    slow = replace(CLUSTER, layer_overhead=0.001, decode_layer_overhead=0.001)
+    base = pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=False)
+    assert pass_seconds(SHAPE, Layout(1), WORK, slow, backward=False) == pytest.approx(base + 1 * 2 * 0.001)
+    base = pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=True)
+    assert pass_seconds(SHAPE, Layout(1), WORK, slow, backward=True) == pytest.approx(base + 3 * 2 * 0.001)
+    base = generation_seconds(SHAPE, Layout(1), WORK, CLUSTER)  # a prefill and 1 decode step, 2 layers each
+    assert generation_seconds(SHAPE, Layout(1), WORK, slow) == pytest.approx(base + 2 * 2 * 0.001)
 
 
 def test_memory_by_hand():
