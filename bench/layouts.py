@@ -42,7 +42,10 @@ COLUMNS = {  # metric: column title
 }
 
 
-def run(args: argparse.Namespace, path: str, t: int, tg: int, data: Path, run_dir: Path) -> list[dict]:
+def run(
+    args: argparse.Namespace, path: str, t: int, tg: int, data: Path, run_dir: Path, extra: tuple[str, ...] = ()
+) -> list[dict]:
+    """A real run's metrics; ``extra``: more key=value settings (another algorithm, placement)."""
     overrides = [
         f"data.train_files=[{data / 'train.parquet'}]",
         "data.val_files=[]",
@@ -61,8 +64,9 @@ def run(args: argparse.Namespace, path: str, t: int, tg: int, data: Path, run_di
         f"trainer.total_training_steps={args.steps}",
         "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={run_dir}",
+        *extra,
     ]
-    print(f"t={t} tg={tg}: {args.steps} steps ...", flush=True)
+    print(f"t={t} tg={tg} {' '.join(extra)}: {args.steps} steps ...", flush=True)
     subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *overrides], check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -67,7 +67,10 @@ def placement_plan(config: HybridFlowConfig) -> PlacementPlan:
 def _custom_plan(config: HybridFlowConfig, roles: list[Role]) -> PlacementPlan:
     trainer = config.trainer
     spec, mapping = trainer.resource_pool_spec, trainer.role_pool
-    example = "trainer.resource_pool_spec={actor:[2],critic:[1]} trainer.role_pool={actor_rollout:actor,critic:critic}"
+    example = (
+        "trainer.resource_pool_spec.actor=[2] trainer.resource_pool_spec.critic=[1] "
+        "trainer.role_pool.actor_rollout=actor trainer.role_pool.critic=critic"
+    )
     if not spec:
         raise ConfigError("trainer.resource_pool_spec", "placement=custom needs named pools", f"e.g. {example}")
     for name, nodes in spec.items():
