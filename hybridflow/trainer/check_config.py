@@ -130,6 +130,24 @@ def _check_parallel_layouts(cfg: HybridFlowConfig) -> None:
             raise ConfigError(key, str(error)) from None
 
 
+def _check_rollout_backend(cfg: HybridFlowConfig) -> None:
+    """vLLM, when chosen, imports here and runs the model on the run's device."""
+    arr = cfg.actor_rollout_ref
+    if arr.rollout.name != "vllm":
+        return
+    from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem, unsupported_head_size
+
+    key = "actor_rollout_ref.rollout.name"
+    problem = install_problem()
+    _check(
+        problem is None, key, f"vllm is chosen, but {problem}", f"install it: {INSTALL_HINT}; or rollout.name=native"
+    )
+    model_config = AutoConfig.from_pretrained(resolve_model_path(arr.model.path))
+    head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    problem = unsupported_head_size(head_size, cfg.trainer.device)
+    _check(problem is None, key, f"vllm cannot run {arr.model.path}: {problem}", "use rollout.name=native for it")
+
+
 def _check_group_size(cfg: HybridFlowConfig) -> None:
     estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
     n = cfg.actor_rollout_ref.rollout.n
@@ -261,6 +279,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
     plan = placement_plan(cfg)  # ConfigError for a placement that leaves a role without a pool
     _check_batch_sizes(cfg, plan)
     _check_parallel_layouts(cfg)
+    _check_rollout_backend(cfg)
     _check_group_size(cfg)
     overlong = cfg.reward.overlong_buffer
     _check(

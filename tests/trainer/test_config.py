@@ -180,6 +180,17 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (["custom_reward_function.path=/no/such.py"], "custom_reward_function.path", "does not exist"),
         (["trainer.logger=[console,neptune]"], "trainer.logger", "neptune"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "sglang"),
+        (  # tiny-llama's heads are 16 wide; vLLM's CPU kernels start at 32
+            ["actor_rollout_ref.rollout.name=vllm"],
+            "actor_rollout_ref.rollout.name",
+            r"vllm cannot run tiny-llama: vLLM's CPU attention takes head sizes \[32, .*this model's is 16",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+            "actor_rollout_ref.rollout.tensor_model_parallel_size",
+            "needs a tensor-parallel backend",
+        ),
+        (["actor_rollout_ref.rollout.vllm.kv_cache_gb=0"], "actor_rollout_ref.rollout.vllm.kv_cache_gb", "positive"),
         (["algorithm.gamma=1.5"], "algorithm.gamma", "must be in"),
         (
             ["algorithm.adv_estimator=pass_at_k", "algorithm.pass_k=4"],

@@ -1,4 +1,4 @@
-"""The tiny fp32 models of the native-engine tests (helpers are in native_helpers.py)."""
+"""The tiny fp32 models of the native-engine tests (helpers are in ../rollout_helpers.py)."""
 
 import pytest
 import torch

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import engine_config, greedy, prompts_of, sampled
+from rollout_helpers import engine_config, greedy, prompts_of, sampled
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.native import NativeRollout

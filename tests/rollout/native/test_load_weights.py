@@ -1,23 +1,12 @@
 """Weight updates by Hugging Face parameter name land in the engine, in place."""
 
-import copy
-
 import pytest
 import torch
-from native_helpers import QUESTIONS, engine_config, greedy, prompts_of
+from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout
 from hybridflow.rollout.native import NativeRollout
-
-
-def _perturbed(model):
-    changed = copy.deepcopy(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in changed.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=0.02))
-    return changed
 
 
 def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
@@ -26,7 +15,7 @@ def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
     prompts = prompts_of(tokenizer, QUESTIONS)
     before = rollout.generate_sequences(prompts, greedy(10)).batch
     pointers = [t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)]
-    changed = _perturbed(model)
+    changed = perturbed(model)
     rollout.load_weights([*changed.named_parameters(), *changed.named_buffers()])  # as full_parameters yields them
     assert pointers == [
         t.data_ptr() for t in (rollout.engine.weights.embed, rollout.engine.weights.layers[0].qkv.weight)
@@ -56,7 +45,7 @@ def test_bf16_engine_after_load_weights_equals_one_built_from_the_updated_model(
     rollout = NativeRollout(
         model, tokenizer, engine_config=engine_config()
     )  # bf16 on CPU: the products use packed weights
-    changed = _perturbed(model)
+    changed = perturbed(model)
     rollout.load_weights(changed.named_parameters())
     prompts = prompts_of(tokenizer, QUESTIONS)
     got = rollout.generate_sequences(prompts, greedy(10)).batch

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 import torch
-from native_helpers import engine_config, greedy, prompts_of
+from rollout_helpers import engine_config, greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf_rollout import HFRollout

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from native_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
+from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray

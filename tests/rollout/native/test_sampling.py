@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from native_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
+from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.rollout.base import response_mask_from
 from hybridflow.rollout.native import NativeRollout

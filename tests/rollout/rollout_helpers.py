@@ -1,8 +1,11 @@
-"""Helpers of the native-engine tests: chat-templated left-padded prompts, sampling parameters."""
+"""Helpers of the rollout tests: chat-templated left-padded prompts, sampling parameters."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+
+import torch
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
@@ -45,3 +48,13 @@ def sampled(
 def engine_config(**changes) -> NativeEngineConfig:
     """The native engine's default settings (actor_rollout_ref.rollout.native in the YAML), with ``changes``."""
     return dataclasses.replace(default_config().actor_rollout_ref.rollout.native, **changes)
+
+
+def perturbed(model):
+    """A copy of ``model`` with seeded noise of about each tensor's own scale added to every parameter."""
+    changed = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in changed.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=0.02))
+    return changed
