@@ -13,10 +13,11 @@ get the same chat-templated arithmetic questions, the same sampling (temperature
 top-k/top-p) and ignore EOS (`stop_token_ids=[]` for the engines, `min_new_tokens` for
 `generate`), so they do equal work. `generate` is called as `HFRollout` calls it (with per-step
 logits for the log-probs). vLLM runs in this process as the trainer runs it (`VllmRollout`,
-the default `rollout.vllm` settings, bf16, eager). The backends take turns within each repeat,
+the default `rollout.vllm` settings, eager). Every backend runs in `--dtype` (default `auto`:
+bf16 on a CPU with bf16 matmul units, fp32 elsewhere). The backends take turns within each repeat,
 so load from other processes spreads over all of them; the best repeat of each is reported.
-The native engine's achieved FLOP/s is set against the machine's bf16 matmul peak, measured
-in the same run, and the load average is printed: numbers from a loaded machine are low.
+The native engine's achieved FLOP/s is set against the machine's matmul peak in that dtype,
+measured in the same run, and the load average is printed: numbers from a loaded machine are low.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import time
 import torch
 from transformers import GenerationConfig
 
-from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
@@ -57,9 +58,9 @@ def arithmetic_prompts(tokenizer, count: int, group: int, seed: int = 0) -> Data
     )
 
 
-def matmul_peak(size: int = 4096, repeats: int = 3) -> tuple[float, float]:
-    """(best FLOP/s of a (size x size) @ (size x size) bf16 matmul, others' CPU share during it)."""
-    a, b = torch.randn(size, size, dtype=torch.bfloat16), torch.randn(size, size, dtype=torch.bfloat16)
+def matmul_peak(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> tuple[float, float]:
+    """(best FLOP/s of a (size x size) @ (size x size) matmul in `dtype`, others' CPU share during it)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     seconds, others = _best(lambda: a @ b, repeats)
     return 2 * size**3 / seconds, others
@@ -122,7 +123,7 @@ BACKENDS = ("native", "vllm", "generate")
 
 
 def build_backends(names: list[str], model, tokenizer, max_seqs: int) -> dict:
-    """name -> generate(prompts, params): the native engine and vLLM over ``model``'s weights (bf16), and
+    """name -> generate(prompts, params): the native engine and vLLM over ``model``'s weights, and
     transformers' `generate` as HFRollout calls it."""
     config = default_config().actor_rollout_ref.rollout
     backends = {}
@@ -181,6 +182,7 @@ def main() -> None:
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma list of {list(BACKENDS)}")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each backend (the best is reported)")
     parser.add_argument("--busy-cores", type=int, default=0, help="run a CPU-bound process on this many cores")
     parser.add_argument(
@@ -195,10 +197,11 @@ def main() -> None:
     IDLE_WAIT = args.wait_idle
     workloads, names = args.workloads.split(","), args.backends.split(",")
     torch.set_num_threads(args.threads)
-    print(f"load average before: {os.getloadavg()}; threads: {torch.get_num_threads()}")
+    dtype = parse_dtype(args.dtype)
+    print(f"load average before: {os.getloadavg()}; threads: {torch.get_num_threads()}; dtype: {dtype}")
     tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model, dtype=torch.bfloat16).eval()
-    peak, peak_others = matmul_peak()
+    model = load_causal_lm(args.model, dtype=dtype).eval()
+    peak, peak_others = matmul_peak(dtype)
     backends = build_backends(names, model, tokenizer, max(WORKLOADS[w][0] for w in workloads))
     warm_up = SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=1)
     busy = busy_process(args.busy_cores)
@@ -233,7 +236,7 @@ def main() -> None:
         if busy is not None:
             busy.kill()
     print(
-        f"\n{args.new_tokens} new tokens per sequence; bf16 matmul peak {peak / 1e9:.0f} GFLOP/s "
+        f"\n{args.new_tokens} new tokens per sequence; {args.dtype} ({dtype}) matmul peak {peak / 1e9:.0f} GFLOP/s "
         f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)"
         + (f"; a CPU-bound process kept {args.busy_cores} core(s) busy" if args.busy_cores else "")
         + "\n"

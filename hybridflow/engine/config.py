@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
 from hybridflow.engine.optim import SCHEDULES
-from hybridflow.models.dtypes import DTYPES
+from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES
 from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
 
 
@@ -47,11 +47,11 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class FSDPConfig:
-    param_dtype: str  # compute dtype of forward/backward (bf16 | fp32); master weights stay fp32
+    param_dtype: str  # compute dtype of forward/backward (auto | bf16 | fp32); master weights stay fp32
     reduce_dtype: str  # dtype of the gradient reduce-scatter across ranks
 
     def __post_init__(self) -> None:
-        require_choice(self.param_dtype, DTYPES, "param_dtype")
+        require_choice(self.param_dtype, DTYPE_CHOICES, "param_dtype")
         require_choice(self.reduce_dtype, DTYPES, "reduce_dtype")
 
 

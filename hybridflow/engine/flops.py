@@ -13,10 +13,11 @@ training step is 3x forward (activation recomputation from gradient checkpointin
 are model FLOPs, not hardware FLOPs). A rank of a tensor-parallel group counts its share: 1/t of the
 decoder's layers and heads, and the whole (replicated) LM head (``ModelFlops.per_rank``).
 
-The peak is measured, not looked up: large bf16 matmuls for about half a second, once per process
-and device (``peak_flops``). On a CPU that is the matmul rate of the cores this process gets
-(about 0.8 TFLOP/s bf16 on this project's 2-core AMD EPYC with AVX512-BF16 when idle); other
-processes busy on the same cores at start-up lower it, and MFU then reads high.
+The peak is measured, not looked up: large matmuls in the device's fast dtype (bf16 where it has
+bf16 units, else fp32; models/dtypes.py) for about half a second, once per process and device
+(``peak_flops``). On a CPU that is the matmul rate of the cores this process gets (idle, 2 cores:
+about 0.8 TFLOP/s bf16 on an AMD EPYC with AVX512-BF16, about 0.17 TFLOP/s fp32 on an AVX2-only
+EPYC Milan); other processes busy on the same cores at start-up lower it, and MFU then reads high.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from hybridflow.engine.tensor_parallel import tensor_parallel_size
+from hybridflow.models.dtypes import fast_dtype
 
 PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
 
@@ -80,12 +82,14 @@ CPU = torch.device("cpu")
 
 
 @cache
-def peak_flops(device: torch.device = CPU, dtype: torch.dtype = torch.bfloat16, seconds: float = 0.5) -> float:
-    """Measured FLOP/s of square ``dtype`` matmuls on ``device``; once per process (cached).
+def peak_flops(device: torch.device = CPU, dtype: torch.dtype | None = None, seconds: float = 0.5) -> float:
+    """Measured FLOP/s of square ``dtype`` matmuls on ``device`` (default its fast dtype); once per
+    process (cached).
 
     The best of several short windows, so that a moment of contention (other processes on the
     same CPU cores) lowers the estimate less.
     """
+    dtype = dtype or fast_dtype(device)
     size = 2048 if device.type == "cpu" else 8192
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)

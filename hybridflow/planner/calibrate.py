@@ -1,7 +1,7 @@
 """``hybridflow plan --calibrate``: measure this machine and store the ``cpu`` preset's coefficients.
 
 One device is one process with one torch thread (as ``trainer.cpus_per_worker=1`` runs ranks here).
-Measured directly: the bf16 matmul peak (engine/flops.py), the bytes per second a sum reads, and a gloo
+Measured directly: the matmul peak in the fast dtype (engine/flops.py), the bytes per second a sum reads, and a gloo
 all-reduce between 2 processes (bandwidth from an 8 MB one, latency from one of a decode step's size
 less its bytes' time). Fitted to the cost model's own formulas (cost.py), so that the model reproduces
 them: the passes' efficiency and fixed cost per layer call from a forward+backward of a random Llama at
@@ -97,10 +97,10 @@ def all_reduce_costs() -> tuple[float, float]:
 
 
 def _model_and_shape():
-    from hybridflow.models import load_causal_lm, resolve_model_path
+    from hybridflow.models import fast_dtype, load_causal_lm, resolve_model_path
 
     path = resolve_model_path("tiny-llama", **CALIBRATION_MODEL)
-    model = load_causal_lm(path, dtype=torch.bfloat16)
+    model = load_causal_lm(path, dtype=fast_dtype(torch.device("cpu")))  # what `auto` trains in
     return path, model, shape_from_hf(model.config, "calibration")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.models.dtypes import DTYPES
+from hybridflow.models.dtypes import DTYPE_CHOICES
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.registry import ROLLOUT_BACKENDS, TENSOR_PARALLEL_BACKENDS
 from hybridflow.rollout.vllm.config import VllmEngineConfig
@@ -41,7 +41,7 @@ class RolloutConfig(SamplingConfig):
 
     name: str  # generation backend (rollout.registry): native (continuous batching) | vllm | hf (transformers generate)
     response_length: int  # max new tokens per response
-    dtype: str  # dtype of the generation copy of the weights (bf16 | fp32)
+    dtype: str  # dtype of the generation copy of the weights (auto | bf16 | fp32)
     tensor_model_parallel_size: int  # tg: ranks generating together (1/tg of weights and KV cache each); divides t
     seed: int  # base seed of sampling; see sampling_seed
     seed_per_step: int  # added to the seed once per training step (sampling_seed)
@@ -57,7 +57,7 @@ class RolloutConfig(SamplingConfig):
         super().__post_init__()
         require_choice(self.name, ROLLOUT_BACKENDS, "name")
         require_positive(self.response_length, "response_length")
-        require_choice(self.dtype, DTYPES, "dtype")
+        require_choice(self.dtype, DTYPE_CHOICES, "dtype")
         require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
         require(
             self.tensor_model_parallel_size == 1 or self.name in TENSOR_PARALLEL_BACKENDS,

@@ -63,7 +63,7 @@ class ActorRolloutWorker(Worker):
             mesh,
         )
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor, dp_group=mesh["dp"].get_group())
-        generation_dtype = parse_dtype(config.rollout.dtype)
+        generation_dtype = parse_dtype(config.rollout.dtype, self.device)
         generator = load_causal_lm(config.model.path, dtype=generation_dtype).to(self.device)
         self.rollout = build_rollout(generator, self.tokenizer, config.rollout, self.layouts.generation_group)
         del generator  # the rollout keeps its own copy (1/tg of the weights)

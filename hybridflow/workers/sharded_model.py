@@ -14,6 +14,7 @@ from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
+from hybridflow.models.loading import enable_activation_checkpointing
 
 
 def quiet_libraries() -> None:
@@ -37,7 +38,7 @@ def build_sharded(
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(model.path, dtype=torch.float32)
     if model.enable_gradient_checkpointing:
-        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(module)
     module.config.use_cache = False
     module = module.to(device)
     if mesh is None:

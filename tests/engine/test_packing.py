@@ -11,7 +11,7 @@ from hybridflow.engine.forward import batched_log_probs, batched_values, respons
 from hybridflow.engine.packing import grouped_causal_attention, pack
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.lengths import computed_lengths
-from hybridflow.models import load_causal_lm, load_critic
+from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import default_config
 
@@ -102,7 +102,7 @@ def test_packed_log_probs_entropy_and_gradient_equal_padded(batch, name, checkpo
     torch.manual_seed(0)
     model = load_causal_lm(name, dtype=torch.float32)
     if checkpointing:  # backward recomputes the layers: they must see the packing again
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     model.train()
     mask = batch.batch["response_mask"].bool()
     results = {}
