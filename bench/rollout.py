@@ -167,12 +167,10 @@ class GenerateBaseline:
         return out
 
 
-def busy_process(cores: int) -> subprocess.Popen | None:
-    """A process that keeps ``cores`` cores busy (pure Python loops), to see each backend under contention."""
-    if cores == 0:
-        return None
-    code = f"import multiprocessing as m\ndef spin(_):\n    while True: pass\nm.Pool({cores}).map(spin, range({cores}))"
-    return subprocess.Popen([sys.executable, "-c", code])
+def busy_processes(cores: int) -> list[subprocess.Popen]:
+    """``cores`` processes that each keep a core busy (a pure Python loop), to see each backend under
+    contention. Plain processes, so that killing them leaves nothing behind."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores)]
 
 
 def main() -> None:
@@ -204,7 +202,7 @@ def main() -> None:
     peak, peak_others = matmul_peak(dtype)
     backends = build_backends(names, model, tokenizer, max(WORKLOADS[w][0] for w in workloads))
     warm_up = SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=4, seed=1)
-    busy = busy_process(args.busy_cores)
+    busy = busy_processes(args.busy_cores)
     rows = []  # (workload, backend, seconds, others' CPU share, achieved FLOP/s or None)
     try:
         for workload in workloads:
@@ -233,8 +231,9 @@ def main() -> None:
                 f"{workload}: {seqs // group} prompts x {group}, prompt {mean_prompt:.0f} tokens on average", flush=True
             )
     finally:
-        if busy is not None:
-            busy.kill()
+        for process in busy:
+            process.kill()
+            process.wait()
     print(
         f"\n{args.new_tokens} new tokens per sequence; {args.dtype} ({dtype}) matmul peak {peak / 1e9:.0f} GFLOP/s "
         f"(4096^3, other processes used {100 * peak_others:.0f}% of the CPUs meanwhile)"

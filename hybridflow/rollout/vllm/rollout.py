@@ -190,10 +190,34 @@ def _repack_tied_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
-def _quiet_rotary_reload_warning(record: logging.LogRecord) -> bool:
-    """vLLM's reload warns "RotaryEmbedding: Failed to load weights" on every sync: its rotary tables are
-    computed, never loaded, and it keeps them. Every other warning passes."""
-    return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+# Warnings vLLM logs on every start or weight sync that say nothing wrong in the way hybridflow runs it
+# (logger name: message prefixes). Every other warning passes.
+BENIGN_WARNINGS = {
+    # reload: rotary tables are computed, never loaded; a tied LM head shares the embedding's tensor
+    # (and is packed again after each sync, _repack_tied_lm_head)
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed to load weights",
+        "ParallelLMHead: Failed to load weights",
+    ),
+    # skip_tokenizer_init: token ids in and out, stop tokens passed with every request
+    "vllm.renderers.base": ("Chat template warmup failed", "Using None for EOS token id"),
+}
+
+
+def _quiet_benign_warnings() -> None:
+    for name, prefixes in BENIGN_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(getattr(f, "benign_prefixes", None) == prefixes for f in logger.filters):
+            logger.addFilter(_PrefixFilter(prefixes))
+
+
+class _PrefixFilter(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.benign_prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.benign_prefixes)
 
 
 def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig):
@@ -202,7 +226,7 @@ def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig)
         os.environ.setdefault(key, value)
     from vllm import LLM
 
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_quiet_rotary_reload_warning)
+    _quiet_benign_warnings()
 
     with _process_state_kept():
         return LLM(
