@@ -12,7 +12,8 @@ ATTENTION_MASK = "attention_mask"  # same shape as input_ids; 1 on real tokens
 POSITION_IDS = "position_ids"  # same shape as input_ids; counts real tokens from 0
 PROMPTS = "prompts"  # (B, P) the prompt part of input_ids
 RESPONSES = "responses"  # (B, R) generated tokens, padded after the first stop token
-RESPONSE_MASK = "response_mask"  # (B, R) 1 on real response tokens (the stop token included)
+RESPONSE_MASK = "response_mask"  # (B, R) 1 on the response tokens losses train on (generated, stop token included)
+GENERATED_MASK = "generated_mask"  # (B, R) 1 on generated tokens: response_mask as generation returned it
 TRUNCATED = "truncated"  # (B,) bool: the response holds no stop token (cut at the length budget)
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the generator's log-probs of the sampled tokens
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) the trainer's log-probs before the update (PPO's π_old)
@@ -29,6 +30,12 @@ RETURNS = "returns"  # (B, R)
 
 PROMPT_TENSORS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # what generation reads
 
+# ---- multi-turn rollout (rollout/agent): per row. The response holds generated and inserted tokens
+# (tool output, template tokens): attention_mask is 1 on both, response_mask only on generated ones.
+NUM_TURNS = "num_turns"  # (B,) assistant (generation) turns
+TOOL_CALLS = "tool_calls"  # (B,) tool calls the model made (malformed ones included)
+TOOL_ERRORS = "tool_errors"  # (B,) calls answered with an error
+
 # ---- per-row objects (DataProto.non_tensor_batch); the dataset's file columns keep these names -
 UID = "uid"  # group id shared by the n samples of one prompt
 DATA_SOURCE = "data_source"  # names the reward scorer
@@ -36,6 +43,13 @@ REWARD_MODEL = "reward_model"  # {"ground_truth": ..., "style": "rule"}
 EXTRA_INFO = "extra_info"  # any per-row dict the task keeps
 RAW_PROMPT = "raw_prompt"  # the chat messages before templating
 INDEX = "index"  # the row's index in its dataset
+AGENT_NAME = "agent_name"  # the row's agent loop (rollout/agent; "": multi_turn.default_agent)
+STOP_REASON = "stop_reason"  # multi-turn: why the row's conversation ended (rollout/agent/state.py), or "failed"
+TURN_SCORES = "turn_scores"  # multi-turn: list per row, each assistant turn's tool-call rewards summed
+TURN_ENDS = "turn_ends"  # multi-turn: list per row, the response index of each assistant turn's last token
+TOOL_REWARDS = "tool_rewards"  # multi-turn: dict per row, tool name -> its reward for the whole trajectory
+AGENT_FAILURE = "agent_failure"  # multi-turn: why the row's agent loop failed ("" if it did not)
+FINAL_RESPONSE = "final_response"  # multi-turn: the last assistant turn's text, added to extra_info for scorers
 
 # ---- meta_info keys ---------------------------------------------------------------------------
 GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)

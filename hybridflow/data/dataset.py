@@ -1,7 +1,8 @@
 """RLHFDataset: prompt rows from parquet/jsonl, chat-templated and tokenized once, up front.
 
 Each row has `prompt` (chat messages), `data_source`, `reward_model` ({"ground_truth": ...,
-"style": "rule"}) and optionally `extra_info` (a dict). Tokenizing everything at load time
+"style": "rule"}) and optionally `extra_info` (a dict; multi-turn rows may give their tools' arguments
+under `extra_info.tools_kwargs`) and `agent_name` (multi-turn: the row's agent loop). Tokenizing everything at load time
 makes the length filter exact (it sees the templated prompt, system prompt included) and
 keeps `__getitem__` and the per-step `collate` cheap.
 
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from hybridflow.batch_keys import (
+    AGENT_NAME,
     ATTENTION_MASK,
     DATA_SOURCE,
     EXTRA_INFO,
@@ -36,7 +38,7 @@ from hybridflow.protocol import DataProto
 
 logger = logging.getLogger(__name__)
 
-NON_TENSOR_KEYS = (DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, RAW_PROMPT, INDEX)
+NON_TENSOR_KEYS = (DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, RAW_PROMPT, INDEX, AGENT_NAME)
 
 
 def _object_array(values: Sequence[Any]) -> np.ndarray:
@@ -67,7 +69,15 @@ def _check_messages(messages: Any, row: int, key: str) -> list[dict]:
 class RLHFDataset:
     """Chat prompts with their reward information, ready to collate into DataProto batches."""
 
-    def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, config: DatasetConfig) -> None:
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        config: DatasetConfig,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """tools: the OpenAI function schemas of a multi-turn run's tools, given to the chat template (templates
+        that know tools list them in the prompt; others ignore them)."""
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; collate needs one to left-pad prompts")
         self.tokenizer = tokenizer
@@ -79,7 +89,11 @@ class RLHFDataset:
         if not rows:
             raise ValueError(f"no rows in {[str(f) for f in self.files]}")
         messages = [_check_messages(row.get(config.prompt_key), i, config.prompt_key) for i, row in enumerate(rows)]
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        tool_kwargs = {"tools": tools} if tools else {}
+        texts = [
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **tool_kwargs)
+            for m in messages
+        ]
         # the template already holds every special token; the tokenizer must not add a BOS
         token_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         self.rows = self._keep_short(rows, messages, token_ids)
@@ -107,6 +121,7 @@ class RLHFDataset:
                     REWARD_MODEL: row[REWARD_MODEL],
                     EXTRA_INFO: row.get(EXTRA_INFO) or {},
                     INDEX: index,  # the row's position in the files, stable under filtering
+                    AGENT_NAME: str(row.get(AGENT_NAME) or ""),  # multi-turn: the row's agent loop ("": the default)
                 }
             )
         dropped = len(rows) - len(kept)
@@ -125,7 +140,8 @@ class RLHFDataset:
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        """One row: `input_ids` (list of ints), `raw_prompt`, `data_source`, `reward_model`, `extra_info`, `index`."""
+        """One row: `input_ids` (list of ints), `raw_prompt`, `data_source`, `reward_model`, `extra_info`, `index`,
+        `agent_name`."""
         return self.rows[i]
 
     def collate(self, rows: Sequence[dict[str, Any]]) -> DataProto:

@@ -26,6 +26,8 @@ class RewardConfig:
     max_failure_rate: float  # stop when more than this fraction of a call's samples fail to score (0: any failure)
     num_examine: int  # print this many decoded responses per data source on each scoring call
     overlong_buffer: OverlongBufferConfig  # DAPO's soft overlong penalty on training rewards
+    tool_reward_coef: float  # multi-turn: weight of the tools' rewards added to the score (0: none added)
+    turn_level: bool  # multi-turn: each turn's tool rewards on that turn's last token (false: all on the last token)
 
     def __post_init__(self) -> None:
         require(0 <= self.max_failure_rate <= 1, "max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}")

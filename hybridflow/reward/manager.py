@@ -32,10 +32,26 @@ import numpy as np
 import torch
 
 import hybridflow.reward.scorers  # noqa: F401  (registers the built-in scorers)
-from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES, REWARD_MODEL
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    FINAL_RESPONSE,
+    NUM_TURNS,
+    RESPONSE_MASK,
+    RESPONSES,
+    REWARD_MODEL,
+    STOP_REASON,
+    TOOL_CALLS,
+    TOOL_ERRORS,
+    TOOL_REWARDS,
+    TURN_ENDS,
+    TURN_SCORES,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.reward.config import RewardConfig
 from hybridflow.reward.registry import UnknownDataSourceError, get_scorer, list_scorers
+from hybridflow.reward.turns import place_rewards
 from hybridflow.validation import UserError
 
 logger = logging.getLogger(__name__)
@@ -94,13 +110,14 @@ class RewardManager:
         self.custom_fn = custom_fn
         self._logged_failures: set[tuple[str, str]] = set()
 
-    def check_scorable(self, rows: Iterable[dict[str, Any]]) -> None:
+    def check_scorable(self, rows: Iterable[dict[str, Any]], multi_turn: bool = False) -> None:
         """RewardFailure unless every row's data source has a scorer (without a custom function) and,
-        with one, it returns a score for the first row given that row's ground truth as the answer."""
+        with one, it returns a score for the first row given that row's ground truth as the answer (in a
+        multi-turn run: as a one-turn conversation's answer, with the conversation facts it will get)."""
         rows = list(rows)
         if self.custom_fn is not None:
             if rows:
-                self._check_custom_fn(rows[0])
+                self._check_custom_fn(rows[0], multi_turn)
             return
         counts: dict[str, int] = defaultdict(int)
         for row in rows:
@@ -118,10 +135,13 @@ class RewardManager:
                 "Register one with hybridflow.reward.register_scorer, or give custom_reward_function.path"
             )
 
-    def _check_custom_fn(self, row: dict[str, Any]) -> None:
+    def _check_custom_fn(self, row: dict[str, Any], multi_turn: bool) -> None:
         ground_truth = row[REWARD_MODEL]["ground_truth"]
+        extra_info = row.get(EXTRA_INFO)
+        if multi_turn:
+            extra_info = {**(extra_info or {}), **one_turn_facts(str(ground_truth))}
         try:
-            _as_score(self.custom_fn(str(row[DATA_SOURCE]), str(ground_truth), ground_truth, row.get(EXTRA_INFO)))
+            _as_score(self.custom_fn(str(row[DATA_SOURCE]), str(ground_truth), ground_truth, extra_info))
         except Exception as error:  # noqa: BLE001  (whatever it raises, the run must not start)
             raise RewardFailure(
                 "the custom reward function (custom_reward_function.path / .name) failed on the first row, called as "
@@ -131,19 +151,22 @@ class RewardManager:
 
     def __call__(self, data: DataProto) -> RewardResult:
         responses = data.batch[RESPONSES]  # (B, R)
-        response_mask = data.batch[RESPONSE_MASK]  # (B, R)
         batch_size, length = responses.shape
         positions = torch.arange(length).expand(batch_size, length)
-        # the last real token; a row with no real token (empty response) gets its score at
+        # the text is every response token (a multi-turn response holds the tool output the loop inserted);
+        # the score goes on the last generated token; a row with none (an empty response) gets its score at
         # position 0, where the mask hides it from every loss
-        last = torch.where(response_mask.bool().cpu(), positions, -1).max(dim=1).values  # (B,)
+        present = data.batch[ATTENTION_MASK][:, -length:].bool().cpu()
+        generated = data.batch[RESPONSE_MASK].bool().cpu()
+        end = torch.where(present, positions, -1).max(dim=1).values  # (B,)
+        last = torch.where(generated, positions, -1).max(dim=1).values  # (B,)
         response_ids = responses.cpu()
         texts = self.tokenizer.batch_decode(
-            [response_ids[i, : int(last[i]) + 1].tolist() for i in range(batch_size)], skip_special_tokens=True
+            [response_ids[i, : int(end[i]) + 1].tolist() for i in range(batch_size)], skip_special_tokens=True
         )
         sources = data.non_tensor_batch[DATA_SOURCE]
         reward_models = data.non_tensor_batch[REWARD_MODEL]
-        extra_infos = data.non_tensor_batch.get(EXTRA_INFO, np.full(batch_size, None, dtype=object))
+        extra_infos = with_conversation_facts(data, self._final_turns(response_ids, present, generated, end))
 
         scores = torch.zeros(batch_size, dtype=torch.float32)
         per_sample: list[dict[str, Any]] = []
@@ -155,14 +178,36 @@ class RewardManager:
             per_sample.append({**extras, "score": score, "acc": extras.get("acc", score), "failed": error is not None})
         self._stop_if_failing(failures, batch_size)
 
-        token_level_scores = torch.zeros(batch_size, length, dtype=torch.float32)
-        token_level_scores[torch.arange(batch_size), last.clamp(min=0)] = scores
+        if TURN_ENDS in data.non_tensor_batch:
+            token_level_scores = place_rewards(
+                length,
+                scores,
+                last,
+                data.non_tensor_batch[TURN_ENDS],
+                data.non_tensor_batch[TURN_SCORES],
+                data.non_tensor_batch[TOOL_REWARDS],
+                coef=self.config.tool_reward_coef,
+                turn_level=self.config.turn_level,
+            )
+        else:
+            token_level_scores = torch.zeros(batch_size, length, dtype=torch.float32)
+            token_level_scores[torch.arange(batch_size), last.clamp(min=0)] = scores
         self._examine(sources, texts, reward_models, per_sample)
         return RewardResult(
             token_level_scores=token_level_scores.to(responses.device),
             extra=_columns(per_sample),
             metrics=_metrics(sources, per_sample),
         )
+
+    def _final_turns(
+        self, responses: torch.Tensor, present: torch.Tensor, generated: torch.Tensor, end: torch.Tensor
+    ) -> list[str]:
+        """Each row's last assistant turn as text: the tokens after the last one the agent loop inserted."""
+        inserted = present & ~generated
+        positions = torch.arange(responses.shape[1]).expand_as(responses)
+        start = torch.where(inserted, positions, -1).max(dim=1).values + 1  # (B,)
+        turns = [responses[i, int(start[i]) : int(end[i]) + 1].tolist() for i in range(responses.shape[0])]
+        return self.tokenizer.batch_decode(turns, skip_special_tokens=True)
 
     def _stop_if_failing(self, failures: list[BaseException], batch_size: int) -> None:
         if len(failures) > self.config.max_failure_rate * batch_size:
@@ -203,6 +248,44 @@ class RewardManager:
                 shown[source] += 1
                 truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else reward_model
                 print(f"[{source}] score={row['score']:.3f} ground_truth={truth!r}\n{text}\n")
+
+
+def one_turn_facts(answer: str) -> dict[str, Any]:
+    """The conversation facts of a one-turn answer without tool calls (what the pre-run check gives a reward
+    function of a multi-turn run)."""
+    return {
+        FINAL_RESPONSE: answer,
+        NUM_TURNS: 1,
+        TOOL_CALLS: 0,
+        TOOL_ERRORS: 0,
+        TURN_SCORES: [0.0],
+        TOOL_REWARDS: {},
+        STOP_REASON: "no_tool_call",
+    }
+
+
+def with_conversation_facts(data: DataProto, final_turns: list[str]) -> np.ndarray:
+    """Each row's extra_info, for the scorer; a multi-turn row's (rollout/agent) gets a copy with what happened in
+    its conversation added: num_turns, tool_calls, tool_errors, turn_scores, tool_rewards, stop_reason, and
+    final_response (the text of its last assistant turn: the answer, after the tools' output)."""
+    batch_size = len(data)
+    extra_infos = data.non_tensor_batch.get(EXTRA_INFO, np.full(batch_size, None, dtype=object))
+    if TURN_ENDS not in data.non_tensor_batch:
+        return extra_infos
+    tensors, rows = data.batch, data.non_tensor_batch
+    facts = {
+        FINAL_RESPONSE: final_turns,
+        NUM_TURNS: tensors[NUM_TURNS].tolist(),
+        TOOL_CALLS: tensors[TOOL_CALLS].tolist(),
+        TOOL_ERRORS: tensors[TOOL_ERRORS].tolist(),
+        TURN_SCORES: rows[TURN_SCORES],
+        TOOL_REWARDS: rows[TOOL_REWARDS],
+        STOP_REASON: rows[STOP_REASON],
+    }
+    out = np.empty(batch_size, dtype=object)
+    for i in range(batch_size):
+        out[i] = {**(extra_infos[i] or {}), **{key: values[i] for key, values in facts.items()}}
+    return out
 
 
 def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

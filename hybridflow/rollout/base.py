@@ -23,6 +23,7 @@ from hybridflow.protocol import DataProto
 
 if TYPE_CHECKING:
     from hybridflow.rollout.config import SamplingConfig
+    from hybridflow.rollout.requests import RequestEngine
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +69,12 @@ class Rollout(ABC):
     @abstractmethod
     def release_cache(self) -> None:
         """Free generation memory (KV cache) until the next generation."""
+
+    def request_engine(self) -> RequestEngine:
+        """The same engine behind the asynchronous request API of multi-turn rollout (rollout/requests.py)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no request API for multi-turn rollout; use rollout.name=native or vllm"
+        )
 
 
 def stop_and_pad_ids(generation_eos: int | list[int] | None, tokenizer) -> tuple[list[int], int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.models.dtypes import DTYPE_CHOICES
+from hybridflow.rollout.agent.config import MultiTurnConfig
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.registry import ROLLOUT_BACKENDS, TENSOR_PARALLEL_BACKENDS
 from hybridflow.rollout.vllm.config import VllmEngineConfig
@@ -52,6 +53,7 @@ class RolloutConfig(SamplingConfig):
     val_kwargs: SamplingConfig  # validation sampling
     native: NativeEngineConfig  # the native engine's settings (name=native)
     vllm: VllmEngineConfig  # vLLM's settings (name=vllm)
+    multi_turn: MultiTurnConfig  # agent loops with tools (rollout/agent)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # rollout/config.py checks rollout.name against ROLLOUT_BACKE
 # (model, tokenizer, config, tp_group): tp_group holds the ranks generating together (None: one rank)
 RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, "RolloutConfig", "dist.ProcessGroup | None"], Rollout]
 TENSOR_PARALLEL_BACKENDS = ("native",)  # the backends that take rollout.tensor_model_parallel_size > 1
+MULTI_TURN_BACKENDS = ("native", "vllm")  # the backends with a request API (rollout/requests.py) for agent loops
 
 
 def _hf(
@@ -59,7 +60,13 @@ def build_rollout(
     config: RolloutConfig,
     tp_group: dist.ProcessGroup | None = None,
 ) -> Rollout:
-    """The backend ``config.name`` over ``model``, tensor-parallel over ``tp_group`` when given."""
+    """The backend ``config.name`` over ``model``, tensor-parallel over ``tp_group`` when given; with
+    ``multi_turn.enable``, agent loops over that backend's request engine (rollout/agent)."""
     if config.name not in ROLLOUT_BACKENDS:
         raise ValueError(f"unknown rollout backend '{config.name}'; known: {sorted(ROLLOUT_BACKENDS)}")
-    return ROLLOUT_BACKENDS[config.name](model, tokenizer, config, tp_group)
+    backend = ROLLOUT_BACKENDS[config.name](model, tokenizer, config, tp_group)
+    if not config.multi_turn.enable:
+        return backend
+    from hybridflow.rollout.agent import AgentRollout
+
+    return AgentRollout(backend, tokenizer, config.multi_turn)

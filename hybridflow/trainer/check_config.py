@@ -18,14 +18,17 @@ import torch
 from transformers import AutoConfig
 
 from hybridflow.algorithms import get_adv_estimator
+from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
 from hybridflow.models import list_builtin_models, resolve_model_path
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.reward.custom import load_custom_reward_fn
+from hybridflow.rollout.registry import MULTI_TURN_BACKENDS
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.placement import PlacementPlan, placement_plan
 from hybridflow.trainer.roles import needed_roles
 from hybridflow.trainer.tracking import check_loggers
+from hybridflow.validation import UserError
 
 
 def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
@@ -146,6 +149,47 @@ def _check_rollout_backend(cfg: HybridFlowConfig) -> None:
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     problem = unsupported_head_size(head_size, cfg.trainer.device)
     _check(problem is None, key, f"vllm cannot run {arr.model.path}: {problem}", "use rollout.name=native for it")
+
+
+def _check_multi_turn(cfg: HybridFlowConfig) -> None:
+    """Agent loops need a backend with a request API on one rank, a known tool-call format and default loop,
+    and a tools file that loads."""
+    rollout = cfg.actor_rollout_ref.rollout
+    multi_turn = rollout.multi_turn
+    if not multi_turn.enable:
+        return
+    from hybridflow.rollout.agent.loops import agent_loop_class
+    from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
+    from hybridflow.tools import load_tools
+
+    key = "actor_rollout_ref.rollout.multi_turn"
+    _check(
+        rollout.name in MULTI_TURN_BACKENDS,
+        "actor_rollout_ref.rollout.name",
+        f"multi-turn rollout drives an engine request by request; {rollout.name} has no such API",
+        f"use one of {list(MULTI_TURN_BACKENDS)}",
+    )
+    _check(
+        rollout.tensor_model_parallel_size == 1,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "multi-turn rollout generates on one rank (the ranks of a group would wait on different tools)",
+        "set it to 1 (the actor may still train tensor-parallel)",
+    )
+    _check(
+        multi_turn.format in TOOL_CALL_FORMATS,
+        f"{key}.format",
+        f"{multi_turn.format!r} is not a known tool-call format",
+        f"one of {sorted(TOOL_CALL_FORMATS)}, or register one (rollout.agent.register_tool_call_format)",
+    )
+    try:
+        agent_loop_class(multi_turn.default_agent)
+    except (KeyError, TypeError, ValueError, ImportError, AttributeError, FileNotFoundError) as error:
+        raise ConfigError(f"{key}.default_agent", str(error).strip("'\"")) from None
+    if multi_turn.tool_config_path:
+        try:
+            load_tools(multi_turn.tool_config_path)
+        except UserError as error:
+            raise ConfigError(f"{key}.tool_config_path", str(error)) from None
 
 
 def _check_group_size(cfg: HybridFlowConfig) -> None:
@@ -280,6 +324,7 @@ def check_config(cfg: HybridFlowConfig) -> None:
     _check_batch_sizes(cfg, plan)
     _check_parallel_layouts(cfg)
     _check_rollout_backend(cfg)
+    _check_multi_turn(cfg)
     _check_group_size(cfg)
     overlong = cfg.reward.overlong_buffer
     _check(
@@ -304,6 +349,27 @@ def check_config(cfg: HybridFlowConfig) -> None:
         check_loggers(trainer.logger)
     except ImportError as error:
         raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
+
+
+def check_agent_names(cfg: HybridFlowConfig, rows: list[dict]) -> None:
+    """Rows that name an agent loop need multi-turn rollout, and every loop named must exist (checked once
+    per name, before Ray starts)."""
+    names = sorted({str(row.get(AGENT_NAME) or "") for row in rows} - {""})
+    if not names:
+        return
+    _check(
+        cfg.actor_rollout_ref.rollout.multi_turn.enable,
+        "actor_rollout_ref.rollout.multi_turn.enable",
+        f"the data names agent loops ({', '.join(names)}) in its agent_name column, but multi-turn rollout is off",
+        "set actor_rollout_ref.rollout.multi_turn.enable=true",
+    )
+    from hybridflow.rollout.agent.loops import agent_loop_class
+
+    for name in names:
+        try:
+            agent_loop_class(name)
+        except (KeyError, TypeError, ValueError, ImportError, AttributeError, FileNotFoundError) as error:
+            raise ConfigError("data (agent_name column)", str(error).strip("'\"")) from None
 
 
 def _check_custom_reward(path: str, name: str) -> None:

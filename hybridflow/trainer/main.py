@@ -16,8 +16,9 @@ from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.reward import RewardManager, load_custom_reward_fn
+from hybridflow.tools import load_tools
 from hybridflow.trainer import placement
-from hybridflow.trainer.check_config import check_cluster, check_config, local_cluster_cpus
+from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, load_config
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups, needed_roles
@@ -62,6 +63,14 @@ def role_specs(config: HybridFlowConfig, total_steps: int) -> dict[Role, RoleSpe
     return {role: specs[role] for role in needed_roles(config)}
 
 
+def run_tool_schemas(config: HybridFlowConfig) -> list[dict] | None:
+    """The function schemas of a multi-turn run's tools (the chat template lists them in prompts that know them)."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and multi_turn.tool_config_path):
+        return None
+    return load_tools(multi_turn.tool_config_path).schemas
+
+
 def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
     """The worker groups of every role the run needs, placed as ``trainer.placement`` says."""
     return placement.build_groups(config, role_specs(config, total_steps))
@@ -73,13 +82,14 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     resolve_models(config)
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     data = config.data
-    train_dataset = RLHFDataset(data.train_files, tokenizer, data)
+    tool_schemas = run_tool_schemas(config)
+    train_dataset = RLHFDataset(data.train_files, tokenizer, data, tools=tool_schemas)
     train_loader = PromptDataLoader(
         train_dataset, data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
     )
     val_loader = None
     if data.val_files:
-        val_dataset = RLHFDataset(data.val_files, tokenizer, data)
+        val_dataset = RLHFDataset(data.val_files, tokenizer, data, tools=tool_schemas)
         val_loader = PromptDataLoader(
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
@@ -87,7 +97,9 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     reward_fn = RewardManager(
         tokenizer, config.reward, load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     )
-    reward_fn.check_scorable([*train_dataset.rows, *(val_loader.dataset.rows if val_loader else [])])
+    all_rows = [*train_dataset.rows, *(val_loader.dataset.rows if val_loader else [])]
+    reward_fn.check_scorable(all_rows, multi_turn=config.actor_rollout_ref.rollout.multi_turn.enable)
+    check_agent_names(config, all_rows)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * config.trainer.total_epochs
     if config.trainer.total_training_steps > 0:

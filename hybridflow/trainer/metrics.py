@@ -13,13 +13,18 @@ from hybridflow.batch_keys import (
     ADVANTAGES,
     ATTENTION_MASK,
     ENTROPYS,
+    GENERATED_MASK,
+    NUM_TURNS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
     RESPONSES,
     RETURNS,
     ROLLOUT_LOG_PROBS,
+    STOP_REASON,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
+    TOOL_CALLS,
+    TOOL_ERRORS,
     VALUES,
 )
 from hybridflow.protocol import DataProto
@@ -50,9 +55,8 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     the updates trained on (``response_mask``, after any loss mask)."""
     tensors = batch.batch
     mask = tensors[RESPONSE_MASK].bool()
-    generated = generated_mask(batch)
-    sequence_mask = generated.bool().any(dim=1)
-    response_lengths = generated.sum(dim=1).float()
+    sequence_mask = generated_mask(batch).bool().any(dim=1)
+    response_lengths = response_tokens(batch).sum(dim=1).float()  # multi-turn: tool output included
     prompt_lengths = tensors[ATTENTION_MASK][:, :-response_length].sum(dim=1).float()
     metrics = {
         **_stats("critic/score", tensors[TOKEN_LEVEL_SCORES].sum(dim=1)),
@@ -79,21 +83,46 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
 def throughput_metrics(batch: DataProto, timings: dict[str, float], world_size: int) -> dict[str, float]:
     step_time = timings.get("step", 0.0)
     total_tokens = float(batch.batch[ATTENTION_MASK].sum())
-    response_tokens = float(batch.batch[RESPONSE_MASK].sum())
+    generated_tokens = float(generated_mask(batch).sum())
     metrics = {f"timing_s/{name}": seconds for name, seconds in timings.items()}
     if step_time > 0:
         metrics["perf/tokens_per_second"] = total_tokens / step_time
         metrics["perf/tokens_per_second_per_worker"] = total_tokens / step_time / world_size
     if timings.get("gen", 0.0) > 0:
-        metrics["perf/generated_tokens_per_second"] = response_tokens / timings["gen"]
+        metrics["perf/generated_tokens_per_second"] = generated_tokens / timings["gen"]
     metrics["perf/total_tokens"] = total_tokens
     return metrics
+
+
+def response_tokens(batch: DataProto) -> torch.Tensor:
+    """(B, R) 1 on every real response token: generated ones and, in multi-turn rollout, inserted ones."""
+    return batch.batch[ATTENTION_MASK][:, -batch.batch[RESPONSES].shape[1] :]
 
 
 def generated_mask(batch: DataProto) -> torch.Tensor:
     """(B, R) 1 on every generated response token: the response mask as generation made it, before
     any loss mask (rejection, truncated responses) changed ``response_mask``."""
-    return batch.batch[ATTENTION_MASK][:, -batch.batch[RESPONSES].shape[1] :]
+    return batch.batch[GENERATED_MASK]
+
+
+def agent_metrics(batch: DataProto) -> dict[str, float]:
+    """What the multi-turn rollout's conversations did (none for one-shot generation): turns per sample,
+    tool calls per sample and the fraction of samples making any, tool errors per call, why they ended."""
+    tensors = batch.batch
+    if NUM_TURNS not in tensors.keys():
+        return {}
+    calls, errors = tensors[TOOL_CALLS].float(), tensors[TOOL_ERRORS].float()
+    metrics = {
+        **_stats("agent/num_turns", tensors[NUM_TURNS]),
+        "agent/tool_calls_per_sample": calls.mean().item(),
+        "agent/tool_call_rate": (calls > 0).float().mean().item(),
+        "agent/tool_errors_per_sample": errors.mean().item(),
+        "agent/tool_error_rate": (errors.sum() / calls.sum()).item() if calls.sum() > 0 else 0.0,
+    }
+    reasons = list(batch.non_tensor_batch[STOP_REASON])
+    for reason in sorted(set(reasons) | {"failed"}):
+        metrics[f"agent/stop/{reason}"] = reasons.count(reason) / len(reasons)
+    return metrics
 
 
 def log_prob_mismatch(batch: DataProto) -> dict[str, float]:

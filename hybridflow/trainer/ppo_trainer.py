@@ -28,7 +28,10 @@ from hybridflow.algorithms.dynamic_sampling import informative_groups, rows_of_g
 from hybridflow.algorithms.rollout_correction import correction_diagnostics, rollout_correction
 from hybridflow.batch_keys import (
     ADVANTAGES,
+    AGENT_NAME,
     DATA_SOURCE,
+    EXTRA_INFO,
+    GENERATED_MASK,
     GLOBAL_STEP,
     METRICS,
     OLD_LOG_PROBS,
@@ -58,7 +61,14 @@ from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
-from hybridflow.trainer.metrics import data_metrics, generated_mask, log_prob_mismatch, throughput_metrics, timer
+from hybridflow.trainer.metrics import (
+    agent_metrics,
+    data_metrics,
+    generated_mask,
+    log_prob_mismatch,
+    throughput_metrics,
+    timer,
+)
 from hybridflow.trainer.placement import placement_plan
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import RoleGroups
@@ -220,6 +230,7 @@ class RayPPOTrainer:
         timeline.collect(groups)
         timings = timeline.stage_seconds() | {"step": time.time() - timeline.start}
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
+        metrics.update(agent_metrics(batch))
         metrics.update(throughput_metrics(batch, timings, self.plan.processes))
         metrics["perf/driver_rss_gb"] = resident_gb()
         return metrics
@@ -289,11 +300,14 @@ class RayPPOTrainer:
         prefix = f"{self.global_step}" if round_index == 0 else f"{self.global_step}.{round_index}"
         prompts.non_tensor_batch[UID] = np.array([f"{prefix}-{i}" for i in range(len(prompts))], dtype=object)
         gen_input = prompts.pop(batch_keys=list(PROMPT_TENSORS))
+        if rollout_config.multi_turn.enable:  # each row's agent loop and its tools' arguments
+            gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO]))
         gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling, SAMPLING_ROUND: round_index}
         generated = take_metrics(
             self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
         )
         batch = prompts.repeat(n, interleave=True).union(generated)
+        batch.batch[GENERATED_MASK] = batch.batch[RESPONSE_MASK].clone()  # before any loss mask narrows it
         batch.meta_info = {GLOBAL_STEP: self.global_step}
         return batch
 

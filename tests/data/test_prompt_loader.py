@@ -119,6 +119,8 @@ def test_with_a_real_dataset(tmp_path, tiny_tokenizer):
     assert len(batches) == len(loader) == 2
     batch = batches[0]
     assert batch.batch["input_ids"].shape[0] == 8
-    assert set(batch.non_tensor_batch) == {"data_source", "reward_model", "extra_info", "raw_prompt", "index"}
+    keys = {"data_source", "reward_model", "extra_info", "raw_prompt", "index", "agent_name"}
+    assert set(batch.non_tensor_batch) == keys
+    assert batch.non_tensor_batch["agent_name"].tolist() == [""] * 8  # no agent_name column: the default loop
     order = np.random.default_rng([0, 0]).permutation(20)[:8]
     assert batch.non_tensor_batch["index"].tolist() == order.tolist()

@@ -35,6 +35,7 @@ def make_batch(tokenizer, responses, sources, truths, width=8):
             "prompts": prompts,
             "responses": responses_t,
             "input_ids": torch.cat([prompts, responses_t], dim=1),
+            "attention_mask": torch.cat([torch.zeros_like(prompts), torch.tensor(masks)], dim=1),
             "response_mask": torch.tensor(masks),
         },
         non_tensors={

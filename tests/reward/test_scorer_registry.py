@@ -13,7 +13,7 @@ def test_unknown_source_lists_the_known_ones():
     with pytest.raises(UnknownDataSourceError) as error:
         get_scorer("no_such_task")
     message = str(error.value)
-    assert "'no_such_task'" in message and "arithmetic, countdown" in message
+    assert "'no_such_task'" in message and "arithmetic, calculator, countdown" in message
     assert isinstance(error.value, KeyError)
 
 

@@ -1,4 +1,5 @@
-"""Built-in RL tasks that generate their own data: `arithmetic` and `countdown`.
+"""Built-in RL tasks that generate their own data: `arithmetic`, `countdown`, and `calculator` (multi-turn, with a
+calculator tool).
 
     python -m hybridflow.data.tasks arithmetic --out data/arithmetic --train 5000 --test 200 --seed 0
 
@@ -13,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridflow.data.io import write_rows
-from hybridflow.data.tasks import arithmetic, countdown
+from hybridflow.data.tasks import arithmetic, calculator, countdown
 
 TASKS: dict[str, Callable[[int, str, int], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic.make_rows,
+    "calculator": calculator.make_rows,
     "countdown": countdown.make_rows,
 }
 

@@ -1,4 +1,4 @@
-"""python -m hybridflow.data.tasks {arithmetic,countdown} --out DIR --train N --test M --seed S"""
+"""python -m hybridflow.data.tasks {arithmetic,calculator,countdown} --out DIR --train N --test M --seed S"""
 
 from __future__ import annotations
 

@@ -1,15 +1,18 @@
-"""Measure a model's starting accuracy on a built-in task's test split (greedy decoding).
+"""Measure a model's starting accuracy on a built-in task's test split.
 
     python -m hybridflow.data.tasks.measure arithmetic --model smollm2-135m-instruct --n 100
+    python -m hybridflow.data.tasks.measure calculator --n 60 --tools examples/tools/calculator.yaml [--sample]
 
-A calibration tool, not library code (it is why the task difficulty is what it is), so it
-reaches past the data layer: it loads the model from hybridflow.models and scores with the
-registered scorer from hybridflow.reward.
+Generation is the trainer's: the native engine, and for rows that name an agent loop (multi-turn tasks)
+the agent rollout with the given tools; scoring is the trainer's reward manager. Greedy by default;
+``--sample`` samples at temperature 1 (the training setting). A calibration tool, not library code
+(it is why the task difficulty is what it is), so it reaches past the data layer.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from collections import defaultdict
@@ -19,63 +22,74 @@ from pathlib import Path
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    from hybridflow.batch_keys import ATTENTION_MASK, DATA_SOURCE, EXTRA_INFO, INPUT_IDS, REWARD_MODEL
-    from hybridflow.data import DatasetConfig, RLHFDataset
+    from hybridflow.batch_keys import AGENT_NAME, EXTRA_INFO, PROMPT_TENSORS, RESPONSE_MASK, RESPONSES, TOOL_CALLS
+    from hybridflow.data import RLHFDataset
     from hybridflow.data.io import write_rows
     from hybridflow.data.tasks import TASKS, make_task_rows
     from hybridflow.models import load_causal_lm, load_tokenizer
-    from hybridflow.reward import get_scorer
+    from hybridflow.reward import RewardManager
+    from hybridflow.rollout.agent import AgentRollout
+    from hybridflow.rollout.base import SamplingParams
+    from hybridflow.rollout.native import NativeRollout
+    from hybridflow.tools import load_tools
+    from hybridflow.trainer.config import default_config
 
     parser = argparse.ArgumentParser(prog="python -m hybridflow.data.tasks.measure", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or local HF folder")
     parser.add_argument("--n", type=int, default=100, help="test prompts to score")
     parser.add_argument("--seed", type=int, default=0, help="the task seed (as for the generator CLI)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="the response budget (multi-turn: all turns)")
+    parser.add_argument("--tools", default="", help="tools YAML file, for tasks whose rows run an agent loop")
+    parser.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--show", type=int, default=5, help="print this many responses")
     args = parser.parse_args(argv)
 
     start = time.time()
+    config = default_config()
     tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).to(args.device).eval()
+    model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).eval()
+    rows = make_task_rows(args.task, args.n, "test", args.seed)
+    multi_turn = any(row.get(AGENT_NAME) for row in rows)
+    if multi_turn and not args.tools:
+        parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
     with tempfile.TemporaryDirectory() as tmp:
-        path = write_rows(make_task_rows(args.task, args.n, "test", args.seed), Path(tmp) / "test.parquet")
-        dataset = RLHFDataset(
-            path, tokenizer, DatasetConfig(prompt_key="prompt", max_prompt_length=1024, filter_overlong_prompts=True)
+        path = write_rows(rows, Path(tmp) / "test.parquet")
+        dataset = RLHFDataset(path, tokenizer, dataclasses.replace(config.data, max_prompt_length=2048))
+    rollout = NativeRollout(model, tokenizer, engine_config=config.actor_rollout_ref.rollout.native)
+    if multi_turn:
+        multi_turn_config = dataclasses.replace(config.actor_rollout_ref.rollout.multi_turn, enable=True)
+        rollout = AgentRollout(rollout, tokenizer, multi_turn_config, load_tools(args.tools))
+    if args.sample:
+        params = SamplingParams(
+            do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens, seed=args.seed
         )
+    else:
+        params = SamplingParams.greedy(max_new_tokens=args.max_new_tokens, seed=args.seed)
     loaded = time.time()
 
-    scores, by_level = [], defaultdict(list)
-    for first in range(0, len(dataset), args.batch_size):
-        batch = dataset.collate([dataset[i] for i in range(first, min(first + args.batch_size, len(dataset)))])
-        inputs = batch.batch[INPUT_IDS].to(args.device)
-        with torch.no_grad():
-            output = model.generate(
-                input_ids=inputs,
-                attention_mask=batch.batch[ATTENTION_MASK].to(args.device),
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-        texts = tokenizer.batch_decode(output[:, inputs.shape[1] :], skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            source, truth = batch.non_tensor_batch[DATA_SOURCE][i], batch.non_tensor_batch[REWARD_MODEL][i]
-            result = get_scorer(source)(text, truth["ground_truth"], batch.non_tensor_batch[EXTRA_INFO][i])
-            acc = float(result["acc"] if isinstance(result, dict) else result)
-            scores.append(acc)
-            by_level[batch.non_tensor_batch[EXTRA_INFO][i].get("level", "all")].append(acc)
-            if len(scores) <= args.show:
-                print(f"truth={truth['ground_truth']!r} response={text!r} acc={acc}")
+    batch = dataset.collate([dataset[i] for i in range(len(dataset))])
+    prompts = batch.select(batch_keys=list(PROMPT_TENSORS), non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO])
+    generated = rollout.generate_sequences(prompts.select(deepcopy=True), params)
+    batch.pop(batch_keys=list(PROMPT_TENSORS))
+    batch.union(generated)
+    result = RewardManager(tokenizer, config.reward)(batch)
     done = time.time()
+
+    by_level = defaultdict(list)
+    for i, acc in enumerate(result.extra["acc"]):
+        by_level[batch.non_tensor_batch[EXTRA_INFO][i].get("level", "all")].append(float(acc))
+        if i < args.show:
+            n = int(batch.batch[RESPONSE_MASK][i].nonzero().max()) + 1 if batch.batch[RESPONSE_MASK][i].any() else 0
+            print(f"acc={acc} response={tokenizer.decode(batch.batch[RESPONSES][i, :n])!r}")
     for level, accs in sorted(by_level.items()):
         print(f"  {level}: {sum(accs) / len(accs):.2f} ({len(accs)} prompts)")
+    accs = [float(a) for a in result.extra["acc"]]
+    calls = f", tool-call rate {(batch.batch[TOOL_CALLS] > 0).float().mean():.2f}" if multi_turn else ""
     print(
-        f"{args.task} accuracy of {args.model}: {sum(scores) / len(scores):.3f} on {len(scores)} test prompts "
-        f"(greedy, {args.max_new_tokens} new tokens, batch {args.batch_size}, {args.dtype}, {args.device}); "
+        f"{args.task} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
+        f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}{calls}); "
         f"load {loaded - start:.1f}s, generate+score {done - loaded:.1f}s"
     )
 

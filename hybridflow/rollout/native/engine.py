@@ -71,7 +71,9 @@ class Engine:
         """Free the KV cache (the next `generate` allocates it again)."""
         self.cache = None
 
-    def _prepare(self, num_slots: int, max_len: int) -> None:
+    def prepare(self, num_slots: int, max_len: int) -> None:
+        """A KV cache of ``num_slots`` slots of at least ``max_len`` positions (kept when it already is one),
+        and rotary tables that cover it."""
         spec, dtype = self.weights.spec, self.weights.embed.dtype
         if spec.sliding_window is not None and max_len > spec.sliding_window:
             raise NotImplementedError(f"sequences of {max_len} tokens exceed the sliding window {spec.sliding_window}")
@@ -100,7 +102,7 @@ class Engine:
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token")
         capacity = min(n, self.max_num_seqs)
-        self._prepare(capacity + 1, max(len(p) for p in prompts) + r)  # +1: the prefix slot
+        self.prepare(capacity + 1, max(len(p) for p in prompts) + r)  # +1: the prefix slot
         run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out)
         by_prompt: dict[tuple[int, ...], _Group] = {}
         for i, prompt in enumerate(prompts):

@@ -143,3 +143,53 @@ def decode(
         attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
         x = _output_and_mlp(weights, layer, x, attn.view(b, spec.q_size))
     return _logits(weights, x)
+
+
+def extend(
+    weights: Weights,
+    rope: RotaryTables,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    scratch_slot: int,
+) -> torch.Tensor:
+    """Append right-padded tokens to sequences that each already hold ``starts[b]`` cached positions.
+
+    The multi-turn form of `prefill`: row b's tokens go to positions starts[b].. of slot slots[b] and
+    attend to that slot's cached keys/values before them (a conversation's earlier turns), so a new
+    turn computes only its own tokens. tokens (Bp, T), lengths (Bp,) real tokens per row (>= 1),
+    starts (Bp,), slots (Bp,). The pad positions' keys/values go to ``scratch_slot`` (a slot no
+    sequence holds), never over a real one. Returns the logits after each row's last real token (Bp, V).
+    """
+    spec = weights.spec
+    b, t = tokens.shape
+    hkv, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim
+    device = tokens.device
+    offsets = torch.arange(t, device=device)
+    real = offsets[None, :] < lengths[:, None]  # (Bp, T)
+    positions = starts[:, None] + offsets[None, :]  # (Bp, T)
+    write_slot = torch.where(real, slots[:, None], scratch_slot)  # (Bp, T)
+    write_pos = torch.where(real, positions, offsets[None, :])  # pads: distinct positions of the scratch slot
+    rope_pos = positions.clamp(max=rope.max_len - 1)
+    cos, sin = rope.cos[rope_pos], rope.sin[rope_pos]  # (Bp, T, D)
+    context = int((starts + lengths).max())  # keys every row may need: (Bp, Hkv, context, D)
+    query_pos = positions[:, None, :].expand(b, g, t).reshape(b, g * t)  # (Bp, G*T): q rows are (g, t)
+    visible = torch.arange(context, device=device)[None, None, :] <= query_pos[:, :, None]  # (Bp, G*T, ctx)
+    heads = torch.arange(hkv, device=device)
+    x = weights.embed[tokens]  # (Bp, T, H)
+    for i, layer in enumerate(weights.layers):
+        q, k, v = _qkv(layer, x, spec).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = rotate(q.view(b, t, hkv, g, d), cos[:, :, None, None], sin[:, :, None, None])
+        k = rotate(k.view(b, t, hkv, d), cos[:, :, None], sin[:, :, None])  # (Bp, T, Hkv, D)
+        index = (write_slot[:, :, None], heads[None, None, :], write_pos[:, :, None])
+        cache.k[i].index_put_(index, k)
+        cache.v[i].index_put_(index, v.view(b, t, hkv, d))
+        keys, values = cache.k[i, slots, :, :context], cache.v[i, slots, :, :context]  # (Bp, Hkv, ctx, D)
+        q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
+        attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
+        attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
+        x = _output_and_mlp(weights, layer, x, attn)
+    last = x[torch.arange(b, device=device), lengths - 1]  # (Bp, H)
+    return _logits(weights, last)

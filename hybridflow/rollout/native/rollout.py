@@ -15,6 +15,7 @@ from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, res
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.engine import Engine, EngineStats
 from hybridflow.rollout.native.parallel import TensorParallelGroup
+from hybridflow.rollout.native.sessions import NativeRequestEngine
 from hybridflow.rollout.native.spec import spec_from_config
 from hybridflow.rollout.native.weights import Weights
 
@@ -49,6 +50,7 @@ class NativeRollout(Rollout):
         tp = TensorParallelGroup.of(tp_group)
         weights = Weights.from_model(model, spec_from_config(model.config), dtype, tp)
         self.engine = Engine(weights, engine_config)
+        self.requests = NativeRequestEngine(self.engine, self.stop_token_ids)
 
     @property
     def stats(self) -> EngineStats:
@@ -81,6 +83,12 @@ class NativeRollout(Rollout):
         engine's dtype and device; rotary buffers are ignored, unknown names raise KeyError.
         """
         self.engine.weights.load(named_tensors)
+
+    def request_engine(self) -> NativeRequestEngine:
+        """Multi-turn generation on the same weights and KV cache (sessions.py); one rank only."""
+        if self.engine.weights.tp.size > 1:
+            raise NotImplementedError("multi-turn rollout runs on one rank: set rollout.tensor_model_parallel_size=1")
+        return self.requests
 
     def release_cache(self) -> None:
         """Free the KV cache after generation; the next generation allocates it again."""

