@@ -76,7 +76,7 @@ def _busy_seconds() -> tuple[float, float]:
     return busy / ticks, mine.user + mine.system
 
 
-def _timed(fn) -> tuple[float, float]:
+def timed(fn) -> tuple[float, float]:
     """(wall seconds of fn(), share of the machine's CPUs that other processes used meanwhile)."""
     busy0, mine0 = _busy_seconds()
     start = time.perf_counter()
@@ -105,7 +105,7 @@ def _best(fn, repeats: int) -> tuple[float, float]:
     runs = []
     for _ in range(repeats):
         _wait_for_idle()
-        runs.append(_timed(fn))
+        runs.append(timed(fn))
     return min(runs)
 
 
@@ -218,7 +218,7 @@ def main() -> None:
                 for name, backend in backends.items():
                     _wait_for_idle()
                     run = functools.partial(backend.generate_sequences, prompts, params)
-                    best[name] = min(best.get(name, (float("inf"), 0.0)), _timed(run))
+                    best[name] = min(best.get(name, (float("inf"), 0.0)), timed(run))
             mean_prompt = prompts.batch["attention_mask"].sum(1).float().mean().item()
             for name in backends:
                 flops = None

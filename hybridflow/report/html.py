@@ -29,6 +29,9 @@ SUMMARY = (
     ("actor/grad_norm", ""),
     ("actor/pg_loss", ""),
     ("critic/vf_loss", ""),
+    ("agent/tool_call_rate", ""),
+    ("agent/num_turns/mean", ""),
+    ("agent/tool_error_rate", "min"),
     ("timing_s/step", "min"),
     ("perf/tokens_per_second", "max"),
 )

@@ -87,6 +87,16 @@ FIGURES = (
             Panel("value loss", ("critic/vf_loss",)),
         ),
     ),
+    FigureSpec(
+        "agent",
+        "Multi-turn rollout",
+        (
+            Panel("tool calls", ("agent/tool_call_rate", "agent/tool_calls_per_sample")),
+            Panel("turns per sample", ("agent/num_turns/mean",), band=True),
+            Panel("tool errors", ("agent/tool_error_rate", "agent/tool_errors_per_sample")),
+            Panel("why conversations ended (fraction)", ("agent/stop/*",)),
+        ),
+    ),
     FigureSpec("timing", "Time per stage", stacked=True),
     FigureSpec(
         "throughput",

@@ -28,7 +28,15 @@ from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker
 
 
 def resolve_models(config: HybridFlowConfig) -> None:
-    """Turn built-in model names into their cached directories once, on the driver, before workers start."""
+    """Turn built-in model names into their cached directories once, on the driver, before workers start; and
+    the multi-turn files the workers read (tools, an agent loop's file) into absolute paths, which do not depend
+    on a worker's working directory."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if multi_turn.tool_config_path:
+        multi_turn.tool_config_path = str(Path(multi_turn.tool_config_path).resolve())
+    file, sep, name = multi_turn.default_agent.rpartition(":")
+    if sep and file.endswith(".py"):
+        multi_turn.default_agent = f"{Path(file).resolve()}:{name}"
     config.actor_rollout_ref.model.path = str(resolve_model_path(config.actor_rollout_ref.model.path))
     critic_model = config.critic.model
     critic_model.path = (

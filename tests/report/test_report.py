@@ -10,6 +10,7 @@ from hybridflow.report.plots import FIGURES
 
 ALL_FIGURES = {
     "reward",
+    "agent",
     "validation",
     "response_length",
     "kl",

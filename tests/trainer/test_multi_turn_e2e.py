@@ -3,6 +3,9 @@ file, inserted tokens masked out of the loss, and a reward on the last turn that
 
 import json
 
+import pytest
+
+from hybridflow.models import resolve_model_path
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main import run
 
@@ -40,7 +43,21 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(arithmetic_files, tmp_path):
+# vLLM's CPU attention takes head sizes from 32 up; the default tiny-llama has 16
+TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
+BACKENDS = {
+    "native": [],
+    "vllm": [
+        f"actor_rollout_ref.model.path={TINY_HEAD_32}",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
+        "actor_rollout_ref.rollout.vllm.block_size=32",
+    ],
+}
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(arithmetic_files, tmp_path, backend):
     (tmp_path / "loop.py").write_text(LOOP)
     (tmp_path / "reward.py").write_text(REWARD)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
@@ -62,6 +79,7 @@ def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(arithmetic_
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={run_dir}",
             f"custom_reward_function.path={tmp_path / 'reward.py'}",
+            *BACKENDS[backend],
         ]
     )
     run(config)

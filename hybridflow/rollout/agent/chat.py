@@ -52,8 +52,12 @@ class ChatFormat:
         return full[len(self.prefix) :]
 
     def truncate(self, text: str, max_tokens: int) -> str:
-        """``text`` cut to ``max_tokens`` tokens (marked as cut), or as is."""
+        """``text`` as is, or its first and last tokens, ``max_tokens`` in all, with the cut marked between them:
+        a tool's output often ends with what matters most (a result, an error's last line)."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         if len(ids) <= max_tokens:
             return text
-        return self.tokenizer.decode(ids[:max_tokens]) + "...(truncated)"
+        head = max_tokens // 2
+        tail = max_tokens - head
+        cut = len(ids) - max_tokens
+        return f"{self.tokenizer.decode(ids[:head])}...({cut} tokens cut)...{self.tokenizer.decode(ids[-tail:])}"

@@ -15,6 +15,7 @@ class VllmEngineConfig:
     max_model_len: int  # longest prompt + response in tokens (0: the model's max_position_embeddings)
     enforce_eager: bool  # run eagerly: no torch.compile or CUDA graphs (starts in seconds, not minutes)
     enable_prefix_caching: bool  # reuse the KV of shared prompt prefixes (a prompt's n samples prefill once)
+    block_size: int  # KV-cache block in tokens (0: vLLM's default, 128 on CPU); prefix caching reuses whole blocks
 
     def __post_init__(self) -> None:
         require_positive(self.kv_cache_gb, "kv_cache_gb")
@@ -22,4 +23,10 @@ class VllmEngineConfig:
         require_positive(self.max_num_batched_tokens, "max_num_batched_tokens")
         require(
             self.max_model_len >= 0, "max_model_len", f"must be >= 0 (0: the model's own), got {self.max_model_len}"
+        )
+        require(
+            self.block_size >= 0 and self.block_size % 16 == 0,
+            "block_size",
+            f"must be 0 (vLLM's default) or a multiple of 16, got {self.block_size}",
+            "on CPU vLLM prefers multiples of 32",
         )

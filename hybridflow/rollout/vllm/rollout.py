@@ -32,6 +32,7 @@ from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, sto
 from hybridflow.rollout.vllm.config import VllmEngineConfig
 from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem
 from hybridflow.rollout.vllm.kv_cache import CacheMemory
+from hybridflow.rollout.vllm.requests import VllmRequestEngine
 
 # Set before vLLM starts: the engine core in this process, and its log at warnings (the engine logs
 # a page per start otherwise). A value already in the environment wins.
@@ -99,6 +100,7 @@ class VllmRollout(Rollout):
         model.config.save_pretrained(self._config_dir.name)
         self.llm = _start_engine(self._config_dir.name, dtype, engine_config)
         self.cache = CacheMemory(self.llm)
+        self._requests: VllmRequestEngine | None = None
         self.load_weights((name, param.detach()) for name, param in model.named_parameters())
 
     @torch.no_grad()
@@ -117,7 +119,7 @@ class VllmRollout(Rollout):
         requests = [
             TokensPrompt(prompt_token_ids=row[mask.bool()].tolist()) for row, mask in zip(prompt_ids, prompt_mask)
         ]
-        sampling = [self._sampling_params(params, i) for i in range(len(requests))]
+        sampling = [self.sampling_params(params, i, params.max_new_tokens) for i in range(len(requests))]
         self.cache.restore()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         batch, width = len(requests), params.max_new_tokens
@@ -144,21 +146,31 @@ class VllmRollout(Rollout):
         )
         return DataProto.from_dict(batch_tensors, meta_info=dict(prompts.meta_info))
 
-    def _sampling_params(self, params: SamplingParams, request: int):
+    def sampling_params(self, params: SamplingParams, request: int, max_tokens: int, final_only: bool = False):
+        """vLLM's sampling settings for request ``request`` of a call (its seed derives from the index);
+        final_only: the engine reports the request only when it finishes (the request API's stepping)."""
         from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         sample = params.do_sample
         return VllmSamplingParams(
             temperature=params.temperature if sample else 0.0,  # vLLM: 0 is greedy
             top_p=params.top_p if sample else 1.0,
             top_k=params.top_k if sample else -1,
-            max_tokens=params.max_new_tokens,
+            max_tokens=max_tokens,
             seed=request_seed(params.seed, request),
             logprobs=0,  # the chosen token's log-prob only
             stop_token_ids=self.stop_token_ids,
             ignore_eos=True,  # only stop_token_ids end a response ([]: none)
             detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
         )
+
+    def request_engine(self) -> VllmRequestEngine:
+        """The same engine behind the request API of multi-turn rollout (requests.py)."""
+        if self._requests is None:
+            self._requests = VllmRequestEngine(self)
+        return self._requests
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -243,6 +255,7 @@ def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig)
             max_model_len=config.max_model_len or None,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size or None,
             enable_sleep_mode=CacheMemory.sleep_mode_available(),
             seed=0,  # sampling draws from each request's own seed
         )

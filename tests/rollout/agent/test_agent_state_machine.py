@@ -204,7 +204,7 @@ def test_tool_output_is_cut_to_the_token_limit(tokenizer):
     )
     assert _response(batch)[-3:] != []  # finished
     inserted = [t for t, m in zip(_response(batch), batch.batch[RESPONSE_MASK][0].tolist()) if m == 0]
-    assert "7" * 10 + "...(truncated)" in tokenizer.decode(inserted) and "7" * 11 not in tokenizer.decode(inserted)
+    assert "\n" + "7" * 5 + "...(30 tokens cut)..." + "7" * 5 + "<|im_end|>" in tokenizer.decode(inserted)
 
 
 def test_tools_get_their_kwargs_rewards_reach_the_batch_and_instances_are_released(tokenizer):

@@ -1,0 +1,86 @@
+"""Escapes a model might write for the Python tool, run through the agent loop: each comes back to the model as a
+tool error, every conversation goes on to its answer, and nothing on the host is touched."""
+
+import json
+import socket
+import threading
+import time
+
+import pytest
+from agent_helpers import EOS, scripted_rollout
+from rollout_helpers import greedy, prompts_of
+
+from hybridflow.batch_keys import AGENT_FAILURE, ATTENTION_MASK, RESPONSE_MASK, RESPONSES, STOP_REASON, TOOL_ERRORS
+from hybridflow.models import load_tokenizer
+from hybridflow.tools.python_tool import PythonTool
+
+
+def python_call(code: str) -> str:
+    return "<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}}) + "</tool_call>" + EOS
+
+
+@pytest.fixture
+def host_server():
+    """A TCP server on the host's loopback that counts connections."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.2)
+    accepted, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], accepted
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_escapes_are_tool_errors_and_the_conversations_finish(tmp_path, host_server):
+    port, accepted = host_server
+    victim = tmp_path / "host_file.txt"
+    victim.write_text("untouched")
+    escapes = {
+        "read /etc/passwd": "print(open('/etc/passwd').read())",
+        "write outside": f"open({str(victim)!r}, 'w').write('owned')",
+        "open a socket": f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)",
+        "fork bomb": "import os\nwhile True:\n    os.fork()",
+        "allocate 10 GB": "x = bytearray(10 * 2**30)",
+        "loop forever": "while True:\n    pass",
+        "print 100 MB": "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 2**20)",
+    }
+    tokenizer = load_tokenizer("tiny-llama")
+    scripts = {r: [python_call(code), "I could not." + EOS] for r, code in enumerate(escapes.values())}
+    tool = PythonTool(timeout_s=3, cpu_time_s=2, memory_mb=256, max_processes=16, max_output_bytes=4096)
+    rollout = scripted_rollout(tokenizer, scripts, tools=[tool], max_tool_response_length=200, tool_timeout_s=30)
+    prompts = prompts_of(tokenizer, [f"escape {r}" for r in scripts])
+    start = time.perf_counter()
+    batch = rollout.generate_sequences(prompts, greedy(1500))
+    assert time.perf_counter() - start < 25  # the escapes ran at once, each stopped by its limit
+    for row, name in enumerate(escapes):
+        mask = batch.batch[RESPONSE_MASK][row]
+        n = int(batch.batch[ATTENTION_MASK][row, -1500:].sum())
+        tokens = batch.batch[RESPONSES][row, :n]
+        tool_message = tokenizer.decode(tokens[mask[:n] == 0])
+        assert batch.batch[TOOL_ERRORS][row] == 1, (name, tool_message)
+        assert batch.non_tensor_batch[STOP_REASON][row] == "no_tool_call", name  # the model got its turn back
+        assert batch.non_tensor_batch[AGENT_FAILURE][row] == "", name
+        assert tokenizer.decode(tokens[mask[:n] == 1]).endswith("I could not." + EOS), name
+        expected = {
+            "read /etc/passwd": "FileNotFoundError",
+            "write outside": "Error",
+            "open a socket": "Error",
+            "fork bomb": "process",
+            "allocate 10 GB": "memory limit",
+            "loop forever": "limit",
+            "print 100 MB": "output exceeded",
+        }[name]
+        assert expected in tool_message, (name, tool_message)
+    assert victim.read_text() == "untouched" and not accepted
