@@ -19,8 +19,10 @@ which other requests shared a decode step, or when their tools returned.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 from hybridflow.rollout.base import SamplingParams
@@ -74,3 +76,87 @@ class RequestEngine(ABC):
     @abstractmethod
     def stats(self) -> RequestStats:
         """Counters of the current (or last) serving session."""
+
+
+class SteppedRequestEngine(RequestEngine):
+    """A request engine over a synchronous one: a server task runs one engine step at a time while any turn is
+    in progress, and yields to the event loop between steps (so tools run and new turns arrive while the others
+    decode). Subclasses say how to open a session, whether there is work, how to step, and which futures wait."""
+
+    def __init__(self) -> None:
+        self._stats = RequestStats()
+        self._serving = False
+
+    @property
+    def stats(self) -> RequestStats:
+        return self._stats
+
+    @asynccontextmanager
+    async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int) -> AsyncIterator[None]:
+        if self._serving:
+            raise RuntimeError("the engine is already serving")
+        self.params, self.max_len = params, max_len
+        self._open(max_requests)
+        self._stats, self._serving, self._closing = RequestStats(), True, False
+        self._wake = asyncio.Event()
+        server = asyncio.create_task(self._serve())
+        try:
+            yield
+        finally:
+            self._closing = True
+            self._wake.set()
+            try:
+                await server
+            finally:
+                self._serving = False
+
+    def require_serving(self) -> None:
+        if not self._serving:
+            raise RuntimeError("generate needs an `async with engine.serving(...)` block")
+
+    def check_turn(self, request: int, context_tokens: int, max_new_tokens: int) -> None:
+        """A turn can start: it generates something, and it fits in ``max_len``."""
+        if max_new_tokens < 1 or not context_tokens:
+            raise ValueError(f"request {request}: a turn needs new tokens and max_new_tokens >= 1")
+        if context_tokens + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"request {request}: {context_tokens} context tokens + {max_new_tokens} new exceed the "
+                f"{self.max_len} positions the session was started with"
+            )
+
+    def wake(self) -> None:
+        """Work may have arrived (a new turn, a freed slot): the server looks again."""
+        self._wake.set()
+
+    async def _serve(self) -> None:
+        try:
+            while True:
+                if self._has_work():
+                    self._step()
+                    await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
+                elif self._closing:
+                    return
+                else:
+                    self._wake.clear()
+                    await self._wake.wait()
+        except BaseException as error:  # noqa: BLE001  (every waiting turn must hear of it, not hang)
+            for future in self._unanswered():
+                if not future.done():
+                    future.set_exception(RuntimeError(f"the generation engine failed: {error!r}"))
+            raise
+
+    @abstractmethod
+    def _open(self, max_requests: int) -> None:
+        """Prepare a session for up to ``max_requests`` requests (``self.params``, ``self.max_len`` are set)."""
+
+    @abstractmethod
+    def _has_work(self) -> bool:
+        """Whether a step would make progress now."""
+
+    @abstractmethod
+    def _step(self) -> None:
+        """One engine step; turns that end resolve their futures."""
+
+    @abstractmethod
+    def _unanswered(self) -> list[asyncio.Future]:
+        """The futures of the turns in progress (they fail if the engine does)."""

@@ -86,7 +86,12 @@ def main(argv: list[str] | None = None) -> None:
     for level, accs in sorted(by_level.items()):
         print(f"  {level}: {sum(accs) / len(accs):.2f} ({len(accs)} prompts)")
     accs = [float(a) for a in result.extra["acc"]]
-    calls = f", tool-call rate {(batch.batch[TOOL_CALLS] > 0).float().mean():.2f}" if multi_turn else ""
+    calls = ""
+    if multi_turn:
+        called = (batch.batch[TOOL_CALLS] > 0).tolist()
+        unaided = [acc for acc, call in zip(accs, called) if not call]
+        rate = sum(called) / len(called)
+        calls = f", tool-call rate {rate:.2f}, {sum(unaided):.0f} of {len(unaided)} right without a call"
     print(
         f"{args.task} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
         f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}{calls}); "

@@ -62,7 +62,7 @@ class Trajectory:
     failure: str | None = None  # why it FAILED
     assistant_turns: int = 0  # generation turns
     user_turns: int = 0  # turns of inserted tool output
-    tool_calls: int = 0  # calls parsed from the model's output (malformed ones included)
+    tool_calls: int = 0  # calls the loop answered (malformed ones included; not those of a turn that hit a limit)
     tool_errors: int = 0  # calls answered with an error (malformed, unknown tool, raised, timed out)
     turn_ends: list[int] = field(default_factory=list)  # per assistant turn: index in tokens of its last token
     turn_scores: list[float] = field(default_factory=list)  # per assistant turn: its tool calls' rewards, summed

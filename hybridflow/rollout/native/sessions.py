@@ -22,17 +22,14 @@ Each engine step (run between the event loop's other work, so tools progress whi
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import model
 from hybridflow.rollout.native.engine import Engine
 from hybridflow.rollout.native.sampler import sample
-from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
+from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
 
 
 @dataclass(eq=False)
@@ -53,7 +50,7 @@ class _Request:
         return self.future is not None and not self.pending
 
 
-class NativeRequestEngine(RequestEngine):
+class NativeRequestEngine(SteppedRequestEngine):
     """Serves multi-turn requests on the native engine's weights and KV cache.
 
     reuse_cache=False re-prefills each request's whole context at every turn instead of appending
@@ -61,64 +58,37 @@ class NativeRequestEngine(RequestEngine):
     """
 
     def __init__(self, engine: Engine, stop_token_ids: list[int], *, reuse_cache: bool = True):
+        super().__init__()
         self.engine = engine
         self.stop_ids = set(stop_token_ids)
         self.reuse_cache = reuse_cache
-        self._stats = RequestStats()
-        self._serving = False
-
-    @property
-    def stats(self) -> RequestStats:
-        return self._stats
 
     # ---- the request API ----------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int) -> AsyncIterator[None]:
-        if self._serving:
-            raise RuntimeError("the engine is already serving")
-        self.params, self.max_len = params, max_len
+    def _open(self, max_requests: int) -> None:
         self.capacity = max(1, min(max_requests, self.engine.max_num_seqs))
-        self.engine.prepare(self.capacity + 2, max_len)  # +1 spare for moves, +1 scratch
+        self.engine.prepare(self.capacity + 2, self.max_len)  # +1 spare for moves, +1 scratch
         self.scratch = self.capacity + 1
         self.owner: list[_Request | None] = [None] * (self.capacity + 1)  # slot -> request holding it
         self.active: list[_Request] = []  # the requests in slots 0..B-1, in slot order
         self.waiting: list[_Request] = []  # turns whose tokens wait to be admitted
         self.requests: dict[int, _Request] = {}
-        self._stats, self._serving, self._closing = RequestStats(), True, False
-        self._wake = asyncio.Event()
-        server = asyncio.create_task(self._serve())
-        try:
-            yield
-        finally:
-            self._closing = True
-            self._wake.set()
-            try:
-                await server
-            finally:
-                self._serving = False
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
-        if not self._serving:
-            raise RuntimeError("generate needs an `async with engine.serving(...)` block")
+        self.require_serving()
         req = self.requests.setdefault(request, _Request(request))
         if req.future is not None:
             raise RuntimeError(f"request {request} is already generating a turn")
-        if max_new_tokens < 1 or not (new_tokens or req.pending):
-            raise ValueError(f"request {request}: a turn needs new tokens and max_new_tokens >= 1")
-        req.pending = req.pending + list(new_tokens)  # after the uncached last token of its previous turn
+        pending = req.pending + list(new_tokens)  # after the uncached last token of its previous turn
+        self.check_turn(request, req.length + len(pending), max_new_tokens)
+        req.pending = pending
         if not self.reuse_cache:
             req.history += req.pending
             req.pending, req.length = list(req.history), 0
-        if req.length + len(req.pending) + max_new_tokens > self.max_len:
-            raise ValueError(
-                f"request {request}: {req.length + len(req.pending)} context tokens + {max_new_tokens} new "
-                f"exceed the {self.max_len} positions the session was started with"
-            )
         req.budget, req.tokens, req.log_probs = max_new_tokens, [], []
         req.future = future = asyncio.get_running_loop().create_future()
         self.waiting.append(req)
-        self._wake.set()
+        self.wake()
         try:
             return await future
         except asyncio.CancelledError:  # e.g. the agent loop timed out: stop decoding it, keep its slot
@@ -137,26 +107,15 @@ class NativeRequestEngine(RequestEngine):
         if req.slot is not None and req not in self.active:
             self.owner[req.slot] = None
             req.slot = None
-            self._wake.set()  # a request waiting for a slot may start now
+            self.wake()  # a request waiting for a slot may start now
 
     # ---- the server ---------------------------------------------------------------------------
 
-    async def _serve(self) -> None:
-        try:
-            while True:
-                if self.active or self._admissible():
-                    self._step()
-                    await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
-                elif self._closing:
-                    return
-                else:
-                    self._wake.clear()
-                    await self._wake.wait()
-        except BaseException as error:  # noqa: BLE001  (every waiting turn must hear of it, not hang)
-            for req in self.active + self.waiting:
-                if req.future is not None and not req.future.done():
-                    req.future.set_exception(RuntimeError(f"the generation engine failed: {error!r}"))
-            raise
+    def _has_work(self) -> bool:
+        return bool(self.active) or self._admissible()
+
+    def _unanswered(self) -> list[asyncio.Future]:
+        return [req.future for req in self.active + self.waiting if req.future is not None]
 
     def _admissible(self) -> bool:
         holders = sum(owner is not None for owner in self.owner)

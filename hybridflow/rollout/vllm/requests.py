@@ -14,64 +14,33 @@ trainer's in-place weight reload does not reach.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
+from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
 
 if TYPE_CHECKING:
     from hybridflow.rollout.vllm.rollout import VllmRollout
 
 
-class VllmRequestEngine(RequestEngine):
+class VllmRequestEngine(SteppedRequestEngine):
     def __init__(self, rollout: VllmRollout):
+        super().__init__()
         self.rollout = rollout
         self.engine = rollout.llm.llm_engine
-        self._stats = RequestStats()
-        self._serving = False
 
-    @property
-    def stats(self) -> RequestStats:
-        return self._stats
-
-    @asynccontextmanager
-    async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int) -> AsyncIterator[None]:
-        if self._serving:
-            raise RuntimeError("the engine is already serving")
-        self.params, self.max_len = params, max_len
+    def _open(self, max_requests: int) -> None:
         self.contexts: dict[int, list[int]] = {}  # request -> its conversation so far (token ids)
         self.turns: dict[int, int] = {}  # request -> turns started (names vLLM's request ids and seeds)
         self.pending: dict[str, tuple[int, asyncio.Future]] = {}  # vLLM request id -> (request, its future)
-        self._stats, self._serving, self._closing = RequestStats(), True, False
-        self._wake = asyncio.Event()
         self.rollout.cache.restore()
-        server = asyncio.create_task(self._serve())
-        try:
-            yield
-        finally:
-            self._closing = True
-            self._wake.set()
-            try:
-                await server
-            finally:
-                self._serving = False
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         from vllm.inputs import TokensPrompt
 
-        if not self._serving:
-            raise RuntimeError("generate needs an `async with engine.serving(...)` block")
+        self.require_serving()
         context = self.contexts.setdefault(request, [])
+        self.check_turn(request, len(context) + len(new_tokens), max_new_tokens)
         context += new_tokens
-        if max_new_tokens < 1 or not context:
-            raise ValueError(f"request {request}: a turn needs new tokens and max_new_tokens >= 1")
-        if len(context) + max_new_tokens > self.max_len:
-            raise ValueError(
-                f"request {request}: {len(context)} context tokens + {max_new_tokens} new exceed the "
-                f"{self.max_len} positions the session was started with"
-            )
         turn = self.turns.get(request, 0)
         self.turns[request] = turn + 1
         vllm_id = f"{request}/{turn}"
@@ -80,7 +49,7 @@ class VllmRequestEngine(RequestEngine):
         self.engine.add_request(vllm_id, TokensPrompt(prompt_token_ids=list(context)), sampling)
         future = asyncio.get_running_loop().create_future()
         self.pending[vllm_id] = (request, future)
-        self._wake.set()
+        self.wake()
         try:
             return await future
         except asyncio.CancelledError:
@@ -93,22 +62,11 @@ class VllmRequestEngine(RequestEngine):
         self.contexts.pop(request, None)
         self.turns.pop(request, None)
 
-    async def _serve(self) -> None:
-        try:
-            while True:
-                if self.pending:
-                    self._step()
-                    await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
-                elif self._closing:
-                    return
-                else:
-                    self._wake.clear()
-                    await self._wake.wait()
-        except BaseException as error:  # noqa: BLE001  (every waiting turn must hear of it, not hang)
-            for _, future in self.pending.values():
-                if not future.done():
-                    future.set_exception(RuntimeError(f"the vLLM engine failed: {error!r}"))
-            raise
+    def _has_work(self) -> bool:
+        return bool(self.pending)
+
+    def _unanswered(self) -> list[asyncio.Future]:
+        return [future for _, future in self.pending.values()]
 
     def _step(self) -> None:
         for output in self.engine.step():
