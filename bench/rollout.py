@@ -13,7 +13,8 @@ get the same chat-templated arithmetic questions, the same sampling (temperature
 top-k/top-p) and ignore EOS (`stop_token_ids=[]` for the engines, `min_new_tokens` for
 `generate`), so they do equal work. `generate` is called as `HFRollout` calls it (with per-step
 logits for the log-probs). vLLM runs in this process as the trainer runs it (`VllmRollout`,
-the default `rollout.vllm` settings, eager). Every backend runs in `--dtype` (default `auto`:
+the default `rollout.vllm` settings, eager; its prefix cache emptied before each timed call, as a weight
+load empties it in training). Every backend runs in `--dtype` (default `auto`:
 bf16 on a CPU with bf16 matmul units, fp32 elsewhere). The backends take turns within each repeat,
 so load from other processes spreads over all of them; the best repeat of each is reported.
 The native engine's achieved FLOP/s is set against the machine's matmul peak in that dtype,
@@ -167,6 +168,14 @@ class GenerateBaseline:
         return out
 
 
+def forget_prompts(backend) -> None:
+    """Empty vLLM's prefix cache, which would otherwise serve a repeat's prompts from the last repeat (in
+    training every call follows a weight load, which empties it too); the other backends keep nothing."""
+    llm = getattr(backend, "llm", None)
+    if llm is not None:
+        llm.reset_prefix_cache()
+
+
 def busy_processes(cores: int) -> list[subprocess.Popen]:
     """``cores`` processes that each keep a core busy (a pure Python loop), to see each backend under
     contention. Plain processes, so that killing them leaves nothing behind."""
@@ -217,6 +226,7 @@ def main() -> None:
             for _ in range(args.repeats):
                 for name, backend in backends.items():
                     _wait_for_idle()
+                    forget_prompts(backend)
                     run = functools.partial(backend.generate_sequences, prompts, params)
                     best[name] = min(best.get(name, (float("inf"), 0.0)), timed(run))
             mean_prompt = prompts.batch["attention_mask"].sum(1).float().mean().item()
