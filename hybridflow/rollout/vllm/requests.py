@@ -14,25 +14,27 @@ trainer's in-place weight reload does not reach.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
-
-if TYPE_CHECKING:
-    from hybridflow.rollout.vllm.rollout import VllmRollout
+from hybridflow.rollout.vllm.kv_cache import CacheMemory
+from hybridflow.rollout.vllm.sampling import vllm_sampling
 
 
 class VllmRequestEngine(SteppedRequestEngine):
-    def __init__(self, rollout: VllmRollout):
+    """engine: the `VllmRollout`'s LLMEngine; cache: its KV-cache memory (restored when a session opens);
+    stop_token_ids: the tokens that end a turn."""
+
+    def __init__(self, engine, cache: CacheMemory, stop_token_ids: list[int]):
         super().__init__()
-        self.rollout = rollout
-        self.engine = rollout.llm.llm_engine
+        self.engine = engine
+        self.cache = cache
+        self.stop_token_ids = list(stop_token_ids)
 
     def _open(self, max_requests: int) -> None:
         self.contexts: dict[int, list[int]] = {}  # request -> its conversation so far (token ids)
         self.turns: dict[int, int] = {}  # request -> turns started (names vLLM's request ids and seeds)
         self.pending: dict[str, tuple[int, asyncio.Future]] = {}  # vLLM request id -> (request, its future)
-        self.rollout.cache.restore()
+        self.cache.restore()
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         from vllm.inputs import TokensPrompt
@@ -45,7 +47,7 @@ class VllmRequestEngine(SteppedRequestEngine):
         self.turns[request] = turn + 1
         vllm_id = f"{request}/{turn}"
         # turn t of request r samples as request r * 1024 + t of a one-turn call: distinct streams, reproducible
-        sampling = self.rollout.sampling_params(self.params, request * 1024 + turn, max_new_tokens, final_only=True)
+        sampling = vllm_sampling(self.params, request * 1024 + turn, max_new_tokens, self.stop_token_ids, True)
         self.engine.add_request(vllm_id, TokensPrompt(prompt_token_ids=list(context)), sampling)
         future = asyncio.get_running_loop().create_future()
         self.pending[vllm_id] = (request, future)
@@ -82,6 +84,6 @@ class VllmRequestEngine(SteppedRequestEngine):
             self._stats.prefill_tokens += prompt_length - (output.num_cached_tokens or 0)
             self._stats.decode_tokens += len(tokens)
             self._stats.turns += 1
-            stopped = bool(tokens) and tokens[-1] in self.rollout.stop_token_ids
+            stopped = bool(tokens) and tokens[-1] in self.stop_token_ids
             if not future.done():
                 future.set_result(TurnOutput(tokens, log_probs, stopped))

@@ -33,18 +33,13 @@ from hybridflow.rollout.vllm.config import VllmEngineConfig
 from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem
 from hybridflow.rollout.vllm.kv_cache import CacheMemory
 from hybridflow.rollout.vllm.requests import VllmRequestEngine
+from hybridflow.rollout.vllm.sampling import vllm_sampling
 
 # Set before vLLM starts: the engine core in this process, and its log at warnings (the engine logs
 # a page per start otherwise). A value already in the environment wins.
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # HF buffers vLLM has no place for
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-_SEED_STRIDE = 1_000_003  # request i of a call with seed s samples with seed s * stride + i
-
-
-def request_seed(seed: int, request: int) -> int:
-    """The seed of one request's random stream: distinct per (call seed, request index), below 2^63."""
-    return (seed * _SEED_STRIDE + request) % (1 << 63)
 
 
 @contextlib.contextmanager
@@ -119,7 +114,7 @@ class VllmRollout(Rollout):
         requests = [
             TokensPrompt(prompt_token_ids=row[mask.bool()].tolist()) for row, mask in zip(prompt_ids, prompt_mask)
         ]
-        sampling = [self.sampling_params(params, i, params.max_new_tokens) for i in range(len(requests))]
+        sampling = [vllm_sampling(params, i, params.max_new_tokens, self.stop_token_ids) for i in range(len(requests))]
         self.cache.restore()
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
         batch, width = len(requests), params.max_new_tokens
@@ -146,30 +141,10 @@ class VllmRollout(Rollout):
         )
         return DataProto.from_dict(batch_tensors, meta_info=dict(prompts.meta_info))
 
-    def sampling_params(self, params: SamplingParams, request: int, max_tokens: int, final_only: bool = False):
-        """vLLM's sampling settings for request ``request`` of a call (its seed derives from the index);
-        final_only: the engine reports the request only when it finishes (the request API's stepping)."""
-        from vllm import SamplingParams as VllmSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        sample = params.do_sample
-        return VllmSamplingParams(
-            temperature=params.temperature if sample else 0.0,  # vLLM: 0 is greedy
-            top_p=params.top_p if sample else 1.0,
-            top_k=params.top_k if sample else -1,
-            max_tokens=max_tokens,
-            seed=request_seed(params.seed, request),
-            logprobs=0,  # the chosen token's log-prob only
-            stop_token_ids=self.stop_token_ids,
-            ignore_eos=True,  # only stop_token_ids end a response ([]: none)
-            detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE,
-        )
-
     def request_engine(self) -> VllmRequestEngine:
         """The same engine behind the request API of multi-turn rollout (requests.py)."""
-        if self._requests is None:
-            self._requests = VllmRequestEngine(self)
+        if self._requests is None:  # it refers to the engine, not back to this object: no cycle delays freeing
+            self._requests = VllmRequestEngine(self.llm.llm_engine, self.cache, self.stop_token_ids)
         return self._requests
 
     @torch.no_grad()

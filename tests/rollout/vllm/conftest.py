@@ -1,5 +1,8 @@
 """Tiny fp32 models that vLLM's CPU attention can run (head size 32), and one engine per model for a module."""
 
+import dataclasses
+import gc
+
 import pytest
 import torch
 
@@ -22,9 +25,15 @@ def tiny(request):
     path = tiny_head32_path(request.param)
     model = load_causal_lm(path, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(path)
-    rollout = VllmRollout(model, tokenizer, engine_config=default_config().actor_rollout_ref.rollout.vllm)
+    # 32-token cache blocks: a multi-turn request's next turn reuses whole blocks, and these conversations are short
+    config = dataclasses.replace(default_config().actor_rollout_ref.rollout.vllm, block_size=32)
+    rollout = VllmRollout(model, tokenizer, engine_config=config)
     yield model, tokenizer, rollout
     rollout.release_cache()
+    # vLLM's process-wide state (its process groups) goes with its engine: free this one now, before the next
+    # module starts its own, not whenever the garbage collector gets to it
+    del rollout
+    gc.collect()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -3,14 +3,12 @@ transformers', and a later turn reuses vLLM's cache of the earlier ones."""
 
 import dataclasses
 
-import pytest
 import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.batch_keys import ATTENTION_MASK, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.rollout.vllm.rollout import VllmRollout
 from hybridflow.tools import ToolSet
 from hybridflow.trainer.config import default_config
 
@@ -40,19 +38,8 @@ def _agent(backend, tokenizer):
     return AgentRollout(backend, tokenizer, config, ToolSet())
 
 
-@pytest.fixture(scope="module")
-def small_blocks(tiny):
-    """A vLLM engine with 32-token cache blocks (CPU's default is 128, longer than these conversations)."""
-    model, tokenizer, _ = tiny
-    config = dataclasses.replace(default_config().actor_rollout_ref.rollout.vllm, block_size=32)
-    rollout = VllmRollout(model, tokenizer, engine_config=config)
-    yield rollout
-    rollout.release_cache()
-
-
-def test_multi_turn_on_vllm_equals_the_native_engine_and_a_forward_pass(tiny, small_blocks):
-    model, tokenizer, _ = tiny
-    rollout = small_blocks
+def test_multi_turn_on_vllm_equals_the_native_engine_and_a_forward_pass(tiny):
+    model, tokenizer, rollout = tiny  # an engine with 32-token cache blocks (conftest.py)
     prompts = prompts_of(tokenizer, QUESTIONS)
     on_vllm = _agent(rollout, tokenizer)
     got = on_vllm.generate_sequences(prompts, greedy(64)).batch
