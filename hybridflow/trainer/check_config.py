@@ -149,6 +149,15 @@ def _check_rollout_backend(cfg: HybridFlowConfig) -> None:
     head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     problem = unsupported_head_size(head_size, cfg.trainer.device)
     _check(problem is None, key, f"vllm cannot run {arr.model.path}: {problem}", "use rollout.name=native for it")
+    engine = arr.rollout.vllm
+    longest = engine.max_model_len or model_config.max_position_embeddings
+    _check(
+        cfg.trainer.device != "cpu" or engine.max_num_batched_tokens >= longest,
+        "actor_rollout_ref.rollout.vllm.max_num_batched_tokens",
+        f"{engine.max_num_batched_tokens} is below the longest sequence ({longest} tokens): on CPU vLLM computes a "
+        "prompt in one step (its chunked prefill is off there: vLLM 0.32 crashes when it splits a seeded request)",
+        f"raise it to {longest}, or lower rollout.vllm.max_model_len",
+    )
 
 
 def _check_multi_turn(cfg: HybridFlowConfig) -> None:

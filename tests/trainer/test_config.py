@@ -9,6 +9,7 @@ import ray
 import yaml
 from omegaconf import OmegaConf
 
+from hybridflow.models import resolve_model_path
 from hybridflow.trainer.check_config import check_config
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, default_config, load_config
 from hybridflow.trainer.main import run
@@ -237,6 +238,17 @@ def test_each_bad_config_fails_clearly_without_starting_ray(arithmetic_files, ex
     with pytest.raises(ConfigError, match=message) as caught:
         run(load_config(valid(arithmetic_files, *extra)))
     assert caught.value.key == key
+    assert not ray.is_initialized()
+
+
+def test_vllm_on_cpu_needs_a_step_budget_of_a_whole_sequence(arithmetic_files):
+    head_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
+    vllm = ["actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={head_32}"]
+    extra = [*vllm, "actor_rollout_ref.rollout.vllm.max_num_batched_tokens=512"]
+    with pytest.raises(ConfigError, match="below the longest sequence") as caught:
+        run(load_config(valid(arithmetic_files, *extra)))
+    assert caught.value.key == "actor_rollout_ref.rollout.vllm.max_num_batched_tokens"
+    check_config(load_config(valid(arithmetic_files, *extra, "actor_rollout_ref.rollout.vllm.max_model_len=512")))
     assert not ray.is_initialized()
 
 

@@ -207,6 +207,12 @@ class _PrefixFilter(logging.Filter):
         return not record.getMessage().startswith(self.benign_prefixes)
 
 
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig):
     """vLLM's offline engine for the model described in ``config_dir``, in this process, with placeholder weights."""
     for key, value in ENGINE_ENV.items():
@@ -230,6 +236,9 @@ def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig)
             max_model_len=config.max_model_len or None,
             enforce_eager=config.enforce_eager,
             enable_prefix_caching=config.enable_prefix_caching,
+            # vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a request with its own seed
+            # has its prompt split over two steps: a prompt waits for the next step instead
+            enable_chunked_prefill=not _on_cpu(),
             block_size=config.block_size or None,
             enable_sleep_mode=CacheMemory.sleep_mode_available(),
             seed=0,  # sampling draws from each request's own seed
