@@ -44,11 +44,12 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 @contextlib.contextmanager
 def _process_state_kept() -> Iterator[None]:
-    """Undo what starting vLLM does to the process it shares with the trainer.
+    """Undo what importing and starting vLLM does to the process it shares with the trainer.
 
     The engine reseeds the global random generators (Python, NumPy, torch), and its CPU worker
     lowers torch to one thread unless OMP_NUM_THREADS is set, then replaces torch.set_num_threads
-    with a no-op. The trainer's threads, random streams and that function are restored here.
+    with a no-op; the import and the start set the loader's variables (`loader_env_kept`). The
+    trainer's threads, random streams, that function and those variables are restored here.
     """
     threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     python_rng, numpy_rng = random.getstate(), np.random.get_state()
@@ -56,7 +57,7 @@ def _process_state_kept() -> Iterator[None]:
     os.environ["OMP_NUM_THREADS"] = omp_before or str(threads)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), loader_env_kept():
             yield
     finally:
         torch.set_num_threads = set_num_threads
@@ -217,12 +218,10 @@ def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig)
     """vLLM's offline engine for the model described in ``config_dir``, in this process, with placeholder weights."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    with loader_env_kept():
+    with _process_state_kept():
         from vllm import LLM
 
-    _quiet_benign_warnings()
-
-    with _process_state_kept(), loader_env_kept():
+        _quiet_benign_warnings()
         return LLM(
             model=config_dir,
             load_format="dummy",  # placeholder weights; the caller loads the real ones
