@@ -7,12 +7,10 @@ printed as one message and the command exits with code 2; ``--debug`` (anywhere 
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 from collections.abc import Callable
 
-from hybridflow.validation import UserError
+from hybridflow.validation import UserError, run_command, split_debug_flag
 
 USAGE = """usage: hybridflow <command> [--debug] [args]
 
@@ -20,6 +18,8 @@ commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
   export CHECKPOINT|RUN_DIR OUT_DIR     write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
+  measure TASK [--model M] [--n N] [--tools FILE] ...
+                                        a model's accuracy on a built-in task's test prompts, before training
   plan [--config FILE] [--cluster NAME] [--nodes N] key=value ...
                                         choose the placement and parallel layouts of a run (writes plan.yaml)
 """
@@ -31,29 +31,10 @@ complete checkpoint) as a plain Hugging Face model directory (safetensors, confi
 """
 
 
-def train_usage() -> str:
-    from hybridflow.trainer.config import DEFAULT_CONFIG, config_sections
-
-    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections())
-    return f"""usage: hybridflow train [--config FILE] [--debug] key=value ...
-
-Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
-holds only the keys it changes, and key=value overrides any key, for example
-  hybridflow train data.train_files=[data/arithmetic/train.parquet] trainer.total_training_steps=20
-
-config sections:
-{sections}
-"""
-
-
 def _train(args: list[str]) -> int:
-    if any(arg in ("-h", "--help") for arg in args):
-        print(train_usage())
-        return 0
     from hybridflow.trainer.main import main as train
 
-    train(args)
-    return 0
+    return train(args)
 
 
 def _export(args: list[str]) -> int:
@@ -74,30 +55,30 @@ def _report(args: list[str]) -> int:
     return report(args)
 
 
+def _measure(args: list[str]) -> int:
+    from hybridflow.trainer.measure import main as measure
+
+    return measure(args)
+
+
 def _plan(args: list[str]) -> int:
     from hybridflow.planner.command import main as plan
 
     return plan(args)
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"train": _train, "export": _export, "report": _report, "plan": _plan}
-
-
-def run_command(command: Callable[[], int], debug: bool) -> int:
-    """``command()``'s exit code; a UserError is one message on stderr and exit code 2."""
-    try:
-        return command()
-    except UserError as error:
-        if debug:
-            traceback.print_exc()
-        print(f"hybridflow: error: {error}", file=sys.stderr)
-        return 2
+COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "train": _train,
+    "export": _export,
+    "report": _report,
+    "plan": _plan,
+    "measure": _measure,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in args or os.environ.get("HYBRIDFLOW_DEBUG", "") not in ("", "0")
-    args = [arg for arg in args if arg != "--debug"]
+    debug, args = split_debug_flag(args)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0

@@ -8,12 +8,34 @@ they typed, e.g. ``actor_rollout_ref.actor.policy_loss.clip_ratio_c``.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import os
+import sys
+import traceback
+from collections.abc import Callable, Collection
 
 
 class UserError(Exception):
     """A problem with what the user gave (a config value, a file, a command's arguments): the command
     line prints it as one message and exits with code 2, without a traceback (unless --debug)."""
+
+
+def split_debug_flag(args: list[str]) -> tuple[bool, list[str]]:
+    """Whether a traceback was asked for (``--debug`` anywhere on the line, or ``HYBRIDFLOW_DEBUG=1``), and
+    the arguments without ``--debug``."""
+    debug = "--debug" in args or os.environ.get("HYBRIDFLOW_DEBUG", "") not in ("", "0")
+    return debug, [arg for arg in args if arg != "--debug"]
+
+
+def run_command(command: Callable[[], int], debug: bool) -> int:
+    """``command()``'s exit code; a UserError is one message on stderr and exit code 2 (``debug``: with
+    the traceback). Every command-line entry point runs through this."""
+    try:
+        return command()
+    except UserError as error:
+        if debug:
+            traceback.print_exc()
+        print(f"hybridflow: error: {error}", file=sys.stderr)
+        return 2
 
 
 class InvalidSetting(ValueError):

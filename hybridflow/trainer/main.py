@@ -19,11 +19,12 @@ from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.tools import load_tools
 from hybridflow.trainer import placement
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, load_config
+from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups, needed_roles
 from hybridflow.trainer.run_dir import prepare_run_dir
 from hybridflow.trainer.tracking import Tracking
+from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
 
 
@@ -146,8 +147,25 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
             tracking.finish()
 
 
-def main(argv: list[str] | None = None) -> None:
+def train_usage() -> str:
+    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections())
+    return f"""usage: hybridflow train [--config FILE] [--debug] key=value ...
+
+Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
+holds only the keys it changes, and key=value overrides any key, for example
+  hybridflow train data.train_files=[data/arithmetic/train.parquet] trainer.total_training_steps=20
+
+config sections:
+{sections}
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hybridflow train [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
     args = list(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in args):
+        print(train_usage())
+        return 0
     config_file = None
     if args and args[0] == "--config":
         if len(args) < 2:
@@ -156,9 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         if not Path(config_file).is_file():
             raise ConfigError("--config", f"file '{config_file}' does not exist", "give an existing YAML file")
     run(load_config(args, config_file))
+    return 0
 
 
-if __name__ == "__main__":
-    from hybridflow.cli import main as cli
-
-    sys.exit(cli(["train", *sys.argv[1:]]))
+if __name__ == "__main__":  # python -m hybridflow.trainer.main: the same command as hybridflow train
+    debug, arguments = split_debug_flag(sys.argv[1:])
+    sys.exit(run_command(lambda: main(arguments), debug))

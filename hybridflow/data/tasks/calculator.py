@@ -8,7 +8,7 @@ Three kinds of question in equal shares: a three-digit times a two-digit number 
 two four-digit numbers (add), and a product plus a number (mix: "What is 56 * 37 + 418?"). The
 prompt's system message says how to call the tool and one worked exchange (a multiplication: user
 question, tool call, tool message, answer, as chat messages) shows it. On 60 test rows
-(`python -m hybridflow.data.tasks.measure calculator --n 60 --tools examples/tools/calculator.yaml
+(`hybridflow measure calculator --n 60 --tools examples/tools/calculator.yaml
 --max-new-tokens 96 [--sample]`) SmolLM2-135M-Instruct, greedy, answers 0.25 (mul 0.60, add 0.05,
 mix 0.10) and, sampled at temperature 1, 0.03; it calls the tool for 42 % (sampled: 17 %) of the
 questions and answers none of the others right (0 of 35; sampled 0 of 50). So the tool is needed,

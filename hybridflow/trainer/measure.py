@@ -1,12 +1,13 @@
-"""Measure a model's starting accuracy on a built-in task's test split.
+"""``hybridflow measure``: a model's accuracy on a built-in task's test split, before any training.
 
-    python -m hybridflow.data.tasks.measure arithmetic --model smollm2-135m-instruct --n 100
-    python -m hybridflow.data.tasks.measure calculator --n 60 --tools examples/tools/calculator.yaml [--sample]
+    hybridflow measure arithmetic --model smollm2-135m-instruct --n 100
+    hybridflow measure calculator --n 60 --tools examples/tools/calculator.yaml [--sample]
 
 Generation is the trainer's: the native engine, and for rows that name an agent loop (multi-turn tasks)
 the agent rollout with the given tools; scoring is the trainer's reward manager. Greedy by default;
-``--sample`` samples at temperature 1 (the training setting). A calibration tool, not library code
-(it is why the task difficulty is what it is), so it reaches past the data layer.
+``--sample`` samples at temperature 1 (the training setting). It is how a task's difficulty was chosen
+(the task docstrings quote it), and it composes data, rollout, tools and reward, so it is a command of
+the top layer, not part of data/.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     import torch
 
     from hybridflow.batch_keys import AGENT_NAME, EXTRA_INFO, PROMPT_TENSORS, RESPONSE_MASK, RESPONSES, TOOL_CALLS
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from hybridflow.tools import load_tools
     from hybridflow.trainer.config import default_config
 
-    parser = argparse.ArgumentParser(prog="python -m hybridflow.data.tasks.measure", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hybridflow measure", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or local HF folder")
     parser.add_argument("--n", type=int, default=100, help="test prompts to score")
@@ -97,7 +98,4 @@ def main(argv: list[str] | None = None) -> None:
         f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}{calls}); "
         f"load {loaded - start:.1f}s, generate+score {done - loaded:.1f}s"
     )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,25 @@
+"""`hybridflow measure`: a built-in task's test prompts generated and scored by the trainer's own parts."""
+
+import re
+
+import pytest
+
+from hybridflow.cli import main
+
+
+def test_measure_scores_every_prompt_of_the_task(capsys):
+    assert main(["measure", "arithmetic", "--model", "tiny-llama", "--n", "6", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    summary = re.search(
+        r"arithmetic accuracy of tiny-llama: ([0-9.]+) on (\d+) test prompts \(greedy, 4 new tokens", out
+    )
+    assert summary, out
+    assert summary.group(2) == "6" and 0.0 <= float(summary.group(1)) <= 1.0
+    assert len(re.findall(r"^acc=", out, flags=re.M)) == 5  # --show 5 responses
+
+
+def test_measure_asks_for_the_tools_of_a_multi_turn_task(capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["measure", "calculator", "--model", "tiny-llama", "--n", "2"])
+    assert exit.value.code == 2
+    assert "give its tools with --tools FILE" in capsys.readouterr().err
