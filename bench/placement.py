@@ -30,7 +30,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from hybridflow.data.tasks import write_task
-from hybridflow.report.timeline import Span, draw_timeline
+from hybridflow.report.timeline import draw_timeline
+from hybridflow.run_files import Span
 
 PLACEMENTS = ("all_colocate", "group_colocate", "separate")
 STAGES = ("gen", "reward", "old_log_prob", "ref", "values", "rm", "adv", "update_critic", "update_actor")

@@ -10,7 +10,7 @@ from hybridflow.data.tasks import write_task
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.trainer.config import load_config
 
 

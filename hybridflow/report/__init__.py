@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hybridflow.report.data import Series, load_metrics
+from hybridflow.run_files import CONFIG_FILE, METRICS_FILE, TIMELINE_FILE
 
 __all__ = ["Series", "load_metrics", "main", "write_report"]
 
@@ -23,14 +24,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     from hybridflow.report.plots import draw_all
 
     run_dir = Path(run_dir)
-    metrics_file = run_dir / "metrics.jsonl"
+    metrics_file = run_dir / METRICS_FILE
     if not metrics_file.is_file():
         raise FileNotFoundError(f"{metrics_file} not found: is {run_dir} a run dir of a run with the jsonl logger?")
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     metrics = load_metrics(metrics_file)
     figures = [(spec.title, path) for spec, path in draw_all(metrics, out)]
     figures += _timeline_figure(run_dir, out)
-    config = run_dir / "config.yaml"
+    config = run_dir / CONFIG_FILE
     page = out / "report.html"
     page.write_text(render_page(run_dir, metrics, figures, config.read_text() if config.is_file() else None))
     return page
@@ -38,11 +39,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
 def _timeline_figure(run_dir: Path, out: Path) -> list[tuple[str, Path]]:
     """The Gantt chart of the last steps' spans per pool, when the run wrote a timeline."""
-    from hybridflow.report.timeline import TIMELINE_FILE, draw_timeline, load_timeline
+    from hybridflow.report.timeline import draw_timeline
+    from hybridflow.run_files import read_spans
 
     path = out / "timeline.png"
     source = run_dir / TIMELINE_FILE
-    if source.is_file() and draw_timeline(load_timeline(source), path):
+    if source.is_file() and draw_timeline(read_spans(source), path):
         return [("Timeline per resource pool", path)]
     path.unlink(missing_ok=True)
     return []

@@ -1,22 +1,20 @@
 """A run's step timelines (``<run_dir>/timeline.jsonl``) as a Gantt chart per resource pool.
 
-Each line of the file is one span of work (written by hybridflow/trainer/timeline.py):
-``{"step", "lane", "stage", "rank", "start", "end"}``, times in seconds since the step began, lane a
-pool's name or ``driver``. One row per (lane, rank), bars coloured by stage: which pools worked at
-the same time, and which waited, shows at a glance.
+Each line of the file is one span of work (``run_files.Span``, written by hybridflow/trainer/timeline.py),
+times in seconds since the step began, lane a pool's name or ``driver``. One row per (lane, rank), bars
+coloured by stage: which pools worked at the same time, and which waited, shows at a glance.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-TIMELINE_FILE = "timeline.jsonl"
+from hybridflow.run_files import Span
+
 # a fixed colour per known stage, so a stage looks the same in every report
 STAGE_COLOURS = {
     "gen": "#4c72b0",
@@ -32,49 +30,6 @@ STAGE_COLOURS = {
     "save_checkpoint": "#4d4d4d",
 }
 EXTRA_COLOURS = ("#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d")
-
-
-@dataclass(frozen=True)
-class Span:
-    """One stage on one worker (or the driver) in one step; times in seconds since that step began."""
-
-    step: int
-    lane: str
-    stage: str
-    rank: int
-    start: float
-    end: float
-
-
-def load_timeline(path: Path) -> list[Span]:
-    """Every span in ``path``; ValueError naming the file and line for one that is not a span.
-
-    An unfinished last line (no newline: the run was killed mid-write) is skipped, as load_metrics does,
-    so a crashed run still gets its report; a bad line anywhere else means a bad writer and raises.
-    """
-    text = Path(path).read_text()
-    lines = text.splitlines()
-    spans = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            spans.append(
-                Span(
-                    step=int(record["step"]),
-                    lane=str(record["lane"]),
-                    stage=str(record["stage"]),
-                    rank=int(record["rank"]),
-                    start=float(record["start"]),
-                    end=float(record["end"]),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as error:
-            if number == len(lines) and not text.endswith("\n"):
-                break
-            raise ValueError(f"{path}:{number}: not a timeline span ({error}): {line[:120]}") from None
-    return spans
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,37 +19,12 @@ from hybridflow.batch_keys import (
     TRUNCATED,
 )
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from hybridflow.rollout.config import SamplingConfig
     from hybridflow.rollout.requests import RequestEngine
 
-
-@dataclass(frozen=True, kw_only=True)
-class SamplingParams:
-    """What one generation call samples with (the rollout config's settings for the call's purpose)."""
-
-    do_sample: bool  # false: greedy
-    temperature: float
-    top_p: float
-    top_k: int  # -1: off
-    max_new_tokens: int
-    seed: int  # the call's seed; each request derives its own stream from it
-
-    @classmethod
-    def from_config(cls, sampling: SamplingConfig, *, max_new_tokens: int, seed: int) -> SamplingParams:
-        return cls(
-            do_sample=sampling.do_sample,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k,
-            max_new_tokens=max_new_tokens,
-            seed=seed,
-        )
-
-    @classmethod
-    def greedy(cls, *, max_new_tokens: int, seed: int) -> SamplingParams:
-        return cls(do_sample=False, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=seed)
+__all__ = ["Rollout", "SamplingParams", "assemble_batch", "response_mask_from", "stop_and_pad_ids", "truncated_rows"]
 
 
 class Rollout(ABC):
@@ -73,7 +47,7 @@ class Rollout(ABC):
     def request_engine(self) -> RequestEngine:
         """The same engine behind the asynchronous request API of multi-turn rollout (rollout/requests.py)."""
         raise NotImplementedError(
-            f"{type(self).__name__} has no request API for multi-turn rollout; use rollout.name=native or vllm"
+            f"{type(self).__name__} has no request API for multi-turn rollout; use a backend that has one"
         )
 
 

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.sampling import SamplingParams
 
 
 @dataclass

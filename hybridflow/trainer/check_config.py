@@ -1,10 +1,12 @@
 """The checks of a run that no single section can make, run before Ray starts or any model loads.
 
 Each section validates its own values when the config is built (``__post_init__`` of its
-dataclass). What is left here needs several sections at once (batch sizes against the world
-size and the group size, which roles the algorithm needs) or the world outside the config
-(files, model directories, installed packages, a visible GPU). The checkpoint to resume is verified
-once, by ``run_dir.prepare_run_dir``.
+dataclass). What is left here needs several sections at once (batch sizes against the layouts and
+the group size) or the world outside the config (files, installed packages, a visible GPU, this
+machine's cores). ``check_config`` returns the run plan (run_plan.py), which it builds on the way:
+what cannot be derived (a model that is not there, a placement or a layout that does not fit) fails
+there, and the checks after it read the plan. A rollout backend's own checks are its descriptor's
+(rollout/backend.py). The checkpoint to resume is verified once, by ``run_dir.prepare_run_dir``.
 """
 
 from __future__ import annotations
@@ -15,20 +17,17 @@ from pathlib import Path
 
 import ray
 import torch
-from transformers import AutoConfig
 
-from hybridflow.algorithms import get_adv_estimator
+from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
-from hybridflow.models import list_builtin_models, resolve_model_path
-from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.reward.custom import load_custom_reward_fn
-from hybridflow.rollout.registry import MULTI_TURN_BACKENDS
+from hybridflow.rollout.backend import BackendCheck, rollout_backend
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
-from hybridflow.trainer.placement import PlacementPlan, placement_plan
-from hybridflow.trainer.roles import needed_roles
+from hybridflow.trainer.placement import Placement
+from hybridflow.trainer.run_plan import RunPlan, model_config, plan_run
 from hybridflow.trainer.tracking import check_loggers
-from hybridflow.validation import UserError
+from hybridflow.validation import InvalidSetting, UserError
 
 
 def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
@@ -50,48 +49,16 @@ def _check_files(files: list[str], key: str, required: bool) -> None:
         _check(path.suffix in (".parquet", ".jsonl", ".json"), key, f"'{file}' is not .parquet or .jsonl")
 
 
-def _check_model_path(path: str, key: str) -> None:
-    builtins = list_builtin_models()
-    if path in builtins:
-        return
-    directory = Path(path).expanduser()
-    _check(
-        directory.is_dir() and (directory / "config.json").is_file(),
-        key,
-        f"'{path}' is neither a built-in model nor a Hugging Face model directory (with config.json)",
-        f"use one of {sorted(builtins)} or a local directory; nothing is downloaded at run time",
-    )
-
-
-def tensor_parallel_sizes(cfg: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
-    """Each role whose layers can split over ranks: (its config key, the size)."""
-    arr = cfg.actor_rollout_ref
-    return {
-        Role.ActorRollout: ("actor_rollout_ref.actor.tensor_model_parallel_size", arr.actor.tensor_model_parallel_size),
-        Role.RefPolicy: ("actor_rollout_ref.ref.tensor_model_parallel_size", arr.ref.tensor_model_parallel_size),
-        Role.Critic: ("critic.tensor_model_parallel_size", cfg.critic.tensor_model_parallel_size),
-    }
-
-
-def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
+def _check_batch_sizes(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """Mini-batches divide the train batch and split evenly over each trained role's data-parallel ranks."""
     n = cfg.actor_rollout_ref.rollout.n
     train = cfg.data.train_batch_size
     sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, Role.ActorRollout)]
-    if Role.Critic in plan.role_pool:
+    if plan.needs(Role.Critic):
         sections.append(("critic", cfg.critic, Role.Critic))
-    sizes = tensor_parallel_sizes(cfg)
-    for role, (key, tp) in sizes.items():
-        if role in plan.role_pool:
-            _check(
-                plan.world_size(role) % tp == 0,
-                key,
-                f"{tp} does not divide the {plan.world_size(role)} ranks of pool "
-                f"'{plan.role_pool[role]}' ({role.value})",
-                "choose a divisor of the pool's ranks",
-            )
     for prefix, section, role in sections:
         mini = section.ppo_mini_batch_size
-        world = plan.world_size(role) // sizes[role][1]  # data-parallel ranks
+        world = plan.layouts[role].dp
         _check(
             train % mini == 0,
             f"{prefix}.ppo_mini_batch_size",
@@ -102,69 +69,34 @@ def _check_batch_sizes(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
             (mini * n) % world == 0,
             f"{prefix}.ppo_mini_batch_size",
             f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} data-parallel "
-            f"ranks of pool '{plan.role_pool[role]}' ({role.value})",
+            f"ranks of pool '{plan.placement.role_pool[role]}' ({role.value})",
             "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
             "or its trainer.resource_pool_spec entry)",
         )
 
 
-def _check_parallel_layouts(cfg: HybridFlowConfig) -> None:
-    """The generation groups fit inside the training ones (tg divides t), and the model splits evenly."""
-    arr = cfg.actor_rollout_ref
-    t, tg = arr.actor.tensor_model_parallel_size, arr.rollout.tensor_model_parallel_size
-    _check(
-        t % tg == 0,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        f"{tg} does not divide actor.tensor_model_parallel_size={t}: every generation shard must be made of "
-        "whole training shards (the 3D-HybridEngine's regrouping)",
-        f"choose a divisor of {t}",
-    )
-    roles = needed_roles(cfg)
-    paths = {Role.ActorRollout: arr.model.path, Role.RefPolicy: arr.model.path, Role.Critic: cfg.critic.model.path}
-    checks = [(Role.ActorRollout, "actor_rollout_ref.rollout.tensor_model_parallel_size", tg)]
-    checks += [(role, key, size) for role, (key, size) in tensor_parallel_sizes(cfg).items()]
-    for role, key, size in checks:
-        if size == 1 or role not in roles:
-            continue
-        model_config = AutoConfig.from_pretrained(resolve_model_path(paths[role] or arr.model.path))
-        try:
-            check_tensor_parallel_size(model_config, size, key)
-        except ValueError as error:
-            raise ConfigError(key, str(error)) from None
-
-
-def _check_rollout_backend(cfg: HybridFlowConfig) -> None:
-    """vLLM, when chosen, imports here and runs the model on the run's device."""
-    arr = cfg.actor_rollout_ref
-    if arr.rollout.name != "vllm":
-        return
-    from hybridflow.rollout.vllm.install import INSTALL_HINT, install_problem, unsupported_head_size
-
-    key = "actor_rollout_ref.rollout.name"
-    problem = install_problem()
-    _check(
-        problem is None, key, f"vllm is chosen, but {problem}", f"install it: {INSTALL_HINT}; or rollout.name=native"
-    )
-    model_config = AutoConfig.from_pretrained(resolve_model_path(arr.model.path))
-    head_size = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    problem = unsupported_head_size(head_size, cfg.trainer.device)
-    _check(problem is None, key, f"vllm cannot run {arr.model.path}: {problem}", "use rollout.name=native for it")
-    engine = arr.rollout.vllm
-    longest = engine.max_model_len or model_config.max_position_embeddings
-    _check(
-        cfg.trainer.device != "cpu" or engine.max_num_batched_tokens >= longest,
-        "actor_rollout_ref.rollout.vllm.max_num_batched_tokens",
-        f"{engine.max_num_batched_tokens} is below the longest sequence ({longest} tokens): on CPU vLLM computes a "
-        "prompt in one step (its chunked prefill is off there: vLLM 0.32 crashes when it splits a seeded request)",
-        f"raise it to {longest}, or lower rollout.vllm.max_model_len",
-    )
-
-
-def _check_multi_turn(cfg: HybridFlowConfig) -> None:
-    """Agent loops need a backend with a request API on one rank, a known tool-call format and default loop,
-    and a tools file that loads."""
+def _check_rollout_backend(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """The chosen backend's own checks (its descriptor's), with the key of what they name."""
     rollout = cfg.actor_rollout_ref.rollout
-    multi_turn = rollout.multi_turn
+    backend = rollout_backend(rollout.name)
+    if backend.check is None:
+        return
+    run = BackendCheck(
+        settings=rollout.backend_settings(),
+        model_name=cfg.actor_rollout_ref.model.path,
+        model_config=model_config(plan.paths.actor_model),
+        device=cfg.trainer.device,
+    )
+    try:
+        backend.check(run)
+    except InvalidSetting as error:
+        raise ConfigError(f"actor_rollout_ref.rollout.{error.field}", error.problem, error.fix) from None
+
+
+def _check_multi_turn(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """Agent loops need a known tool-call format and default loop, and a tools file that loads (the backend's
+    request API and generation on one rank: the rollout config and the plan)."""
+    multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
     if not multi_turn.enable:
         return
     from hybridflow.rollout.agent.loops import agent_loop_class
@@ -173,36 +105,23 @@ def _check_multi_turn(cfg: HybridFlowConfig) -> None:
 
     key = "actor_rollout_ref.rollout.multi_turn"
     _check(
-        rollout.name in MULTI_TURN_BACKENDS,
-        "actor_rollout_ref.rollout.name",
-        f"multi-turn rollout drives an engine request by request; {rollout.name} has no such API",
-        f"use one of {list(MULTI_TURN_BACKENDS)}",
-    )
-    _check(
-        rollout.tensor_model_parallel_size == 1,
-        "actor_rollout_ref.rollout.tensor_model_parallel_size",
-        "multi-turn rollout generates on one rank (the ranks of a group would wait on different tools)",
-        "set it to 1 (the actor may still train tensor-parallel)",
-    )
-    _check(
         multi_turn.format in TOOL_CALL_FORMATS,
         f"{key}.format",
         f"{multi_turn.format!r} is not a known tool-call format",
         f"one of {sorted(TOOL_CALL_FORMATS)}, or register one (rollout.agent.register_tool_call_format)",
     )
     try:
-        agent_loop_class(multi_turn.default_agent)
+        agent_loop_class(plan.paths.default_agent)
     except (KeyError, TypeError, ValueError, ImportError, AttributeError, FileNotFoundError) as error:
         raise ConfigError(f"{key}.default_agent", str(error).strip("'\"")) from None
-    if multi_turn.tool_config_path:
+    if plan.paths.tool_config:
         try:
-            load_tools(multi_turn.tool_config_path)
+            load_tools(plan.paths.tool_config)
         except UserError as error:
             raise ConfigError(f"{key}.tool_config_path", str(error)) from None
 
 
-def _check_group_size(cfg: HybridFlowConfig) -> None:
-    estimator = get_adv_estimator(cfg.algorithm.adv_estimator)
+def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     _check(
         not estimator.needs_groups or n >= 2,
@@ -236,16 +155,16 @@ def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
     )
 
 
-def local_cluster_cpus(cfg: HybridFlowConfig) -> int:
+def local_cluster_cpus(cfg: HybridFlowConfig, placement: Placement) -> int:
     """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
     to what the workers of every pool reserve (threads per worker bound the real CPU use, so a small
     machine may host more ranks than it has cores)."""
     trainer = cfg.trainer
-    reserved = math.ceil(placement_plan(cfg).processes * trainer.cpus_per_worker)
+    reserved = math.ceil(placement.processes * trainer.cpus_per_worker)
     return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
 
 
-def _check_local_cluster(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
+def _check_local_cluster(cfg: HybridFlowConfig, plan: Placement) -> None:
     """A local Ray cluster is this one machine: the workers must fit on it (a joined cluster: check_cluster)."""
     trainer = cfg.trainer
     _check(
@@ -271,7 +190,7 @@ def _check_local_cluster(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
     )
     reserved = plan.processes * trainer.cpus_per_worker
     _check(
-        reserved <= local_cluster_cpus(cfg),
+        reserved <= local_cluster_cpus(cfg, plan),
         "trainer.ray_num_cpus",
         f"{plan.processes} ranks in pools {plan.pools} x {trainer.cpus_per_worker} CPUs = {reserved} do not fit "
         f"in {trainer.ray_num_cpus}",
@@ -287,13 +206,13 @@ def _check_local_cluster(cfg: HybridFlowConfig, plan: PlacementPlan) -> None:
         )
 
 
-def pool_processes_per_node(plan: PlacementPlan) -> list[int]:
+def pool_processes_per_node(plan: Placement) -> list[int]:
     """Processes on node i summed over the pools (a pool's i-th entry is on the cluster's i-th node)."""
     width = max(len(nodes) for nodes in plan.pools.values())
     return [sum(nodes[i] for nodes in plan.pools.values() if i < len(nodes)) for i in range(width)]
 
 
-def check_cluster(cfg: HybridFlowConfig) -> None:
+def check_cluster(cfg: HybridFlowConfig, placement: Placement) -> None:
     """After joining a Ray cluster (``trainer.ray_address``): enough live nodes, each able to hold one
     node's share of ranks, so a bad request fails now rather than after the placement timeout."""
     trainer = cfg.trainer
@@ -304,7 +223,7 @@ def check_cluster(cfg: HybridFlowConfig) -> None:
         f"{trainer.nnodes} nodes asked for; the Ray cluster at {trainer.ray_address} has {len(nodes)}",
         f"set trainer.nnodes to at most {len(nodes)}, or add nodes to the cluster",
     )
-    per_node = pool_processes_per_node(placement_plan(cfg))
+    per_node = pool_processes_per_node(placement)
     busiest = max(per_node)
     need_cpus = busiest * trainer.cpus_per_worker
     need_gpus = busiest if trainer.device == "cuda" else 0
@@ -319,22 +238,16 @@ def check_cluster(cfg: HybridFlowConfig) -> None:
     )
 
 
-def check_config(cfg: HybridFlowConfig) -> None:
-    """Raise ConfigError naming the first problem; returns quietly when the config can run."""
+def check_config(cfg: HybridFlowConfig) -> RunPlan:
+    """Raise ConfigError naming the first problem; returns the run's plan when the config can run."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     _check_files(cfg.data.train_files, "data.train_files", required=True)
     _check_files(cfg.data.val_files, "data.val_files", required=False)
-    _check_model_path(arr.model.path, "actor_rollout_ref.model.path")
-    if Role.Critic in needed_roles(cfg) and cfg.critic.model.path:
-        _check_model_path(cfg.critic.model.path, "critic.model.path")
-    if cfg.reward_model.enable:
-        _check_model_path(cfg.reward_model.model.path, "reward_model.model.path")
-    plan = placement_plan(cfg)  # ConfigError for a placement that leaves a role without a pool
+    plan = plan_run(cfg)  # models, placement and layouts: ConfigError where they do not fit
     _check_batch_sizes(cfg, plan)
-    _check_parallel_layouts(cfg)
-    _check_rollout_backend(cfg)
-    _check_multi_turn(cfg)
-    _check_group_size(cfg)
+    _check_rollout_backend(cfg, plan)
+    _check_multi_turn(cfg, plan)
+    _check_group_size(cfg, plan.estimator)
     overlong = cfg.reward.overlong_buffer
     _check(
         not overlong.enable or overlong.len <= arr.rollout.response_length,
@@ -353,11 +266,12 @@ def check_config(cfg: HybridFlowConfig) -> None:
         "trainer.device=cpu",
     )
     if not trainer.ray_address:
-        _check_local_cluster(cfg, plan)
+        _check_local_cluster(cfg, plan.placement)
     try:
         check_loggers(trainer.logger)
     except ImportError as error:
         raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
+    return plan
 
 
 def check_agent_names(cfg: HybridFlowConfig, rows: list[dict]) -> None:

@@ -10,6 +10,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from hybridflow.engine.checkpoint import SHARDS
+from hybridflow.run_files import ACTOR_STATE, HF_FILES
 from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointNotFound
 
 
@@ -23,7 +24,7 @@ def consolidated_model_state(role_dir: Path) -> dict[str, torch.Tensor]:
 
 def _checkpoint_dir(path: Path) -> Path:
     """``path`` itself when it holds an actor checkpoint, else (a run directory) its latest complete one."""
-    if (path / "actor").is_dir():
+    if (path / ACTOR_STATE).is_dir():
         return path
     latest = CheckpointManager(path).latest() if path.is_dir() else None
     if latest is None:
@@ -38,8 +39,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.
     """Write safetensors weights, config, generation config and tokenizer that ``from_pretrained`` loads.
 
     ``checkpoint``: a global_step_N directory, or a run directory (its latest complete checkpoint)."""
-    role_dir = _checkpoint_dir(Path(checkpoint).expanduser()) / "actor"
-    hf_dir = role_dir / "huggingface"
+    role_dir = _checkpoint_dir(Path(checkpoint).expanduser()) / ACTOR_STATE
+    hf_dir = role_dir / HF_FILES
     if not (role_dir / SHARDS).is_dir() or not (hf_dir / "config.json").is_file():
         raise CheckpointNotFound(
             f"{role_dir.parent} has no complete actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); "

@@ -14,84 +14,87 @@ from rich.console import Console
 from hybridflow.controller import Role, RoleSpec, ray_session
 from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data import PromptDataLoader, RLHFDataset
-from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.tools import load_tools
-from hybridflow.trainer import placement
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
+from hybridflow.trainer.placement import build_groups
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
-from hybridflow.trainer.roles import RoleGroups, needed_roles
+from hybridflow.trainer.roles import RoleGroups
 from hybridflow.trainer.run_dir import prepare_run_dir
+from hybridflow.trainer.run_plan import RunPlan, total_training_steps
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
 
 
-def resolve_models(config: HybridFlowConfig) -> None:
-    """Turn built-in model names into their cached directories once, on the driver, before workers start; and
-    the multi-turn files the workers read (tools, an agent loop's file) into absolute paths, which do not depend
-    on a worker's working directory."""
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
-    if multi_turn.tool_config_path:
-        multi_turn.tool_config_path = str(Path(multi_turn.tool_config_path).resolve())
-    file, sep, name = multi_turn.default_agent.rpartition(":")
-    if sep and file.endswith(".py"):
-        multi_turn.default_agent = f"{Path(file).resolve()}:{name}"
-    config.actor_rollout_ref.model.path = str(resolve_model_path(config.actor_rollout_ref.model.path))
-    critic_model = config.critic.model
-    critic_model.path = (
-        str(resolve_model_path(critic_model.path)) if critic_model.path else config.actor_rollout_ref.model.path
-    )
-    if config.reward_model.enable:
-        config.reward_model.model.path = str(resolve_model_path(config.reward_model.model.path))
-
-
-def role_specs(config: HybridFlowConfig, total_steps: int) -> dict[Role, RoleSpec]:
-    """Each needed role's worker class and the keyword arguments it is built with on every rank."""
-    seed, arr = config.trainer.seed, config.actor_rollout_ref
+def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dict[Role, RoleSpec]:
+    """Each needed role's worker class and the keyword arguments it is built with on every rank: its config
+    section, and from the plan its layout and the files it reads."""
+    seed, arr, paths = config.trainer.seed, config.actor_rollout_ref, plan.paths
     specs = {
         Role.ActorRollout: RoleSpec(
-            ActorRolloutWorker, kwargs={"config": arr, "total_training_steps": total_steps, "seed": seed}
-        ),
-        Role.RefPolicy: RoleSpec(RefPolicyWorker, kwargs={"config": arr, "seed": seed}),
-        Role.Critic: RoleSpec(
-            CriticWorker,
-            kwargs={
-                "config": config.critic,
-                "n_samples": arr.rollout.n,
-                "total_training_steps": total_steps,
-                "seed": seed,
-            },
-        ),
-        Role.RewardModel: RoleSpec(
-            RewardModelWorker,
-            kwargs={"config": config.reward_model, "policy_model_path": arr.model.path, "seed": seed},
-        ),
+            ActorRolloutWorker,
+            kwargs=dict(
+                config=arr,
+                model_path=paths.actor_model,
+                layout=plan.actor_layout,
+                tool_config=paths.tool_config,
+                default_agent=paths.default_agent,
+                total_training_steps=total_steps,
+                seed=seed,
+            ),
+        )
     }
-    return {role: specs[role] for role in needed_roles(config)}
+    if plan.needs(Role.RefPolicy):
+        specs[Role.RefPolicy] = RoleSpec(
+            RefPolicyWorker,
+            kwargs=dict(config=arr, model_path=paths.actor_model, layout=plan.layouts[Role.RefPolicy], seed=seed),
+        )
+    if plan.needs(Role.Critic):
+        specs[Role.Critic] = RoleSpec(
+            CriticWorker,
+            kwargs=dict(
+                config=config.critic,
+                model_path=paths.critic_model,
+                layout=plan.layouts[Role.Critic],
+                n_samples=arr.rollout.n,
+                total_training_steps=total_steps,
+                seed=seed,
+            ),
+        )
+    if plan.needs(Role.RewardModel):
+        specs[Role.RewardModel] = RoleSpec(
+            RewardModelWorker,
+            kwargs=dict(
+                config=config.reward_model,
+                model_path=paths.reward_model,
+                policy_model_path=paths.actor_model,
+                seed=seed,
+            ),
+        )
+    return specs
 
 
-def run_tool_schemas(config: HybridFlowConfig) -> list[dict] | None:
+def run_tool_schemas(config: HybridFlowConfig, plan: RunPlan) -> list[dict] | None:
     """The function schemas of a multi-turn run's tools (the chat template lists them in prompts that know them)."""
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
-    if not (multi_turn.enable and multi_turn.tool_config_path):
+    if not (config.actor_rollout_ref.rollout.multi_turn.enable and plan.paths.tool_config):
         return None
-    return load_tools(multi_turn.tool_config_path).schemas
+    return load_tools(plan.paths.tool_config).schemas
 
 
-def build_groups(config: HybridFlowConfig, total_steps: int) -> RoleGroups:
-    """The worker groups of every role the run needs, placed as ``trainer.placement`` says."""
-    return placement.build_groups(config, role_specs(config, total_steps))
+def build_role_groups(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> RoleGroups:
+    """The worker groups of every role the run needs, placed as the plan says."""
+    return build_groups(config, plan.placement, role_specs(config, plan, total_steps))
 
 
 def run(config: HybridFlowConfig) -> dict[str, float]:
     console = Console()
-    check_config(config)
-    resolve_models(config)
-    tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
+    plan = check_config(config)
+    tokenizer = load_tokenizer(plan.paths.actor_model)
     data = config.data
-    tool_schemas = run_tool_schemas(config)
+    tool_schemas = run_tool_schemas(config, plan)
     train_dataset = RLHFDataset(data.train_files, tokenizer, data, tools=tool_schemas)
     train_loader = PromptDataLoader(
         train_dataset, data.train_batch_size, shuffle=data.shuffle, seed=config.trainer.seed
@@ -109,31 +112,28 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     all_rows = [*train_dataset.rows, *(val_loader.dataset.rows if val_loader else [])]
     reward_fn.check_scorable(all_rows, multi_turn=config.actor_rollout_ref.rollout.multi_turn.enable)
     check_agent_names(config, all_rows)
-    steps_per_epoch = len(train_loader)
-    total_steps = steps_per_epoch * config.trainer.total_epochs
-    if config.trainer.total_training_steps > 0:
-        total_steps = min(total_steps, config.trainer.total_training_steps)
-    run_dir = Path(config.trainer.default_local_dir)
-    checkpoint = prepare_run_dir(config)
-    plan = placement.placement_plan(config)
-    pools = ", ".join(f"{name} {sum(nodes)}" for name, nodes in plan.pools.items())
+    total_steps = total_training_steps(config.trainer, steps_per_epoch=len(train_loader))
+    checkpoint = prepare_run_dir(config, plan)
+    placement = plan.placement
+    pools = ", ".join(f"{name} {sum(nodes)}" for name, nodes in placement.pools.items())
     console.print(
-        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {plan.processes} "
-        f"workers ({config.trainer.placement}: {pools}); run dir {run_dir}"
+        f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {placement.processes} "
+        f"workers ({config.trainer.placement}: {pools}); run dir {plan.paths.run_dir}"
     )
 
     joined = config.trainer.ray_address
     with ray_session(
         joined or None,
-        None if joined else local_cluster_cpus(config),
+        None if joined else local_cluster_cpus(config, placement),
         worker_env=kernel_cache_env(config.trainer.cpu_kernel_cache_capacity),
     ):
         if joined:
-            check_cluster(config)
-        groups = build_groups(config, total_steps)
-        tracking = Tracking(config.trainer.logger, run_dir, dataclasses.asdict(config))
+            check_cluster(config, placement)
+        groups = build_role_groups(config, plan, total_steps)
+        tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
         trainer = RayPPOTrainer(
             config,
+            plan,
             groups,
             reward_fn,
             train_loader,

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
-from collections.abc import Iterator
-
 import torch
 
 from hybridflow.algorithms import masked_mean, masked_var
@@ -28,13 +24,6 @@ from hybridflow.batch_keys import (
     VALUES,
 )
 from hybridflow.protocol import DataProto
-
-
-@contextlib.contextmanager
-def timer(name: str, timings: dict[str, float]) -> Iterator[None]:
-    start = time.perf_counter()
-    yield
-    timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
-from hybridflow.trainer.roles import RoleGroups, needed_roles
+from hybridflow.trainer.roles import RoleGroups
 
 ROLE_NAMES = tuple(role.value for role in Role)
 
@@ -31,8 +31,8 @@ _GROUPS = {Role.ActorRollout: "actor", Role.RefPolicy: "actor", Role.Critic: "cr
 
 
 @dataclass(frozen=True)
-class PlacementPlan:
-    """Pools (name -> processes per node) and the pool of each role the run needs."""
+class Placement:
+    """Pools (name -> processes per node) and the pool of each role the run needs (part of the run plan)."""
 
     pools: dict[str, list[int]]
     role_pool: dict[Role, str]
@@ -49,22 +49,22 @@ class PlacementPlan:
         return sum(sum(nodes) for nodes in self.pools.values())
 
 
-def placement_plan(config: HybridFlowConfig) -> PlacementPlan:
-    """The pools and the role -> pool map of ``config``; ConfigError naming the key when it does not fit."""
+def place_roles(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
+    """The pools and the role -> pool map of ``roles`` under ``trainer.placement``; ConfigError naming the key
+    when it does not fit."""
     trainer = config.trainer
-    roles = needed_roles(config)
     per_pool = [trainer.n_workers_per_node] * trainer.nnodes
     if trainer.placement == "all_colocate":
-        return PlacementPlan({"global": per_pool}, {role: "global" for role in roles})
+        return Placement({"global": per_pool}, {role: "global" for role in roles})
     if trainer.placement == "group_colocate":
         role_pool = {role: _GROUPS[role] for role in roles}
-        return PlacementPlan({name: list(per_pool) for name in dict.fromkeys(role_pool.values())}, role_pool)
+        return Placement({name: list(per_pool) for name in dict.fromkeys(role_pool.values())}, role_pool)
     if trainer.placement == "separate":
-        return PlacementPlan({role.value: list(per_pool) for role in roles}, {role: role.value for role in roles})
+        return Placement({role.value: list(per_pool) for role in roles}, {role: role.value for role in roles})
     return _custom_plan(config, roles)
 
 
-def _custom_plan(config: HybridFlowConfig, roles: list[Role]) -> PlacementPlan:
+def _custom_plan(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
     trainer = config.trainer
     spec, mapping = trainer.resource_pool_spec, trainer.role_pool
     example = (
@@ -98,15 +98,14 @@ def _custom_plan(config: HybridFlowConfig, roles: list[Role]) -> PlacementPlan:
         )
     role_pool = {role: mapping[role.value] for role in roles}
     used = dict.fromkeys(role_pool.values())
-    return PlacementPlan({name: [int(n) for n in spec[name]] for name in used}, role_pool)
+    return Placement({name: [int(n) for n in spec[name]] for name in used}, role_pool)
 
 
-def build_groups(config: HybridFlowConfig, specs: dict[Role, RoleSpec]) -> RoleGroups:
+def build_groups(config: HybridFlowConfig, placement: Placement, specs: dict[Role, RoleSpec]) -> RoleGroups:
     """One Ray worker group per pool, its roles fused into one process per rank; a view per role."""
     trainer = config.trainer
-    plan = placement_plan(config)
     groups: dict[Role, RayWorkerGroup] = {}
-    for pool_name, nodes in plan.pools.items():
+    for pool_name, nodes in placement.pools.items():
         pool = RayResourcePool(
             nodes,
             use_gpu=trainer.device == "cuda",
@@ -116,7 +115,7 @@ def build_groups(config: HybridFlowConfig, specs: dict[Role, RoleSpec]) -> RoleG
             ready_timeout_s=trainer.placement_timeout_s,
             name=pool_name,
         )
-        pool_specs = {role.value: specs[role] for role in plan.roles_on(pool_name)}
+        pool_specs = {role.value: specs[role] for role in placement.roles_on(pool_name)}
         views = RayWorkerGroup.colocated(pool, pool_specs, name=pool_name)
         groups.update({Role(name): view for name, view in views.items()})
-    return RoleGroups.from_roles(groups, pool_of=plan.role_pool)
+    return RoleGroups.from_roles(groups, pool_of=placement.role_pool)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms import apply_kl_penalty, get_adv_estimator, make_kl_controller
+from hybridflow.algorithms import apply_kl_penalty, make_kl_controller
 from hybridflow.algorithms.dynamic_sampling import informative_groups, rows_of_groups, select_groups
 from hybridflow.algorithms.rollout_correction import correction_diagnostics, rollout_correction
 from hybridflow.batch_keys import (
@@ -52,13 +52,13 @@ from hybridflow.batch_keys import (
     UID,
     VALUES,
 )
-from hybridflow.controller import Role
 from hybridflow.data import PromptDataLoader
 from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto, DataProtoFuture
 from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
+from hybridflow.run_files import TIMELINE_FILE
 from hybridflow.trainer.checkpoint import CheckpointManager, read_trainer_state
 from hybridflow.trainer.config import HybridFlowConfig
 from hybridflow.trainer.metrics import (
@@ -67,13 +67,12 @@ from hybridflow.trainer.metrics import (
     generated_mask,
     log_prob_mismatch,
     throughput_metrics,
-    timer,
 )
-from hybridflow.trainer.placement import placement_plan
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import RoleGroups
 from hybridflow.trainer.rollout_batches import concat_rollouts
-from hybridflow.trainer.timeline import TIMELINE_FILE, StepTimeline
+from hybridflow.trainer.run_plan import RunPlan
+from hybridflow.trainer.timeline import StepTimeline
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.trainer.val_metrics import validation_metrics
 
@@ -86,23 +85,11 @@ def take_metrics(output: DataProto, metrics: dict[str, float]) -> DataProto:
     return output
 
 
-def on_policy_update(config: HybridFlowConfig) -> bool:
-    """Whether the actor update is one optimizer step on this very batch, with nothing needing old
-    log-probs before it (KL in the reward and the rollout correction do): its own pre-step log-probs
-    then are the old ones."""
-    actor = config.actor_rollout_ref.actor
-    return (
-        actor.reuse_update_log_probs
-        and actor.single_update_step(actor.ppo_mini_batch_size, config.data.train_batch_size)
-        and not config.algorithm.use_kl_in_reward
-        and not config.algorithm.rollout_correction.enabled
-    )
-
-
 class RayPPOTrainer:
     def __init__(
         self,
         config: HybridFlowConfig,
+        plan: RunPlan,
         groups: RoleGroups,
         reward_fn: RewardFn,
         train_loader: PromptDataLoader,
@@ -111,23 +98,21 @@ class RayPPOTrainer:
         total_steps: int,
     ):
         self.config = config
+        self.plan = plan
         self.groups = groups
         self.reward_fn = reward_fn
         self.train_loader = train_loader
         self.val_batches = val_batches
         self.tracking = tracking
         self.total_steps = total_steps
-        self.estimator = get_adv_estimator(config.algorithm.adv_estimator)
+        self.estimator = plan.estimator
         self.kl_ctrl = make_kl_controller(config.algorithm.kl_ctrl)
-        self.on_policy = on_policy_update(config)
         self.global_step = 0
         self.batches = self.train_batches()  # one iterator: dynamic sampling draws more prompts from it
         self.last_log_prob_diff: float | None = None
-        self.progress = RunProgress(total_steps, enabled=False)
-        self.run_dir = Path(config.trainer.default_local_dir)
+        self.run_dir = plan.paths.run_dir
         self.checkpoints = CheckpointManager(self.run_dir, config.trainer.max_ckpt_to_keep)
-        self.plan = placement_plan(config)
-        self.timeline = StepTimeline()  # the current step's; validation before training goes to step 0's
+        self.timeline = StepTimeline(0)  # the current step's stages (fit gives it the progress display)
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -140,33 +125,31 @@ class RayPPOTrainer:
         if self.global_step >= self.total_steps:
             print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
             return metrics
-        with RunProgress(self.total_steps, start_step=self.global_step) as self.progress:
+        with RunProgress(self.total_steps, start_step=self.global_step) as progress:
+            # step 0's timeline: validation before training, or loading a checkpoint
+            self.timeline = StepTimeline(0, progress)
             if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
-                with self.timeline.driver("validate"):
-                    self.tracking.log(self.validate(), step=0)
-            self.timeline.collect(self.groups)  # validation before training (step 0) or loading a checkpoint
+                self.tracking.log(self.validate(), step=0)
+            self.timeline.collect(self.groups)
             if self.global_step == 0:
-                self.timeline.append_to(self.run_dir / TIMELINE_FILE, 0)
+                self.timeline.append_to(self.run_dir / TIMELINE_FILE)
             for prompts in self.batches:
                 self.global_step += 1
-                self.timeline = StepTimeline()
+                self.timeline = StepTimeline(self.global_step, progress)
                 metrics = self.train_step(prompts)
                 last = self.global_step >= self.total_steps
                 if self.val_batches is not None and (
                     last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)
                 ):
-                    with self.timeline.driver("validate"):
-                        metrics.update(self.validate())
+                    metrics.update(self.validate())
                 if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
-                    timings: dict[str, float] = {}
-                    with timer("save_checkpoint", timings), self.progress.stage("checkpoint"):
-                        with self.timeline.driver("save_checkpoint"):
-                            self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = timings["save_checkpoint"]
+                    with self.timeline.stage("save_checkpoint", on_driver=True):
+                        self.save_checkpoint()
+                    metrics["timing_s/save_checkpoint"] = self.timeline.stage_seconds()["save_checkpoint"]
                 self.timeline.collect(self.groups)
-                self.timeline.append_to(self.run_dir / TIMELINE_FILE, self.global_step)
+                self.timeline.append_to(self.run_dir / TIMELINE_FILE)
                 self.tracking.log(metrics, step=self.global_step)
-                self.progress.step_done(self.global_step, metrics)
+                progress.step_done(self.global_step, metrics)
                 if last:
                     break
         return metrics
@@ -211,27 +194,27 @@ class RayPPOTrainer:
         ]
         if TOKEN_LEVEL_SCORES not in batch.batch.keys():
             batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, shaped=True)
-        with self.progress.stage("log-probs and values"):
+        with timeline.stage("log-probs and values"):
             for output in after_generation:
                 if output is not None:
                     batch.union(take_metrics(output.get(), metrics))
         if after_generation[0] is not None:
             self.measure_log_prob_mismatch(batch, metrics)
-        with timeline.driver("adv"):
+        with timeline.stage("adv", on_driver=True):
             self.compute_advantage(batch, metrics)
             self.loss_masks_and_weights(batch, metrics)
         critic_update = groups.critic.update_critic.future(batch) if groups.critic is not None else None
         if self.global_step > self.config.trainer.critic_warmup:
-            with self.progress.stage("actor update"):
+            with timeline.stage("update_actor"):
                 self.update_actor(batch, metrics)
         if critic_update is not None:
-            with self.progress.stage("critic update"):
+            with timeline.stage("update_critic"):
                 take_metrics(critic_update.get(), metrics)
         timeline.collect(groups)
         timings = timeline.stage_seconds() | {"step": time.time() - timeline.start}
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(agent_metrics(batch))
-        metrics.update(throughput_metrics(batch, timings, self.plan.processes))
+        metrics.update(throughput_metrics(batch, timings, self.plan.placement.processes))
         metrics["perf/driver_rss_gb"] = resident_gb()
         return metrics
 
@@ -281,7 +264,7 @@ class RayPPOTrainer:
 
     def generate(self, prompts: DataProto, round_index: int, metrics: dict[str, float], scored: bool) -> DataProto:
         """One generation round: rollouts of ``prompts`` (and ReMax's greedy baseline), scored if asked."""
-        with self.progress.stage("generation"):
+        with self.timeline.stage("gen"):
             batch = self.rollout(prompts, "train", metrics, round_index)
             if self.estimator.needs_baseline:
                 batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts, round_index)
@@ -315,8 +298,7 @@ class RayPPOTrainer:
         """Rows reordered so that every data-parallel rank of the actor's training layout gets about as
         many tokens to compute, with the samples of one prompt on one rank (packing computes their prompt
         once)."""
-        tp = self.config.actor_rollout_ref.actor.tensor_model_parallel_size
-        ranks = self.plan.world_size(Role.ActorRollout) // tp
+        ranks = self.plan.actor_layout.dp
         return balanced_order(packed_lengths(batch), ranks, groups=list(batch.non_tensor_batch[UID]))
 
     def old_log_probs(self, batch: DataProto, metrics: dict[str, float]) -> DataProtoFuture | None:
@@ -331,7 +313,7 @@ class RayPPOTrainer:
         )
         metrics["rollout/used_rollout_log_probs"] = float(use_rollout)
         batch.meta_info[OLD_POLICY] = "rollout" if use_rollout else "trainer"
-        if use_rollout or self.on_policy:
+        if use_rollout or self.plan.on_policy_update:
             return None  # the update takes its old policy as configured, and returns the trainer's log-probs
         return self.groups.actor_rollout.compute_log_prob.future(batch)
 
@@ -383,7 +365,7 @@ class RayPPOTrainer:
         ``shaped`` (training rewards, not validation): plus the overlong penalty on the last token."""
         reward_model = self.groups.reward_model
         rm_scores = reward_model.compute_rm_score.future(batch) if reward_model is not None else None
-        with self.timeline.driver("reward"):  # the rule-based reward, while the reward model scores
+        with self.timeline.stage("reward", on_driver=True):  # the rule-based reward, while the reward model scores
             result = self.reward_fn(batch)
         metrics.update(result.metrics)
         scores = result.token_level_scores
@@ -425,7 +407,7 @@ class RayPPOTrainer:
     def validate(self) -> dict[str, float]:
         """Mean score per data source on the held-out prompts, with the validation sampling settings."""
         sources, uids, scores = [], [], []
-        with self.progress.stage("validation"):
+        with self.timeline.stage("validate", on_driver=True):
             for index, prompts in enumerate(self.val_batches()):
                 batch = self.rollout(prompts, "validate", {})
                 sources += list(batch.non_tensor_batch[DATA_SOURCE])

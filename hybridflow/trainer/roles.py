@@ -5,18 +5,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from hybridflow.algorithms import get_adv_estimator
+from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import RayWorkerGroup, Role
 from hybridflow.trainer.config import HybridFlowConfig
 
 
-def needed_roles(config: HybridFlowConfig) -> list[Role]:
+def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> list[Role]:
     """The actor always; the reference for a KL term; the critic for an estimator that needs values;
     the reward model when enabled."""
     roles = [Role.ActorRollout]
     if config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss:
         roles.append(Role.RefPolicy)
-    if get_adv_estimator(config.algorithm.adv_estimator).needs_values:
+    if estimator.needs_values:
         roles.append(Role.Critic)
     if config.reward_model.enable:
         roles.append(Role.RewardModel)

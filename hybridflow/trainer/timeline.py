@@ -1,29 +1,24 @@
-"""The timeline of one training step: which pool (or the driver) ran which stage, from when to when.
+"""The timeline of one training step: which pool (or the driver) ran which stage, from when to when; and the
+one way the driver times and shows a stage (``StepTimeline.stage``).
 
 Workers time every call they run (``WorkerHost.take_spans``); the driver times its own stages
-(reward scoring, advantages). One step's spans go to ``<run_dir>/timeline.jsonl``, one object per
-span, times in seconds since the step began:
-
-    {"step": 3, "lane": "critic", "stage": "values", "rank": 0, "start": 1.25, "end": 4.5}
-
-``lane`` is a resource pool's name or ``driver`` (rank -1). ``hybridflow report`` draws them as a
-Gantt chart per pool, so stages that overlap on different pools are visible at a glance. Clocks
-are each process's wall clock: across machines they are as good as the machines' time sync.
+(reward scoring, advantages). One step's spans go to ``<run_dir>/timeline.jsonl`` (run_files.py
+defines the file and its ``Span``), times in seconds since the step began; ``hybridflow report`` draws
+them as a Gantt chart per pool, so stages that overlap on different pools are visible at a glance.
+Clocks are each process's wall clock: across machines they are as good as the machines' time sync.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hybridflow.run_files import Span, append_spans
+from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import RoleGroups
-
-TIMELINE_FILE = "timeline.jsonl"
 
 # the stage a worker method is (the names of the timing_s/* metrics); other methods keep their names
 STAGE_OF_METHOD = {
@@ -36,38 +31,50 @@ STAGE_OF_METHOD = {
     "update_actor": "update_actor",
 }
 
-
-@dataclass(frozen=True)
-class Span:
-    lane: str  # a pool's name, or "driver"
-    stage: str
-    rank: int  # the worker's rank in its pool; -1 on the driver
-    start: float  # wall-clock seconds
-    end: float
+# how the progress display names a stage (the timeline and the timing_s/* metrics use the keys)
+STAGE_LABELS = {
+    "gen": "generation",
+    "update_actor": "actor update",
+    "update_critic": "critic update",
+    "validate": "validation",
+    "save_checkpoint": "checkpoint",
+}
 
 
 class StepTimeline:
     """The spans of one step, gathered from the driver's own stages and from every pool's workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, step: int, progress: RunProgress | None = None) -> None:
+        self.step = step
+        self.progress = progress
         self.start = time.time()
         self.spans: list[Span] = []
 
+    def _add(self, lane: str, stage: str, rank: int, start: float, end: float) -> None:
+        """A span from wall-clock times."""
+        self.spans.append(Span(self.step, lane, stage, rank, start - self.start, end - self.start))
+
     @contextlib.contextmanager
-    def driver(self, stage: str) -> Iterator[None]:
-        """Time a stage the driver itself runs."""
+    def stage(self, name: str, *, on_driver: bool = False) -> Iterator[None]:
+        """One stage of the step, shown on the progress display while it runs. ``on_driver``: the driver does
+        the work itself (reward, adv, validate, save_checkpoint), so it is timed here, as a span of the
+        driver's lane; a stage that workers run is timed by them (``collect``) and only shown here."""
         start = time.time()
-        try:
-            yield
-        finally:
-            self.spans.append(Span("driver", stage, -1, start, time.time()))
+        with contextlib.ExitStack() as shown:
+            if self.progress is not None:
+                shown.enter_context(self.progress.stage(STAGE_LABELS.get(name, name)))
+            try:
+                yield
+            finally:
+                if on_driver:
+                    self._add("driver", name, -1, start, time.time())
 
     def collect(self, groups: RoleGroups) -> None:
         """Take the spans every pool's workers recorded since the last take."""
         for pool, group in groups.by_pool().items():
             for rank, spans in enumerate(group.take_spans()):
                 for _role, method, start, end in spans:
-                    self.spans.append(Span(pool, STAGE_OF_METHOD.get(method, method), rank, start, end))
+                    self._add(pool, STAGE_OF_METHOD.get(method, method), rank, start, end)
 
     def stage_seconds(self) -> dict[str, float]:
         """Per stage: the busiest rank's (or the driver's) total time in it."""
@@ -79,14 +86,6 @@ class StepTimeline:
             seconds[stage] = max(seconds.get(stage, 0.0), total)
         return seconds
 
-    def records(self, step: int) -> list[dict]:
-        """The spans as timeline.jsonl objects, times relative to the step's start, in start order."""
-        return [
-            asdict(span) | {"step": step, "start": span.start - self.start, "end": span.end - self.start}
-            for span in sorted(self.spans, key=lambda s: (s.start, s.lane, s.rank))
-        ]
-
-    def append_to(self, path: Path, step: int) -> None:
-        with path.open("a") as out:
-            for record in self.records(step):
-                out.write(json.dumps(record) + "\n")
+    def append_to(self, path: Path) -> None:
+        """The step's spans, in start order, at the end of ``path`` (timeline.jsonl)."""
+        append_spans(path, sorted(self.spans, key=lambda s: (s.start, s.lane, s.rank)))

@@ -3,7 +3,7 @@
     trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]
 
 - console:     a compact table of the metrics people watch (rich)
-- jsonl:       ``<run_dir>/metrics.jsonl``, one JSON object per step with a ``step`` key
+- jsonl:       ``<run_dir>/metrics.jsonl``, one JSON object per step with a ``step`` key (run_files.py)
                (``hybridflow report`` reads it)
 - tensorboard: event files under ``<run_dir>/tensorboard`` (``tensorboard --logdir <run_dir>/tensorboard``)
 - wandb:       a wandb run in ``<run_dir>/wandb``; offline unless ``WANDB_MODE`` says otherwise (``wandb sync`` later)
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
 import math
 import os
 import re
@@ -29,6 +28,8 @@ from typing import Any, Protocol
 from rich import get_console
 from rich.console import Console
 from rich.table import Table
+
+from hybridflow.run_files import METRICS_FILE, append_metrics
 
 KNOWN_LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 # logger name -> (the modules it can use, any one is enough; the pip command that installs one)
@@ -135,8 +136,7 @@ class JsonlLogger:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: (v if isinstance(v, (int, float)) and math.isfinite(v) else str(v)) for k, v in metrics.items()}
-        with self.path.open("a") as file:
-            file.write(json.dumps({"step": step, **clean}) + "\n")
+        append_metrics(self.path, step, clean)
 
     def finish(self) -> None:
         pass
@@ -234,7 +234,7 @@ class Tracking:
         name = str(trainer.get("experiment_name") or self.run_dir.name or "run")
         makers = {
             "console": lambda: ConsoleLogger(console),
-            "jsonl": lambda: JsonlLogger(self.run_dir / "metrics.jsonl"),
+            "jsonl": lambda: JsonlLogger(self.run_dir / METRICS_FILE),
             "tensorboard": lambda: TensorboardLogger(self.run_dir / "tensorboard", config),
             "wandb": lambda: WandbLogger(self.run_dir, project, name, config),
             "mlflow": lambda: MlflowLogger(self.run_dir / "mlruns", project, name, config),

@@ -8,6 +8,7 @@ neither: dispatch reads the meshes each rank declares.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -24,8 +25,10 @@ from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.registry import build_rollout
+from hybridflow.rollout.build import build_rollout
+from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.run_files import ACTOR_STATE, HF_FILES
+from hybridflow.tools import load_tools
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
@@ -34,19 +37,27 @@ GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences sp
 
 
 class ActorRolloutWorker(Worker):
-    def __init__(self, *, config: ActorRolloutRefConfig, total_training_steps: int, seed: int):
+    """model_path: the policy's model directory; layout: the actor's (dp, t, tg) over this group's ranks;
+    tool_config, default_agent: the multi-turn files as absolute paths (all from the run plan)."""
+
+    def __init__(
+        self,
+        *,
+        config: ActorRolloutRefConfig,
+        model_path: str,
+        layout: LayoutShape,
+        tool_config: str,
+        default_agent: str,
+        total_training_steps: int,
+        seed: int,
+    ):
         super().__init__()
         self.config = config
         self.seed = seed
-        self.tokenizer = load_tokenizer(config.model.path)
-        tp = config.actor.tensor_model_parallel_size
-        if self.world_size % tp:
-            raise ValueError(
-                f"actor.tensor_model_parallel_size={tp} does not divide the actor's {self.world_size} ranks"
-            )
-        # training: tp ranks split each layer and see the same rows, FSDP2 over the dp ranks;
+        self.tokenizer = load_tokenizer(model_path)
+        # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
         # generation: groups of tg ranks split each layer and see the same prompts
-        shape = LayoutShape(dp=self.world_size // tp, t=tp, tg=config.rollout.tensor_model_parallel_size)
+        shape = layout
         self.layouts = ActorLayouts.build(self.device, shape)
         mesh = self.layouts.training
         self.register_dispatch_mesh(TRAIN_MESH, mesh)
@@ -54,7 +65,7 @@ class ActorRolloutWorker(Worker):
         self.dp_size = mesh["dp"].size()
         model, optimizer, scheduler = build_trainable(
             load_causal_lm,
-            config.model,
+            dataclasses.replace(config.model, path=model_path),
             config.actor.fsdp,
             config.actor.optim,
             self.device,
@@ -64,8 +75,16 @@ class ActorRolloutWorker(Worker):
         )
         self.actor = PolicyEngine(model, optimizer, scheduler, config.actor, dp_group=mesh["dp"].get_group())
         generation_dtype = parse_dtype(config.rollout.dtype, self.device)
-        generator = load_causal_lm(config.model.path, dtype=generation_dtype).to(self.device)
-        self.rollout = build_rollout(generator, self.tokenizer, config.rollout, self.layouts.generation_group)
+        generator = load_causal_lm(model_path, dtype=generation_dtype).to(self.device)
+        tools = load_tools(tool_config) if config.rollout.multi_turn.enable and tool_config else None
+        self.rollout = build_rollout(
+            generator,
+            self.tokenizer,
+            config.rollout,
+            self.layouts.generation_group,
+            tools=tools,
+            default_agent=default_agent,
+        )
         del generator  # the rollout keeps its own copy (1/tg of the weights)
         self.hybrid = HybridEngine(
             model,
@@ -108,17 +127,17 @@ class ActorRolloutWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
         """The actor's training state under ``directory/actor``, plus its HF config and tokenizer for export."""
-        target = Path(directory) / "actor"
+        target = Path(directory) / ACTOR_STATE
         save_training_state(target, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
         if self.rank == 0:
-            self.actor.model.config.save_pretrained(target / "huggingface")
-            self.actor.model.generation_config.save_pretrained(target / "huggingface")
-            self.tokenizer.save_pretrained(target / "huggingface")
+            self.actor.model.config.save_pretrained(target / HF_FILES)
+            self.actor.model.generation_config.save_pretrained(target / HF_FILES)
+            self.tokenizer.save_pretrained(target / HF_FILES)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
         load_training_state(
-            Path(directory) / "actor", self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank
+            Path(directory) / ACTOR_STATE, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank
         )
 
     @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from hybridflow.batch_keys import GLOBAL_STEP
@@ -10,38 +11,52 @@ from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
+from hybridflow.engine.tensor_parallel import training_mesh
+from hybridflow.hybrid_engine.layout import LayoutShape
 from hybridflow.models import load_critic
 from hybridflow.protocol import DataProto
-from hybridflow.workers.sharded_model import build_trainable, role_mesh, samples_per_rank
+from hybridflow.run_files import CRITIC_STATE
+from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
 CRITIC_MESH = "critic"  # the critic's (dp, tp) layout: compute_values and update_critic split rows over dp
 
 
 class CriticWorker(Worker):
-    def __init__(self, *, config: CriticConfig, n_samples: int, total_training_steps: int, seed: int):
+    """model_path: the critic's model directory; layout: its (dp, t) over this group's ranks (the run plan's)."""
+
+    def __init__(
+        self,
+        *,
+        config: CriticConfig,
+        model_path: str,
+        layout: LayoutShape,
+        n_samples: int,
+        total_training_steps: int,
+        seed: int,
+    ):
         super().__init__()
         self.config = config
         self.n_samples = n_samples
         self.seed = seed
-        tp = config.tensor_model_parallel_size
-        mesh = role_mesh(self.device, self.world_size, tp, "critic.tensor_model_parallel_size")
+        mesh = training_mesh(self.device, layout.dp, layout.t)
         self.register_dispatch_mesh(CRITIC_MESH, mesh)
         self.dp_size = mesh["dp"].size()
+        model_config = dataclasses.replace(config.model, path=model_path)
         model, optimizer, scheduler = build_trainable(
-            load_critic, config.model, config.fsdp, config.optim, self.device, seed, total_training_steps, mesh
+            load_critic, model_config, config.fsdp, config.optim, self.device, seed, total_training_steps, mesh
         )
         self.critic = CriticEngine(model, optimizer, scheduler, config, dp_group=mesh["dp"].get_group())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
         save_training_state(
-            Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
+            Path(directory) / CRITIC_STATE, self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
         )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
         load_training_state(
-            Path(directory) / "critic", self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
+            Path(directory) / CRITIC_STATE, self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
         )
 
     @register(dispatch_mode=mesh_compute_proto(CRITIC_MESH))

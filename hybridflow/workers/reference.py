@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.engine.tensor_parallel import training_mesh
+from hybridflow.hybrid_engine.layout import LayoutShape
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ActorRolloutRefConfig
-from hybridflow.workers.sharded_model import build_sharded, role_mesh
+from hybridflow.workers.sharded_model import build_sharded
 
 REF_MESH = "ref"  # the reference's (dp, tp) layout: compute_ref_log_prob splits rows over dp
 
 
 class RefPolicyWorker(Worker):
-    def __init__(self, *, config: ActorRolloutRefConfig, seed: int):
+    """model_path: the policy's model directory; layout: the reference's (dp, t) over this group's ranks."""
+
+    def __init__(self, *, config: ActorRolloutRefConfig, model_path: str, layout: LayoutShape, seed: int):
         super().__init__()
         self.config = config
-        tp = config.ref.tensor_model_parallel_size
-        mesh = role_mesh(self.device, self.world_size, tp, "ref.tensor_model_parallel_size")
+        mesh = training_mesh(self.device, layout.dp, layout.t)
         self.register_dispatch_mesh(REF_MESH, mesh)
-        self.model = build_sharded(load_causal_lm, config.model, config.ref.fsdp, self.device, seed, mesh).eval()
+        model = dataclasses.replace(config.model, path=model_path)
+        self.model = build_sharded(load_causal_lm, model, config.ref.fsdp, self.device, seed, mesh).eval()
         self.model.requires_grad_(False)
         self.ref = ReferenceEngine(self.model, config.ref)
 

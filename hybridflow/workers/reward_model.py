@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
@@ -21,14 +23,17 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
 
 
 class RewardModelWorker(Worker):
-    def __init__(self, *, config: RewardModelConfig, policy_model_path: str, seed: int):
+    """model_path: the reward model's directory; policy_model_path: the policy's (its tokenizer decodes)."""
+
+    def __init__(self, *, config: RewardModelConfig, model_path: str, policy_model_path: str, seed: int):
         super().__init__()
         self.config = config
         self.policy_tokenizer = load_tokenizer(policy_model_path)
-        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer = load_tokenizer(model_path)
         self.tokenizer.truncation_side = "left"
         self.tokenizer.padding_side = "right"
-        self.model = build_sharded(load_reward_model, config.model, config.fsdp, self.device, seed).eval()
+        model = dataclasses.replace(config.model, path=model_path)
+        self.model = build_sharded(load_reward_model, model, config.fsdp, self.device, seed).eval()
 
     def _conversations(self, data: DataProto) -> list[str]:
         responses = data.batch[RESPONSES]

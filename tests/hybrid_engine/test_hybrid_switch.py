@@ -9,7 +9,7 @@ from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine, move_model, move_optimizer_state
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.base import SamplingParams
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.trainer.config import default_config
 

@@ -5,7 +5,9 @@ import json
 import pytest
 
 from hybridflow.report import write_report
-from hybridflow.report.timeline import Span, draw_timeline, load_timeline, overlap_summary
+from hybridflow.report.timeline import draw_timeline, overlap_summary
+from hybridflow.run_files import Span
+from hybridflow.run_files import read_spans as load_timeline
 
 
 def span(lane, stage, start, end, rank=0, step=1):

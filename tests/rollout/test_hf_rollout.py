@@ -6,7 +6,7 @@ import torch
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams, response_mask_from
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 
 
 @pytest.fixture(scope="module")

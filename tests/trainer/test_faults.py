@@ -202,6 +202,11 @@ def test_a_joined_cluster_too_small_fails_before_placement():
     from hybridflow.controller import start_ray
     from hybridflow.trainer.check_config import check_cluster
     from hybridflow.trainer.config import ConfigError, load_config
+    from hybridflow.trainer.run_plan import plan_run
+
+    def check(overrides: list[str]) -> None:
+        config = load_config(overrides)
+        check_cluster(config, plan_run(config).placement)
 
     if ray.is_initialized():
         ray.shutdown()
@@ -209,13 +214,13 @@ def test_a_joined_cluster_too_small_fails_before_placement():
     try:
         assert start_ray(address=cluster.address)
         joined = [f"trainer.ray_address={cluster.address}"]
-        check_cluster(load_config(joined))  # 1 node of 2 CPUs holds 2 ranks of 1 CPU
+        check(joined)  # 1 node of 2 CPUs holds 2 ranks of 1 CPU
         start = time.perf_counter()
         with pytest.raises(ConfigError, match="2 nodes asked for; the Ray cluster .* has 1") as caught:
-            check_cluster(load_config([*joined, "trainer.nnodes=2"]))
+            check([*joined, "trainer.nnodes=2"])
         assert caught.value.key == "trainer.nnodes"
         with pytest.raises(ConfigError, match=r"up to 2 ranks \(all pools\) x 100.0 CPUs") as caught:
-            check_cluster(load_config([*joined, "trainer.cpus_per_worker=100"]))
+            check([*joined, "trainer.cpus_per_worker=100"])
         assert caught.value.key == "trainer.cpus_per_worker" and time.perf_counter() - start < 5
     finally:
         ray.shutdown()

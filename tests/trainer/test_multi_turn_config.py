@@ -6,7 +6,8 @@ import ray
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import make_task_rows
 from hybridflow.trainer.config import ConfigError, load_config
-from hybridflow.trainer.main import resolve_models, run
+from hybridflow.trainer.main import run
+from hybridflow.trainer.run_plan import plan_run
 
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
 
@@ -83,7 +84,8 @@ def test_the_files_workers_read_become_absolute_paths(tmp_path, monkeypatch):
     config = load_config(
         [f"{MULTI_TURN}.tool_config_path=tools/calc.yaml", f"{MULTI_TURN}.default_agent=loops/mine.py:MyLoop"]
     )
-    resolve_models(config)
-    multi_turn = config.actor_rollout_ref.rollout.multi_turn
-    assert multi_turn.tool_config_path == str(tmp_path / "tools" / "calc.yaml")
-    assert multi_turn.default_agent == f"{tmp_path / 'loops' / 'mine.py'}:MyLoop"
+    paths = plan_run(config).paths
+    assert paths.tool_config == str(tmp_path / "tools" / "calc.yaml")
+    assert paths.default_agent == f"{tmp_path / 'loops' / 'mine.py'}:MyLoop"
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn  # the config itself stays as it was loaded
+    assert (multi_turn.tool_config_path, multi_turn.default_agent) == ("tools/calc.yaml", "loops/mine.py:MyLoop")

@@ -5,7 +5,8 @@ import pytest
 from hybridflow.controller import Role
 from hybridflow.trainer.check_config import pool_processes_per_node
 from hybridflow.trainer.config import ConfigError, load_config
-from hybridflow.trainer.placement import PlacementPlan, placement_plan
+from hybridflow.trainer.placement import Placement
+from hybridflow.trainer.run_plan import plan_run
 
 PPO_ALL_ROLES = [
     "algorithm.adv_estimator=gae",
@@ -15,8 +16,8 @@ PPO_ALL_ROLES = [
 ]
 
 
-def plan_of(*overrides: str) -> PlacementPlan:
-    return placement_plan(load_config([*PPO_ALL_ROLES, *overrides]))
+def plan_of(*overrides: str) -> Placement:
+    return plan_run(load_config([*PPO_ALL_ROLES, *overrides])).placement
 
 
 def test_all_colocate_is_one_pool_for_every_role():
@@ -34,7 +35,7 @@ def test_group_colocate_pairs_actor_with_ref_and_critic_with_reward_model():
 
 
 def test_group_colocate_without_critic_or_reward_model_is_one_pool():
-    plan = placement_plan(load_config(["trainer.placement=group_colocate"]))  # GRPO: the actor alone
+    plan = plan_run(load_config(["trainer.placement=group_colocate"])).placement  # GRPO: the actor alone
     assert plan.pools == {"actor": [2]} and list(plan.role_pool) == [Role.ActorRollout]
 
 
@@ -59,7 +60,7 @@ def test_custom_pools_of_different_sizes():
 
 
 def test_custom_pools_not_used_by_this_run_are_not_started():
-    plan = placement_plan(
+    plan = plan_run(
         load_config(
             [
                 "trainer.placement=custom",
@@ -69,7 +70,7 @@ def test_custom_pools_not_used_by_this_run_are_not_started():
                 "trainer.role_pool.critic=b",  # GRPO has no critic
             ]
         )
-    )
+    ).placement
     assert plan.pools == {"a": [2]}
 
 
@@ -113,5 +114,5 @@ def test_pools_only_with_custom():
 
 
 def test_processes_per_node_add_up_over_pools():
-    plan = PlacementPlan({"a": [2, 2], "b": [1]}, {Role.ActorRollout: "a", Role.Critic: "b"})
+    plan = Placement({"a": [2, 2], "b": [1]}, {Role.ActorRollout: "a", Role.Critic: "b"})
     assert pool_processes_per_node(plan) == [3, 2]

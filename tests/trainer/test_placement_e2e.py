@@ -8,7 +8,7 @@ from test_train_e2e import assert_all_finite, short_run
 
 from hybridflow.controller import WorkerError
 from hybridflow.models import resolve_model_path
-from hybridflow.trainer.timeline import TIMELINE_FILE
+from hybridflow.run_files import TIMELINE_FILE
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 

@@ -4,8 +4,7 @@ import pytest
 
 from hybridflow.controller import Role
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.ppo_trainer import on_policy_update
-from hybridflow.trainer.roles import needed_roles
+from hybridflow.trainer.run_plan import on_policy_update, plan_run
 
 
 @pytest.mark.parametrize(
@@ -22,7 +21,7 @@ from hybridflow.trainer.roles import needed_roles
     ],
 )
 def test_needed_roles(overrides, roles):
-    assert needed_roles(load_config(overrides)) == roles
+    assert list(plan_run(load_config(overrides)).roles) == roles
 
 
 def test_role_names_are_the_group_names():

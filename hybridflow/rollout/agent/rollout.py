@@ -54,9 +54,18 @@ logger = logging.getLogger(__name__)
 class AgentRollout(Rollout):
     """Multi-turn generation with tools. backend: a rollout with a request engine (native, vllm); its
     weights and cache are the ones used. tools: the run's tools (default: those of
-    ``config.tool_config_path``)."""
+    ``config.tool_config_path``). default_agent: the loop of rows that name none (default:
+    ``config.default_agent``)."""
 
-    def __init__(self, backend: Rollout, tokenizer: Any, config: MultiTurnConfig, tools: ToolSet | None = None):
+    def __init__(
+        self,
+        backend: Rollout,
+        tokenizer: Any,
+        config: MultiTurnConfig,
+        tools: ToolSet | None = None,
+        *,
+        default_agent: str | None = None,
+    ):
         self.backend = backend
         self.engine = backend.request_engine()
         self.tokenizer = tokenizer
@@ -64,6 +73,7 @@ class AgentRollout(Rollout):
         if tools is None:
             tools = load_tools(config.tool_config_path) if config.tool_config_path else ToolSet()
         self.tools = tools
+        self.default_agent = default_agent or config.default_agent
         self.parse = TOOL_CALL_FORMATS[config.format]
         self.pad_token_id = backend.pad_token_id
         self.chat = ChatFormat(tokenizer, backend.eos_token_ids, config.tool_role)
@@ -87,8 +97,7 @@ class AgentRollout(Rollout):
         names = prompts.non_tensor_batch.get(AGENT_NAME, np.full(n, "", dtype=object))
         extra = prompts.non_tensor_batch.get(EXTRA_INFO, np.full(n, None, dtype=object))
         jobs = [
-            (str(name) or self.config.default_agent, (info or {}).get("tools_kwargs", {}))
-            for name, info in zip(names, extra)
+            (str(name) or self.default_agent, (info or {}).get("tools_kwargs", {})) for name, info in zip(names, extra)
         ]
         trajectories = asyncio.run(self._run_all(prompt_lists, jobs, params))
         tensors, non_tensors = assemble_trajectories(ids, mask, trajectories, params.max_new_tokens, self.pad_token_id)

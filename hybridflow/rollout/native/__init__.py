@@ -1,5 +1,6 @@
 """The native generation engine: continuous batching over an own Llama/Qwen2/Mistral forward.
 
+- backend.py   its registration as a backend (`rollout.name=native`)
 - config.py    NativeEngineConfig: the engine's batch limits (`rollout.native.*`)
 - spec.py      ModelSpec: the architecture read from a Hugging Face config
 - weights.py   Weights: the engine's copy (fused q/k/v and gate/up), filled by HF parameter name

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import model
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.native.weights import Weights
+from hybridflow.rollout.sampling import SamplingParams
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.sampling import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 _NUCLEUS_PROBE = 256  # top-p first looks for its nucleus among this many tokens, and sorts all only if needed

@@ -1,5 +1,6 @@
 """vLLM as a generation backend (`actor_rollout_ref.rollout.name=vllm`).
 
+- backend.py   its registration as a backend, and its checks before a run
 - config.py    VllmEngineConfig: the engine's settings (`rollout.vllm.*`)
 - install.py   whether vLLM can run here (installed, importable, the model's head size), and how to install it
 - kv_cache.py  CacheMemory: freeing the KV cache between generations (sleep mode, or the storage on CPU)

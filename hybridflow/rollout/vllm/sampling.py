@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybridflow.rollout.base import SamplingParams
+from hybridflow.rollout.sampling import SamplingParams
 
 _SEED_STRIDE = 1_000_003  # request i of a call with seed s samples with seed s * stride + i
 

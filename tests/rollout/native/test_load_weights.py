@@ -5,7 +5,7 @@ import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
 

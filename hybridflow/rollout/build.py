@@ -1,0 +1,33 @@
+"""Building the run's generator: the backend ``rollout.name`` names, wrapped in agent loops for multi-turn rollout."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+
+from hybridflow.rollout.agent import AgentRollout
+from hybridflow.rollout.backend import rollout_backend
+from hybridflow.rollout.base import Rollout
+from hybridflow.rollout.config import RolloutConfig
+from hybridflow.tools import ToolSet
+
+
+def build_rollout(
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    config: RolloutConfig,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    tools: ToolSet | None = None,
+    default_agent: str | None = None,
+) -> Rollout:
+    """The backend ``config.name`` over ``model``, tensor-parallel over ``tp_group`` when given; with
+    ``multi_turn.enable``, agent loops over that backend's request engine (rollout/agent) with ``tools``
+    (default: those of ``multi_turn.tool_config_path``) and ``default_agent`` (default:
+    ``multi_turn.default_agent``), which the trainer gives with the run's resolved paths."""
+    backend = rollout_backend(config.name)
+    generator = backend.build(model, tokenizer, config.backend_settings(), tp_group)
+    if not config.multi_turn.enable:
+        return generator
+    return AgentRollout(generator, tokenizer, config.multi_turn, tools, default_agent=default_agent)

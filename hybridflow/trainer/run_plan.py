@@ -1,0 +1,207 @@
+"""The run plan: what a run derives from its config, derived once and read by everything after.
+
+The loaded config is what the user wrote and is never changed. What follows from it (the files it
+names as absolute paths and model directories, the advantage estimator, the roles the run needs,
+their pools, each role's parallel layout, whether the actor update supplies its own old log-probs)
+is computed here, once, by ``plan_run``, into a frozen ``RunPlan``: ``check_config`` builds it while
+checking (a placement or layout that cannot work is a ConfigError naming its key), and the driver,
+the placement, the run directory and the worker groups read it instead of deriving anything again.
+The number of steps is the one thing that also depends on the data: ``total_training_steps``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import MappingProxyType
+
+from transformers import AutoConfig, PretrainedConfig
+
+from hybridflow.algorithms import get_adv_estimator
+from hybridflow.algorithms.advantage import AdvantageEstimator
+from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.models import list_builtin_models, resolve_model_path
+from hybridflow.models.split_sizes import check_tensor_parallel_size
+from hybridflow.rollout.backend import rollout_backend
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, TrainerConfig
+from hybridflow.trainer.placement import Placement, place_roles
+from hybridflow.trainer.roles import needed_roles
+
+
+def _model_dir(path: str, key: str) -> str:
+    """The model directory of a built-in name (built on first use) or a local Hugging Face directory."""
+    try:
+        return str(resolve_model_path(path))
+    except FileNotFoundError:
+        raise ConfigError(
+            key,
+            f"'{path}' is neither a built-in model nor a Hugging Face model directory (with config.json)",
+            f"use one of {sorted(list_builtin_models())} or a local directory; nothing is downloaded at run time",
+        ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPaths:
+    """The files a run reads, as its workers must see them (absolute, whatever their working directory)."""
+
+    actor_model: str  # the policy's model directory (a built-in name becomes its cached directory)
+    critic_model: str  # the critic's: critic.model.path, or the policy's when that is ""
+    reward_model: str  # the reward model's ("" without one)
+    tool_config: str  # the multi-turn tools file ("" without one)
+    default_agent: str  # the default agent loop: a registered name, or file.py:Name with the file made absolute
+    run_dir: Path  # trainer.default_local_dir
+
+    @classmethod
+    def resolve(cls, config: HybridFlowConfig, roles: tuple[Role, ...]) -> RunPaths:
+        """The paths of ``config`` for a run of ``roles``; ConfigError for a model that is not there."""
+        arr, multi_turn = config.actor_rollout_ref, config.actor_rollout_ref.rollout.multi_turn
+        actor = _model_dir(arr.model.path, "actor_rollout_ref.model.path")
+        critic = config.critic.model.path if Role.Critic in roles else ""
+        file, sep, name = multi_turn.default_agent.rpartition(":")
+        return cls(
+            actor_model=actor,
+            critic_model=_model_dir(critic, "critic.model.path") if critic else actor,
+            reward_model=_model_dir(config.reward_model.model.path, "reward_model.model.path")
+            if Role.RewardModel in roles
+            else "",
+            tool_config=str(Path(multi_turn.tool_config_path).resolve()) if multi_turn.tool_config_path else "",
+            default_agent=(
+                f"{Path(file).resolve()}:{name}" if sep and file.endswith(".py") else multi_turn.default_agent
+            ),
+            run_dir=Path(config.trainer.default_local_dir),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    paths: RunPaths
+    estimator: AdvantageEstimator  # algorithm.adv_estimator, looked up once
+    roles: tuple[Role, ...]  # the roles this run needs, the actor first
+    placement: Placement  # the pools and the pool of each role
+    layouts: Mapping[Role, LayoutShape]  # each role's (dp, t, tg) over its pool's ranks
+    on_policy_update: bool  # the actor update supplies the old log-probs (no separate pass)
+
+    def needs(self, role: Role) -> bool:
+        return role in self.roles
+
+    @property
+    def actor_layout(self) -> LayoutShape:
+        return self.layouts[Role.ActorRollout]
+
+
+def on_policy_update(config: HybridFlowConfig) -> bool:
+    """Whether the actor update is one optimizer step on this very batch, with nothing needing old
+    log-probs before it (KL in the reward and the rollout correction do): its own pre-step log-probs
+    then are the old ones."""
+    actor = config.actor_rollout_ref.actor
+    return (
+        actor.reuse_update_log_probs
+        and actor.single_update_step(actor.ppo_mini_batch_size, config.data.train_batch_size)
+        and not config.algorithm.use_kl_in_reward
+        and not config.algorithm.rollout_correction.enabled
+    )
+
+
+@cache
+def model_config(path: str) -> PretrainedConfig:
+    """The Hugging Face config of the model directory ``path`` (read once per run)."""
+    return AutoConfig.from_pretrained(path)
+
+
+def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
+    """Each role whose layers can split over ranks: (its config key, the size)."""
+    arr = config.actor_rollout_ref
+    return {
+        Role.ActorRollout: ("actor_rollout_ref.actor.tensor_model_parallel_size", arr.actor.tensor_model_parallel_size),
+        Role.RefPolicy: ("actor_rollout_ref.ref.tensor_model_parallel_size", arr.ref.tensor_model_parallel_size),
+        Role.Critic: ("critic.tensor_model_parallel_size", config.critic.tensor_model_parallel_size),
+    }
+
+
+def _splits_evenly(model_path: str, size: int, key: str) -> None:
+    """Whole heads and equal MLP slices per rank when ``size`` ranks split the model's layers."""
+    if size == 1:
+        return
+    try:
+        check_tensor_parallel_size(model_config(model_path), size, key)
+    except ValueError as error:
+        raise ConfigError(key, str(error)) from None
+
+
+def _actor_layout(config: HybridFlowConfig, dp: int, t: int) -> LayoutShape:
+    """The actor's (dp, t) training layout with generation groups of tg ranks: every rule on tg is here
+    (and tg dividing t in LayoutShape itself, as the regrouping needs)."""
+    rollout = config.actor_rollout_ref.rollout
+    tg, key = rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    if tg > 1 and not rollout_backend(rollout.name).tensor_parallel:
+        raise ConfigError(
+            key,
+            f"{tg} needs a tensor-parallel backend; rollout.name={rollout.name} generates on one rank",
+            "use rollout.name=native, or tensor_model_parallel_size=1",
+        )
+    if tg > 1 and rollout.multi_turn.enable:
+        raise ConfigError(
+            key,
+            "multi-turn rollout generates on one rank (the ranks of a group would wait on different tools)",
+            "set it to 1 (the actor may still train tensor-parallel)",
+        )
+    try:
+        return LayoutShape(dp=dp, t=t, tg=tg)
+    except ValueError as error:
+        raise ConfigError(
+            key,
+            f"{tg} does not divide actor.tensor_model_parallel_size={t}: every generation shard must be made of "
+            f"whole training shards (the 3D-HybridEngine's regrouping: {error})",
+            f"choose a divisor of {t}",
+        ) from None
+
+
+def role_layouts(
+    config: HybridFlowConfig, roles: tuple[Role, ...], placement: Placement, paths: RunPaths
+) -> dict[Role, LayoutShape]:
+    """Each role's layout over its pool: tensor parallelism over t ranks (its key), FSDP2 over the rest,
+    and for the actor generation groups of tg; ConfigError when a size does not fit the pool or the model."""
+    model_of = {Role.ActorRollout: paths.actor_model, Role.RefPolicy: paths.actor_model}
+    model_of[Role.Critic] = paths.critic_model
+    sizes = tensor_parallel_keys(config)
+    layouts = {}
+    for role in roles:
+        world = placement.world_size(role)
+        key, t = sizes.get(role, ("", 1))
+        if world % t:
+            raise ConfigError(
+                key,
+                f"{t} does not divide the {world} ranks of pool '{placement.role_pool[role]}' ({role.value})",
+                "choose a divisor of the pool's ranks",
+            )
+        if role in model_of:
+            _splits_evenly(model_of[role], t, key)  # then also over tg, which divides t
+        is_actor = role is Role.ActorRollout
+        layouts[role] = _actor_layout(config, world // t, t) if is_actor else LayoutShape(dp=world // t, t=t, tg=1)
+    return layouts
+
+
+def plan_run(config: HybridFlowConfig) -> RunPlan:
+    """The run's plan; ConfigError (naming the key) when a model is not there, or the placement or a layout
+    cannot work. Builds built-in models into their cached directories on first use."""
+    estimator = get_adv_estimator(config.algorithm.adv_estimator)
+    roles = tuple(needed_roles(config, estimator))
+    paths = RunPaths.resolve(config, roles)
+    placement = place_roles(config, roles)
+    return RunPlan(
+        paths=paths,
+        estimator=estimator,
+        roles=roles,
+        placement=placement,
+        layouts=MappingProxyType(role_layouts(config, roles, placement, paths)),
+        on_policy_update=on_policy_update(config),
+    )
+
+
+def total_training_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:
+    """The run's length: total_epochs over the data, or trainer.total_training_steps if that is fewer."""
+    total = steps_per_epoch * trainer.total_epochs
+    return min(total, trainer.total_training_steps) if trainer.total_training_steps > 0 else total
