@@ -34,14 +34,19 @@ $(DEMO_DATA)/train.parquet: | $(STAMP)
 demo: $(STAMP) $(DEMO_DATA)/train.parquet
 	$(PY) -m hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml
 
-# ruff (pinned in pyproject.toml's test extra) first: a lint or format error fails the test command.
+# ruff (pinned in pyproject.toml's test extra) first: a lint or format error fails the test command; then the
+# layer rules (import-linter's contracts in pyproject.toml) and the default YAML's comments (made from the
+# config dataclasses: `make format` rewrites them).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports --no-cache
+	$(PY) -m hybridflow.trainer.config_help --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+	$(PY) -m hybridflow.trainer.config_help
 
 test: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -6,9 +6,11 @@ Also runnable as ``python -m hybridflow.trainer.main key=value ...`` (the same c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from rich.console import Console
 
 from hybridflow.controller import Role, RoleSpec, ray_session
@@ -19,6 +21,7 @@ from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
+from hybridflow.trainer.config_help import key_help
 from hybridflow.trainer.placement import build_groups
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups
@@ -150,6 +153,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
 def train_usage() -> str:
     sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections())
     return f"""usage: hybridflow train [--config FILE] [--debug] key=value ...
+       hybridflow train --help [SECTION]      every key of SECTION with its default and help
 
 Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
 holds only the keys it changes, and key=value overrides any key, for example
@@ -160,11 +164,28 @@ config sections:
 """
 
 
+def keys_usage(section: str) -> str:
+    """Each key under ``section`` (a dotted prefix) with its default and its help."""
+    defaults = OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG))
+    helps = key_help()
+    lines = []
+    for key, help in helps.items():
+        if key != section and not key.startswith(section + "."):
+            continue
+        is_section = any(other.startswith(key + ".") for other in helps)
+        value = functools.reduce(lambda node, part: node[part], key.split("."), defaults)
+        lines.append(key + ("" if is_section else f" = {value!r}") + (f"\n    {help.text}" if help else ""))
+    if not lines:
+        raise ConfigError(section, "no such key or section", "hybridflow train --help lists the sections")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow train [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if any(arg in ("-h", "--help") for arg in args):
-        print(train_usage())
+        sections = [arg for arg in args if not arg.startswith("-")]
+        print(keys_usage(sections[0]) if sections else train_usage())
         return 0
     config_file = None
     if args and args[0] == "--config":

@@ -29,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.data.tasks import TASKS, make_task_rows
     from hybridflow.models import load_causal_lm, load_tokenizer
     from hybridflow.reward import RewardManager
-    from hybridflow.rollout.agent import AgentRollout
     from hybridflow.rollout.base import SamplingParams
-    from hybridflow.rollout.native import NativeRollout
+    from hybridflow.rollout.build import build_rollout
     from hybridflow.tools import load_tools
     from hybridflow.trainer.config import default_config
 
@@ -58,10 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_rows(rows, Path(tmp) / "test.parquet")
         dataset = RLHFDataset(path, tokenizer, dataclasses.replace(config.data, max_prompt_length=2048))
-    rollout = NativeRollout(model, tokenizer, engine_config=config.actor_rollout_ref.rollout.native)
-    if multi_turn:
-        multi_turn_config = dataclasses.replace(config.actor_rollout_ref.rollout.multi_turn, enable=True)
-        rollout = AgentRollout(rollout, tokenizer, multi_turn_config, load_tools(args.tools))
+    # the default rollout settings (the native engine), with agent loops for multi-turn tasks
+    rollout_config = config.actor_rollout_ref.rollout
+    rollout_config = dataclasses.replace(
+        rollout_config, multi_turn=dataclasses.replace(rollout_config.multi_turn, enable=multi_turn)
+    )
+    rollout = build_rollout(model, tokenizer, rollout_config, tools=load_tools(args.tools) if multi_turn else None)
     if args.sample:
         params = SamplingParams(
             do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens, seed=args.seed

@@ -23,3 +23,11 @@ def test_measure_asks_for_the_tools_of_a_multi_turn_task(capsys):
         main(["measure", "calculator", "--model", "tiny-llama", "--n", "2"])
     assert exit.value.code == 2
     assert "give its tools with --tools FILE" in capsys.readouterr().err
+
+
+def test_measure_runs_a_multi_turn_task_through_its_agent_loop(capsys):
+    tools = "examples/tools/calculator.yaml"
+    args = ["measure", "calculator", "--model", "tiny-llama", "--n", "2", "--tools", tools, "--max-new-tokens", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"calculator accuracy of tiny-llama: [0-9.]+ on 2 test prompts .*tool-call rate [0-9.]+", out), out
