@@ -1,4 +1,5 @@
-"""Typed configs of the training engine: model, optimizer, FSDP2, actor, reference, critic.
+"""Typed configs of the training engine: model, FSDP2, actor, reference, critic (the optimizer's,
+``OptimConfig``, is in optim.py beside the code that reads it).
 
 Fields carry no defaults: hybridflow/config/ppo_trainer.yaml writes every default once, and
 ``hybridflow.trainer.config.default_config()`` gives them as these objects. Each class checks
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
-from hybridflow.engine.optim import SCHEDULES
+from hybridflow.engine.optim import OptimConfig
 from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES
 from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
 
@@ -19,30 +20,6 @@ from hybridflow.validation import require, require_choice, require_positive, req
 class ModelConfig:
     path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
     enable_gradient_checkpointing: bool  # recompute activations in backward to save memory
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    lr: float  # peak learning rate of AdamW
-    weight_decay: float  # AdamW decoupled weight decay
-    betas: list[float]  # AdamW betas
-    eps: float  # AdamW epsilon
-    lr_warmup_steps: int  # linear warm-up steps from 0 to lr
-    lr_scheduler: str  # after warm-up: one of engine.optim.SCHEDULES (constant | cosine)
-    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio at the last step
-
-    def __post_init__(self) -> None:
-        require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "betas",
-            f"need two in [0, 1), got {self.betas}",
-        )
-        require_positive(self.eps, "eps")
-        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
-        require_choice(self.lr_scheduler, SCHEDULES, "lr_scheduler")
-        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass(kw_only=True)

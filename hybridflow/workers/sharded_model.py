@@ -10,9 +10,9 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
+from hybridflow.engine.config import FSDPConfig, ModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import OptimConfig, build_lr_scheduler, build_optimizer
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.models.loading import enable_activation_checkpointing
 
