@@ -20,7 +20,7 @@ from torch import nn
 
 from hybridflow.algorithms import LossAggregation
 from hybridflow.batch_keys import RESPONSE_MASK
-from hybridflow.engine.config import ActorConfig, CriticConfig
+from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.fsdp import grad_norm_and_clip
 from hybridflow.lengths import row_lengths
@@ -52,7 +52,7 @@ def run_updates(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     data: DataProto,
-    config: ActorConfig | CriticConfig,
+    config: UpdateConfig,
     *,
     prefix: str,
     mini_batch_size: int,
