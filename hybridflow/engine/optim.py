@@ -1,4 +1,5 @@
-"""AdamW with a warm-up then constant or cosine learning rate, and its settings (``OptimConfig``)."""
+"""AdamW with a warm-up then constant or cosine learning rate, its settings (``OptimConfig``), and a
+model under training together with both (``TrainedModel``)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,20 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config, total_steps))
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A model under training with its optimizer and learning-rate schedule, which go everywhere together:
+    the update (engine/update.py), checkpoints (engine/checkpoint.py), the hybrid engine's offload. Roles
+    that only score (reference, reward model) hold a plain module instead."""
+
+    model: nn.Module  # sharded (FSDP2) in workers; a plain module in tests
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped once per training step
+
+    @classmethod
+    def build(cls, model: nn.Module, config: OptimConfig, total_steps: int) -> TrainedModel:
+        """``model`` with AdamW and the learning-rate schedule of ``config`` over ``total_steps`` steps."""
+        optimizer = build_optimizer(model, config)
+        return cls(model, optimizer, build_lr_scheduler(optimizer, config, total_steps))

@@ -28,6 +28,7 @@ from hybridflow.batch_keys import (
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -57,21 +58,17 @@ class FirstPass:
 class PolicyEngine:
     """A sharded policy model with its optimizer and learning-rate schedule."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler,
-        config: ActorConfig,
-        dp_group: dist.ProcessGroup | None = None,
-    ):
+    def __init__(self, trained: TrainedModel, config: ActorConfig, dp_group: dist.ProcessGroup | None = None):
         self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.trained = trained
         self.config = config
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
-        self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
+        self.meter = PassMeter(trained.model)  # measures the device's peak FLOP/s once per process
+
+    @property
+    def model(self) -> nn.Module:
+        """The policy under training (``trained.model``)."""
+        return self.trained.model
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
         """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
@@ -159,9 +156,7 @@ class PolicyEngine:
             first_pass = FirstPass(data.batch[RESPONSES].shape, bypass)
         start = time.perf_counter()
         metrics = run_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
+            self.trained,
             data,
             cfg,
             prefix="actor",

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hybridflow.algorithms import LossAggregation
 from hybridflow.batch_keys import RESPONSE_MASK
 from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.fsdp import grad_norm_and_clip
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
@@ -48,9 +48,7 @@ def _to_float(value: torch.Tensor | float) -> float:
 
 
 def run_updates(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trained: TrainedModel,
     data: DataProto,
     config: UpdateConfig,
     *,
@@ -70,6 +68,7 @@ def run_updates(
     real tokens (collective: every rank runs as many micro-batches).
     """
     # the data-parallel size: FSDP2 averages gradients over these ranks (tensor-parallel peers share rows)
+    model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     max_token_len = config.ppo_max_token_len_per_gpu if config.use_dynamic_bsz else None
     totals: dict[str, list[float]] = defaultdict(list)
