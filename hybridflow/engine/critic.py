@@ -62,12 +62,12 @@ class CriticEngine:
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> DataProto:
         """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and
         ``perf/tflops_critic_update``."""
-        cfg = self.config
-        start = time.perf_counter()
         metrics = run_updates(
             self.trained,
             data,
-            cfg,
+            self.config,
+            self.meter,
+            pass_name="critic_update",
             prefix="critic",
             mini_batch_size=mini_batch_size,
             seed=seed,
@@ -75,6 +75,4 @@ class CriticEngine:
             dp_group=self.dp_group,
             loss_share_keys=("critic/vf_loss",),
         )
-        work = pass_work(data, cfg.use_remove_padding)
-        metrics.update(self.meter.metrics("critic_update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
         return DataProto(meta_info={METRICS: metrics})
