@@ -14,8 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hybridflow.engine.optim import TrainedModel
 
 SHARDS = "dcp"
 SCHEDULER = "scheduler.pt"
@@ -31,34 +32,29 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_training_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int
-) -> None:
+def save_training_state(directory: Path, trained: TrainedModel, rank: int) -> None:
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
+    model_state, optim_state = get_state_dict(trained.model, trained.optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / SHARDS))
-    if rank == 0 and scheduler is not None:
-        torch.save(scheduler.state_dict(), directory / SCHEDULER)
+    if rank == 0:
+        torch.save(trained.scheduler.state_dict(), directory / SCHEDULER)
     torch.save(rng_state(), directory / f"rng_rank{rank}.pt")
     if dist.is_initialized():
         dist.barrier()
 
 
-def load_training_state(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler, rank: int
-) -> None:
+def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> None:
     """Collective. Works on a different number of ranks than saved; RNG states then come from rank 0's file."""
     if not (directory / SHARDS).is_dir():
         raise FileNotFoundError(
             f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?"
         )
-    optimizers = optimizer if optimizer is not None else []
-    model_state, optim_state = get_state_dict(model, optimizers)
+    model_state, optim_state = get_state_dict(trained.model, trained.optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    if scheduler is not None and (directory / SCHEDULER).is_file():
-        scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
+    set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if (directory / SCHEDULER).is_file():
+        trained.scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
     rng_file = directory / f"rng_rank{rank}.pt"
     set_rng_state(torch.load(rng_file if rng_file.is_file() else directory / "rng_rank0.pt", weights_only=False))

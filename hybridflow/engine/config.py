@@ -1,4 +1,5 @@
-"""Typed configs of the training engine: model, optimizer, FSDP2, actor, reference, critic.
+"""Typed configs of the training engine: model, FSDP2, actor, reference, critic (the optimizer's,
+``OptimConfig``, is in optim.py beside the code that reads it).
 
 Fields carry no defaults: hybridflow/config/ppo_trainer.yaml writes every default once, and
 ``hybridflow.trainer.config.default_config()`` gives them as these objects. Each class checks
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
-from hybridflow.engine.optim import SCHEDULES
+from hybridflow.engine.optim import OptimConfig
 from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES
 from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
 
@@ -19,30 +20,6 @@ from hybridflow.validation import require, require_choice, require_positive, req
 class ModelConfig:
     path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
     enable_gradient_checkpointing: bool  # recompute activations in backward to save memory
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    lr: float  # peak learning rate of AdamW
-    weight_decay: float  # AdamW decoupled weight decay
-    betas: list[float]  # AdamW betas
-    eps: float  # AdamW epsilon
-    lr_warmup_steps: int  # linear warm-up steps from 0 to lr
-    lr_scheduler: str  # after warm-up: one of engine.optim.SCHEDULES (constant | cosine)
-    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio at the last step
-
-    def __post_init__(self) -> None:
-        require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
-        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-        require(
-            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-            "betas",
-            f"need two in [0, 1), got {self.betas}",
-        )
-        require_positive(self.eps, "eps")
-        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
-        require_choice(self.lr_scheduler, SCHEDULES, "lr_scheduler")
-        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
 
 
 @dataclass(kw_only=True)
@@ -56,31 +33,22 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
-class ActorConfig:
+class UpdateConfig:
+    """What the actor's and the critic's updates share (engine/update.py reads it): mini-batches, micro-batches,
+    epochs, loss aggregation, gradient clipping, the optimizer and FSDP2. Each role adds its own fields."""
+
     ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
     ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank (gradient accumulation)
     ppo_epochs: int  # passes over the batch per training step
     shuffle: bool  # shuffle samples between mini-batches (seeded)
-    tensor_model_parallel_size: int  # t: ranks that split each decoder layer (DTensor); FSDP2 over the other ranks
-    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing old log-probs
+    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor; the actor's t); FSDP2 over the rest
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch for old log-probs
-    param_offload: bool  # move parameter shards and gradients to CPU memory while generating (GPU; CPU: no-op)
-    optimizer_offload: bool  # move the optimizer state to CPU memory while generating (GPU; CPU: no-op)
-    # on-policy steps (see single_update_step; no KL in the reward): the old log-probs come from the
-    # update's own forward before its optimizer step (exact), with no separate pass
-    reuse_update_log_probs: bool
-    policy_loss: PolicyLossConfig  # loss_mode and clip ratios
     loss_agg_mode: str  # algorithms.AGG_MODES: token-mean | token-sum | seq-mean-token-sum | ...
-    entropy_coeff: float  # weight of the entropy bonus (subtracted from the loss)
-    use_kl_loss: bool  # add KL(pi || ref) to the loss (GRPO style) instead of / besides the reward
-    kl_loss_coef: float  # weight of the KL loss
-    kl_loss_type: str  # algorithms.KL_TYPES: kl | abs | mse | low_var_kl, with optional + (straight-through)
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
-    optim: OptimConfig
-    fsdp: FSDPConfig
+    optim: OptimConfig  # AdamW and its learning-rate schedule
+    fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 
     def __post_init__(self) -> None:
         require_positive_fields(
@@ -89,12 +57,32 @@ class ActorConfig:
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
             "tensor_model_parallel_size",
-            "log_prob_micro_batch_size_per_gpu",
             "ppo_max_token_len_per_gpu",
-            "log_prob_max_token_len_per_gpu",
             "grad_clip",
         )
         require_choice(self.loss_agg_mode, AGG_MODES, "loss_agg_mode")
+
+
+@dataclass(kw_only=True)
+class ActorConfig(UpdateConfig):
+    """The policy's training side (the update's shared fields in ``UpdateConfig``)."""
+
+    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing old log-probs
+    log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch for old log-probs
+    param_offload: bool  # move parameter shards and gradients to CPU memory while generating (GPU; CPU: no-op)
+    optimizer_offload: bool  # move the optimizer state to CPU memory while generating (GPU; CPU: no-op)
+    # on-policy steps (see single_update_step; no KL in the reward): the old log-probs come from the
+    # update's own forward before its optimizer step (exact), with no separate pass
+    reuse_update_log_probs: bool
+    policy_loss: PolicyLossConfig  # loss_mode and clip ratios
+    entropy_coeff: float  # weight of the entropy bonus (subtracted from the loss)
+    use_kl_loss: bool  # add KL(pi || ref) to the loss (GRPO style) instead of / besides the reward
+    kl_loss_coef: float  # weight of the KL loss
+    kl_loss_type: str  # algorithms.KL_TYPES: kl | abs | mse | low_var_kl, with optional + (straight-through)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive_fields(self, "log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu")
         require_choice(self.kl_loss_type, KL_TYPES, "kl_loss_type")
         require(self.kl_loss_coef >= 0, "kl_loss_coef", f"must be >= 0, got {self.kl_loss_coef}")
 
@@ -121,37 +109,16 @@ class RefConfig:
 
 
 @dataclass(kw_only=True)
-class CriticConfig:
+class CriticConfig(UpdateConfig):
     """The value model of PPO (built when algorithm.adv_estimator needs values, e.g. gae)."""
 
     model: ModelConfig  # path "" means: the actor's model
-    ppo_mini_batch_size: int  # prompts per optimizer step, over all ranks
-    ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank
-    ppo_epochs: int  # passes over the batch per training step
-    shuffle: bool  # shuffle samples between mini-batches (seeded)
-    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the others
     forward_micro_batch_size_per_gpu: int  # samples per forward when computing values
-    use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
-    use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
-    ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
     forward_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch when computing values
     cliprange_value: float  # value clipping range around the old values
-    loss_agg_mode: str  # aggregation of the value loss (algorithms.AGG_MODES)
-    grad_clip: float  # max global grad norm
-    optim: OptimConfig
-    fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require_positive_fields(
-            self,
-            "ppo_mini_batch_size",
-            "ppo_micro_batch_size_per_gpu",
-            "ppo_epochs",
-            "tensor_model_parallel_size",
-            "forward_micro_batch_size_per_gpu",
-            "ppo_max_token_len_per_gpu",
-            "forward_max_token_len_per_gpu",
-            "cliprange_value",
-            "grad_clip",
+            self, "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", "cliprange_value"
         )
-        require_choice(self.loss_agg_mode, AGG_MODES, "loss_agg_mode")

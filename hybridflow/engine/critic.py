@@ -16,25 +16,24 @@ from hybridflow.batch_keys import METRICS, RESPONSE_MASK, RETURNS, VALUES
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_values, pass_work, response_values
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
 
 class CriticEngine:
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler,
-        config: CriticConfig,
-        dp_group: dist.ProcessGroup | None = None,
-    ):
-        self.model = model
+    """A sharded value model with its optimizer and learning-rate schedule."""
+
+    def __init__(self, trained: TrainedModel, config: CriticConfig, dp_group: dist.ProcessGroup | None = None):
         self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.trained = trained
         self.config = config
-        self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
+        self.meter = PassMeter(trained.model)  # measures the device's peak FLOP/s once per process
+
+    @property
+    def model(self) -> nn.Module:
+        """The value model under training (``trained.model``)."""
+        return self.trained.model
 
     def compute_values(self, data: DataProto) -> DataProto:
         """Values (B, R), 0 on response padding, with the pass's FLOP/s as metrics."""
@@ -63,14 +62,12 @@ class CriticEngine:
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> DataProto:
         """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and
         ``perf/tflops_critic_update``."""
-        cfg = self.config
-        start = time.perf_counter()
         metrics = run_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
+            self.trained,
             data,
-            cfg,
+            self.config,
+            self.meter,
+            pass_name="critic_update",
             prefix="critic",
             mini_batch_size=mini_batch_size,
             seed=seed,
@@ -78,6 +75,4 @@ class CriticEngine:
             dp_group=self.dp_group,
             loss_share_keys=("critic/vf_loss",),
         )
-        work = pass_work(data, cfg.use_remove_padding)
-        metrics.update(self.meter.metrics("critic_update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
         return DataProto(meta_info={METRICS: metrics})

@@ -1,16 +1,16 @@
-"""AdamW with a warm-up then constant or cosine learning rate."""
+"""AdamW with a warm-up then constant or cosine learning rate, its settings (``OptimConfig``), and a
+model under training together with both (``TrainedModel``)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # engine/config.py validates lr_scheduler against SCHEDULES below
-    from hybridflow.engine.config import OptimConfig
+from hybridflow.validation import require, require_choice, require_positive
 
 
 def _constant(progress: float, min_lr_ratio: float) -> float:
@@ -25,6 +25,30 @@ def _cosine(progress: float, min_lr_ratio: float) -> float:
 SCHEDULES: dict[str, Callable[[float, float], float]] = {"constant": _constant, "cosine": _cosine}
 
 FUSED_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float  # peak learning rate of AdamW
+    weight_decay: float  # AdamW decoupled weight decay
+    betas: list[float]  # AdamW betas
+    eps: float  # AdamW epsilon
+    lr_warmup_steps: int  # linear warm-up steps from 0 to lr
+    lr_scheduler: str  # after warm-up: one of SCHEDULES (constant | cosine)
+    min_lr_ratio: float  # cosine decays to lr * min_lr_ratio at the last step
+
+    def __post_init__(self) -> None:
+        require(self.lr >= 0, "lr", f"must be >= 0, got {self.lr}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            "betas",
+            f"need two in [0, 1), got {self.betas}",
+        )
+        require_positive(self.eps, "eps")
+        require(self.lr_warmup_steps >= 0, "lr_warmup_steps", f"must be >= 0, got {self.lr_warmup_steps}")
+        require_choice(self.lr_scheduler, SCHEDULES, "lr_scheduler")
+        require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
 
 
 def build_optimizer(model: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
@@ -55,3 +79,20 @@ def build_lr_scheduler(
     optimizer: torch.optim.Optimizer, config: OptimConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config, total_steps))
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    """A model under training with its optimizer and learning-rate schedule, which go everywhere together:
+    the update (engine/update.py), checkpoints (engine/checkpoint.py), the hybrid engine's offload. Roles
+    that only score (reference, reward model) hold a plain module instead."""
+
+    model: nn.Module  # sharded (FSDP2) in workers; a plain module in tests
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # stepped once per training step
+
+    @classmethod
+    def build(cls, model: nn.Module, config: OptimConfig, total_steps: int) -> TrainedModel:
+        """``model`` with AdamW and the learning-rate schedule of ``config`` over ``total_steps`` steps."""
+        optimizer = build_optimizer(model, config)
+        return cls(model, optimizer, build_lr_scheduler(optimizer, config, total_steps))

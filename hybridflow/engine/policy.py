@@ -6,8 +6,6 @@ Both passes return a DataProto: their tensors, and their measurements in ``meta_
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,7 +25,9 @@ from hybridflow.batch_keys import (
 )
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
+from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.log_prob import log_prob_pass
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -57,38 +57,29 @@ class FirstPass:
 class PolicyEngine:
     """A sharded policy model with its optimizer and learning-rate schedule."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler,
-        config: ActorConfig,
-        dp_group: dist.ProcessGroup | None = None,
-    ):
+    def __init__(self, trained: TrainedModel, config: ActorConfig, dp_group: dist.ProcessGroup | None = None):
         self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
-        self.model = model
-        self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.trained = trained
         self.config = config
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
-        self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
+        self.meter = PassMeter(trained.model)  # measures the device's peak FLOP/s once per process
+
+    @property
+    def model(self) -> nn.Module:
+        """The policy under training (``trained.model``)."""
+        return self.trained.model
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
         """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
-        cfg = self.config
-        self.model.eval()
-        start = time.perf_counter()
-        log_probs, entropy = batched_log_probs(
+        log_probs, entropy, metrics = log_prob_pass(
             self.model,
+            self.meter,
             data,
-            cfg.log_prob_micro_batch_size_per_gpu,
-            temperature,
-            with_entropy,
-            remove_padding=cfg.use_remove_padding,
-            max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            self.config,
+            pass_name="log_prob",
+            temperature=temperature,
+            with_entropy=with_entropy,
         )
-        work = pass_work(data, cfg.use_remove_padding)
-        metrics = self.meter.metrics("log_prob", work, time.perf_counter() - start, training=False)
         tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
@@ -143,27 +134,13 @@ class PolicyEngine:
         the output's ``old_log_probs`` / ``entropys`` ((B, R), ``data``'s order): the trainer's view of
         the sampled tokens, for the metrics. With old log-probs given, the output holds the metrics alone.
         """
-        cfg = self.config
-        first_pass = None
-        if OLD_LOG_PROBS not in data.batch.keys():
-            bypass = data.meta_info.get(OLD_POLICY) == "rollout"
-            if not bypass and not cfg.single_update_step(mini_batch_size, len(data)):
-                raise ValueError(
-                    f"the batch has no old_log_probs, but the update is not one optimizer step on it "
-                    f"({cfg.ppo_epochs} epoch(s), mini-batches of {mini_batch_size} of {len(data)} samples): "
-                    "compute old log-probs first"
-                )
-            # a new TensorDict, so that the row index stays out of the caller's batch
-            data = data.select(batch_keys=list(data.batch.keys()))
-            data.batch[_ROW] = torch.arange(len(data))
-            first_pass = FirstPass(data.batch[RESPONSES].shape, bypass)
-        start = time.perf_counter()
+        data, first_pass = self._first_pass(data, mini_batch_size)
         metrics = run_updates(
-            self.model,
-            self.optimizer,
-            self.scheduler,
+            self.trained,
             data,
-            cfg,
+            self.config,
+            self.meter,
+            pass_name="update",
             prefix="actor",
             mini_batch_size=mini_batch_size,
             seed=seed,
@@ -171,7 +148,21 @@ class PolicyEngine:
             dp_group=self.dp_group,
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
-        work = pass_work(data, cfg.use_remove_padding)
-        metrics.update(self.meter.metrics("update", work, time.perf_counter() - start, True, cfg.ppo_epochs))
         tensors = first_pass.tensors() if first_pass is not None else None
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
+
+    def _first_pass(self, data: DataProto, mini_batch_size: int) -> tuple[DataProto, FirstPass | None]:
+        """Given old log-probs: ``data`` as it is and None. Else ``data`` with each row's index (in a new
+        TensorDict, so that the index stays out of the caller's batch) and the FirstPass to fill."""
+        if OLD_LOG_PROBS in data.batch.keys():
+            return data, None
+        bypass = data.meta_info.get(OLD_POLICY) == "rollout"
+        if not bypass and not self.config.single_update_step(mini_batch_size, len(data)):
+            raise ValueError(
+                f"the batch has no old_log_probs, but the update is not one optimizer step on it "
+                f"({self.config.ppo_epochs} epoch(s), mini-batches of {mini_batch_size} of {len(data)} samples): "
+                "compute old log-probs first"
+            )
+        data = data.select(batch_keys=list(data.batch.keys()))
+        data.batch[_ROW] = torch.arange(len(data))
+        return data, FirstPass(data.batch[RESPONSES].shape, bypass)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 from torch import nn
 
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine.config import RefConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs, pass_work
+from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.protocol import DataProto
 
 
@@ -21,18 +19,13 @@ class ReferenceEngine:
 
     def compute_ref_log_prob(self, data: DataProto, temperature: float) -> DataProto:
         """Reference log-probs (B, R), with the pass's FLOP/s as metrics (``meta_info[METRICS]``)."""
-        cfg = self.config
-        self.model.eval()
-        start = time.perf_counter()
-        log_probs, _ = batched_log_probs(
+        log_probs, _, metrics = log_prob_pass(
             self.model,
+            self.meter,
             data,
-            cfg.log_prob_micro_batch_size_per_gpu,
-            temperature,
+            self.config,
+            pass_name="ref_log_prob",
+            temperature=temperature,
             with_entropy=False,
-            remove_padding=cfg.use_remove_padding,
-            max_token_len=cfg.log_prob_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
         )
-        work = pass_work(data, cfg.use_remove_padding)
-        metrics = self.meter.metrics("ref_log_prob", work, time.perf_counter() - start, training=False)
         return DataProto.from_dict({REF_LOG_PROB: log_probs}, meta_info={METRICS: metrics})

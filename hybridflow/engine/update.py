@@ -1,4 +1,5 @@
-"""The shared optimisation loop: mini-batches for optimizer steps, micro-batches for accumulation.
+"""The update step of the actor and the critic, written once: mini-batches for optimizer steps,
+micro-batches for accumulation, timed with the step's FLOP/s; each role gives its micro-batch loss.
 
 Loss normalisation across micro-batches *and* data-parallel ranks: the loss aggregation is told
 the token and sequence counts of the whole mini-batch over all ranks, so each micro-batch loss
@@ -11,18 +12,21 @@ the (B, R) layout, so the response length used by ``seq-mean-token-sum-norm`` is
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hybridflow.algorithms import LossAggregation
 from hybridflow.batch_keys import RESPONSE_MASK
-from hybridflow.engine.config import ActorConfig, CriticConfig
+from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
+from hybridflow.engine.flops import PassMeter
+from hybridflow.engine.forward import pass_work
 from hybridflow.engine.fsdp import grad_norm_and_clip
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
@@ -48,12 +52,12 @@ def _to_float(value: torch.Tensor | float) -> float:
 
 
 def run_updates(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trained: TrainedModel,
     data: DataProto,
-    config: ActorConfig | CriticConfig,
+    config: UpdateConfig,
+    meter: PassMeter,
     *,
+    pass_name: str,
     prefix: str,
     mini_batch_size: int,
     seed: int,
@@ -63,12 +67,17 @@ def run_updates(
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
+    ``micro_loss`` gives a micro-batch's loss and metrics; ``prefix`` names the step's own metrics
+    (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and ``pass_name`` its FLOP/s
+    over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
     Metrics are averaged over micro-batches, except ``loss_share_keys``: those are each
     micro-batch's share of the global mini-batch loss, so they are summed over the mini-batch
     (and scaled by the world size, so that the driver's mean over ranks is the global loss).
     With ``config.use_dynamic_bsz`` micro-batches hold at most ``config.ppo_max_token_len_per_gpu``
     real tokens (collective: every rank runs as many micro-batches).
     """
+    start = time.perf_counter()
+    model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     # the data-parallel size: FSDP2 averages gradients over these ranks (tensor-parallel peers share rows)
     world_size = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     max_token_len = config.ppo_max_token_len_per_gpu if config.use_dynamic_bsz else None
@@ -102,4 +111,6 @@ def run_updates(
     metrics = {key: sum(values) / len(values) for key, values in totals.items()}
     metrics[f"{prefix}/lr"] = scheduler.get_last_lr()[0]
     scheduler.step()
+    work = pass_work(data, config.use_remove_padding)
+    metrics.update(meter.metrics(pass_name, work, time.perf_counter() - start, True, config.ppo_epochs))
     return metrics

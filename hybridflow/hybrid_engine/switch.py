@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.batch_keys import METRICS
 from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.hybrid_engine.layout import LayoutShape
 from hybridflow.hybrid_engine.offload import move_model, move_optimizer_state
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
@@ -41,8 +41,7 @@ class HybridEngine:
 
     def __init__(
         self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        trained: TrainedModel,
         rollout: Rollout,
         device: torch.device,
         *,
@@ -52,10 +51,10 @@ class HybridEngine:
         shape: LayoutShape | None = None,
         gather_group: torch.distributed.ProcessGroup | None = None,
     ):
-        """dtype: of the generation weights (what travels); shape and gather_group: the actor's layouts
-        (hybrid_engine/layout.py); None for a model on one process."""
-        self.model = model
-        self.optimizer = optimizer
+        """trained: the actor's training state, shared with its PolicyEngine; dtype: of the generation
+        weights (what travels); shape and gather_group: the actor's layouts (hybrid_engine/layout.py); None
+        for a model on one process."""
+        self.trained = trained
         self.rollout = rollout
         self.device = device
         self.param_offload = param_offload
@@ -69,7 +68,7 @@ class HybridEngine:
         reset_peak_memory(self.device)
         clock = [time.perf_counter()]
         report = SwitchReport()
-        self.rollout.load_weights(generation_weights(self.model, self.dtype, self.gather_group, report))
+        self.rollout.load_weights(generation_weights(self.trained.model, self.dtype, self.gather_group, report))
         clock.append(time.perf_counter())
         offloaded = self._offload()
         clock.append(time.perf_counter())
@@ -99,19 +98,19 @@ class HybridEngine:
 
     def _training_bytes(self) -> int:
         """This rank's shards of the training parameters (fp32 masters)."""
-        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters())
+        local = (p.to_local() if isinstance(p, DTensor) else p for p in self.trained.model.parameters())
         return sum(t.numel() * t.element_size() for t in local)
 
     def _offload(self) -> int:
         moved = 0
         if self.optimizer_offload:
-            moved += move_optimizer_state(self.optimizer, OFFLOAD_DEVICE)
+            moved += move_optimizer_state(self.trained.optimizer, OFFLOAD_DEVICE)
         if self.param_offload:
-            moved += move_model(self.model, OFFLOAD_DEVICE)
+            moved += move_model(self.trained.model, OFFLOAD_DEVICE)
         return moved
 
     def _reload(self) -> None:
         if self.param_offload:
-            move_model(self.model, self.device)
+            move_model(self.trained.model, self.device)
         if self.optimizer_offload:
-            move_optimizer_state(self.optimizer, self.device)
+            move_optimizer_state(self.trained.optimizer, self.device)

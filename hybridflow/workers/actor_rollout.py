@@ -63,7 +63,7 @@ class ActorRolloutWorker(Worker):
         self.register_dispatch_mesh(TRAIN_MESH, mesh)
         self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
         self.dp_size = mesh["dp"].size()
-        model, optimizer, scheduler = build_trainable(
+        trained = build_trainable(
             load_causal_lm,
             dataclasses.replace(config.model, path=model_path),
             config.actor.fsdp,
@@ -73,7 +73,7 @@ class ActorRolloutWorker(Worker):
             total_training_steps,
             mesh,
         )
-        self.actor = PolicyEngine(model, optimizer, scheduler, config.actor, dp_group=mesh["dp"].get_group())
+        self.actor = PolicyEngine(trained, config.actor, dp_group=mesh["dp"].get_group())
         generation_dtype = parse_dtype(config.rollout.dtype, self.device)
         generator = load_causal_lm(model_path, dtype=generation_dtype).to(self.device)
         tools = load_tools(tool_config) if config.rollout.multi_turn.enable and tool_config else None
@@ -87,8 +87,7 @@ class ActorRolloutWorker(Worker):
         )
         del generator  # the rollout keeps its own copy (1/tg of the weights)
         self.hybrid = HybridEngine(
-            model,
-            optimizer,
+            trained,
             self.rollout,
             self.device,
             param_offload=config.actor.param_offload,
@@ -128,7 +127,7 @@ class ActorRolloutWorker(Worker):
     def save_checkpoint(self, directory: str) -> None:
         """The actor's training state under ``directory/actor``, plus its HF config and tokenizer for export."""
         target = Path(directory) / ACTOR_STATE
-        save_training_state(target, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank)
+        save_training_state(target, self.actor.trained, self.rank)
         if self.rank == 0:
             self.actor.model.config.save_pretrained(target / HF_FILES)
             self.actor.model.generation_config.save_pretrained(target / HF_FILES)
@@ -136,9 +135,7 @@ class ActorRolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
-        load_training_state(
-            Path(directory) / ACTOR_STATE, self.actor.model, self.actor.optimizer, self.actor.scheduler, self.rank
-        )
+        load_training_state(Path(directory) / ACTOR_STATE, self.actor.trained, self.rank)
 
     @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
     def compute_log_prob(self, data: DataProto) -> DataProto:

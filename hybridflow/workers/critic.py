@@ -42,22 +42,18 @@ class CriticWorker(Worker):
         self.register_dispatch_mesh(CRITIC_MESH, mesh)
         self.dp_size = mesh["dp"].size()
         model_config = dataclasses.replace(config.model, path=model_path)
-        model, optimizer, scheduler = build_trainable(
+        trained = build_trainable(
             load_critic, model_config, config.fsdp, config.optim, self.device, seed, total_training_steps, mesh
         )
-        self.critic = CriticEngine(model, optimizer, scheduler, config, dp_group=mesh["dp"].get_group())
+        self.critic = CriticEngine(trained, config, dp_group=mesh["dp"].get_group())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
-        save_training_state(
-            Path(directory) / CRITIC_STATE, self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
-        )
+        save_training_state(Path(directory) / CRITIC_STATE, self.critic.trained, self.rank)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
-        load_training_state(
-            Path(directory) / CRITIC_STATE, self.critic.model, self.critic.optimizer, self.critic.scheduler, self.rank
-        )
+        load_training_state(Path(directory) / CRITIC_STATE, self.critic.trained, self.rank)
 
     @register(dispatch_mode=mesh_compute_proto(CRITIC_MESH))
     def compute_values(self, data: DataProto) -> DataProto:

@@ -10,9 +10,9 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow.engine.config import FSDPConfig, ModelConfig, OptimConfig
+from hybridflow.engine.config import FSDPConfig, ModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.models.loading import enable_activation_checkpointing
 
@@ -56,10 +56,9 @@ def build_trainable(
     seed: int,
     total_steps: int,
     mesh: DeviceMesh | None = None,
-) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    module = build_sharded(load, model, fsdp, device, seed, mesh)
-    optimizer = build_optimizer(module, optim)
-    return module, optimizer, build_lr_scheduler(optimizer, optim, total_steps)
+) -> TrainedModel:
+    """``build_sharded``, with AdamW and its learning-rate schedule over ``total_steps`` training steps."""
+    return TrainedModel.build(build_sharded(load, model, fsdp, device, seed, mesh), optim, total_steps)
 
 
 def role_mesh(device: torch.device, world_size: int, tp: int, key: str) -> DeviceMesh:

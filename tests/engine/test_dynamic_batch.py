@@ -9,7 +9,7 @@ from hybridflow.batch_keys import ADVANTAGES, METRICS, OLD_LOG_PROBS, RETURNS, V
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
 from hybridflow.engine.dynamic_batch import group_by_tokens, micro_batch_groups
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.lengths import row_lengths
 from hybridflow.models import load_causal_lm, load_critic
@@ -52,8 +52,7 @@ def test_every_rank_runs_as_many_token_micro_batches(tmp_path):
 def _train(config, batch):
     """One PPO step of a fresh tiny model without FSDP; returns its weights."""
     model = load_causal_lm(config.model.path, dtype=torch.float32)
-    optimizer = build_optimizer(model, config.actor.optim)
-    engine = PolicyEngine(model, optimizer, build_lr_scheduler(optimizer, config.actor.optim, 10), config.actor)
+    engine = PolicyEngine(TrainedModel.build(model, config.actor.optim, 10), config.actor)
     data = batch.select(deepcopy=True)
     data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
     metrics = engine.update_policy(data, mini_batch_size=len(data), temperature=1.0, seed=0).meta_info[METRICS]
@@ -112,8 +111,7 @@ def _train_critic(config: CriticConfig, batch):
     critic = load_critic(config.model.path, dtype=torch.float32)
     torch.nn.init.normal_(critic.score.weight, std=0.1)  # not the zero head: the backbone gets gradients too
     initial = {name: p.detach().clone() for name, p in critic.named_parameters()}
-    optimizer = build_optimizer(critic, config.optim)
-    engine = CriticEngine(critic, optimizer, build_lr_scheduler(optimizer, config.optim, 10), config)
+    engine = CriticEngine(TrainedModel.build(critic, config.optim, 10), config)
     data = batch.select(deepcopy=True)
     values = engine.compute_values(data)
     data.batch[VALUES] = values.batch[VALUES]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, RESPONSE_MASK
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm
 
@@ -12,8 +12,7 @@ from hybridflow.models import load_causal_lm
 def _engine(config) -> PolicyEngine:
     torch.manual_seed(0)
     model = load_causal_lm(config.model.path, dtype=torch.float32)
-    optimizer = build_optimizer(model, config.actor.optim)
-    return PolicyEngine(model, optimizer, build_lr_scheduler(optimizer, config.actor.optim, 10), config.actor)
+    return PolicyEngine(TrainedModel.build(model, config.actor.optim, 10), config.actor)
 
 
 def test_pre_update_log_probs_and_step_equal_the_separate_pass(tiny_path, rollout_batch, actor_config_factory):

@@ -2,8 +2,7 @@ import math
 
 import pytest
 
-from hybridflow.engine.config import OptimConfig
-from hybridflow.engine.optim import lr_multiplier
+from hybridflow.engine.optim import OptimConfig, lr_multiplier
 
 ADAMW = {"lr": 1e-6, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
 

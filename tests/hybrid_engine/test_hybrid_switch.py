@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hybridflow.batch_keys import METRICS
-from hybridflow.engine.optim import build_lr_scheduler, build_optimizer
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine, move_model, move_optimizer_state
 from hybridflow.models import load_causal_lm, load_tokenizer
@@ -19,8 +19,7 @@ GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
 def _trainer(config):
     torch.manual_seed(0)
     model = load_causal_lm(config.model.path, dtype=torch.float32)
-    optimizer = build_optimizer(model, config.actor.optim)
-    return PolicyEngine(model, optimizer, build_lr_scheduler(optimizer, config.actor.optim, 10), config.actor)
+    return PolicyEngine(TrainedModel.build(model, config.actor.optim, 10), config.actor)
 
 
 def _step(engine: PolicyEngine, batch) -> dict[str, torch.Tensor]:
@@ -56,14 +55,13 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
 
     reference, switching = _trainer(config), _trainer(config)
     _step(reference, rollout_batch), _step(switching, rollout_batch)
-    state_before = _optimizer_state(switching.optimizer)
+    state_before = _optimizer_state(switching.trained.optimizer)
     engine_config = default_config().actor_rollout_ref.rollout.native
     initial = load_causal_lm(tiny_path, dtype=torch.float32)
     generator = NativeRollout(initial, tokenizer, engine_config=engine_config)
     before_sync = generator.generate_sequences(prompts, GREEDY).batch["responses"]
     hybrid = HybridEngine(
-        switching.model,
-        switching.optimizer,
+        switching.trained,
         generator,
         torch.device("cpu"),
         param_offload=True,
@@ -83,7 +81,7 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
     assert metrics["switch/generation_weights_mb"] == metrics["switch/training_params_mb"] == pytest.approx(weight_mb)
     assert metrics["switch/received_mb"] == metrics["switch/predicted_mb"] == 0.0  # one process: nothing moves
     assert metrics["perf/offloaded_gb"] == 0.0  # the training state already lives in CPU memory here
-    for before, after in zip(state_before, _optimizer_state(switching.optimizer), strict=True):
+    for before, after in zip(state_before, _optimizer_state(switching.trained.optimizer), strict=True):
         assert torch.equal(before, after)
     second_reference, second = _step(reference, rollout_batch), _step(switching, rollout_batch)
     for name, weight in second_reference.items():
