@@ -61,7 +61,9 @@ def measure(samples: int, repeats: int, remove_padding: bool, group: int) -> dic
         ]
     ).actor_rollout_ref
     config = arr.actor
-    trained = build_trainable(load_causal_lm, arr.model, config.fsdp, config.optim, torch.device("cpu"), 0, 100)
+    trained = build_trainable(
+        load_causal_lm, arr.model.path, arr.model, config.fsdp, config.optim, torch.device("cpu"), 0, 100
+    )
     engine = PolicyEngine(trained, config)
     data = grpo_batch(samples, group)
     times: dict[str, list[float]] = {"log_prob": [], "update": []}

@@ -19,11 +19,14 @@ class AlgorithmConfig(AdvantageConfig):
     The estimator's own settings (gamma, lam, ...) are AdvantageConfig's fields, inherited: the
     driver hands this config to the estimator as it is."""
 
-    adv_estimator: str  # a registered advantage estimator (list_adv_estimators()): grpo, gae, rloo, ...
+    # a registered advantage estimator: gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax |
+    # opo | gpg | grpo_passk | pass_at_k
+    adv_estimator: str
     use_kl_in_reward: bool  # subtract beta * KL(pi || ref) from the per-token reward
     kl_penalty: str  # KL estimator used in the reward (KL_TYPES)
     kl_ctrl: KLControlConfig  # the coefficient beta of that penalty
-    rollout_correction: RolloutCorrectionConfig  # importance weights / rejection between trainer and rollout
+    # trainer vs rollout mismatch: importance weights and rejection (the rollout_corr/* diagnostics always)
+    rollout_correction: RolloutCorrectionConfig
     filter_groups: FilterGroupsConfig  # DAPO's dynamic sampling: train only on groups whose rewards differ
     mask_truncated_responses: bool  # responses cut at the length budget leave the updates (DAPO's overlong filter)
 

@@ -116,7 +116,7 @@ class KLControlConfig:
     """The coefficient β of the KL penalty in the reward (`algorithm.kl_ctrl.*`)."""
 
     type: str  # a registered controller (KL_CONTROLLERS): fixed | adaptive
-    kl_coef: float  # initial (fixed: constant) coefficient β
+    kl_coef: float  # initial (fixed: constant) coefficient β of the KL penalty in the reward
     target_kl: float  # adaptive: the KL per sequence the controller steers towards
     horizon: int  # adaptive: samples over which the coefficient adapts
 

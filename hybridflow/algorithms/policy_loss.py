@@ -39,7 +39,9 @@ PolicyLossFn = Callable[..., PolicyLossOutput]
 class PolicyLossConfig:
     """Settings of the policy losses (`actor_rollout_ref.actor.policy_loss.*`)."""
 
-    loss_mode: str  # a registered policy loss (list_policy_losses())
+    # a registered policy loss: vanilla | gspo | gpg | cispo | clip_cov | kl_cov | geo_mean | sapo | dro | dppo_tv |
+    # dppo_kl
+    loss_mode: str
     clip_ratio: float  # PPO ε, used for both sides unless clip_ratio_low/high are set (geo_mean: in log space; dppo: δ)
     clip_ratio_low: float | None  # ε_low: ratio floor 1 - ε_low (None: clip_ratio)
     clip_ratio_high: float | None  # ε_high: ratio ceiling 1 + ε_high (DAPO clip-higher; None: clip_ratio)
@@ -48,7 +50,7 @@ class PolicyLossConfig:
     clip_cov_lb: float  # clip_cov: lower bound of the covariance of eligible tokens
     clip_cov_ub: float  # clip_cov: upper bound of the covariance of eligible tokens
     kl_cov_ratio: float  # kl_cov: fraction of response tokens that get the KL penalty
-    ppo_kl_coef: float  # kl_cov: coefficient of |log r| on the selected tokens
+    ppo_kl_coef: float  # kl_cov: coefficient of |log r| on the selected tokens (verl's default)
     tau_pos: float  # sapo: gate temperature for tokens with A > 0
     tau_neg: float  # sapo: gate temperature for tokens with A <= 0
     dro_beta: float  # dro: weight of the quadratic log-ratio penalty

@@ -24,7 +24,9 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class FSDPConfig:
-    param_dtype: str  # compute dtype of forward/backward (auto | bf16 | fp32); master weights stay fp32
+    # compute dtype of forward/backward (auto | bf16 | fp32; auto: bf16 where the device has bf16 matmul units, else
+    # fp32); master weights stay fp32
+    param_dtype: str
     reduce_dtype: str  # dtype of the gradient reduce-scatter across ranks
 
     def __post_init__(self) -> None:
@@ -45,7 +47,9 @@ class UpdateConfig:
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
-    loss_agg_mode: str  # algorithms.AGG_MODES: token-mean | token-sum | seq-mean-token-sum | ...
+    # how the loss averages over tokens and sequences: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean
+    # | seq-mean-token-sum-norm
+    loss_agg_mode: str
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
     optim: OptimConfig  # AdamW and its learning-rate schedule
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
@@ -71,7 +75,7 @@ class ActorConfig(UpdateConfig):
     log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch for old log-probs
     param_offload: bool  # move parameter shards and gradients to CPU memory while generating (GPU; CPU: no-op)
     optimizer_offload: bool  # move the optimizer state to CPU memory while generating (GPU; CPU: no-op)
-    # on-policy steps (see single_update_step; no KL in the reward): the old log-probs come from the
+    # on-policy steps (ppo_epochs 1, mini-batch = train batch, no KL in the reward): the old log-probs come from the
     # update's own forward before its optimizer step (exact), with no separate pass
     reuse_update_log_probs: bool
     policy_loss: PolicyLossConfig  # loss_mode and clip ratios
@@ -99,7 +103,8 @@ class RefConfig:
     use_remove_padding: bool  # run the forward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
     log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch on one rank
-    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the others
+    # ranks that split each decoder layer of the reference (DTensor); FSDP2 over the others
+    tensor_model_parallel_size: int
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:

@@ -34,7 +34,7 @@ class OptimConfig:
     betas: list[float]  # AdamW betas
     eps: float  # AdamW epsilon
     lr_warmup_steps: int  # linear warm-up steps from 0 to lr
-    lr_scheduler: str  # after warm-up: one of SCHEDULES (constant | cosine)
+    lr_scheduler: str  # after warm-up: constant | cosine (engine.optim.SCHEDULES)
     min_lr_ratio: float  # cosine decays to lr * min_lr_ratio at the last step
 
     def __post_init__(self) -> None:

@@ -25,9 +25,12 @@ class RewardConfig:
 
     max_failure_rate: float  # stop when more than this fraction of a call's samples fail to score (0: any failure)
     num_examine: int  # print this many decoded responses per data source on each scoring call
-    overlong_buffer: OverlongBufferConfig  # DAPO's soft overlong penalty on training rewards
-    tool_reward_coef: float  # multi-turn: weight of the tools' rewards added to the score (0: none added)
-    turn_level: bool  # multi-turn: each turn's tool rewards on that turn's last token (false: all on the last token)
+    # DAPO's soft overlong penalty on training rewards (validation scores stay as scored)
+    overlong_buffer: OverlongBufferConfig
+    # multi-turn: weight of the tools' rewards (per call and per trajectory) added to the score (0: none)
+    tool_reward_coef: float
+    # multi-turn: each turn's tool rewards on that turn's last token (false: all on the response's last)
+    turn_level: bool
 
     def __post_init__(self) -> None:
         require(0 <= self.max_failure_rate <= 1, "max_failure_rate", f"must be in [0, 1], got {self.max_failure_rate}")

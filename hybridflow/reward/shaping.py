@@ -14,7 +14,7 @@ class OverlongBufferConfig:
     """DAPO's soft overlong punishment (Yu et al. 2025): a linear penalty over the last ``len`` tokens of
     the response budget (`reward.overlong_buffer.*`, verl's names)."""
 
-    enable: bool  # add the penalty to training rewards (validation scores stay as scored)
+    enable: bool  # add the penalty
     len: int  # the last this many tokens of rollout.response_length are the buffer
     penalty_factor: float  # the penalty at the full budget (it grows linearly through the buffer)
 

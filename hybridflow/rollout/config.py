@@ -26,18 +26,23 @@ OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "auto")
 class _RolloutSettings(SamplingConfig):
     """The training sampling settings are SamplingConfig's fields, inherited; validation has its own."""
 
-    name: str  # generation backend (rollout/backend.py): native (continuous batching) | vllm | hf (transformers)
+    # generation backend, one registered in rollout/backend.py: native (continuous batching) | vllm (pip install
+    # 'hybridflow[vllm]') | hf (transformers generate)
+    name: str
     response_length: int  # max new tokens per response
     dtype: str  # dtype of the generation copy of the weights (auto | bf16 | fp32)
-    tensor_model_parallel_size: int  # tg: ranks generating together (1/tg of weights and KV cache each); divides t
-    seed: int  # base seed of sampling; see sampling_seed
-    seed_per_step: int  # added to the seed once per training step (sampling_seed)
-    seed_per_rank: int  # added to the seed once per data-parallel rank (sampling_seed)
-    old_log_prob_source: str  # OLD_LOG_PROB_SOURCES: recompute (a trainer pass) | rollout | auto
+    # tg: ranks that generate together, each holding 1/tg of the weights and KV cache; divides
+    # actor.tensor_model_parallel_size
+    tensor_model_parallel_size: int
+    seed: int  # base seed of sampling: step s on rank r samples with seed + s * seed_per_step + r * seed_per_rank
+    seed_per_step: int  # added to the seed once per training step
+    seed_per_rank: int  # added to the seed once per data-parallel rank
+    # where PPO's old log-probs come from: recompute (a trainer pass) | rollout (the generator's log-probs) | auto
+    old_log_prob_source: str
     log_prob_tolerance: float  # auto: use the rollout's log-probs while the last measured mean |diff| is below this
     log_prob_check_every: int  # auto: recompute (and re-measure the diff) every N steps
     val_kwargs: SamplingConfig  # validation sampling
-    multi_turn: MultiTurnConfig  # agent loops with tools (rollout/agent)
+    multi_turn: MultiTurnConfig  # request-level multi-turn rollout with tools (hybridflow/rollout/agent)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -53,7 +53,9 @@ class TrainerConfig:
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
     ray_address: str  # join this Ray cluster ("": start a local one)
-    cpu_kernel_cache_capacity: int  # compiled CPU kernels (per input shape) a worker keeps; bounds memory
+    # compiled CPU kernels a worker keeps per input shape (oneDNN's and ideep's caches; 1024 by default): packed batches
+    # change shape every step, so larger caches grow memory for ~1000 shapes (bench/memory.py)
+    cpu_kernel_cache_capacity: int
     ray_num_cpus: int  # logical CPUs of a local Ray cluster (0: the machine's cores, or what the workers reserve)
     logger: list[str]  # any of: console | jsonl | tensorboard | wandb | mlflow
     val_before_train: bool  # validate once before the first step

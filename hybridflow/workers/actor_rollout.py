@@ -8,7 +8,6 @@ neither: dispatch reads the meshes each rank declares.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -65,7 +64,8 @@ class ActorRolloutWorker(Worker):
         self.dp_size = mesh["dp"].size()
         trained = build_trainable(
             load_causal_lm,
-            dataclasses.replace(config.model, path=model_path),
+            model_path,
+            config.model,
             config.actor.fsdp,
             config.actor.optim,
             self.device,

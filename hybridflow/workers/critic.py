@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from hybridflow.batch_keys import GLOBAL_STEP
@@ -41,9 +40,16 @@ class CriticWorker(Worker):
         mesh = training_mesh(self.device, layout.dp, layout.t)
         self.register_dispatch_mesh(CRITIC_MESH, mesh)
         self.dp_size = mesh["dp"].size()
-        model_config = dataclasses.replace(config.model, path=model_path)
         trained = build_trainable(
-            load_critic, model_config, config.fsdp, config.optim, self.device, seed, total_training_steps, mesh
+            load_critic,
+            model_path,
+            config.model,
+            config.fsdp,
+            config.optim,
+            self.device,
+            seed,
+            total_training_steps,
+            mesh,
         )
         self.critic = CriticEngine(trained, config, dp_group=mesh["dp"].get_group())
 

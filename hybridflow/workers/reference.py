@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import ReferenceEngine
@@ -25,8 +23,15 @@ class RefPolicyWorker(Worker):
         self.config = config
         mesh = training_mesh(self.device, layout.dp, layout.t)
         self.register_dispatch_mesh(REF_MESH, mesh)
-        model = dataclasses.replace(config.model, path=model_path)
-        self.model = build_sharded(load_causal_lm, model, config.ref.fsdp, self.device, seed, mesh).eval()
+        self.model = build_sharded(
+            load_causal_lm,
+            model_path,
+            config.ref.fsdp,
+            self.device,
+            seed,
+            mesh,
+            gradient_checkpointing=config.model.enable_gradient_checkpointing,
+        ).eval()
         self.model.requires_grad_(False)
         self.ref = ReferenceEngine(self.model, config.ref)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
@@ -32,8 +30,7 @@ class RewardModelWorker(Worker):
         self.tokenizer = load_tokenizer(model_path)
         self.tokenizer.truncation_side = "left"
         self.tokenizer.padding_side = "right"
-        model = dataclasses.replace(config.model, path=model_path)
-        self.model = build_sharded(load_reward_model, model, config.fsdp, self.device, seed).eval()
+        self.model = build_sharded(load_reward_model, model_path, config.fsdp, self.device, seed).eval()
 
     def _conversations(self, data: DataProto) -> list[str]:
         responses = data.batch[RESPONSES]

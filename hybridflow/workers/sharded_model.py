@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridflow.engine.config import FSDPConfig, ModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.models.loading import enable_activation_checkpointing
 
 
@@ -26,18 +26,20 @@ def quiet_libraries() -> None:
 
 def build_sharded(
     load: Callable[..., nn.Module],
-    model: ModelConfig,
+    path: str,
     fsdp: FSDPConfig,
     device: torch.device,
     seed: int,
     mesh: DeviceMesh | None = None,
+    *,
+    gradient_checkpointing: bool = False,
 ) -> nn.Module:
-    """Load, then shard: over all ranks (FSDP2), or on a (dp, tp) ``mesh`` tensor parallelism inside
-    each tp group and FSDP2 over dp."""
+    """Load the model directory ``path`` (the run plan's), then shard: over all ranks (FSDP2), or on a
+    (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp."""
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
-    module = load(model.path, dtype=torch.float32)
-    if model.enable_gradient_checkpointing:
+    module = load(path, dtype=torch.float32)
+    if gradient_checkpointing:
         enable_activation_checkpointing(module)
     module.config.use_cache = False
     module = module.to(device)
@@ -49,6 +51,7 @@ def build_sharded(
 
 def build_trainable(
     load: Callable[..., nn.Module],
+    path: str,
     model: ModelConfig,
     fsdp: FSDPConfig,
     optim: OptimConfig,
@@ -57,15 +60,12 @@ def build_trainable(
     total_steps: int,
     mesh: DeviceMesh | None = None,
 ) -> TrainedModel:
-    """``build_sharded``, with AdamW and its learning-rate schedule over ``total_steps`` training steps."""
-    return TrainedModel.build(build_sharded(load, model, fsdp, device, seed, mesh), optim, total_steps)
-
-
-def role_mesh(device: torch.device, world_size: int, tp: int, key: str) -> DeviceMesh:
-    """A role's (dp, tp) training mesh over its ``world_size`` ranks; ``key`` names the setting in errors."""
-    if world_size % tp:
-        raise ValueError(f"{key}={tp} does not divide the role's {world_size} ranks")
-    return training_mesh(device, world_size // tp, tp)
+    """``build_sharded`` (``model``: its gradient checkpointing), with AdamW and its learning-rate schedule
+    over ``total_steps`` training steps."""
+    sharded = build_sharded(
+        load, path, fsdp, device, seed, mesh, gradient_checkpointing=model.enable_gradient_checkpointing
+    )
+    return TrainedModel.build(sharded, optim, total_steps)
 
 
 def samples_per_rank(prompts: int, n: int, world_size: int, what: str) -> int:

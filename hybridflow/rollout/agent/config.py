@@ -9,10 +9,11 @@ from hybridflow.validation import require, require_positive
 
 @dataclass(kw_only=True)
 class MultiTurnConfig:
-    enable: bool  # run an agent loop per sample (rollout/agent) instead of one-shot generation
-    default_agent: str  # the agent loop of rows without an agent_name column: single_turn | tool_agent | registered
+    enable: bool  # run an agent loop per sample instead of one-shot generation
+    # agent loop of rows without an agent_name column: single_turn | tool_agent | registered | file.py:Class
+    default_agent: str
     tool_config_path: str  # YAML file declaring the tools (hybridflow/tools/registry.py; "": no tools)
-    format: str  # how tool calls are written in the model's output (rollout/agent/parsers.py): hermes
+    format: str  # how the model writes tool calls: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>)
     tool_role: str  # the chat role of tool messages given to the chat template
     max_assistant_turns: int  # generation turns per sample at most
     max_user_turns: int  # turns of tool output per sample at most

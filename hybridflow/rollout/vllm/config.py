@@ -15,7 +15,8 @@ class VllmEngineConfig:
     max_model_len: int  # longest prompt + response in tokens (0: the model's max_position_embeddings)
     enforce_eager: bool  # run eagerly: no torch.compile or CUDA graphs (starts in seconds, not minutes)
     enable_prefix_caching: bool  # reuse the KV of shared prompt prefixes (a prompt's n samples prefill once)
-    block_size: int  # KV-cache block in tokens (0: vLLM's default, 128 on CPU); prefix caching reuses whole blocks
+    # KV-cache block in tokens (0: vLLM's default, 128 on CPU); prefix caching reuses whole blocks (multi-turn: 32)
+    block_size: int
 
     def __post_init__(self) -> None:
         require_positive(self.kv_cache_gb, "kv_cache_gb")
