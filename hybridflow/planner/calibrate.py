@@ -23,10 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import ClusterSpec
-from hybridflow.planner.cost import Layout, generation_seconds, pass_seconds
+from hybridflow.planner.cost import generation_seconds, pass_seconds
 from hybridflow.planner.workload import Workload, shape_from_hf
 
+ONE_DEVICE = LayoutShape(dp=1, t=1, tg=1)
 CALIBRATION_MODEL = {  # a random Llama big enough for compute to show, small enough to run in seconds
     "hidden_size": 512,
     "num_hidden_layers": 4,
@@ -118,7 +120,7 @@ def fit_pass_costs(cluster: ClusterSpec, shape, measured: list[tuple[Workload, f
     ideal = dataclasses.replace(cluster, train_efficiency=1.0, layer_overhead=0.0, collective_latency=0.0)
     rows, times = [], []
     for work, seconds in measured:
-        compute = pass_seconds(shape, Layout(1), work, ideal, backward=True)
+        compute = pass_seconds(shape, ONE_DEVICE, work, ideal, backward=True)
         calls = 3 * shape.layers  # one micro-batch: forward and backward
         rows.append((compute, calls))
         times.append(seconds)
@@ -132,7 +134,7 @@ def fit_pass_costs(cluster: ClusterSpec, shape, measured: list[tuple[Workload, f
 def fit_decode_overhead(cluster: ClusterSpec, shape, work: Workload, seconds: float) -> float:
     """The generation engine's fixed cost per layer call that makes ``generation_seconds`` equal the
     measured ``seconds`` (it is linear in it: one prefill and one call per new token, each over the layers)."""
-    free = generation_seconds(shape, Layout(1), work, dataclasses.replace(cluster, decode_layer_overhead=0.0))
+    free = generation_seconds(shape, ONE_DEVICE, work, dataclasses.replace(cluster, decode_layer_overhead=0.0))
     calls = (1 + work.response_length) * shape.layers
     return max((seconds - free) / calls, 0.0)
 
