@@ -8,15 +8,8 @@ import pytest
 
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
-from hybridflow.planner.calibrate import (
-    CALIBRATED_FIELDS,
-    calibrate,
-    fit_decode_overhead,
-    fit_pass_costs,
-    load_calibration,
-    save_calibration,
-)
-from hybridflow.planner.cluster import PRESETS
+from hybridflow.planner.calibrate import calibrate, fit_decode_overhead, fit_pass_costs
+from hybridflow.planner.cluster import CALIBRATED_FIELDS, PRESETS, load_calibration, save_calibration
 from hybridflow.planner.cost import generation_seconds, pass_seconds
 from hybridflow.planner.workload import ModelShape, Workload
 
