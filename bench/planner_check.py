@@ -28,8 +28,8 @@ from reshard import model_path
 
 from hybridflow.controller import Role
 from hybridflow.data.tasks import write_task
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner import cluster_preset, workload_from_config
-from hybridflow.planner.cost import Layout
 from hybridflow.planner.search import Plan, evaluate_set, step_plan
 from hybridflow.trainer.config import load_config
 
@@ -86,7 +86,7 @@ def predict(args: argparse.Namespace, case: tuple, data: Path, measured: list[di
     )
     cluster = cluster_preset("cpu")
     layouts = [
-        {role: Layout(devices, t, tg) if role is ACTOR else Layout(devices) for role in roles}
+        {role: LayoutShape.over(devices, t, tg) if role is ACTOR else LayoutShape.over(devices) for role in roles}
         for roles, devices in sets
     ]
     return step_plan([evaluate_set(workload, cluster, chosen) for chosen in layouts])

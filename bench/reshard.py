@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
-from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.layout import ActorLayouts
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights, tensor_parallel_dim
 from hybridflow.models import load_causal_lm, resolve_model_path

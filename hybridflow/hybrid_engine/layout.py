@@ -2,15 +2,10 @@
 
 Training: rank = dp_index * t + tp_index (engine/tensor_parallel.training_mesh). Generation (§5.3 of
 the HybridFlow paper, regroup.py): inside each training TP group, the t / tg generation groups are
-strided (t=4, tg=2: {0, 2} and {1, 3}) and the gather groups consecutive ({0, 1} and {2, 3}). In
-rank tables, with m = t / tg:
-
-    training   (dp, t)            ranks.view(dp, t)
-    gather     (dp * tg, m)       ranks.view(dp * tg, m)                      row: one generation shard
-    generation (dp * m, tg)       ranks.view(dp, tg, m).transpose(1, 2)       row: ranks generating together
-
-so the generation mesh's first dimension is the generation data-parallel index (prompts are split
-over it) and its second the generation tensor-parallel index (the shard a rank holds).
+strided (t=4, tg=2: {0, 2} and {1, 3}) and the gather groups consecutive ({0, 1} and {2, 3}). The
+rank tables are ``LayoutShape``'s (layout_shape.py): the generation mesh's first dimension is the
+generation data-parallel index (prompts are split over it) and its second the generation
+tensor-parallel index (the shard a rank holds).
 """
 
 from __future__ import annotations
@@ -22,37 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from hybridflow.engine.tensor_parallel import training_mesh
-from hybridflow.hybrid_engine.regroup import Regrouping
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 
-
-@dataclass(frozen=True)
-class LayoutShape:
-    """dp x t training ranks generating in groups of tg (tg divides t)."""
-
-    dp: int
-    t: int
-    tg: int
-
-    def __post_init__(self) -> None:
-        Regrouping(t=self.t, tg=self.tg)  # tg must divide t
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.t
-
-    @property
-    def micro_dp(self) -> int:
-        return self.t // self.tg
-
-    def training_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.dp, self.t)
-
-    def gather_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.dp * self.tg, self.micro_dp)
-
-    def generation_ranks(self) -> torch.Tensor:
-        grid = torch.arange(self.world).view(self.dp, self.tg, self.micro_dp)
-        return grid.transpose(1, 2).reshape(self.dp * self.micro_dp, self.tg)
+__all__ = ["ActorLayouts", "LayoutShape"]  # LayoutShape lives in layout_shape.py; switch.py, workers import it here
 
 
 @dataclass

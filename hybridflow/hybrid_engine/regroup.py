@@ -41,7 +41,10 @@ class Regrouping:
 
     def __post_init__(self) -> None:
         if self.tg < 1 or self.t % self.tg:
-            raise ValueError(f"the generation tensor-parallel size {self.tg} must divide the training one ({self.t})")
+            raise ValueError(
+                f"the generation tensor-parallel size tg={self.tg} must divide the training one t={self.t}: "
+                "each generation shard is made of whole training shards"
+            )
 
     @property
     def micro_dp(self) -> int:

@@ -7,9 +7,10 @@ One parameter at a time, each rank
 3. for a tensor-parallel weight, gathers the missing pieces of its generation shard from its gather
    group (layout.py) — nothing, when tg = t.
 
-The result is exactly the slice the generation engine holds (rollout/native/parallel.py); a weight
-whose training split disagrees with the generation split is refused. `SwitchReport` counts what
-moved, for the switch's metrics and for the paper's formulas (regroup.predicted_switch_bytes).
+The result is exactly the slice the generation engine holds: both follow the model family's table
+(models/tensor_parallel.py), and a weight whose training split disagrees with the table is refused.
+`SwitchReport` counts what moved, for the switch's metrics and for the paper's formulas
+(regroup.predicted_switch_bytes).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
-from hybridflow.rollout.native.parallel import shard_dim
+from hybridflow.models.tensor_parallel import layer_split
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -54,6 +55,17 @@ def tensor_parallel_dim(tensor: DTensor) -> int | None:
     return placement.dim if placement.is_shard() else None
 
 
+def _check_split(model_type: str, name: str, dim: int) -> None:
+    """ValueError unless the family's table (models/tensor_parallel.py), which the generation engine slices
+    by, splits ``name`` along the dimension ``dim`` that the training layout splits."""
+    expected = layer_split(model_type).shard_dim(name)
+    if expected != dim:
+        raise ValueError(
+            f"{name}: the training layout splits dimension {dim}, the {model_type} table of "
+            f"models/tensor_parallel.py (which the generation engine slices by) dimension {expected}"
+        )
+
+
 def _unshard_data_parallel(tensor: DTensor) -> torch.Tensor:
     """The rank's tensor-parallel shard (or the whole tensor): every mesh dimension but "tp" gathered."""
     names = tensor.device_mesh.mesh_dim_names or ()
@@ -80,11 +92,7 @@ def generation_weights(
         if dim is None:
             report.whole += whole_bytes
         else:
-            if shard_dim(name) != dim:
-                raise ValueError(
-                    f"{name}: the training layout splits dimension {dim}, the generation engine {shard_dim(name)}; "
-                    "the tensor-parallel plan (engine/tensor_parallel) and rollout/native/parallel.py must agree"
-                )
+            _check_split(model.config.model_type, name, dim)
             report.split += whole_bytes
             piece = gather_generation_shard(piece, dim, gather_group)
         report.received += _nbytes(piece) - own

@@ -7,26 +7,26 @@ less its bytes' time). Fitted to the cost model's own formulas (cost.py), so tha
 them: the passes' efficiency and fixed cost per layer call from a forward+backward of a random Llama at
 a large and a small batch (two equations, two unknowns), and the generation engine's fixed cost per
 layer call from it generating (decode efficiency 1: the measured read bandwidth is what a decode gets).
-The result is written to ``<cache>/planner/cpu.json``; ``cluster_preset("cpu")`` reads it from then on.
+``save_calibration`` (cluster.py) writes the result to ``<cache>/planner/cpu.json``; ``cluster_preset("cpu")``
+reads it from then on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import ClusterSpec
-from hybridflow.planner.cost import Layout, generation_seconds, pass_seconds
+from hybridflow.planner.cost import generation_seconds, pass_seconds
 from hybridflow.planner.workload import Workload, shape_from_hf
 
+ONE_DEVICE = LayoutShape(dp=1, t=1, tg=1)
 CALIBRATION_MODEL = {  # a random Llama big enough for compute to show, small enough to run in seconds
     "hidden_size": 512,
     "num_hidden_layers": 4,
@@ -35,12 +35,6 @@ CALIBRATION_MODEL = {  # a random Llama big enough for compute to show, small en
     "intermediate_size": 1536,
     "vocab_size": 8192,
 }
-
-
-def calibration_file() -> Path:
-    from hybridflow.models import cache_root
-
-    return cache_root() / "planner" / "cpu.json"
 
 
 def _best_seconds(run, repeats: int) -> float:
@@ -118,7 +112,7 @@ def fit_pass_costs(cluster: ClusterSpec, shape, measured: list[tuple[Workload, f
     ideal = dataclasses.replace(cluster, train_efficiency=1.0, layer_overhead=0.0, collective_latency=0.0)
     rows, times = [], []
     for work, seconds in measured:
-        compute = pass_seconds(shape, Layout(1), work, ideal, backward=True)
+        compute = pass_seconds(shape, ONE_DEVICE, work, ideal, backward=True)
         calls = 3 * shape.layers  # one micro-batch: forward and backward
         rows.append((compute, calls))
         times.append(seconds)
@@ -132,7 +126,7 @@ def fit_pass_costs(cluster: ClusterSpec, shape, measured: list[tuple[Workload, f
 def fit_decode_overhead(cluster: ClusterSpec, shape, work: Workload, seconds: float) -> float:
     """The generation engine's fixed cost per layer call that makes ``generation_seconds`` equal the
     measured ``seconds`` (it is linear in it: one prefill and one call per new token, each over the layers)."""
-    free = generation_seconds(shape, Layout(1), work, dataclasses.replace(cluster, decode_layer_overhead=0.0))
+    free = generation_seconds(shape, ONE_DEVICE, work, dataclasses.replace(cluster, decode_layer_overhead=0.0))
     calls = (1 + work.response_length) * shape.layers
     return max((seconds - free) / calls, 0.0)
 
@@ -191,28 +185,3 @@ def _prompts(samples: int, length: int, vocab: int):
     ids = torch.randint(3, vocab, (samples, length), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: mask.cumsum(1) - 1})
-
-
-CALIBRATED_FIELDS = (
-    "flops", "train_efficiency", "decode_efficiency", "memory_bandwidth", "intra_node_bandwidth",
-    "inter_node_bandwidth", "collective_latency", "layer_overhead", "decode_layer_overhead",
-)  # fmt: skip
-
-
-def save_calibration(cluster: ClusterSpec, path: Path | None = None) -> Path:
-    path = path or calibration_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    values = {name: getattr(cluster, name) for name in CALIBRATED_FIELDS}
-    path.write_text(
-        json.dumps(values | {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg()[0]}, indent=1)
-    )
-    return path
-
-
-def load_calibration(base: ClusterSpec, path: Path | None = None) -> ClusterSpec | None:
-    """``base`` with the stored coefficients, or None when this machine was never calibrated."""
-    path = path or calibration_file()
-    if not path.is_file():
-        return None
-    values = json.loads(path.read_text())
-    return dataclasses.replace(base, **{name: float(values[name]) for name in CALIBRATED_FIELDS})

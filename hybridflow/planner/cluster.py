@@ -2,13 +2,19 @@
 
 GPU presets use published figures (dense bf16 tensor-core peak, HBM bandwidth, NVLink per direction,
 one InfiniBand port per GPU) scaled by efficiencies typical of LLM training and decoding; the CPU
-preset is this project's 2-core machine, one device per core, from docs/performance.md's measurements.
+preset is this project's 2-core machine, one device per core, from docs/performance.md's measurements,
+or this machine's own once ``hybridflow plan --calibrate`` has measured it (planner/calibrate.py measures;
+the coefficients are stored and read here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 GB = 1e9
 
@@ -97,7 +103,38 @@ def cluster_preset(name: str, nodes: int = 1) -> ClusterSpec:
         raise ValueError(f"unknown cluster preset {name!r}; presets: {', '.join(PRESETS)}")
     preset = PRESETS[name]
     if name == "cpu":
-        from hybridflow.planner.calibrate import load_calibration
-
         preset = load_calibration(preset) or preset
     return preset.with_nodes(nodes)
+
+
+def calibration_file() -> Path:
+    """Where ``hybridflow plan --calibrate`` stores this machine's coefficients."""
+    from hybridflow.models import cache_root
+
+    return cache_root() / "planner" / "cpu.json"
+
+
+CALIBRATED_FIELDS = (
+    "flops", "train_efficiency", "decode_efficiency", "memory_bandwidth", "intra_node_bandwidth",
+    "inter_node_bandwidth", "collective_latency", "layer_overhead", "decode_layer_overhead",
+)  # fmt: skip
+
+
+def save_calibration(cluster: ClusterSpec, path: Path | None = None) -> Path:
+    """Store ``cluster``'s measured coefficients (CALIBRATED_FIELDS), with when and under what load."""
+    path = path or calibration_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    values = {name: getattr(cluster, name) for name in CALIBRATED_FIELDS}
+    path.write_text(
+        json.dumps(values | {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "load": os.getloadavg()[0]}, indent=1)
+    )
+    return path
+
+
+def load_calibration(base: ClusterSpec, path: Path | None = None) -> ClusterSpec | None:
+    """``base`` with the stored coefficients, or None when this machine was never calibrated."""
+    path = path or calibration_file()
+    if not path.is_file():
+        return None
+    values = json.loads(path.read_text())
+    return dataclasses.replace(base, **{name: float(values[name]) for name in CALIBRATED_FIELDS})

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hybridflow.controller import Role
-from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset
+from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset, save_calibration
 from hybridflow.planner.cost import PHASES
 from hybridflow.planner.search import Plan, plan_run
 from hybridflow.planner.workload import workload_from_config
@@ -112,7 +112,7 @@ def main(args: list[str]) -> int:
         print(USAGE)
         return 0
     if args == ["--calibrate"]:
-        from hybridflow.planner.calibrate import calibrate, save_calibration
+        from hybridflow.planner.calibrate import calibrate
 
         print("calibrating the cpu preset on this machine (about a minute) ...", flush=True)
         cluster = calibrate(PRESETS["cpu"])

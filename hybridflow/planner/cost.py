@@ -1,5 +1,8 @@
 """The cost model: seconds of each stage and bytes of memory per device, for one model in one layout.
 
+A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x t
+ranks, FSDP over dp and tensor parallelism over t; the actor generates in groups of tg.
+
 Kinds of work (per device, one step):
 - training and scoring passes are compute-bound: (2 forward, 6 forward + backward) x the weights a rank
   multiplies (1/t of the decoder, the whole LM head) x its tokens, plus causal attention, at
@@ -23,10 +26,10 @@ its fp32 logits, or the KV cache of the rank's generation group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import ceil
 
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import predicted_switch_bytes
 from hybridflow.planner.cluster import ClusterSpec
 from hybridflow.planner.workload import ModelShape, Workload
@@ -46,20 +49,6 @@ PHASES: tuple[tuple[str, ...], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A model on ``devices`` devices: tensor parallelism over t, FSDP over the rest; the actor generates
-    in groups of tg."""
-
-    devices: int
-    t: int = 1
-    tg: int = 1
-
-    @property
-    def dp(self) -> int:
-        return self.devices // self.t
-
-
 def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
     """One all-reduce (ring) of ``nbytes`` among ``size`` devices."""
     if size == 1:
@@ -68,7 +57,7 @@ def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
 
 
 def pass_seconds(
-    shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec, *, backward: bool, epochs: int = 1
+    shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec, *, backward: bool, epochs: int = 1
 ) -> float:
     """A scoring pass (backward=False) or ``epochs`` training passes over the step's samples."""
     rows = ceil(workload.samples / layout.dp)
@@ -77,7 +66,7 @@ def pass_seconds(
     weights = shape.layer_params / layout.t + shape.vocab * shape.hidden
     attention = 2 * shape.layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
     compute = factor * rows * length * (weights + attention) / (cluster.flops * cluster.train_efficiency)
-    gather = 2 * shape.params / layout.t * (layout.dp - 1) / layout.dp / cluster.link_bandwidth(layout.devices)
+    gather = 2 * shape.params / layout.t * (layout.dp - 1) / layout.dp / cluster.link_bandwidth(layout.world)
     micro_batches = ceil(rows / workload.micro_batch)
     per_layer = 4 if backward else 2
     activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
@@ -86,10 +75,10 @@ def pass_seconds(
     return epochs * (max(compute, gather * (3 if backward else 1)) + tp + overhead)
 
 
-def generation_seconds(shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> float:
+def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> float:
     """Prefill and decode of the step's samples, the generation groups working at once, each in waves of
     at most ``max_num_seqs`` sequences."""
-    groups = layout.devices // layout.tg
+    groups = layout.world // layout.tg
     waves = ceil(ceil(workload.samples / groups) / workload.max_num_seqs)
     batch = ceil(workload.samples / groups / waves)
     weights = shape.layer_params / layout.tg + shape.vocab * shape.hidden  # multiplied per token on a rank
@@ -106,15 +95,15 @@ def generation_seconds(shape: ModelShape, layout: Layout, workload: Workload, cl
     return waves * (prefill + workload.response_length * (max(memory_bound, compute_bound) + tp))
 
 
-def switch_seconds(shape: ModelShape, layout: Layout, cluster: ClusterSpec) -> float:
+def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
     """The actor's switch to generation: the regrouped switch's bytes over the link (bf16)."""
     received = predicted_switch_bytes(
         2 * shape.layer_params, 2 * shape.embedding_params, dp=layout.dp, t=layout.t, tg=layout.tg, method="hybridflow"
     )
-    return received / cluster.link_bandwidth(layout.devices)
+    return received / cluster.link_bandwidth(layout.world)
 
 
-def stage_seconds(role: Role, shape: ModelShape, layout: Layout, workload: Workload, cluster: ClusterSpec) -> dict:
+def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> dict:
     """Seconds of each of ``role``'s stages (ROLE_STAGES) in ``layout``."""
     if role is Role.ActorRollout:
         return {
@@ -133,9 +122,9 @@ def stage_seconds(role: Role, shape: ModelShape, layout: Layout, workload: Workl
     return {stage: pass_seconds(shape, layout, workload, cluster, backward=False)}
 
 
-def memory_bytes(role: Role, shape: ModelShape, layout: Layout, workload: Workload) -> tuple[float, float]:
+def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload) -> tuple[float, float]:
     """(held all the time, largest transient) bytes per device of ``role``'s model in ``layout``."""
-    shard = layout.devices
+    shard = layout.world
     static = (16 if role in TRAINED else 4) * shape.params / shard
     length = workload.prompt_length + workload.response_length
     micro = min(workload.micro_batch, ceil(workload.samples / layout.dp))
@@ -149,18 +138,18 @@ def memory_bytes(role: Role, shape: ModelShape, layout: Layout, workload: Worklo
         transient = 4 * micro * length * shape.hidden + logits
     if role is Role.ActorRollout:
         static += 2 * (shape.layer_params / layout.tg + shape.embedding_params)  # the generation copy
-        groups = layout.devices // layout.tg
+        groups = layout.world // layout.tg
         running = min(ceil(workload.samples / groups), workload.max_num_seqs)
         kv_cache = running * length * shape.kv_bytes_per_token() / layout.tg
         transient = max(transient, kv_cache)
     return static, transient
 
 
-def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[Layout]:
+def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
     node; the actor's tg divides t; the reward model is data-parallel only."""
     sizes = [t for t in range(1, min(devices, cluster.devices_per_node) + 1) if devices % t == 0]
     sizes = [t for t in sizes if shape.splits_over(t)] if role is not Role.RewardModel else [1]
     if role is Role.ActorRollout:
-        return [Layout(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0]
-    return [Layout(devices, t) for t in sizes]
+        return [LayoutShape.over(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0]
+    return [LayoutShape.over(devices, t) for t in sizes]

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from functools import cache
 
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import ClusterSpec
-from hybridflow.planner.cost import PHASES, Layout, layouts_for, memory_bytes, stage_seconds
+from hybridflow.planner.cost import PHASES, layouts_for, memory_bytes, stage_seconds
 from hybridflow.planner.workload import Workload
 
 
@@ -29,7 +30,7 @@ class DeviceSet:
 
     roles: tuple[Role, ...]
     devices: int
-    layouts: dict[Role, Layout] = field(hash=False)
+    layouts: dict[Role, LayoutShape] = field(hash=False)
     stage_seconds: dict[str, float] = field(hash=False)  # summed over the set's models
     memory: float = 0.0  # bytes per device at the peak
 
@@ -75,7 +76,7 @@ class Planner:
         self.unit = cluster.allocation_unit()
 
     @cache  # noqa: B019 (one planner per search; the cache dies with it)
-    def best_layout(self, role: Role, devices: int) -> tuple[Layout, dict[str, float]] | None:
+    def best_layout(self, role: Role, devices: int) -> tuple[LayoutShape, dict[str, float]] | None:
         """The layout with the fewest seconds over the model's stages that fits a device alone (None: none)."""
         shape = self.workload.models[role]
         best = None
@@ -119,10 +120,10 @@ class Planner:
         return sorted(found, key=lambda plan: plan.seconds)
 
 
-def evaluate_set(workload: Workload, cluster: ClusterSpec, layouts: dict[Role, Layout]) -> DeviceSet | None:
+def evaluate_set(workload: Workload, cluster: ClusterSpec, layouts: dict[Role, LayoutShape]) -> DeviceSet | None:
     """Colocated models in the given layouts (all on the same devices): their stages' seconds added up,
     or None where they do not fit (held memory adds up; transients do not, the stages run one at a time)."""
-    devices = {layout.devices for layout in layouts.values()}
+    devices = {layout.world for layout in layouts.values()}
     if len(devices) != 1:
         raise ValueError(f"colocated models share their devices; got layouts on {sorted(devices)}")
     static = transient = 0.0

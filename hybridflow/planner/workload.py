@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.controller import Role
+from hybridflow.models.split_sizes import indivisible_sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,8 +53,8 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
     def splits_over(self, t: int) -> bool:
-        """Whole query and key/value heads and equal MLP slices on each of t ranks."""
-        return self.heads % t == 0 and self.kv_heads % t == 0 and self.ffn % t == 0
+        """Whole query and key/value heads and equal MLP slices on each of t ranks (models/split_sizes.py)."""
+        return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelShape:

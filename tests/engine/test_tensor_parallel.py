@@ -5,12 +5,14 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_layer_plan, training_mesh
 from hybridflow.models import load_causal_lm
 from hybridflow.models.split_sizes import check_tensor_parallel_size
+from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.trainer.config import default_config
 
 FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
@@ -89,3 +91,14 @@ def test_a_layout_that_splits_heads_is_refused(tiny_path):
     check_tensor_parallel_size(config, 2, "actor.tensor_model_parallel_size")
     with pytest.raises(ValueError, match="num_key_value_heads"):
         check_tensor_parallel_size(config, 4, "actor.tensor_model_parallel_size")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_the_plan_is_megatrons_split_of_a_decoder_layer(model_type):
+    plan = decoder_layer_plan(layer_split(model_type))
+    column = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"]
+    assert {name: type(style) for name, style in plan.items()} == {
+        **dict.fromkeys(column, ColwiseParallel),
+        "self_attn.o_proj": RowwiseParallel,
+        "mlp.down_proj": RowwiseParallel,
+    }

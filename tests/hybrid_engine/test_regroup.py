@@ -9,7 +9,8 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
-from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.layout import ActorLayouts
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import (
     Regrouping,
     gather_generation_shard,
@@ -48,6 +49,15 @@ def test_the_paper_grouping_is_strided():
     assert regrouping.generation_groups() == [[0, 2], [1, 3]]
     with pytest.raises(ValueError, match="must divide"):
         Regrouping(t=4, tg=3)
+
+
+def test_a_layout_shape_refuses_groups_that_do_not_divide():
+    with pytest.raises(ValueError, match="tg=3 must divide the training one t=4"):
+        LayoutShape(dp=1, t=4, tg=3)
+    assert LayoutShape.over(8, t=4, tg=2) == LayoutShape(dp=2, t=4, tg=2)
+    assert LayoutShape.over(8, t=4, tg=2).world == 8
+    with pytest.raises(ValueError, match="6 devices do not split into tensor-parallel groups of t=4"):
+        LayoutShape.over(6, t=4)
 
 
 @pytest.mark.parametrize("t, tg", LAYOUTS)

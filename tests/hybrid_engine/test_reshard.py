@@ -15,18 +15,21 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPO
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
-from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.layout import ActorLayouts
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.rollout.native.parallel import TensorParallelGroup, shard_dim
+from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.trainer.config import default_config
 
 GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
 ENGINE = default_config().actor_rollout_ref.rollout.native
+SPLIT = layer_split("qwen2")
 FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
 
 
@@ -94,7 +97,7 @@ def expected(path):
 
 def first_layer_slice(weights: dict, name: str, tg: int, index: int) -> torch.Tensor:
     full = weights[f"model.layers.0.{name}"].detach()
-    return TensorParallelGroup(size=tg, rank=index).shard(f"model.layers.0.{name}", full)
+    return TensorParallelGroup(SPLIT, size=tg, rank=index).shard(f"model.layers.0.{name}", full)
 
 
 @pytest.mark.parametrize("dp, t, tg", [(1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 4, 2), (1, 4, 4)])
@@ -107,8 +110,8 @@ def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(local_
     finally:
         group.kill()
         pool.release()
-    split = sum(w.numel() * 4 for n, w in weights.items() if shard_dim(n) is not None)
-    whole = sum(w.numel() * 4 for n, w in weights.items() if shard_dim(n) is None)
+    split = sum(w.numel() * 4 for n, w in weights.items() if SPLIT.shard_dim(n) is not None)
+    whole = sum(w.numel() * 4 for n, w in weights.items() if SPLIT.shard_dim(n) is None)
     regrouping = Regrouping(t=t, tg=tg)
     by_group: dict[int, list[torch.Tensor]] = {}
     for rank, out in enumerate(outputs):

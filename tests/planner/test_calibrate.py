@@ -7,19 +7,14 @@ import math
 import pytest
 
 from hybridflow.controller import Role
-from hybridflow.planner.calibrate import (
-    CALIBRATED_FIELDS,
-    calibrate,
-    fit_decode_overhead,
-    fit_pass_costs,
-    load_calibration,
-    save_calibration,
-)
-from hybridflow.planner.cluster import PRESETS
-from hybridflow.planner.cost import Layout, generation_seconds, pass_seconds
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.planner.calibrate import calibrate, fit_decode_overhead, fit_pass_costs
+from hybridflow.planner.cluster import CALIBRATED_FIELDS, PRESETS, load_calibration, save_calibration
+from hybridflow.planner.cost import generation_seconds, pass_seconds
 from hybridflow.planner.workload import ModelShape, Workload
 
 SHAPE = ModelShape(name="m", layers=4, hidden=512, heads=8, kv_heads=4, ffn=1536, vocab=8192, tied_embeddings=False)
+ONE = LayoutShape(dp=1, t=1, tg=1)  # one device
 TRUE = dataclasses.replace(PRESETS["cpu"], train_efficiency=0.37, layer_overhead=0.0021, decode_layer_overhead=4e-4)
 
 
@@ -31,7 +26,7 @@ def work(samples: int, prompt: int, response: int) -> Workload:
 
 
 def test_the_pass_fit_recovers_efficiency_and_overhead():
-    measured = [(w, pass_seconds(SHAPE, Layout(1), w, TRUE, backward=True)) for w in (work(4, 256, 0), work(1, 8, 0))]
+    measured = [(w, pass_seconds(SHAPE, ONE, w, TRUE, backward=True)) for w in (work(4, 256, 0), work(1, 8, 0))]
     start = dataclasses.replace(TRUE, train_efficiency=0.9, layer_overhead=0.0)  # what the fit must not depend on
     efficiency, overhead = fit_pass_costs(start, SHAPE, measured)
     assert efficiency == pytest.approx(0.37, rel=1e-9)
@@ -40,7 +35,7 @@ def test_the_pass_fit_recovers_efficiency_and_overhead():
 
 def test_the_decode_fit_recovers_the_overhead():
     generation = work(16, 32, 32)
-    seconds = generation_seconds(SHAPE, Layout(1), generation, TRUE)
+    seconds = generation_seconds(SHAPE, ONE, generation, TRUE)
     assert fit_decode_overhead(TRUE, SHAPE, generation, seconds) == pytest.approx(4e-4, rel=1e-9)
 
 

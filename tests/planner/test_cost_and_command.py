@@ -7,8 +7,9 @@ from omegaconf import OmegaConf
 
 from hybridflow.cli import main as cli
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import cluster_preset
-from hybridflow.planner.cost import Layout, generation_seconds, memory_bytes, pass_seconds, switch_seconds
+from hybridflow.planner.cost import generation_seconds, memory_bytes, pass_seconds, switch_seconds
 from hybridflow.planner.workload import ModelShape, Workload
 from hybridflow.trainer.check_config import check_config
 from hybridflow.trainer.config import load_config
@@ -19,6 +20,7 @@ CLUSTER = replace(
     intra_node_bandwidth=50.0, collective_latency=0.01, layer_overhead=0.0,
     decode_layer_overhead=0.0,
 )  # fmt: skip
+ONE = LayoutShape(dp=1, t=1, tg=1)  # one device
 WORK = Workload(models={Role.ActorRollout: SHAPE}, prompts=2, n=2, prompt_length=3, response_length=1, micro_batch=4)
 
 
@@ -34,11 +36,11 @@ def test_a_scoring_pass_by_hand():
     weights = SHAPE.layer_params + 80
     attention = 2 * 2 * 8 * 4
     expected = 2 * 16 * (weights + attention) / 500
-    assert pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=False) == pytest.approx(expected)
+    assert pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=False) == pytest.approx(expected)
     # two tensor-parallel ranks: half the decoder and attention each, plus 2 all-reduces per layer of (4, 4, 8) bf16
     split = 2 * 16 * (SHAPE.layer_params / 2 + 80 + attention / 2) / 500
     all_reduce = 0.01 + 4 * 4 * 8 * 2 * 2 * (1 / 2) / 50
-    assert pass_seconds(SHAPE, Layout(2, t=2), WORK, CLUSTER, backward=False) == pytest.approx(
+    assert pass_seconds(SHAPE, LayoutShape(dp=1, t=2, tg=1), WORK, CLUSTER, backward=False) == pytest.approx(
         split + 2 * 2 * all_reduce
     )
 
@@ -48,29 +50,33 @@ def test_generation_and_the_switch_by_hand():
     prefill = 2 * weights * 4 * 3 / 500
     read = 2 * weights + 4 * 3.5 * SHAPE.kv_bytes_per_token()
     step = max(read / 50, 2 * weights * 4 / 500)
-    assert generation_seconds(SHAPE, Layout(1), WORK, CLUSTER) == pytest.approx(prefill + step)
-    assert switch_seconds(SHAPE, Layout(2, t=2, tg=2), CLUSTER) == 0.0  # each rank's shard is its generation shard
+    assert generation_seconds(SHAPE, ONE, WORK, CLUSTER) == pytest.approx(prefill + step)
+    assert (
+        switch_seconds(SHAPE, LayoutShape(dp=1, t=2, tg=2), CLUSTER) == 0.0
+    )  # each rank's shard is its generation shard
     # t=2, tg=1: the other half of the bf16 decoder comes over the link
-    assert switch_seconds(SHAPE, Layout(2, t=2, tg=1), CLUSTER) == pytest.approx(2 * SHAPE.layer_params / 2 / 50)
+    assert switch_seconds(SHAPE, LayoutShape(dp=1, t=2, tg=1), CLUSTER) == pytest.approx(
+        2 * SHAPE.layer_params / 2 / 50
+    )
 
 
 def test_the_fixed_cost_of_each_layer_call():
     slow = replace(CLUSTER, layer_overhead=0.001, decode_layer_overhead=0.001)
-    base = pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=False)
-    assert pass_seconds(SHAPE, Layout(1), WORK, slow, backward=False) == pytest.approx(base + 1 * 2 * 0.001)
-    base = pass_seconds(SHAPE, Layout(1), WORK, CLUSTER, backward=True)
-    assert pass_seconds(SHAPE, Layout(1), WORK, slow, backward=True) == pytest.approx(base + 3 * 2 * 0.001)
-    base = generation_seconds(SHAPE, Layout(1), WORK, CLUSTER)  # a prefill and 1 decode step, 2 layers each
-    assert generation_seconds(SHAPE, Layout(1), WORK, slow) == pytest.approx(base + 2 * 2 * 0.001)
+    base = pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=False)
+    assert pass_seconds(SHAPE, ONE, WORK, slow, backward=False) == pytest.approx(base + 1 * 2 * 0.001)
+    base = pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=True)
+    assert pass_seconds(SHAPE, ONE, WORK, slow, backward=True) == pytest.approx(base + 3 * 2 * 0.001)
+    base = generation_seconds(SHAPE, ONE, WORK, CLUSTER)  # a prefill and 1 decode step, 2 layers each
+    assert generation_seconds(SHAPE, ONE, WORK, slow) == pytest.approx(base + 2 * 2 * 0.001)
 
 
 def test_memory_by_hand():
-    static, transient = memory_bytes(Role.ActorRollout, SHAPE, Layout(2, t=2, tg=2), WORK)
+    static, transient = memory_bytes(Role.ActorRollout, SHAPE, LayoutShape(dp=1, t=2, tg=2), WORK)
     assert static == pytest.approx(16 * SHAPE.params / 2 + 2 * (SHAPE.layer_params / 2 + 80))
     activations = 34 * 4 * 4 * 8 / 2 * 2 + 4 * 4 * 4 * 10  # a micro-batch of 4 samples x 4 tokens, 2 layers, t 2
     kv_cache = 4 * 4 * SHAPE.kv_bytes_per_token() / 2
     assert transient == pytest.approx(max(activations, kv_cache))
-    ref_static, _ = memory_bytes(Role.RefPolicy, SHAPE, Layout(2), WORK)
+    ref_static, _ = memory_bytes(Role.RefPolicy, SHAPE, LayoutShape(dp=2, t=1, tg=1), WORK)
     assert ref_static == pytest.approx(4 * SHAPE.params / 2)
 
 

@@ -11,8 +11,9 @@ every decoder layer and of the KV cache:
   the same token (the sampler's randomness is a function of seed, request and step, not the rank).
 
 A row-parallel bias is added by the group's rank 0 only, so that the all-reduce counts it once.
-The split of a Hugging Face tensor is named here once (``shard_dim``); the hybrid engine's switch
-produces exactly these slices from the training layout.
+Which module is split how is the model family's table (models/tensor_parallel.py, ``LayerSplit``),
+the same table the training plans are built from, so the hybrid engine's switch produces exactly
+these slices from the training layout.
 """
 
 from __future__ import annotations
@@ -23,36 +24,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hybridflow.models.split_sizes import check_split_sizes
+from hybridflow.models.tensor_parallel import LayerSplit
 from hybridflow.rollout.native.spec import ModelSpec
-
-_COLUMN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
-_ROW = ("self_attn.o_proj", "mlp.down_proj")
-
-
-def shard_dim(name: str) -> int | None:
-    """The dimension along which Hugging Face tensor ``name`` is split over a generation group (None: whole)."""
-    module, _, kind = name.rpartition(".")
-    if module.endswith(_COLUMN):
-        return 0  # weight (out, in) and bias (out,): split the outputs
-    if module.endswith(_ROW) and kind == "weight":
-        return 1  # weight (out, in): split the inputs
-    return None
 
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """The ranks that generate together: this rank's index in the group and the group itself."""
+    """The ranks that generate together: the model family's split, this rank's index in the group and
+    the group itself."""
 
+    split: LayerSplit
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
 
     @classmethod
-    def of(cls, group: dist.ProcessGroup | None) -> TensorParallelGroup:
+    def of(cls, split: LayerSplit, group: dist.ProcessGroup | None) -> TensorParallelGroup:
         """The group's size and this rank's place in it (None: generation on one rank)."""
         if group is None or dist.get_world_size(group) == 1:
-            return cls()
-        return cls(size=dist.get_world_size(group), rank=dist.get_rank(group), group=group)
+            return cls(split)
+        return cls(split, size=dist.get_world_size(group), rank=dist.get_rank(group), group=group)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of the group's partial results of a row-parallel layer (in place)."""
@@ -62,26 +54,23 @@ class TensorParallelGroup:
 
     def shard(self, name: str, full: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the full Hugging Face tensor ``name`` (a view; the tensor itself if unsplit)."""
-        dim = shard_dim(name)
+        dim = self.split.shard_dim(name)
         if dim is None or self.size == 1:
             return full
         return full.chunk(self.size, dim=dim)[self.rank]
 
     def holds(self, name: str) -> bool:
         """False for a row-parallel bias on ranks other than 0 (it is added once, by rank 0)."""
-        return not (self.rank and name.endswith(tuple(f"{m}.bias" for m in _ROW)))
+        return not (self.rank and self.split.is_row_bias(name))
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         """The shapes one rank computes: 1/size of the query heads, key/value heads and MLP width."""
-        sizes = {
-            "num_heads": spec.num_heads,
-            "num_kv_heads": spec.num_kv_heads,
-            "intermediate_size": spec.intermediate_size,
-        }
-        bad = {name: size for name, size in sizes.items() if size % self.size}
-        if bad:
-            raise ValueError(
-                f"rollout.tensor_model_parallel_size={self.size} does not divide the model's {bad}: "
-                f"choose a divisor of each of {sizes}"
-            )
-        return dataclasses.replace(spec, **{name: size // self.size for name, size in sizes.items()})
+        check_split_sizes(
+            self.size,
+            "rollout.tensor_model_parallel_size",
+            heads=spec.num_heads,
+            kv_heads=spec.num_kv_heads,
+            intermediate_size=spec.intermediate_size,
+        )
+        sizes = ("num_heads", "num_kv_heads", "intermediate_size")
+        return dataclasses.replace(spec, **{name: getattr(spec, name) // self.size for name in sizes})

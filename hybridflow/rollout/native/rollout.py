@@ -10,6 +10,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
+from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 from hybridflow.rollout.native.config import NativeEngineConfig
@@ -47,8 +48,9 @@ class NativeRollout(Rollout):
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
-        tp = TensorParallelGroup.of(tp_group)
-        weights = Weights.from_model(model, spec_from_config(model.config), dtype, tp)
+        spec = spec_from_config(model.config)
+        tp = TensorParallelGroup.of(layer_split(model.config.model_type), tp_group)
+        weights = Weights.from_model(model, spec, dtype, tp)
         self.engine = Engine(weights, engine_config)
         self.requests = NativeRequestEngine(self.engine, self.stop_token_ids)
 

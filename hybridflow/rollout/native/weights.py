@@ -55,11 +55,10 @@ class Weights:
         o_bias: bool,
         dtype: torch.dtype,
         device: torch.device | str,
-        tp: TensorParallelGroup | None = None,
+        tp: TensorParallelGroup,
     ) -> Weights:
         """Uninitialised weights of this rank's shapes (fill them with `load`); spec: the whole model's;
-        tp: the group they are split over (None: a whole copy)."""
-        tp = tp or TensorParallelGroup()
+        tp: the group they are split over (size 1: a whole copy)."""
         spec = tp.local_spec(spec)
         o_bias = o_bias and tp.holds("self_attn.o_proj.bias")
         h, q, k, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
@@ -98,9 +97,7 @@ class Weights:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     @classmethod
-    def from_model(
-        cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallelGroup | None = None
-    ) -> Weights:
+    def from_model(cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallelGroup) -> Weights:
         """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype` (this
         rank's slices of them under tensor parallelism)."""
         params = dict(model.named_parameters())

@@ -12,8 +12,9 @@ from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sample
 from hybridflow.batch_keys import RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models.tensor_parallel import LLAMA, layer_split
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.rollout.native.parallel import TensorParallelGroup, shard_dim
+from hybridflow.rollout.native.parallel import TensorParallelGroup
 
 TG = 2
 
@@ -79,11 +80,13 @@ def test_each_rank_holds_its_slice_and_half_the_cache(family):
     params = dict(model.named_parameters())
     prefix = "model.layers.0."
 
+    split = layer_split(model.config.model_type)
+
     def piece(name: str, rank: int) -> torch.Tensor:
-        return TensorParallelGroup(size=TG, rank=rank).shard(prefix + name, params[prefix + name].detach())
+        return TensorParallelGroup(split, size=TG, rank=rank).shard(prefix + name, params[prefix + name].detach())
 
     full_weights = single.engine.weights.nbytes()
-    split_bytes = sum(t.numel() * 4 for n, t in params.items() if shard_dim(n) is not None)
+    split_bytes = sum(t.numel() * 4 for n, t in params.items() if split.shard_dim(n) is not None)
     for rank, held in enumerate(group.held()):
         qkv = torch.cat([piece(f"self_attn.{p}_proj.weight", rank) for p in "qkv"])
         torch.testing.assert_close(held["qkv"], qkv, rtol=0, atol=0)
@@ -98,22 +101,16 @@ def test_each_rank_holds_its_slice_and_half_the_cache(family):
         assert held["cache_bytes"] == single.engine.cache.nbytes() // TG
 
 
-def test_the_split_of_each_tensor():
-    assert shard_dim("model.layers.3.self_attn.q_proj.weight") == 0
-    assert shard_dim("model.layers.3.self_attn.k_proj.bias") == 0
-    assert shard_dim("model.layers.3.mlp.up_proj.weight") == 0
-    assert shard_dim("model.layers.3.self_attn.o_proj.weight") == 1
-    assert shard_dim("model.layers.3.mlp.down_proj.weight") == 1
-    assert shard_dim("model.layers.3.self_attn.o_proj.bias") is None  # added once, by rank 0
-    assert shard_dim("model.layers.3.input_layernorm.weight") is None
-    assert shard_dim("model.embed_tokens.weight") is None
-    assert not TensorParallelGroup(size=2, rank=1).holds("model.layers.0.self_attn.o_proj.bias")
-    assert TensorParallelGroup(size=2, rank=0).holds("model.layers.0.self_attn.o_proj.bias")
+def test_a_row_parallel_bias_is_held_by_rank_0_only():
+    assert not TensorParallelGroup(LLAMA, size=2, rank=1).holds("model.layers.0.self_attn.o_proj.bias")
+    assert TensorParallelGroup(LLAMA, size=2, rank=0).holds("model.layers.0.self_attn.o_proj.bias")
+    assert TensorParallelGroup(LLAMA, size=2, rank=1).holds("model.layers.0.self_attn.q_proj.bias")
+    assert TensorParallelGroup(LLAMA, size=2, rank=1).holds("model.layers.0.self_attn.o_proj.weight")
 
 
 def test_a_size_that_splits_heads_is_refused():
     model = load_causal_lm("tiny-llama", dtype=torch.float32)  # 4 query heads, 2 key/value heads
     from hybridflow.rollout.native.spec import spec_from_config
 
-    with pytest.raises(ValueError, match="num_kv_heads"):
-        TensorParallelGroup(size=4, rank=0).local_spec(spec_from_config(model.config))
+    with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=4 .*'num_key_value_heads': 2"):
+        TensorParallelGroup(LLAMA, size=4, rank=0).local_spec(spec_from_config(model.config))

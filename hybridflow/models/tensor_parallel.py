@@ -1,0 +1,61 @@
+"""How tensor parallelism splits a decoder layer, per model family: the one table that training and generation read.
+
+Megatron-style (Shoeybi et al. 2019). In a layer's attention the q/k/v projections are split by output
+features (column-parallel: each rank holds whole heads) and the output projection by input features
+(row-parallel: each rank computes a partial sum, one all-reduce makes it whole); in the MLP gate/up are
+column-parallel and down row-parallel, one all-reduce. Embeddings, norms and the LM head are not split.
+
+A Hugging Face weight is (out, in): a column-parallel module splits its weight along dimension 0 and its
+bias with it; a row-parallel module splits its weight along dimension 1 and keeps its bias whole (the
+bias is added once, after the sum). The table holds names only, no parallelism code:
+
+- engine/tensor_parallel builds the training plans from it (ColwiseParallel / RowwiseParallel, DTensor);
+- the native engine slices each Hugging Face tensor by ``LayerSplit.shard_dim`` (rollout/native/parallel.py);
+- the hybrid engine's switch checks the training shards against it (hybrid_engine/reshard.py).
+
+Qwen2 and Mistral have Llama's layer: Qwen2's q/k/v biases are split with their columns, and Mistral's
+sliding-window attention is per head, so it runs unchanged on a rank's local heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LayerSplit:
+    """The modules of a decoder layer (names relative to the layer) that tensor parallelism splits."""
+
+    column: tuple[str, ...]
+    """Split by output features: weight rows (dimension 0) and the bias."""
+    row: tuple[str, ...]
+    """Split by input features: weight columns (dimension 1); the bias stays whole."""
+
+    def shard_dim(self, name: str) -> int | None:
+        """The dimension along which Hugging Face tensor ``name`` is split over tensor-parallel ranks
+        (None: every rank holds it whole)."""
+        module, _, kind = name.rpartition(".")
+        if module.endswith(self.column):
+            return 0  # weight (out, in) and bias (out,): split the outputs
+        if module.endswith(self.row) and kind == "weight":
+            return 1  # weight (out, in): split the inputs
+        return None
+
+    def is_row_bias(self, name: str) -> bool:
+        """Whether ``name`` is the bias of a row-parallel module: whole on every rank, to be added once."""
+        module, _, kind = name.rpartition(".")
+        return kind == "bias" and module.endswith(self.row)
+
+
+LLAMA = LayerSplit(
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
+    row=("self_attn.o_proj", "mlp.down_proj"),
+)
+LAYER_SPLITS: dict[str, LayerSplit] = {"llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
+
+
+def layer_split(model_type: str) -> LayerSplit:
+    """The split of a family's decoder layer, by Hugging Face ``config.model_type``."""
+    if model_type not in LAYER_SPLITS:
+        raise ValueError(f"no tensor-parallel plan for model type '{model_type}'; plans: {', '.join(LAYER_SPLITS)}")
+    return LAYER_SPLITS[model_type]
