@@ -60,6 +60,5 @@ def test_a_deliberate_violation_breaks_its_contract(package_copy, file, line, br
     add_line(package_copy / "hybridflow" / file, line)
     result = lint_imports(package_copy)
     assert result.returncode == 1, result.stdout
-    assert "Contracts: 2 kept, 1 broken." in result.stdout
-    broken_section = result.stdout.split("Broken contracts")[1]
-    assert broken in broken_section
+    broken_section = result.stdout.split("Broken contracts")[1]  # an upward import is also a cycle of packages
+    assert broken in broken_section, result.stdout

@@ -19,8 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 
-__all__ = ["ActorLayouts", "LayoutShape"]  # LayoutShape lives in layout_shape.py; switch.py, workers import it here
-
 
 @dataclass
 class ActorLayouts:

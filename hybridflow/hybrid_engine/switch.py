@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 from hybridflow.batch_keys import METRICS
 from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.offload import move_model, move_optimizer_state
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
 from hybridflow.protocol import DataProto

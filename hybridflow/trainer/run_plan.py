@@ -22,7 +22,7 @@ from transformers import AutoConfig, PretrainedConfig
 from hybridflow.algorithms import get_adv_estimator
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import Role
-from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import list_builtin_models, resolve_model_path
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.rollout.backend import rollout_backend

@@ -20,7 +20,8 @@ from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
-from hybridflow.hybrid_engine.layout import ActorLayouts, LayoutShape
+from hybridflow.hybrid_engine.layout import ActorLayouts
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto

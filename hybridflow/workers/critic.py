@@ -11,7 +11,7 @@ from hybridflow.engine.checkpoint import load_training_state, save_training_stat
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
 from hybridflow.engine.tensor_parallel import training_mesh
-from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_critic
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import CRITIC_STATE

@@ -6,7 +6,7 @@ from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.engine.tensor_parallel import training_mesh
-from hybridflow.hybrid_engine.layout import LayoutShape
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ActorRolloutRefConfig
