@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from types import MappingProxyType
 
@@ -105,9 +104,8 @@ def on_policy_update(config: HybridFlowConfig) -> bool:
     )
 
 
-@cache
 def model_config(path: str) -> PretrainedConfig:
-    """The Hugging Face config of the model directory ``path`` (read once per run)."""
+    """The Hugging Face config of the model directory ``path``."""
     return AutoConfig.from_pretrained(path)
 
 

@@ -57,8 +57,7 @@ class ActorRolloutWorker(Worker):
         self.tokenizer = load_tokenizer(model_path)
         # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
         # generation: groups of tg ranks split each layer and see the same prompts
-        shape = layout
-        self.layouts = ActorLayouts.build(self.device, shape)
+        self.layouts = ActorLayouts.build(self.device, layout)
         mesh = self.layouts.training
         self.register_dispatch_mesh(TRAIN_MESH, mesh)
         self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
@@ -94,7 +93,7 @@ class ActorRolloutWorker(Worker):
             param_offload=config.actor.param_offload,
             optimizer_offload=config.actor.optimizer_offload,
             dtype=generation_dtype,
-            shape=shape,
+            shape=layout,
             gather_group=self.layouts.gather_group,
         )
 
