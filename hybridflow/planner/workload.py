@@ -115,20 +115,19 @@ def workload_from_config(config) -> Workload:
     """The workload of a ``HybridFlowConfig``: its needed roles' model shapes and its batch."""
     from transformers import AutoConfig
 
-    from hybridflow.models import resolve_model_path
-    from hybridflow.trainer.roles import needed_roles
+    from hybridflow.trainer.run_plan import make_run_plan
 
-    arr = config.actor_rollout_ref
-    paths = {
-        Role.ActorRollout: arr.model.path,
-        Role.RefPolicy: arr.model.path,
-        Role.Critic: config.critic.model.path or arr.model.path,
-        Role.RewardModel: config.reward_model.model.path,
+    arr, plan = config.actor_rollout_ref, make_run_plan(config)
+    names = {  # as the config names them (for the plan's printout); the run plan has their directories
+        Role.ActorRollout: (arr.model.path, plan.paths.actor_model),
+        Role.RefPolicy: (arr.model.path, plan.paths.actor_model),
+        Role.Critic: (config.critic.model.path or arr.model.path, plan.paths.critic_model),
+        Role.RewardModel: (config.reward_model.model.path, plan.paths.reward_model),
     }
     models = {}
-    for role in needed_roles(config):
-        path = paths[role]
-        models[role] = shape_from_hf(AutoConfig.from_pretrained(resolve_model_path(path)), str(path))
+    for role in plan.roles:
+        name, directory = names[role]
+        models[role] = shape_from_hf(AutoConfig.from_pretrained(directory), str(name))
     return Workload(
         models=models,
         prompts=config.data.train_batch_size,

@@ -25,7 +25,7 @@ from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_plan import RunPlan, model_config, plan_run
+from hybridflow.trainer.run_plan import RunPlan, make_run_plan, model_config
 from hybridflow.trainer.tracking import check_loggers
 from hybridflow.validation import InvalidSetting, UserError
 
@@ -243,7 +243,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     _check_files(cfg.data.train_files, "data.train_files", required=True)
     _check_files(cfg.data.val_files, "data.val_files", required=False)
-    plan = plan_run(cfg)  # models, placement and layouts: ConfigError where they do not fit
+    plan = make_run_plan(cfg)  # models, placement and layouts: ConfigError where they do not fit
     _check_batch_sizes(cfg, plan)
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)

@@ -3,7 +3,7 @@
 The loaded config is what the user wrote and is never changed. What follows from it (the files it
 names as absolute paths and model directories, the advantage estimator, the roles the run needs,
 their pools, each role's parallel layout, whether the actor update supplies its own old log-probs)
-is computed here, once, by ``plan_run``, into a frozen ``RunPlan``: ``check_config`` builds it while
+is computed here, once, by ``make_run_plan``, into a frozen ``RunPlan``: ``check_config`` builds it while
 checking (a placement or layout that cannot work is a ConfigError naming its key), and the driver,
 the placement, the run directory and the worker groups read it instead of deriving anything again.
 The number of steps is the one thing that also depends on the data: ``total_training_steps``.
@@ -182,7 +182,7 @@ def role_layouts(
     return layouts
 
 
-def plan_run(config: HybridFlowConfig) -> RunPlan:
+def make_run_plan(config: HybridFlowConfig) -> RunPlan:
     """The run's plan; ConfigError (naming the key) when a model is not there, or the placement or a layout
     cannot work. Builds built-in models into their cached directories on first use."""
     estimator = get_adv_estimator(config.algorithm.adv_estimator)

@@ -202,11 +202,11 @@ def test_a_joined_cluster_too_small_fails_before_placement():
     from hybridflow.controller import start_ray
     from hybridflow.trainer.check_config import check_cluster
     from hybridflow.trainer.config import ConfigError, load_config
-    from hybridflow.trainer.run_plan import plan_run
+    from hybridflow.trainer.run_plan import make_run_plan
 
     def check(overrides: list[str]) -> None:
         config = load_config(overrides)
-        check_cluster(config, plan_run(config).placement)
+        check_cluster(config, make_run_plan(config).placement)
 
     if ray.is_initialized():
         ray.shutdown()

@@ -7,7 +7,7 @@ from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import make_task_rows
 from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.main import run
-from hybridflow.trainer.run_plan import plan_run
+from hybridflow.trainer.run_plan import make_run_plan
 
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
 
@@ -84,7 +84,7 @@ def test_the_files_workers_read_become_absolute_paths(tmp_path, monkeypatch):
     config = load_config(
         [f"{MULTI_TURN}.tool_config_path=tools/calc.yaml", f"{MULTI_TURN}.default_agent=loops/mine.py:MyLoop"]
     )
-    paths = plan_run(config).paths
+    paths = make_run_plan(config).paths
     assert paths.tool_config == str(tmp_path / "tools" / "calc.yaml")
     assert paths.default_agent == f"{tmp_path / 'loops' / 'mine.py'}:MyLoop"
     multi_turn = config.actor_rollout_ref.rollout.multi_turn  # the config itself stays as it was loaded

@@ -6,7 +6,7 @@ from hybridflow.controller import Role
 from hybridflow.trainer.check_config import pool_processes_per_node
 from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_plan import plan_run
+from hybridflow.trainer.run_plan import make_run_plan
 
 PPO_ALL_ROLES = [
     "algorithm.adv_estimator=gae",
@@ -17,7 +17,7 @@ PPO_ALL_ROLES = [
 
 
 def plan_of(*overrides: str) -> Placement:
-    return plan_run(load_config([*PPO_ALL_ROLES, *overrides])).placement
+    return make_run_plan(load_config([*PPO_ALL_ROLES, *overrides])).placement
 
 
 def test_all_colocate_is_one_pool_for_every_role():
@@ -35,7 +35,7 @@ def test_group_colocate_pairs_actor_with_ref_and_critic_with_reward_model():
 
 
 def test_group_colocate_without_critic_or_reward_model_is_one_pool():
-    plan = plan_run(load_config(["trainer.placement=group_colocate"])).placement  # GRPO: the actor alone
+    plan = make_run_plan(load_config(["trainer.placement=group_colocate"])).placement  # GRPO: the actor alone
     assert plan.pools == {"actor": [2]} and list(plan.role_pool) == [Role.ActorRollout]
 
 
@@ -60,7 +60,7 @@ def test_custom_pools_of_different_sizes():
 
 
 def test_custom_pools_not_used_by_this_run_are_not_started():
-    plan = plan_run(
+    plan = make_run_plan(
         load_config(
             [
                 "trainer.placement=custom",

@@ -4,7 +4,7 @@ import pytest
 
 from hybridflow.controller import Role
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.run_plan import on_policy_update, plan_run
+from hybridflow.trainer.run_plan import on_policy_update, make_run_plan
 
 
 @pytest.mark.parametrize(
@@ -21,7 +21,7 @@ from hybridflow.trainer.run_plan import on_policy_update, plan_run
     ],
 )
 def test_needed_roles(overrides, roles):
-    assert list(plan_run(load_config(overrides)).roles) == roles
+    assert list(make_run_plan(load_config(overrides)).roles) == roles
 
 
 def test_role_names_are_the_group_names():
