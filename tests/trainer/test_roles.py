@@ -4,7 +4,7 @@ import pytest
 
 from hybridflow.controller import Role
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.run_plan import on_policy_update, make_run_plan
+from hybridflow.trainer.run_plan import make_run_plan, on_policy_update
 
 
 @pytest.mark.parametrize(
