@@ -36,6 +36,7 @@ def loop(model: str, steps: int, data_dir: str) -> dict:
     from hybridflow.algorithms import get_adv_estimator
     from hybridflow.batch_keys import ADVANTAGES, GLOBAL_STEP, METRICS, PROMPT_TENSORS, RESPONSE_MASK, SAMPLING, UID
     from hybridflow.data import PromptDataLoader, RLHFDataset
+    from hybridflow.hybrid_engine.layout_shape import LayoutShape
     from hybridflow.models import load_tokenizer, resolve_model_path
     from hybridflow.procfs import resident_gb
     from hybridflow.reward import RewardManager
@@ -50,7 +51,16 @@ def loop(model: str, steps: int, data_dir: str) -> dict:
             "actor_rollout_ref.rollout.response_length=32",
         ]
     )
-    worker = ActorRolloutWorker(config=config.actor_rollout_ref, total_training_steps=1000, seed=0)
+    arr = config.actor_rollout_ref
+    worker = ActorRolloutWorker(
+        config=arr,
+        model_path=arr.model.path,
+        layout=LayoutShape(dp=1, t=1, tg=1),
+        tool_config="",
+        default_agent=arr.rollout.multi_turn.default_agent,
+        total_training_steps=1000,
+        seed=0,
+    )
     tokenizer = load_tokenizer(config.actor_rollout_ref.model.path)
     batches = iter(PromptDataLoader(RLHFDataset(config.data.train_files, tokenizer, config.data), 8, seed=0))
     reward, estimator, n = RewardManager(tokenizer, config.reward), get_adv_estimator("grpo"), 4

@@ -5,13 +5,15 @@ import ray
 import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
-from hybridflow.controller import start_ray
+from hybridflow.controller import RoleSpec, start_ray
 from hybridflow.data.tasks import write_task
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.trainer.config import load_config
+from hybridflow.workers import ActorRolloutWorker
 
 
 @pytest.fixture(scope="session")
@@ -42,6 +44,25 @@ def fp32_actor_config(path: str, lr: float, *extra: str):
 @pytest.fixture(scope="session")
 def actor_config_factory():
     return fp32_actor_config
+
+
+def actor_worker(config, world_size: int, total_training_steps: int = 10) -> RoleSpec:
+    """The actor worker as the trainer builds it from a run plan, all ``world_size`` ranks data-parallel."""
+    kwargs = dict(
+        config=config,
+        model_path=config.model.path,
+        layout=LayoutShape(dp=world_size, t=1, tg=1),
+        tool_config="",
+        default_agent=config.rollout.multi_turn.default_agent,
+        total_training_steps=total_training_steps,
+        seed=0,
+    )
+    return RoleSpec(ActorRolloutWorker, kwargs=kwargs)
+
+
+@pytest.fixture(scope="session")
+def actor_worker_factory():
+    return actor_worker
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hybridflow.batch_keys import OLD_LOG_PROBS
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
+from hybridflow.controller import RayResourcePool, RayWorkerGroup
 from hybridflow.models import load_causal_lm
 from hybridflow.trainer.export import export_checkpoint
-from hybridflow.workers import ActorRolloutWorker
 
 
-def spawn(world_size: int, config):
+def spawn(world_size: int, config, actor_worker):
     pool = RayResourcePool([world_size])
-    worker = RoleSpec(ActorRolloutWorker, kwargs={"config": config, "total_training_steps": 10, "seed": 0})
-    return pool, RayWorkerGroup(pool, worker)
+    return pool, RayWorkerGroup(pool, actor_worker(config, world_size))
 
 
 def update(group, batch):
@@ -22,9 +20,11 @@ def update(group, batch):
     group.update_actor(data)
 
 
-def test_save_on_2_ranks_resume_on_1_and_export(local_ray, tiny_path, rollout_batch, actor_config_factory, tmp_path):
+def test_save_on_2_ranks_resume_on_1_and_export(
+    local_ray, tiny_path, rollout_batch, actor_config_factory, actor_worker_factory, tmp_path
+):
     config = actor_config_factory(tiny_path, 1e-2, "actor_rollout_ref.actor.optim.eps=1e-8")
-    pool, two = spawn(2, config)
+    pool, two = spawn(2, config, actor_worker_factory)
     update(two, rollout_batch)
     two.save_checkpoint(str(tmp_path))
     saved = two.full_state_dict()[0]
@@ -33,7 +33,7 @@ def test_save_on_2_ranks_resume_on_1_and_export(local_ray, tiny_path, rollout_ba
     two.kill()
     pool.release()
 
-    pool, one = spawn(1, config)
+    pool, one = spawn(1, config, actor_worker_factory)
     one.load_checkpoint(str(tmp_path))
     loaded = one.full_state_dict()[0]
     for name, tensor in saved.items():

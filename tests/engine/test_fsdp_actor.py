@@ -3,10 +3,9 @@
 import torch
 
 from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
+from hybridflow.controller import RayResourcePool, RayWorkerGroup
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
-from hybridflow.workers import ActorRolloutWorker
 
 LR = 1e-2
 
@@ -23,14 +22,12 @@ def reference_log_probs(model, batch: DataProto) -> torch.Tensor:
 
 
 def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
-    local_ray, tiny_path, rollout_batch, actor_config_factory
+    local_ray, tiny_path, rollout_batch, actor_config_factory, actor_worker_factory
 ):
     pool = RayResourcePool([2])
     # 3 rows per rank with micro-batches of 2: accumulation over unequal micro-batches and ranks
     config = actor_config_factory(tiny_path, LR)
-    group = RayWorkerGroup(
-        pool, RoleSpec(ActorRolloutWorker, kwargs={"config": config, "total_training_steps": 10, "seed": 0})
-    )
+    group = RayWorkerGroup(pool, actor_worker_factory(config, 2))
     batch = rollout_batch.select(deepcopy=True)
     model = load_causal_lm(tiny_path, dtype=torch.float32)
     mask = batch.batch["response_mask"].float()

@@ -50,7 +50,8 @@ def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
     ]
     config = load_config(overrides).reward_model
     pool = RayResourcePool([2])
-    worker = RoleSpec(RewardModelWorker, kwargs={"config": config, "policy_model_path": policy_path, "seed": 0})
+    kwargs = {"config": config, "model_path": str(reward_model_dir), "policy_model_path": policy_path, "seed": 0}
+    worker = RoleSpec(RewardModelWorker, kwargs=kwargs)
     group = RayWorkerGroup(pool, worker)
     scores = group.compute_rm_score(data).batch[RM_SCORES]
     group.kill()
