@@ -35,6 +35,7 @@ from hybridflow.batch_keys import (
 from hybridflow.data.config import DatasetConfig
 from hybridflow.data.io import read_rows
 from hybridflow.protocol import DataProto
+from hybridflow.validation import ConfigError, InputFileError, reading_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ def _object_array(values: Sequence[Any]) -> np.ndarray:
     return array
 
 
-def _check_messages(messages: Any, row: int, key: str) -> list[dict]:
+def _messages(row: dict, key: str) -> list[dict] | None:
+    """The row's chat messages in column ``key``, or None when they are not a list of role/content dicts."""
+    messages = row.get(key)
     ok = (
         isinstance(messages, list)
         and messages
@@ -58,12 +61,10 @@ def _check_messages(messages: Any, row: int, key: str) -> list[dict]:
             for m in messages
         )
     )
-    if not ok:
-        raise ValueError(
-            f"row {row}: column {key!r} (data.prompt_key) must be a non-empty list of "
-            f'{{"role": str, "content": str}} messages, got {messages!r:.200}'
-        )
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return [{"role": m["role"], "content": m["content"]} for m in messages] if ok else None
+
+
+FORMAT_HINT = "rows as python -m hybridflow.data.tasks writes them (docs: RLHFDataset)"
 
 
 class RLHFDataset:
@@ -75,20 +76,42 @@ class RLHFDataset:
         tokenizer: Any,
         config: DatasetConfig,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        key: str = "data.train_files",
     ) -> None:
         """tools: the OpenAI function schemas of a multi-turn run's tools, given to the chat template (templates
-        that know tools list them in the prompt; others ignore them)."""
+        that know tools list them in the prompt; others ignore them). key: the setting that named ``files``
+        (errors name it and the file)."""
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; collate needs one to left-pad prompts")
         self.tokenizer = tokenizer
         self.config = config
         self.files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         if not self.files:
-            raise ValueError("RLHFDataset needs at least one data file")
-        rows = [row for file in self.files for row in read_rows(file)]
-        if not rows:
-            raise ValueError(f"no rows in {[str(f) for f in self.files]}")
-        messages = [_check_messages(row.get(config.prompt_key), i, config.prompt_key) for i, row in enumerate(rows)]
+            raise ConfigError(key, "no data files given", "give parquet or jsonl files")
+        rows, messages = [], []
+        for file in self.files:
+            with reading_file(file, key=key, fix=f"give parquet or jsonl files of {FORMAT_HINT}"):
+                file_rows = read_rows(file)
+            if not file_rows:
+                raise InputFileError(file, "holds no rows", f"give {FORMAT_HINT}", key)
+            for index, row in enumerate(file_rows):
+                chat = _messages(row, config.prompt_key)
+                if chat is None:
+                    raise InputFileError(
+                        file,
+                        f"row {index}: column {config.prompt_key!r} (data.prompt_key) is not a non-empty list of "
+                        f'{{"role": str, "content": str}} messages: {row.get(config.prompt_key)!r:.120}',
+                        f"set data.prompt_key to the column with the chat messages; the columns are {sorted(row)}",
+                        key,
+                    )
+                for column in (DATA_SOURCE, REWARD_MODEL):
+                    if column not in row:
+                        raise InputFileError(
+                            file, f"row {index} has no {column!r} column; its columns: {sorted(row)}", FORMAT_HINT, key
+                        )
+                rows.append(row)
+                messages.append(chat)
         tool_kwargs = {"tools": tools} if tools else {}
         texts = [
             tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **tool_kwargs)
@@ -104,15 +127,13 @@ class RLHFDataset:
         for index, (row, chat, ids) in enumerate(zip(rows, messages, token_ids, strict=True)):
             if len(ids) > limit:
                 if not self.config.filter_overlong_prompts:
-                    raise ValueError(
-                        f"row {index} has a templated prompt of {len(ids)} tokens, longer than "
-                        f"data.max_prompt_length={limit}; raise data.max_prompt_length or set "
-                        "data.filter_overlong_prompts=true to drop such rows"
+                    raise ConfigError(
+                        "data.max_prompt_length",
+                        f"row {index} of {[str(f) for f in self.files]} has a templated prompt of {len(ids)} tokens, "
+                        f"longer than {limit}",
+                        "raise data.max_prompt_length, or set data.filter_overlong_prompts=true to drop such rows",
                     )
                 continue
-            for key in (DATA_SOURCE, REWARD_MODEL):
-                if key not in row:
-                    raise ValueError(f"row {index} has no {key!r} column; columns: {sorted(row)}")
             kept.append(
                 {
                     INPUT_IDS: ids,
@@ -133,7 +154,13 @@ class RLHFDataset:
                 limit,
             )
         if not kept:
-            raise ValueError(f"every row is longer than data.max_prompt_length={limit} tokens; raise it")
+            shortest = min(len(ids) for ids in token_ids)
+            raise ConfigError(
+                "data.max_prompt_length",
+                f"every prompt of {[str(f) for f in self.files]} is longer than {limit} tokens once templated "
+                f"(the shortest has {shortest})",
+                f"raise it to at least {shortest}",
+            )
         return kept
 
     def __len__(self) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from hybridflow.protocol import DataProto
+from hybridflow.validation import ConfigError
 
 
 class PromptDataLoader:
@@ -32,9 +33,11 @@ class PromptDataLoader:
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if len(dataset) < batch_size:
-            raise ValueError(
-                f"the dataset has {len(dataset)} rows, fewer than one batch of {batch_size}; "
-                "lower the batch size (data.train_batch_size / data.val_batch_size) or add data"
+            raise ConfigError(
+                "data.train_batch_size",
+                f"the dataset has {len(dataset)} rows (after dropping overlong prompts), fewer than one batch of "
+                f"{batch_size}",
+                "lower the batch size (data.train_batch_size) or add data",
             )
         self.dataset = dataset
         self.batch_size = batch_size

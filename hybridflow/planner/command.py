@@ -98,13 +98,21 @@ def _parse(args: list[str]) -> tuple[dict[str, str], list[str]]:
         if arg in FLAGS:
             value = next(it, None)
             if value is None:
-                raise UserError(f"{arg} needs a value ({FLAGS[arg]})\n\n{USAGE}")
+                raise UserError(f"{arg} needs a value ({FLAGS[arg]}; see hybridflow plan --help)")
             flags[arg] = value
         elif arg.startswith("--"):
-            raise UserError(f"unknown option {arg}\n\n{USAGE}")
+            raise UserError(f"unknown option {arg} (see hybridflow plan --help)")
         else:
             overrides.append(arg)
     return flags, overrides
+
+
+def _count(flags: dict[str, str], flag: str, default: int) -> int:
+    """A positive whole number given to ``flag``; UserError naming the flag otherwise."""
+    text = flags.get(flag, str(default))
+    if not text.isdigit() or int(text) < 1:
+        raise UserError(f"{flag} {text}: give a positive whole number (see hybridflow plan --help)")
+    return int(text)
 
 
 def main(args: list[str]) -> int:
@@ -127,14 +135,14 @@ def main(args: list[str]) -> int:
     name = flags.get("--cluster", "cpu")
     if name not in PRESETS:
         raise UserError(f"--cluster {name}: no such preset; presets: {', '.join(PRESETS)}")
-    cluster = cluster_preset(name, int(flags.get("--nodes", 1)))
+    cluster = cluster_preset(name, _count(flags, "--nodes", 1))
     config_file = flags.get("--config")
     workload = workload_from_config(load_config(overrides, config_file))
     try:
         plans = plan_run(workload, cluster)
     except ValueError as error:
         raise UserError(str(error)) from None
-    top = int(flags.get("--top", 5))
+    top = _count(flags, "--top", 5)
     print(
         f"{len(plans)} feasible plans on {cluster.devices} x {cluster.name}; phases: "
         + ", ".join("+".join(p) for p in PHASES)

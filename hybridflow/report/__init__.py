@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hybridflow.report.data import Series, load_metrics
 from hybridflow.run_files import CONFIG_FILE, METRICS_FILE, TIMELINE_FILE
+from hybridflow.validation import ArgumentParser, InputFileError
 
 __all__ = ["Series", "load_metrics", "main", "write_report"]
 
@@ -18,7 +19,7 @@ __all__ = ["Series", "load_metrics", "main", "write_report"]
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Draw the run's curves into ``out_dir`` (default ``<run_dir>/report``) and return the HTML page's path.
 
-    Raises FileNotFoundError when the run has no ``metrics.jsonl``.
+    Raises InputFileError when the run has no ``metrics.jsonl``.
     """
     from hybridflow.report.html import render_page
     from hybridflow.report.plots import draw_all
@@ -26,7 +27,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     run_dir = Path(run_dir)
     metrics_file = run_dir / METRICS_FILE
     if not metrics_file.is_file():
-        raise FileNotFoundError(f"{metrics_file} not found: is {run_dir} a run dir of a run with the jsonl logger?")
+        raise InputFileError(
+            metrics_file, "not found", f"give the run directory of a run with the jsonl logger (is {run_dir} one?)"
+        )
     out = Path(out_dir) if out_dir is not None else run_dir / "report"
     metrics = load_metrics(metrics_file)
     figures = [(spec.title, path) for spec, path in draw_all(metrics, out)]
@@ -52,20 +55,13 @@ def _timeline_figure(run_dir: Path, out: Path) -> list[tuple[str, Path]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow report RUN_DIR [--out DIR]``; returns the exit code."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="hybridflow report", description="PNG curves and an HTML page from a run's metrics.jsonl"
     )
     parser.add_argument("run_dir", type=Path, help="the run's output dir (holds metrics.jsonl)")
     parser.add_argument("--out", type=Path, default=None, help="where to write the report (default: RUN_DIR/report)")
     args = parser.parse_args(argv)
-    try:
-        page = write_report(args.run_dir, args.out)
-    except FileNotFoundError as error:
-        print(f"hybridflow report: {error}", file=sys.stderr)
-        return 2
+    page = write_report(args.run_dir, args.out)
     pngs = sorted(p.name for p in page.parent.glob("*.png"))
     print(f"wrote {page} ({len(pngs)} figures: {', '.join(pngs)})")
     return 0

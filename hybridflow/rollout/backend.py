@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -41,6 +42,8 @@ class BackendCheck:
     model_name: str  # the policy as the config names it (for messages)
     model_config: PretrainedConfig  # the policy's Hugging Face config
     device: str  # cpu | cuda
+    dtype: torch.dtype  # the generation dtype (rollout.dtype, resolved for the device)
+    sequence_length: int  # the longest sequence the run generates: data.max_prompt_length + rollout.response_length
 
 
 # (model, tokenizer, the backend's settings or None, the tensor-parallel group or None) -> its Rollout.

@@ -24,7 +24,7 @@ from hybridflow.tools.base import Tool
 from hybridflow.tools.calculator import CalculatorTool
 from hybridflow.tools.function import FunctionTool
 from hybridflow.user_code import load_object
-from hybridflow.validation import UserError
+from hybridflow.validation import UserError, reading_file
 
 
 def _python_tool(**config: Any) -> Tool:
@@ -67,6 +67,9 @@ class ToolSet:
         return [tool.schema for tool in self.tools.values()]
 
 
+SCHEMA_FIELDS = {"name": str, "description": str, "parameters": dict}  # what a Tool class declares
+
+
 def _build(entry: Any, where: str) -> Tool:
     if not isinstance(entry, dict):
         raise UserError(f"{where}: each tool is a mapping with name, class or function; got {entry!r}")
@@ -84,6 +87,12 @@ def _build(entry: Any, where: str) -> Tool:
             cls = load_object(entry["class"], f"{where}.class")
             if not (isinstance(cls, type) and issubclass(cls, Tool)):
                 raise UserError(f"{where}.class: {entry['class']!r} is not a subclass of hybridflow.tools.Tool")
+            missing = [attr for attr, kind in SCHEMA_FIELDS.items() if not isinstance(getattr(cls, attr, None), kind)]
+            if missing:
+                raise UserError(
+                    f"{where}.class: {entry['class']!r} does not set {', '.join(missing)} (a Tool subclass sets "
+                    "name and description as strings and parameters as a JSON schema dict)"
+                )
             return cls(**config)
         return FunctionTool(load_object(entry["function"], f"{where}.function"), **config)
     except UserError:
@@ -97,7 +106,8 @@ def load_tools(path: str | Path) -> ToolSet:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"multi_turn.tool_config_path: {str(file)!r} does not exist")
-    content = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+    with reading_file(file, key="multi_turn.tool_config_path", fix="a YAML file with a top-level 'tools:' list"):
+        content = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
     entries = content.get("tools") if isinstance(content, dict) else None
     if not isinstance(entries, list) or not entries:
         raise UserError(f"{file}: expected a top-level 'tools:' list with at least one tool")

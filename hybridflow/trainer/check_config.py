@@ -21,6 +21,7 @@ import torch
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
+from hybridflow.models import parse_dtype
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
@@ -86,6 +87,8 @@ def _check_rollout_backend(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         model_name=cfg.actor_rollout_ref.model.path,
         model_config=model_config(plan.paths.actor_model),
         device=cfg.trainer.device,
+        dtype=parse_dtype(rollout.dtype, torch.device(cfg.trainer.device)),
+        sequence_length=cfg.data.max_prompt_length + rollout.response_length,
     )
     try:
         backend.check(run)

@@ -18,7 +18,8 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from hybridflow.algorithms import AlgorithmConfig
@@ -26,7 +27,15 @@ from hybridflow.data import DataConfig
 from hybridflow.engine.config import CriticConfig
 from hybridflow.reward import CustomRewardFunctionConfig, RewardConfig
 from hybridflow.trainer.tracking import KNOWN_LOGGERS
-from hybridflow.validation import InvalidSetting, UserError, require, require_choice, require_positive
+from hybridflow.validation import (
+    ConfigError,
+    InputFileError,
+    InvalidSetting,
+    reading_file,
+    require,
+    require_choice,
+    require_positive,
+)
 from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
@@ -123,14 +132,6 @@ class HybridFlowConfig:
         return self.trainer.world_size
 
 
-class ConfigError(UserError, ValueError):
-    """A config problem, named by its key, with what would fix it."""
-
-    def __init__(self, key: str, problem: str, fix: str = ""):
-        self.key = key
-        super().__init__(f"config key '{key}': {problem}" + (f"\n  fix: {fix}" if fix else ""))
-
-
 def _known_keys(node, prefix: str = "") -> list[str]:
     keys = []
     for key, value in node.items():
@@ -168,16 +169,37 @@ def build(cls: type, values: dict, prefix: str = ""):
         raise ConfigError(prefix + error.field, error.problem, error.fix) from None
 
 
+def _config_file(path: str | Path) -> DictConfig:
+    """A user's --config file: YAML mapping the keys it changes."""
+    with reading_file(path, key="--config", fix="give a YAML file of the keys it changes (as in examples/)"):
+        node = OmegaConf.load(path)
+    if not isinstance(node, DictConfig):
+        raise InputFileError(path, "is not a mapping of config keys", "write it as in examples/", key="--config")
+    return node
+
+
+def _override(override: str) -> DictConfig:
+    """One ``key=value`` (the value in YAML syntax)."""
+    key, equals, value = override.partition("=")
+    if not equals:
+        raise ConfigError(override, "an override must look like key=value", "e.g. data.train_batch_size=16")
+    try:
+        return OmegaConf.from_dotlist([override])
+    except yaml.YAMLError as error:
+        problem = " ".join(str(error).split())[:200]
+        raise ConfigError(
+            key, f"{value!r} is not a YAML value ({problem})", "quote it, or close its brackets"
+        ) from None
+
+
 def load_config(overrides: list[str] | None = None, config_file: str | Path | None = None) -> HybridFlowConfig:
     """The default YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as typed dataclasses."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(HybridFlowConfig), OmegaConf.load(DEFAULT_CONFIG))
         if config_file is not None:
-            merged = OmegaConf.merge(merged, OmegaConf.load(config_file))
+            merged = OmegaConf.merge(merged, _config_file(config_file))
         for override in overrides or []:
-            if "=" not in override:
-                raise ConfigError(override, "an override must look like key=value", "e.g. data.train_batch_size=16")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([override]))
+            merged = OmegaConf.merge(merged, _override(override))
         values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
         raise _explain(error) from None

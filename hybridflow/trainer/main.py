@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from pathlib import Path
 
 from omegaconf import OmegaConf
 from rich.console import Console
@@ -104,7 +103,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     )
     val_loader = None
     if data.val_files:
-        val_dataset = RLHFDataset(data.val_files, tokenizer, data, tools=tool_schemas)
+        val_dataset = RLHFDataset(data.val_files, tokenizer, data, tools=tool_schemas, key="data.val_files")
         val_loader = PromptDataLoader(
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
@@ -192,8 +191,6 @@ def main(argv: list[str] | None = None) -> int:
         if len(args) < 2:
             raise ConfigError("--config", "needs a file", "hybridflow train --config FILE [key=value ...]")
         config_file, args = args[1], args[2:]
-        if not Path(config_file).is_file():
-            raise ConfigError("--config", f"file '{config_file}' does not exist", "give an existing YAML file")
     run(load_config(args, config_file))
     return 0
 

@@ -12,12 +12,13 @@ the top layer, not part of data/.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+from hybridflow.validation import ArgumentParser, reading_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.tools import load_tools
     from hybridflow.trainer.config import default_config
 
-    parser = argparse.ArgumentParser(prog="hybridflow measure", description=__doc__)
+    parser = ArgumentParser(prog="hybridflow measure", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or local HF folder")
     parser.add_argument("--n", type=int, default=100, help="test prompts to score")
@@ -48,12 +49,16 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.time()
     config = default_config()
-    tokenizer = load_tokenizer(args.model)
-    model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).eval()
     rows = make_task_rows(args.task, args.n, "test", args.seed)
     multi_turn = any(row.get(AGENT_NAME) for row in rows)
     if multi_turn and not args.tools:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
+    tools = load_tools(args.tools) if multi_turn else None
+    with reading_file(
+        args.model, key="--model", fix="a built-in name (smollm2-135m-instruct, tiny-llama) or a model folder"
+    ):
+        tokenizer = load_tokenizer(args.model)
+        model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).eval()
     with tempfile.TemporaryDirectory() as tmp:
         path = write_rows(rows, Path(tmp) / "test.parquet")
         dataset = RLHFDataset(path, tokenizer, dataclasses.replace(config.data, max_prompt_length=2048))
@@ -62,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rollout_config = dataclasses.replace(
         rollout_config, multi_turn=dataclasses.replace(rollout_config.multi_turn, enable=multi_turn)
     )
-    rollout = build_rollout(model, tokenizer, rollout_config, tools=load_tools(args.tools) if multi_turn else None)
+    rollout = build_rollout(model, tokenizer, rollout_config, tools=tools)
     if args.sample:
         params = SamplingParams(
             do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens, seed=args.seed

@@ -9,6 +9,7 @@ import torch
 from data_configs import dataset_config
 
 from hybridflow.data import RLHFDataset
+from hybridflow.validation import ConfigError, InputFileError
 
 
 def chat(text):
@@ -93,7 +94,7 @@ def test_overlong_prompts_are_dropped_and_counted(jsonl_file, tiny_tokenizer, ca
 def test_overlong_prompt_raises_with_the_row_index(jsonl_file, tiny_tokenizer):
     lengths = [len(template_ids(tiny_tokenizer, row["prompt"])) for row in ROWS]
     config = dataset_config(max_prompt_length=lengths[0], filter_overlong_prompts=False)
-    with pytest.raises(ValueError, match=r"row 1 .*data\.max_prompt_length"):
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_length': row 1 "):
         RLHFDataset(jsonl_file, tiny_tokenizer, config)
 
 
@@ -102,7 +103,7 @@ def test_bad_prompt_column(tmp_path, tiny_tokenizer):
     path.write_text(json.dumps({"question": "hi", "data_source": "x", "reward_model": {}}) + "\n")
     with pytest.raises(ValueError, match=r"row 0: column 'prompt' \(data.prompt_key\)"):
         RLHFDataset(path, tiny_tokenizer, dataset_config())
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(InputFileError, match=r"missing.parquet' \(data.train_files\): does not exist"):
         RLHFDataset(tmp_path / "missing.parquet", tiny_tokenizer, dataset_config())
 
 

@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from hybridflow.cli import main as cli
 from hybridflow.report import load_metrics, main, write_report
 from hybridflow.report.html import summarize
 from hybridflow.report.plots import FIGURES
@@ -82,5 +83,5 @@ def test_missing_metrics_are_skipped(tmp_path):
 def test_command(tmp_path, capsys):
     assert main([str(small_run(tmp_path))]) == 0
     assert "report.html" in capsys.readouterr().out and (tmp_path / "run" / "report" / "report.html").is_file()
-    assert main([str(tmp_path / "nowhere")]) == 2
-    assert "metrics.jsonl not found" in capsys.readouterr().err
+    assert cli(["report", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere/metrics.jsonl': not found" in capsys.readouterr().err

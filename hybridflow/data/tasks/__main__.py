@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from hybridflow.data.tasks import TASKS, write_task
+from hybridflow.validation import ArgumentParser, run_command, split_debug_flag
 
 
 def _positive(text: str) -> int:
@@ -14,8 +16,8 @@ def _positive(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hybridflow.data.tasks", description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m hybridflow.data.tasks", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))
     parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     parser.add_argument("--train", type=_positive, default=5000, help="rows in the train split")
@@ -24,7 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     for split, path in write_task(args.task, args.out, args.train, args.test, args.seed).items():
         print(f"{split}: {path}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    debug, arguments = split_debug_flag(sys.argv[1:])
+    sys.exit(run_command(lambda: main(arguments), debug))
