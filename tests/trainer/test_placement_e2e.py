@@ -2,6 +2,9 @@
 
 import json
 import subprocess
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 from test_train_e2e import assert_all_finite, short_run
@@ -124,13 +127,36 @@ def broken_reward_model(tmp_path):
     return directory
 
 
-def worker_processes() -> set[int]:
-    found = subprocess.run(["pgrep", "-f", "ray::WorkerHost"], capture_output=True, text=True).stdout.split()
-    return {int(pid) for pid in found}
+def worker_processes(tag: str) -> set[int]:
+    """This test's Ray worker processes: those whose environment carries ``tag`` (Ray's processes inherit the
+    driver's environment), so another run on the machine is not counted, and orphans still are."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            name = (proc / "cmdline").read_bytes()
+        except (OSError, ValueError):  # gone meanwhile, or not a process
+            continue
+        if f"{TAG_VARIABLE}={tag}".encode() in environ and name.startswith(b"ray::"):
+            found.add(int(proc.name))
+    return found
 
 
-def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(arithmetic_files, tmp_path):
-    before = worker_processes()
+TAG_VARIABLE = "HYBRIDFLOW_TEST_RUN"
+
+
+def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(arithmetic_files, tmp_path, monkeypatch):
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_VARIABLE, tag)
+    stand_in = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerHost sleep 60"])  # the count sees a tagged one
+    try:
+        deadline = time.monotonic() + 10
+        while worker_processes(tag) != {stand_in.pid} and time.monotonic() < deadline:
+            time.sleep(0.05)  # until bash has exec'd under the new name
+        assert worker_processes(tag) == {stand_in.pid}
+    finally:
+        stand_in.kill()
+        stand_in.wait()
     with pytest.raises(WorkerError) as raised:
         ppo_run(
             arithmetic_files,
@@ -142,4 +168,4 @@ def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(arithmeti
     error = raised.value
     assert error.group == "reward_model" and error.method == "compute_rm_score" and error.rank == 0
     assert "IndexError" in error.remote_traceback and "compute_rm_score" in error.remote_traceback
-    assert worker_processes() <= before  # every pool's processes are gone
+    assert worker_processes(tag) == set()  # every pool's processes are gone
