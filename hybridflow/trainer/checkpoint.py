@@ -211,9 +211,12 @@ class Search:
         if self.skipped:
             notes.append(f"skipping damaged checkpoint(s) {'; '.join(self.skipped)}; {action} {self.checkpoint.name}")
         if self.newer:
+            names = [
+                path.name + (f" ({listing})" if (listing := _listing_problem(path)) else "") for path in self.newer
+            ]
             notes.append(
-                f"ignoring {', '.join(path.name for path in self.newer)}: after the step {LATEST} names as the last "
-                f"one saved (left by an earlier run, or by a save cut short); {action} {self.checkpoint.name}"
+                f"ignoring {', '.join(names)}: after the step {LATEST} names as the last one saved (left by an "
+                f"earlier run, or by a save stopped before it updated the pointer); {action} {self.checkpoint.name}"
             )
         return notes
 

@@ -326,7 +326,9 @@ def test_an_empty_newest_directory_is_reported(tmp_path, pointer):
         (tmp_path / LATEST).unlink()
         expected = "skipping damaged checkpoint.*global_step_3 \\(an empty directory\\); resuming from global_step_2"
     elif pointer == "older":  # the pointer names step 2: step 3 is not this run's
-        expected = "ignoring global_step_3: after the step .* names .*; resuming from global_step_2"
+        expected = (
+            "ignoring global_step_3 \\(an empty directory\\): after the step .* names .*; resuming from global_step_2"
+        )
     else:
         (tmp_path / LATEST).write_text("3")
         expected = "skipping damaged checkpoint.*global_step_3 \\(an empty directory\\); resuming from global_step_2"
