@@ -185,8 +185,8 @@ def is_verified(directory: Path) -> bool:
 def warn_if_unverified(checkpoint: Path) -> None:
     if not is_verified(checkpoint):
         warnings.warn(
-            f"{checkpoint} has no {MANIFEST} (written by an older hybridflow): its files were checked for "
-            "presence and size only, not their contents",
+            f"{checkpoint} has no {MANIFEST} (written by an older hybridflow, or not by the trainer): its files were "
+            "checked for presence and size only, not their contents",
             stacklevel=3,
         )
 
