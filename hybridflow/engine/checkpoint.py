@@ -1,12 +1,18 @@
 """Saving and loading one role's training state: sharded model + optimizer (torch.distributed.checkpoint),
 the learning-rate schedule and each rank's random-number generators.
 
+    <role>/dcp/.metadata          DCP's metadata: every tensor's global shape, and where its bytes lie
+    <role>/dcp/__<rank>_0.distcp  each rank's shards
+    <role>/scheduler.pt           the learning-rate schedule (rank 0)
+    <role>/rng_rank<r>.pt         each rank's random-number generators
+
 DCP stores every tensor with its global shape and offsets, so a checkpoint saved by N ranks
-loads on M ranks (resharding on load).
+loads on M ranks (resharding on load). ``state_problems`` checks that layout without a process group.
 """
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 
@@ -14,12 +20,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hybridflow.engine.optim import TrainedModel
 
 SHARDS = "dcp"
 SCHEDULER = "scheduler.pt"
+FIRST_RNG = "rng_rank0.pt"  # every load can fall back to it (a different number of ranks)
 
 
 def rng_state() -> dict:
@@ -57,4 +65,57 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
     if (directory / SCHEDULER).is_file():
         trained.scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
     rng_file = directory / f"rng_rank{rank}.pt"
-    set_rng_state(torch.load(rng_file if rng_file.is_file() else directory / "rng_rank0.pt", weights_only=False))
+    set_rng_state(torch.load(rng_file if rng_file.is_file() else directory / FIRST_RNG, weights_only=False))
+
+
+def _file_problem(path: Path, name: str, min_size: int = 0) -> str | None:
+    """Why ``path`` cannot be what a load reads: missing, unreadable, or shorter than ``min_size`` bytes."""
+    try:
+        with path.open("rb") as file:
+            size = os.fstat(file.fileno()).st_size
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as error:
+        return f"{name} cannot be read ({error.strerror or error})"
+    if size < min_size:
+        return f"{name} has {size} bytes, and its DCP metadata places {min_size} in it"
+    return None
+
+
+def _read_metadata(shards: Path) -> Metadata | str:
+    """DCP's metadata of ``shards``, read without a process group; or why it cannot be read."""
+    name = f"{SHARDS}/.metadata"
+    try:
+        metadata = dcp.FileSystemReader(str(shards)).read_metadata()
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as error:
+        return f"{name} cannot be read ({error.strerror or error})"
+    except Exception as error:  # a pickle of anything else, or cut short, fails in many ways
+        return f"{name} is not DCP metadata ({type(error).__name__}: {error})"
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        return f"{name} is not DCP metadata (a {type(metadata).__name__})"
+    return metadata
+
+
+def state_problems(directory: Path) -> list[str]:
+    """What keeps ``directory`` (one role's state, as ``save_training_state`` wrote it) from loading, found
+    without a process group and without reading the shards: DCP's metadata missing or unreadable, or
+    holding no model; a shard file it names missing, unreadable or shorter than the bytes it places
+    there; rank 0's RNG state missing. Names are relative to ``directory``; empty when it looks whole.
+    The bytes themselves are checked only by the checkpoint's manifest (trainer/checkpoint.py)."""
+    metadata = _read_metadata(directory / SHARDS)
+    if isinstance(metadata, str):
+        return [metadata]
+    found = []
+    if not any(fqn.startswith("model.") for fqn in metadata.state_dict_metadata):
+        found.append(f"{SHARDS}/.metadata holds no model weights")
+    ends: dict[str, int] = {}  # shard file -> the end of the last bytes the metadata places in it
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        found.append(_file_problem(directory / SHARDS / name, f"{SHARDS}/{name}", end))
+    found.append(_file_problem(directory / FIRST_RNG, FIRST_RNG))
+    if (directory / SCHEDULER).exists():
+        found.append(_file_problem(directory / SCHEDULER, SCHEDULER))
+    return [problem for problem in found if problem]

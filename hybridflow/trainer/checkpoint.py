@@ -5,9 +5,12 @@ A checkpoint is written into ``global_step_N.tmp-<id>/``: every role's state, th
 marker; only then is it renamed to ``global_step_N/`` and the pointer file updated. A crash at any
 moment leaves either a finished checkpoint or a ``.tmp`` directory, which the next run removes.
 
-Resuming verifies the chosen checkpoint against its manifest (and that its trainer state reads)
-before any worker loads it. ``auto`` falls back from a damaged newest checkpoint to the newest good
-one, with a warning that names the bad one and why.
+Resuming (and ``export``) verifies the chosen checkpoint before anything loads it: every file against
+the manifest; without one (an older hybridflow's checkpoint) each role's layout (engine/checkpoint.py
+``state_problems``: DCP metadata readable, every shard it names present and long enough), with a
+warning that the contents are unverified. A file that cannot be read counts as damage. ``auto`` falls
+back from a damaged newest checkpoint (an empty ``global_step_N/``, a pointer to a step that is gone)
+to the newest good one, with a warning that names each one skipped and why.
 """
 
 from __future__ import annotations
@@ -20,8 +23,12 @@ import uuid
 import warnings
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
+from hybridflow.engine.checkpoint import state_problems
+from hybridflow.run_files import ACTOR_STATE, CRITIC_STATE
 from hybridflow.validation import UserError
 
 LATEST = "latest_checkpointed_iteration.txt"
@@ -39,7 +46,7 @@ class CheckpointNotFound(UserError, FileNotFoundError):
 
 
 class CheckpointError(UserError, OSError):
-    """A checkpoint cannot be written (no space, no permission) or every one found is damaged."""
+    """A checkpoint cannot be written (no space, no permission) or the one asked for is damaged."""
 
 
 def is_complete(directory: Path) -> bool:
@@ -47,11 +54,10 @@ def is_complete(directory: Path) -> bool:
     return directory.is_dir() and (directory / COMPLETE).is_file() and (directory / TRAINER_STATE).is_file()
 
 
-def _crc32(path: Path) -> int:
+def _crc32(file: BinaryIO) -> int:
     crc = 0
-    with path.open("rb") as file:
-        while chunk := file.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
+    while chunk := file.read(1 << 22):
+        crc = zlib.crc32(chunk, crc)
     return crc
 
 
@@ -61,7 +67,10 @@ def _files(directory: Path) -> list[Path]:
 
 def write_manifest(directory: Path) -> int:
     """Record every file's size and CRC-32; returns the total size in bytes."""
-    entries = {str(p.relative_to(directory)): {"size": p.stat().st_size, "crc32": _crc32(p)} for p in _files(directory)}
+    entries = {}
+    for path in _files(directory):
+        with path.open("rb") as file:
+            entries[str(path.relative_to(directory))] = {"size": os.fstat(file.fileno()).st_size, "crc32": _crc32(file)}
     (directory / MANIFEST).write_text(json.dumps(entries, indent=1))
     return sum(entry["size"] for entry in entries.values())
 
@@ -71,36 +80,145 @@ def checkpoint_size(directory: Path) -> int:
     return sum(p.stat().st_size for p in _files(directory))
 
 
-def problems(directory: Path) -> list[str]:
-    """What is wrong with a checkpoint: missing, truncated or changed files, an unreadable trainer state.
-    Empty for an intact one. A checkpoint without a manifest (older hybridflow) is checked for its
-    trainer state only."""
-    if not is_complete(directory):
-        return [f"not complete (no {COMPLETE} or {TRAINER_STATE})"]
+def _unreadable(name: str, error: OSError) -> str:
+    return (
+        f"{name} is missing"
+        if isinstance(error, FileNotFoundError)
+        else f"{name} cannot be read ({error.strerror or error})"
+    )
+
+
+def _listing_problem(directory: Path) -> str | None:
+    try:
+        empty = not any(directory.iterdir())
+    except FileNotFoundError:
+        return "it does not exist"
+    except NotADirectoryError:
+        return "it is not a directory"
+    except OSError as error:
+        return f"it cannot be listed ({error.strerror or error})"
+    return "an empty directory" if empty else None
+
+
+def _trainer_state_problems(directory: Path) -> list[str]:
+    try:
+        state = json.loads((directory / TRAINER_STATE).read_bytes())
+    except OSError as error:
+        return [_unreadable(TRAINER_STATE, error)]
+    except ValueError as error:  # not JSON, or not UTF-8
+        return [f"{TRAINER_STATE} is not valid JSON ({error})"]
+    if not isinstance(state, dict):
+        return [f"{TRAINER_STATE} is not a JSON object"]
+    missing = [key for key in TRAINER_STATE_KEYS if key not in state]
+    return [f"{TRAINER_STATE} lacks {missing}"] if missing else []
+
+
+def _manifest_problems(directory: Path) -> list[str] | None:
+    """Each file the manifest lists that is missing, unreadable, or not the size or CRC-32 written; None
+    when there is no manifest."""
+    try:
+        text = (directory / MANIFEST).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return [_unreadable(MANIFEST, error)]
+    try:
+        expected = {str(name): (int(entry["size"]), int(entry["crc32"])) for name, entry in json.loads(text).items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        return [f"{MANIFEST} is not a manifest ({type(error).__name__}: {error})"]
     found = []
-    try:
-        state = json.loads((directory / TRAINER_STATE).read_text())
-        missing = [key for key in TRAINER_STATE_KEYS if key not in state]
-        if missing:
-            found.append(f"{TRAINER_STATE} lacks {missing}")
-    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        found.append(f"{TRAINER_STATE} is not valid JSON ({error})")
-    manifest = directory / MANIFEST
-    if not manifest.is_file():
-        return found
-    try:
-        entries = json.loads(manifest.read_text())
-    except json.JSONDecodeError as error:
-        return [*found, f"{MANIFEST} is not valid JSON ({error})"]
-    for name, entry in entries.items():
-        path = directory / name
-        if not path.is_file():
-            found.append(f"{name} is missing")
-        elif path.stat().st_size != entry["size"]:
-            found.append(f"{name} has {path.stat().st_size} bytes, {entry['size']} were written")
-        elif _crc32(path) != entry["crc32"]:
-            found.append(f"{name} changed since it was written (CRC-32)")
+    for name, (size, crc) in sorted(expected.items()):
+        try:
+            with (directory / name).open("rb") as file:
+                actual = os.fstat(file.fileno()).st_size
+                if actual != size:
+                    found.append(f"{name} has {actual} bytes, {size} were written")
+                elif _crc32(file) != crc:
+                    found.append(f"{name} changed since it was written (CRC-32)")
+        except OSError as error:
+            found.append(_unreadable(name, error))
     return found
+
+
+def _layout_problems(directory: Path) -> list[str]:
+    found = []
+    for role in (ACTOR_STATE, CRITIC_STATE):
+        role_dir = directory / role
+        if role_dir.is_dir():
+            found += [f"{role}/{problem}" for problem in state_problems(role_dir)]
+        elif role_dir.exists():
+            found.append(f"{role} is not a directory")
+        elif role == ACTOR_STATE:  # every run has an actor; a critic only some estimators
+            found.append(f"{ACTOR_STATE}/ is missing")
+    return found
+
+
+def _file_problems(directory: Path) -> list[str]:
+    """With a manifest, each file's size and CRC-32 (then, all intact, each role's layout); without one,
+    each role's layout only."""
+    return _manifest_problems(directory) or _layout_problems(directory)
+
+
+def role_problems(directory: Path) -> list[str]:
+    """What is wrong with the roles' state in a checkpoint (all that ``export`` reads); see ``problems``."""
+    listing = _listing_problem(directory)
+    return [listing] if listing else _file_problems(directory)
+
+
+def problems(directory: Path) -> list[str]:
+    """What keeps a resume from a checkpoint; empty for an intact one. An empty or unlistable directory, no
+    ``COMPLETE`` marker, a trainer state that does not read; with a manifest, each file missing, cut
+    short or changed; without one (``is_verified``), each role's layout (``state_problems``). A file that
+    cannot be read is a problem like any other, named with the reason."""
+    listing = _listing_problem(directory)
+    if listing:
+        return [listing]
+    found = [] if (directory / COMPLETE).is_file() else [f"no {COMPLETE} marker (not written to the end)"]
+    return found + _trainer_state_problems(directory) + _file_problems(directory)
+
+
+def is_verified(directory: Path) -> bool:
+    """Whether the checkpoint has a manifest (its files' contents checked, not only their layout)."""
+    return (directory / MANIFEST).is_file()
+
+
+def warn_if_unverified(checkpoint: Path) -> None:
+    if not is_verified(checkpoint):
+        warnings.warn(
+            f"{checkpoint} has no {MANIFEST} (written by an older hybridflow, or not by the trainer): its files were "
+            "checked for presence and size only, not their contents",
+            stacklevel=3,
+        )
+
+
+@dataclass(frozen=True)
+class Search:
+    """What ``CheckpointManager.find_latest`` found."""
+
+    checkpoint: Path | None  # the newest intact checkpoint (the pointer's first); None if there is none
+    skipped: tuple[str, ...]  # each damaged one passed over on the way, with why: "<path> (problem, problem)"
+    newer: tuple[Path, ...]  # global_step_N directories after the pointer's step, left unread
+
+    def describe_skipped(self) -> str:
+        untried = [f"not tried: {', '.join(p.name for p in self.newer)}, after the step {LATEST} names"]
+        return "; ".join([*self.skipped, *(untried if self.newer else [])])
+
+    def warnings(self, action: str) -> list[str]:
+        """What to tell the user before ``action`` ("resuming from") the checkpoint found: the damaged ones
+        skipped, the newer ones left alone."""
+        assert self.checkpoint is not None
+        notes = []
+        if self.skipped:
+            notes.append(f"skipping damaged checkpoint(s) {'; '.join(self.skipped)}; {action} {self.checkpoint.name}")
+        if self.newer:
+            names = [
+                path.name + (f" ({listing})" if (listing := _listing_problem(path)) else "") for path in self.newer
+            ]
+            notes.append(
+                f"ignoring {', '.join(names)}: after the step {LATEST} names as the last one saved (left by an "
+                f"earlier run, or by a save stopped before it updated the pointer); {action} {self.checkpoint.name}"
+            )
+        return notes
 
 
 class CheckpointManager:
@@ -166,7 +284,7 @@ class CheckpointManager:
             raise
         final = self.step_dir(step)
         if final.exists():
-            shutil.rmtree(final)
+            self._remove(final)
         os.replace(tmp, final)
         pointer_tmp = self.run_dir / f"{LATEST}.tmp"
         pointer_tmp.write_text(str(step))
@@ -178,59 +296,104 @@ class CheckpointManager:
         if self.max_to_keep <= 0:
             return
         for _, path in self.complete_checkpoints()[: -self.max_to_keep]:
-            shutil.rmtree(path)
+            self._remove(path)
+
+    @staticmethod
+    def _remove(checkpoint: Path) -> None:
+        """Renamed to a ``.tmp`` name first: a removal cut short leaves what the next run removes, never a
+        half-deleted ``global_step_N``."""
+        doomed = checkpoint.with_name(f"{checkpoint.name}.tmp-{uuid.uuid4().hex[:8]}")
+        os.replace(checkpoint, doomed)
+        shutil.rmtree(doomed)
 
     def _pointer(self) -> int | None:
         pointer = self.run_dir / LATEST
-        if not pointer.is_file():
+        try:
+            text = pointer.read_text().strip()
+        except FileNotFoundError:
             return None
-        text = pointer.read_text().strip()
+        except (OSError, ValueError) as error:
+            warnings.warn(f"{pointer} cannot be read ({error}); ignoring it", stacklevel=3)
+            return None
         if not text.isdigit():
-            warnings.warn(f"{pointer} holds {text[:40]!r}, not a step number; ignoring it", stacklevel=2)
+            warnings.warn(f"{pointer} holds {text[:40]!r}, not a step number; ignoring it", stacklevel=3)
             return None
         return int(text)
 
-    def latest(self) -> Path | None:
-        """The newest intact checkpoint: the pointer's, else the highest; damaged ones are skipped with a
-        warning naming them. CheckpointError when checkpoints exist but every one is damaged."""
-        candidates = [path for _, path in reversed(self.complete_checkpoints())]
+    def find_latest(self) -> Search:
+        """The newest intact checkpoint. The pointer's step first (the last one saved: checkpoints after it
+        are an earlier run's, which a run resumed from an older checkpoint left), then every
+        ``global_step_N`` below it from the highest down, complete or not (an empty or half-copied one is
+        damage to report, not to pass over in silence). A pointer to a step that is not there counts as a
+        damaged checkpoint, and then every ``global_step_N`` is a candidate."""
+        steps = {}
+        try:
+            listing = list(self.run_dir.iterdir()) if self.run_dir.is_dir() else []
+        except OSError as error:
+            raise CheckpointError(f"{self.run_dir} cannot be listed: {error.strerror or error}") from None
+        for path in listing:
+            if match := STEP_DIR.match(path.name):
+                steps[int(match.group(1))] = path
         pointer = self._pointer()
-        if pointer is not None and self.step_dir(pointer) in candidates:
-            candidates.remove(self.step_dir(pointer))
-            candidates.insert(0, self.step_dir(pointer))
-        damaged = []
-        for path in candidates:
-            found = problems(path)
+        skipped, newer = [], []
+        if pointer is not None and pointer not in steps:
+            skipped.append(f"{self.step_dir(pointer)} (named by {LATEST}, but it does not exist)")
+        elif pointer is not None:
+            newer = [steps.pop(step) for step in sorted(steps) if step > pointer]
+        for step in sorted(steps, reverse=True):
+            found = problems(steps[step])
             if not found:
-                if damaged:
-                    warnings.warn(
-                        f"skipping damaged checkpoint(s) {'; '.join(damaged)}; resuming from {path.name}", stacklevel=2
-                    )
-                return path
-            damaged.append(f"{path} ({', '.join(found)})")
-        if damaged:
-            raise CheckpointError(
-                f"every checkpoint in {self.run_dir} is damaged: {'; '.join(damaged)}. Set trainer.resume_mode=disable "
-                "to start over (the old files stay), or point trainer.default_local_dir elsewhere"
-            )
-        return None
+                return Search(steps[step], tuple(skipped), tuple(newer))
+            skipped.append(f"{steps[step]} ({', '.join(found)})")
+        return Search(None, tuple(skipped), tuple(newer))
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``auto`` resumes from (``find_latest``); the damaged ones skipped are named in a
+        warning, as is a checkpoint without a manifest. CheckpointError when checkpoints exist but every
+        one is damaged (starting over would be a surprise)."""
+        search = self.find_latest()
+        if search.checkpoint is None:
+            if search.skipped:
+                raise CheckpointError(
+                    f"every checkpoint in {self.run_dir} is damaged: {search.describe_skipped()}. Set "
+                    "trainer.resume_mode=disable to start over (the old files stay), or point "
+                    "trainer.default_local_dir elsewhere"
+                )
+            return None
+        for note in search.warnings("resuming from"):
+            warnings.warn(note, stacklevel=2)
+        warn_if_unverified(search.checkpoint)
+        return search.checkpoint
 
     def resume_from(self, resume_mode: str) -> Path | None:
-        """``disable``: None; ``auto``: the newest intact checkpoint (or None); else a checkpoint path."""
+        """``disable``: None; ``auto``: the newest intact checkpoint (or None); else a checkpoint path, which
+        must be intact (CheckpointNotFound when it is not there, CheckpointError naming what is wrong)."""
         if resume_mode == "disable":
             return None
         if resume_mode == "auto":
             return self.latest()
         path = Path(resume_mode).expanduser()
-        if not is_complete(path):
+        if looks_like_run_dir(path) and not (path / COMPLETE).exists():
             raise CheckpointNotFound(
-                f"trainer.resume_mode={resume_mode}: not a complete checkpoint directory "
-                f"(a global_step_N directory with {COMPLETE} and {TRAINER_STATE}); use auto, disable, or such a path"
+                f"trainer.resume_mode={resume_mode}: {path} is a run directory, not a checkpoint; give one of its "
+                "global_step_N directories, or auto (with trainer.default_local_dir set to it)"
             )
         found = problems(path)
-        if found:
-            raise CheckpointError(f"trainer.resume_mode={resume_mode}: the checkpoint is damaged: {', '.join(found)}")
-        return path
+        if not found:
+            warn_if_unverified(path)
+            return path
+        message = f"trainer.resume_mode={resume_mode}: cannot resume from {path}: {', '.join(found)}"
+        if not path.is_dir():
+            raise CheckpointNotFound(f"{message}; give auto, disable, or a global_step_N directory")
+        raise CheckpointError(f"{message}; give an intact checkpoint, or auto or disable")
+
+
+def looks_like_run_dir(path: Path) -> bool:
+    """Whether ``path`` holds checkpoints (or their pointer), rather than being one."""
+    try:
+        return (path / LATEST).exists() or any(STEP_DIR.match(p.name) for p in path.iterdir())
+    except OSError:
+        return False
 
 
 def read_trainer_state(checkpoint: Path) -> dict:

@@ -1,17 +1,41 @@
-"""``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory."""
+"""``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory.
+
+The checkpoint is verified before anything is read from it, as a resume does (trainer/checkpoint.py): a
+damaged one named directly is one message naming it and what is wrong; a run directory exports its
+newest intact checkpoint, with a warning naming the damaged ones skipped. Nothing is written to
+``out_dir`` until the model has loaded.
+"""
 
 from __future__ import annotations
 
+import pickle
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from hybridflow.engine.checkpoint import SHARDS
 from hybridflow.run_files import ACTOR_STATE, HF_FILES
-from hybridflow.trainer.checkpoint import CheckpointManager, CheckpointNotFound
+from hybridflow.trainer.checkpoint import (
+    COMPLETE,
+    MANIFEST,
+    STEP_DIR,
+    TRAINER_STATE,
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFound,
+    role_problems,
+    warn_if_unverified,
+)
+from hybridflow.validation import UserError
+
+HF_CONFIG = "config.json"
+# what reading a checkpoint's files raises when their bytes are not what they should be
+UNREADABLE = (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)
 
 
 def consolidated_model_state(role_dir: Path) -> dict[str, torch.Tensor]:
@@ -22,37 +46,81 @@ def consolidated_model_state(role_dir: Path) -> dict[str, torch.Tensor]:
         return torch.load(target, weights_only=False)["model"]
 
 
-def _checkpoint_dir(path: Path) -> Path:
-    """``path`` itself when it holds an actor checkpoint, else (a run directory) its latest complete one."""
-    if (path / ACTOR_STATE).is_dir():
+def _looks_like_checkpoint(path: Path) -> bool:
+    return STEP_DIR.match(path.name) is not None or any(
+        (path / name).exists() for name in (ACTOR_STATE, COMPLETE, TRAINER_STATE, MANIFEST)
+    )
+
+
+def find_checkpoint(path: Path) -> Path:
+    """``path`` itself when it is a checkpoint, verified (CheckpointError naming what is wrong); else, a run
+    directory, its newest intact checkpoint, with a warning naming the damaged ones skipped."""
+    if path.is_dir() and _looks_like_checkpoint(path):
+        found = role_problems(path)
+        if (path / ACTOR_STATE).is_dir() and not (path / ACTOR_STATE / HF_FILES / HF_CONFIG).is_file():
+            found.append(f"{ACTOR_STATE}/{HF_FILES}/{HF_CONFIG} is missing")
+        if found:
+            raise CheckpointError(f"cannot export {path}: {', '.join(found)}")
+        warn_if_unverified(path)
         return path
-    latest = CheckpointManager(path).latest() if path.is_dir() else None
-    if latest is None:
+    search = CheckpointManager(path).find_latest() if path.is_dir() else None
+    if search is None or (search.checkpoint is None and not search.skipped):
         raise CheckpointNotFound(
-            f"{path} is neither a checkpoint (a global_step_N directory with actor/) nor a run directory with a "
-            "complete checkpoint; give one of them"
+            f"{path} is neither a checkpoint (a global_step_N directory with {ACTOR_STATE}/) nor a run directory "
+            f"with a complete checkpoint{'' if path.is_dir() else ': it does not exist'}; give one of them"
         )
-    return latest
+    if search.checkpoint is None:
+        raise CheckpointError(
+            f"nothing to export from {path}: every checkpoint in it is damaged: {search.describe_skipped()}"
+        )
+    for note in search.warnings("exporting from"):
+        warnings.warn(note, stacklevel=2)
+    warn_if_unverified(search.checkpoint)
+    return search.checkpoint
+
+
+def _error_text(error: BaseException) -> str:
+    if isinstance(error, CheckpointException) and error.failures:
+        error = next(iter(error.failures.values()))[0]  # DCP wraps each rank's error with its traceback
+    text = " ".join(str(error).split()).split(". ")[0]  # one line; the first sentence (torch's go on with advice)
+    return f"{type(error).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
+
+
+def _load_actor(checkpoint: Path) -> PreTrainedModel:
+    hf_dir = checkpoint / ACTOR_STATE / HF_FILES
+    try:
+        config = AutoConfig.from_pretrained(hf_dir)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(consolidated_model_state(checkpoint / ACTOR_STATE), strict=True)
+    except (*UNREADABLE, CheckpointException) as error:
+        raise CheckpointError(
+            f"cannot export {checkpoint}: its actor does not load, damaged or not hybridflow's ({_error_text(error)})"
+        ) from error
+    return model
 
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write safetensors weights, config, generation config and tokenizer that ``from_pretrained`` loads.
 
-    ``checkpoint``: a global_step_N directory, or a run directory (its latest complete checkpoint)."""
-    role_dir = _checkpoint_dir(Path(checkpoint).expanduser()) / ACTOR_STATE
-    hf_dir = role_dir / HF_FILES
-    if not (role_dir / SHARDS).is_dir() or not (hf_dir / "config.json").is_file():
-        raise CheckpointNotFound(
-            f"{role_dir.parent} has no complete actor checkpoint (expected actor/{SHARDS}/ and actor/huggingface/); "
-            "give a global_step_N directory"
-        )
-    config = AutoConfig.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(consolidated_model_state(role_dir), strict=True)
-    model.to(dtype)
+    ``checkpoint``: a global_step_N directory, or a run directory (its newest intact checkpoint). A damaged
+    checkpoint, or an ``out_dir`` that cannot be written, is a UserError naming it."""
     out = Path(out_dir).expanduser()
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
-    if (hf_dir / "generation_config.json").is_file():
-        GenerationConfig.from_pretrained(hf_dir).save_pretrained(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"cannot export to {out}: it is a file, not a directory")
+    source = find_checkpoint(Path(checkpoint).expanduser())
+    print(f"exporting from {source}")
+    model = _load_actor(source).to(dtype)
+    hf_dir = source / ACTOR_STATE / HF_FILES
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        generation = GenerationConfig.from_pretrained(hf_dir) if (hf_dir / "generation_config.json").is_file() else None
+    except UNREADABLE as error:
+        raise CheckpointError(f"cannot export {source}: its tokenizer does not load ({_error_text(error)})") from error
+    try:
+        model.save_pretrained(out, safe_serialization=True)
+        tokenizer.save_pretrained(out)
+        if generation is not None:
+            generation.save_pretrained(out)
+    except OSError as error:
+        raise UserError(f"cannot write the exported model to {out}: {error.strerror or error}") from error
     return out

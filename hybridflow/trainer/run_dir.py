@@ -1,9 +1,9 @@
 """The run directory before a run starts: writable, free of interrupted saves, compatible with what it
 already holds, and with metrics that will not repeat steps.
 
-Everything here happens before Ray starts, and nothing the directory held is overwritten until the
-checks pass: a run directory written by another model or data refuses to resume, with its old
-``config.yaml`` untouched.
+Everything here happens before Ray starts, and nothing in the directory is written or deleted until the
+checks pass (the checkpoint to resume verified, the saved config compatible): a run directory written by
+another model or data refuses to resume, with its old ``config.yaml`` and interrupted saves untouched.
 """
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.controller import Role
 from hybridflow.run_files import CONFIG_FILE, CRITIC_STATE, METRICS_FILE, TIMELINE_FILE, keep_records_up_to
@@ -36,7 +38,19 @@ STATE_KEYS = (
 def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, plan: RunPlan) -> list[str]:
     """``key: old -> new`` for each state key on which the run directory's config differs from ``config``,
     and the estimator when the checkpoint holds a critic the plan has none for (or lacks the one it needs)."""
-    old, new = OmegaConf.load(saved), OmegaConf.create(to_yaml(config))
+    try:
+        old = OmegaConf.load(saved)
+        if not isinstance(old, DictConfig):
+            raise ValueError(f"a YAML {type(old).__name__}, not a mapping")
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException) as error:
+        raise ConfigError(
+            "trainer.default_local_dir",
+            f"{saved} cannot be read ({type(error).__name__}: {' '.join(str(error).split())}), so whether its "
+            "checkpoints fit this config is unknown",
+            "restore the file, change trainer.experiment_name (a new run directory), or set "
+            "trainer.resume_mode=disable to start over here",
+        ) from None
+    new = OmegaConf.create(to_yaml(config))
     differences = [
         f"{key}: {OmegaConf.select(old, key)!r} -> {OmegaConf.select(new, key)!r}"
         for key in STATE_KEYS
@@ -52,13 +66,7 @@ def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, p
     return differences
 
 
-def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
-    """Check and tidy the run directory, write the config; returns the checkpoint to resume from (or None).
-
-    ConfigError (naming ``trainer.default_local_dir``) when it cannot be written or holds a run whose
-    checkpoints do not fit this config."""
-    trainer = config.trainer
-    run_dir = plan.paths.run_dir
+def _check_writable(run_dir: Path) -> None:
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{time.time_ns()}"
@@ -70,9 +78,17 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
             f"cannot write to {run_dir}: {error.strerror or error}",
             "give a directory this user can write to",
         ) from None
+
+
+def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
+    """Check and tidy the run directory, write the config; returns the checkpoint to resume from (or None).
+
+    ConfigError (naming ``trainer.resume_mode`` or ``trainer.default_local_dir``) when the checkpoint to
+    resume is damaged, or the directory holds a run whose checkpoints do not fit this config, or it cannot
+    be written; in each case before anything in it changes."""
+    trainer = config.trainer
+    run_dir = plan.paths.run_dir
     checkpoints = CheckpointManager(run_dir, trainer.max_ckpt_to_keep)
-    for stale in checkpoints.remove_unfinished():
-        print(f"removed {stale.name}, left by an interrupted checkpoint save")
     try:
         checkpoint = checkpoints.resume_from(trainer.resume_mode)  # verified once, here, before any worker
     except (CheckpointNotFound, CheckpointError) as error:
@@ -88,6 +104,22 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
                 "change trainer.experiment_name (a new run directory), or set trainer.resume_mode=disable to "
                 "start over here",
             )
+    _check_writable(run_dir)
+    # the checks passed: from here on the directory changes
+    try:
+        _tidy(run_dir, checkpoints, checkpoint)
+        saved_config.write_text(to_yaml(config))
+    except OSError as error:
+        raise ConfigError(
+            "trainer.default_local_dir", f"cannot update {error.filename or run_dir}: {error.strerror or error}"
+        ) from None
+    return checkpoint
+
+
+def _tidy(run_dir: Path, checkpoints: CheckpointManager, checkpoint: Path | None) -> None:
+    """Remove interrupted saves; drop the records the resumed run redoes, or set a fresh run's aside."""
+    for stale in checkpoints.remove_unfinished():
+        print(f"removed {stale.name}, left by an interrupted checkpoint save")
     for name in (METRICS_FILE, TIMELINE_FILE):
         log = run_dir / name
         if checkpoint is not None and log.is_file():
@@ -98,5 +130,3 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
             kept = log.with_name(f"{log.stem}.before-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
             log.rename(kept)
             print(f"{run_dir} held {name} of an earlier run without a checkpoint to resume: kept it as {kept.name}")
-    saved_config.write_text(to_yaml(config))
-    return checkpoint
