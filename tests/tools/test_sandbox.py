@@ -6,47 +6,17 @@ Processes of a run are found on the host by a unique marker in the code (it is i
 
 import ast
 import asyncio
-import contextlib
 import socket
 import tempfile
 import time
 import tracemalloc
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sandbox_helpers import new_marker, processes_with, run, until
 
 from hybridflow.tools.sandbox import SandboxLimits, SandboxResult, check_sandbox, run_python
-
-
-def run(code: str, limits: SandboxLimits = SandboxLimits(), stdin: str = "") -> SandboxResult:  # noqa: B008
-    return asyncio.run(run_python(code, limits, stdin=stdin))
-
-
-def new_marker() -> str:
-    """A unique string to put in a run's code, to find its processes by."""
-    return f"marker-{uuid.uuid4().hex}"
-
-
-def processes_with(marker: str) -> list[int]:
-    """Live host processes whose command line holds ``marker`` (zombies have an empty one)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and marker.encode() in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
-    return found
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> bool:
-    """Poll ``condition`` without blocking the event loop (the run under test goes on meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 def test_sandbox_is_available():
@@ -82,7 +52,7 @@ def test_an_exception_in_the_code_is_the_codes_error_not_the_sandboxs():
 
 def test_concurrent_runs_overlap_and_keep_their_own_directories():
     code = "import os, sys, time\nopen('mine', 'w').write(sys.stdin.read())\ntime.sleep(0.5)\n"
-    code += "print(os.listdir('.'), open('mine').read())"
+    code += "print(sorted(os.listdir('.')), open('mine').read())"
 
     async def many() -> tuple[float, list[SandboxResult], float]:
         start = time.monotonic()
@@ -93,7 +63,7 @@ def test_concurrent_runs_overlap_and_keep_their_own_directories():
         return single, results, time.monotonic() - start
 
     single, results, together = asyncio.run(many())
-    assert [r.stdout for r in results] == [f"['mine'] {i}\n" for i in range(8)]
+    assert [r.stdout for r in results] == [f"['.tmp', 'mine'] {i}\n" for i in range(8)]  # .tmp: where /tmp is
     assert together < 4 * single  # eight at once in the time of four one after another
 
 
@@ -165,22 +135,29 @@ for path in [{str(secret)!r}, {str(tmp_path / "new.txt")!r}]:
     assert secret.read_text() == "original" and sorted(tmp_path.iterdir()) == [secret]
 
 
-def test_the_working_directory_is_a_host_temp_dir_removed_after_the_call():
+def test_the_working_directory_is_a_tmpfs_of_its_own_and_nothing_of_it_reaches_the_host():
     name = f"result-{uuid.uuid4().hex}.txt"
-    code = f"import os, time\nopen({name!r}, 'w').write('42')\nprint(os.getcwd(), open({name!r}).read(), flush=True)\n"
-    code += "time.sleep(1)"
+    code = f"import os, time\nopen({name!r}, 'w').write('42')\nopen('/tmp/' + {name!r}, 'w').write('43')\n"
+    code += "mounts = [line.split()[1:3] for line in open('/proc/self/mounts')]\n"
+    code += f"print(os.getcwd(), open({name!r}).read(), mounts, flush=True)\ntime.sleep(1)"
 
-    def on_host() -> list[Path]:
-        return list(Path(tempfile.gettempdir()).glob(f"*/{name}"))
+    def on_host() -> list[Path]:  # where the host directory of the code used to be, and anywhere below it
+        return [*Path(tempfile.gettempdir()).glob(f"*/{name}"), *Path(tempfile.gettempdir()).glob(f"*/*/{name}")]
 
-    async def scenario() -> tuple[SandboxResult, bool]:
+    async def scenario() -> tuple[SandboxResult, list[Path]]:
         task = asyncio.create_task(run_python(code))
-        seen = await until(on_host)
+        seen = []
+        while not task.done():  # look all along the run
+            seen += on_host()
+            await asyncio.sleep(0.05)
         return await task, seen
 
     result, seen = asyncio.run(scenario())
-    assert result.stdout.endswith(" 42\n") and result.error is None
-    assert seen and on_host() == []
+    cwd, value, mounts = result.stdout.split(" ", 2)
+    assert (cwd, value, result.error) == ("/sandbox", "42", None)
+    mounts = ast.literal_eval(mounts)
+    assert ["/sandbox", "tmpfs"] in mounts and [m for m in mounts if m[0] == "/tmp"] == []  # /tmp links into it
+    assert seen == [] and on_host() == []
 
 
 def test_the_code_runs_unprivileged():

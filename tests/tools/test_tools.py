@@ -1,7 +1,9 @@
 """Tools: the calculator by hand, plain functions as tools, the tools YAML file, the Python tool in its sandbox."""
 
 import asyncio
+import time
 
+import hypothesis
 import pytest
 
 from hybridflow.tools import FunctionTool, ToolResponse, ToolSet, load_tools
@@ -45,12 +47,59 @@ def test_calculator_refuses_what_is_not_small_arithmetic(expression, problem):
         calculate(expression)
 
 
+@pytest.mark.parametrize(
+    "expression, problem",
+    [
+        ("9**9**9", "exponents must be whole numbers up to 100"),
+        ("0**-1", "division by zero"),  # before: ZeroDivisionError
+        ("1e309", "1e309 is not a finite number"),  # before: OverflowError
+        ("(10**100)**100", "more than 200 digits"),  # before: ValueError (int-to-str digit limit)
+        ("(2**100)**10", "more than 200 digits"),
+        ("1e308 * 10 / 3", "more than 200 digits"),
+        ("-" * 499 + "1", "nested more than 250 levels"),
+        ("(" * 210 + "1" + ")" * 210, "not an arithmetic expression"),  # the parser's own nesting limit (200)
+        ("1\x00", "not an arithmetic expression"),  # before: ValueError (a NUL byte)
+        ("1" * 201, "more than 200 digits"),
+    ],
+)
+def test_calculator_bounds_every_number_and_the_nesting(expression, problem):
+    with pytest.raises(CalculatorError, match=problem):
+        calculate(expression)
+
+
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("(2**66)**10", str(2**660)),  # 199 digits: at the bound, not refused by the estimate
+        ("1" + "+1" * 249, "250"),  # a long chain of additions is not "nesting" to refuse
+        ("(-2)**-3", "-0.125"),
+        ("0**0", "1"),
+    ],
+)
+def test_calculator_at_its_bounds(expression, value):
+    assert calculate(expression) == value
+
+
+@hypothesis.settings(max_examples=400, derandomize=True, deadline=None)
+@hypothesis.given(hypothesis.strategies.text(alphabet="0123456789.e+-*/%^() ", max_size=600))
+def test_any_text_gives_a_value_or_the_calculators_error_quickly(expression):
+    start = time.perf_counter()
+    try:
+        assert isinstance(calculate(expression), str)
+    except CalculatorError:
+        pass
+    assert time.perf_counter() - start < 0.5
+
+
 def test_calculator_tool_answers_errors_as_text():
     tool = CalculatorTool()
     assert asyncio.run(tool.execute("0", {"expression": "6*7"})) == ToolResponse(text="42")
     answer = asyncio.run(tool.execute("0", {"expression": "6/0"}))
     assert answer.error and answer.text == "Error: division by zero"
     assert asyncio.run(tool.execute("0", {"expression": ["6"]})).error
+    for nasty in ("0**-1", "1e309", "(10**100)**100", 10**5000, float("inf")):
+        answer = asyncio.run(tool.execute("0", {"expression": nasty}))
+        assert answer.error and answer.text.startswith("Error: "), nasty
     assert tool.schema["function"]["parameters"]["required"] == ["expression"]
 
 

@@ -5,13 +5,25 @@ without the tool messages appended, and takes what the second adds after the ass
 token (the one generation stopped on): exactly what the template would put there. Rendering only that
 delta keeps templates that are not append-only correct (Qwen3's, say, drops the reasoning of earlier
 assistant turns once a later user turn exists): the tokens the model generated stay as generated.
+
+Tool text is data, never control: a tool's answer (the sandboxed code's output, say) that contains a special or
+added token's text (``<|im_end|>``, ``<|im_start|>``, ``<tool_call>``, ...) must not become that token, or the tool
+could end its message and forge turns of its own. The template is rendered with a placeholder for each content;
+its own text is tokenised as usual (its control tokens recognised), and in the contents each occurrence of an
+added token's text is tokenised as plain text. Where a content holds none, the ids are exactly those of
+tokenising the whole rendered text. A check that the ids hold no control token the template did not put there
+guards the rest (a content is then tokenised as plain text as a whole). The template sees placeholders, so a
+template that transforms contents (trims them, say) is given them as they are.
 """
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from typing import Any
 
 _BASE = [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": "Answer."}]
+_PLACEHOLDER = "HYBRIDFLOWTOOLCONTENT{}PLACEHOLDER"  # letters and digits: no template escapes or trims them
 
 
 class ChatTemplateError(ValueError):
@@ -33,23 +45,93 @@ class ChatFormat:
                 f"({end_token_ids}); the agent loop cannot tell where a turn ends"
             )
         self.prefix = prefix[: ends[-1] + 1]  # through the assistant turn's end token
+        added = tokenizer.added_tokens_decoder  # id -> AddedToken: the special tokens and the other added ones
+        self.control_ids = frozenset(added)
+        texts = sorted({token.content for token in added.values()}, key=len, reverse=True)  # longest match first
+        self._control_text = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def _ids(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encode(text)
 
     def tool_response_ids(self, contents: list[str]) -> list[int]:
         """The ids that follow an assistant turn's end token to add one tool message per content and open the
-        next assistant turn."""
-        messages = _BASE + [{"role": self.tool_role, "content": content} for content in contents]
-        full = self._ids(messages, add_generation_prompt=True)
-        if full[: len(self.prefix)] != self.prefix:
-            raise ChatTemplateError(
-                "the chat template renders the assistant turn differently once a tool message follows it, so "
-                "tool output cannot be appended to the generated tokens; use a template that renders earlier "
-                "turns the same way, or a tool_role it accepts"
-            )
-        return full[len(self.prefix) :]
+        next assistant turn. No text of a content becomes a control token."""
+        pieces = self._template_pieces(len(contents))
+        template = self._encode("".join(pieces))[len(self.prefix) :]  # the template's own text, no contents
+        template_controls = Counter(i for i in template if i in self.control_ids)
+        for whole in (False, True):  # whole: each content as plain text as a whole, the guard's fallback
+            full = self._encode_segments(pieces, contents, whole)
+            if full[: len(self.prefix)] != self.prefix:
+                raise ChatTemplateError(
+                    "the chat template renders the assistant turn differently once a tool message follows it, "
+                    "so tool output cannot be appended to the generated tokens; use a template that renders "
+                    "earlier turns the same way, or a tool_role it accepts"
+                )
+            delta = full[len(self.prefix) :]
+            if Counter(i for i in delta if i in self.control_ids) == template_controls:
+                return delta
+        raise ChatTemplateError("tool text would become control tokens of this tokenizer; this is a bug")
+
+    def _template_pieces(self, n: int) -> list[str]:
+        """The rendered conversation (the base, ``n`` tool messages, the next assistant header) cut at each tool
+        message's content: n + 1 pieces of the template's own text."""
+        marks = [_PLACEHOLDER.format(i) for i in range(n)]
+        messages = _BASE + [{"role": self.tool_role, "content": mark} for mark in marks]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        pieces = []
+        for mark in marks:
+            if text.count(mark) != 1:
+                raise ChatTemplateError(
+                    f"the chat template does not show a {self.tool_role!r} message's content once, as given; "
+                    "tool output cannot be placed in it"
+                )
+            piece, text = text.split(mark)
+            pieces.append(piece)
+        return [*pieces, text]
+
+    def _encode_segments(self, pieces: list[str], contents: list[str], whole: bool) -> list[int]:
+        """The template's pieces with the contents between them: runs of text tokenised as usual, and the
+        contents' control-token texts (or, if ``whole``, the contents) tokenised as plain text."""
+        segments: list[tuple[str, bool]] = []  # (text, plain)
+        for piece, content in zip(pieces, contents, strict=False):
+            segments.append((piece, False))
+            segments += [(content, True)] if whole else self._split_controls(content)
+        segments.append((pieces[-1], False))
+        ids, run = [], ""
+        for text, plain in segments:
+            if plain:
+                ids += self._encode(run) + self._plain_ids(text)
+                run = ""
+            else:
+                run += text
+        return ids + self._encode(run)
+
+    def _split_controls(self, text: str) -> list[tuple[str, bool]]:
+        """``text`` cut into (part, is a control token's text)."""
+        if self._control_text is None:
+            return [(text, False)]
+        parts, start = [], 0
+        for match in self._control_text.finditer(text):
+            parts += [(text[start : match.start()], False), (match.group(), True)]
+            start = match.end()
+        return [*parts, (text[start:], False)]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text`` tokenised as text: special tokens are split as characters; where an added token that is not
+        special still matches, the text is halved around it, so each half holds only part of its text."""
+        if not text:
+            return []
+        ids = self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+        if not self.control_ids.intersection(ids):
+            return ids
+        if len(text) == 1:
+            raise ChatTemplateError(f"the character {text!r} is a control token of this tokenizer")
+        half = len(text) // 2
+        return self._plain_ids(text[:half]) + self._plain_ids(text[half:])
 
     def truncate(self, text: str, max_tokens: int) -> str:
         """``text`` as is, or its first and last tokens, ``max_tokens`` in all, with the cut marked between them:
