@@ -198,7 +198,7 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "algorithm.adv_estimator",
             "not below rollout.n=4",
         ),
-        (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "not a complete checkpoint"),
+        (["trainer.resume_mode=/no/such/global_step_3"], "trainer.resume_mode", "global_step_3: it does not exist"),
         (
             [
                 "actor_rollout_ref.actor.tensor_model_parallel_size=2",
