@@ -69,7 +69,9 @@ def start_ray(
     if address:
         ray.init(address=address, **kwargs)
     else:
-        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
+        # "local": a new cluster of our own. Without it Ray joins the newest cluster that `ray start` (or a
+        # test's ray.cluster_utils.Cluster) left its address for, whoever started it, and then refuses num_cpus
+        ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, **kwargs)
     return True
 
 
