@@ -23,6 +23,7 @@ class Role(enum.StrEnum):
     RefPolicy = "ref"
     Critic = "critic"
     RewardModel = "reward_model"
+    Rollout = "rollout"  # generation on a pool of its own (asynchronous training); otherwise the actor generates
 
 
 class ResourcePool:

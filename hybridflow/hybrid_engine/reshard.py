@@ -66,7 +66,7 @@ def _check_split(model_type: str, name: str, dim: int) -> None:
         )
 
 
-def _unshard_data_parallel(tensor: DTensor) -> torch.Tensor:
+def unshard_data_parallel(tensor: DTensor) -> torch.Tensor:
     """The rank's tensor-parallel shard (or the whole tensor): every mesh dimension but "tp" gathered."""
     names = tensor.device_mesh.mesh_dim_names or ()
     placements = [p if name == "tp" else Replicate() for name, p in zip(names, tensor.placements)]
@@ -88,7 +88,7 @@ def generation_weights(
         own = _nbytes(part.to_local())
         whole_bytes = part.numel() * part.element_size()
         dim = tensor_parallel_dim(part)
-        piece = _unshard_data_parallel(part)
+        piece = unshard_data_parallel(part)
         if dim is None:
             report.whole += whole_bytes
         else:

@@ -19,7 +19,7 @@ from hybridflow.controller import Role
 from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset, save_calibration
 from hybridflow.planner.cost import PHASES
 from hybridflow.planner.search import Plan, plan_run
-from hybridflow.planner.workload import workload_from_config
+from hybridflow.planner.workload import Workload, workload_from_config
 from hybridflow.validation import UserError
 
 FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", "--out": "FILE"}
@@ -39,6 +39,9 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec) -> dict:
             role_pool[role.value] = name
             if role is Role.ActorRollout:
                 actor_rollout_ref["actor"] = {"tensor_model_parallel_size": layout.t}
+                if not plan.overlapped:
+                    actor_rollout_ref["rollout"] = {"tensor_model_parallel_size": layout.tg}
+            elif role is Role.Rollout:
                 actor_rollout_ref["rollout"] = {"tensor_model_parallel_size": layout.tg}
             elif role is Role.RefPolicy:
                 actor_rollout_ref["ref"] = {"tensor_model_parallel_size": layout.t}
@@ -52,12 +55,30 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec) -> dict:
             "device": "cpu" if cluster.name == "cpu" else "cuda",
             "resource_pool_spec": pools,
             "role_pool": role_pool,
+            "async_training": {"mode": "one_step_off" if plan.overlapped else "sync"},
         },
         "actor_rollout_ref": actor_rollout_ref,
     }
     if critic:
         overrides["critic"] = critic
     return overrides
+
+
+def mode_comparison(workload: Workload, best: Plan, cluster: ClusterSpec) -> str:
+    """Whether training one step off policy (generation on devices of its own, overlapping the rest of the
+    step) pays on this cluster: the best plan of the other mode against ``best``."""
+    other_mode = "sync" if workload.rollout_apart else "one_step_off"
+    try:
+        other = plan_run(workload.in_mode(other_mode), cluster)[0]
+    except ValueError:
+        return f"{other_mode}: no plan fits"
+    one_step_off, sync = (best, other) if workload.rollout_apart else (other, best)
+    ratio = sync.seconds / one_step_off.seconds
+    verdict = "pays" if ratio > 1 else "does not pay"
+    return (
+        f"one step off policy (trainer.async_training.mode=one_step_off) {verdict} here: best plan "
+        f"{one_step_off.seconds:.2f} s/step against {sync.seconds:.2f} s/step synchronous ({ratio:.2f}x)"
+    )
 
 
 def merged(base: dict, changes: dict) -> dict:
@@ -72,7 +93,7 @@ def merged(base: dict, changes: dict) -> dict:
 
 def plans_table(plans: list[Plan], top: int) -> str:
     """The best ``top`` plans: sets (devices, layouts), seconds per phase and per step, memory."""
-    names = ["gen", "score", "update"]
+    names = ["gen", "score", "update", "transfer"]
     lines = [
         f"{'#':>2}  {'s/step':>9}  " + "".join(f"{n:>9}" for n in names) + "  sets (devices: role t/tg, GB/device)"
     ]
@@ -80,7 +101,9 @@ def plans_table(plans: list[Plan], top: int) -> str:
         sets = "; ".join(
             f"{s.devices}: "
             + ", ".join(
-                f"{r.value} {lay.t}/{lay.tg}" if r is Role.ActorRollout else f"{r.value} {lay.t}"
+                f"{r.value} {lay.t}/{lay.tg}"
+                if r is Role.ActorRollout and not plan.overlapped
+                else f"{r.value} {lay.t}"
                 for r, lay in s.layouts.items()
             )
             + f" ({s.memory / 1e9:.1f})"
@@ -148,6 +171,7 @@ def main(args: list[str]) -> int:
         + ", ".join("+".join(p) for p in PHASES)
     )
     print(plans_table(plans, top))
+    print(mode_comparison(workload, plans[0], cluster))
     out = Path(flags.get("--out", "plan.yaml"))
     base = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file else {}
     out.write_text(OmegaConf.to_yaml(OmegaConf.create(merged(base, plan_overrides(plans[0], cluster)))))

@@ -31,6 +31,7 @@ from math import ceil
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import predicted_switch_bytes
+from hybridflow.hybrid_engine.transfer_plan import predicted_transfer_bytes
 from hybridflow.planner.cluster import ClusterSpec
 from hybridflow.planner.workload import ModelShape, Workload
 
@@ -40,6 +41,7 @@ ROLE_STAGES: dict[Role, tuple[str, ...]] = {
     Role.RefPolicy: ("ref",),
     Role.Critic: ("values", "update_critic"),
     Role.RewardModel: ("rm",),
+    Role.Rollout: ("gen", "weight_transfer"),  # one step off: the actor then only trains
 }
 # the dataflow's phases: stages of one phase on different device sets run at the same time
 PHASES: tuple[tuple[str, ...], ...] = (
@@ -103,13 +105,29 @@ def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec)
     return received / cluster.link_bandwidth(layout.world)
 
 
+def transfer_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
+    """One step off: the new weights to a rollout rank of ``layout`` from the actor's devices (bf16, its
+    generation shard: hybrid_engine/transfer_plan.py), over the link between the two sets of devices."""
+    received = predicted_transfer_bytes(2 * shape.layer_params, 2 * shape.embedding_params, layout.tg)
+    return received / cluster.link_bandwidth(cluster.devices)
+
+
 def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> dict:
     """Seconds of each of ``role``'s stages (ROLE_STAGES) in ``layout``."""
     if role is Role.ActorRollout:
-        return {
-            "gen": switch_seconds(shape, layout, cluster) + generation_seconds(shape, layout, workload, cluster),
+        seconds = {
             "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
             "update_actor": pass_seconds(shape, layout, workload, cluster, backward=True, epochs=workload.actor_epochs),
+        }
+        if not workload.rollout_apart:
+            seconds["gen"] = switch_seconds(shape, layout, cluster) + generation_seconds(
+                shape, layout, workload, cluster
+            )
+        return seconds
+    if role is Role.Rollout:
+        return {
+            "gen": generation_seconds(shape, layout, workload, cluster),
+            "weight_transfer": transfer_seconds(shape, layout, cluster),
         }
     if role is Role.Critic:
         return {
@@ -124,6 +142,8 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
 
 def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload) -> tuple[float, float]:
     """(held all the time, largest transient) bytes per device of ``role``'s model in ``layout``."""
+    if role is Role.Rollout:  # only the generation weights (1/tg) and the KV cache
+        return _generation_memory(shape, layout, workload)
     shard = layout.world
     static = (16 if role in TRAINED else 4) * shape.params / shard
     length = workload.prompt_length + workload.response_length
@@ -136,13 +156,19 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
         transient = layer_activations * shape.layers + logits
     else:  # a forward keeps about one layer's
         transient = 4 * micro * length * shape.hidden + logits
-    if role is Role.ActorRollout:
-        static += 2 * (shape.layer_params / layout.tg + shape.embedding_params)  # the generation copy
-        groups = layout.world // layout.tg
-        running = min(ceil(workload.samples / groups), workload.max_num_seqs)
-        kv_cache = running * length * shape.kv_bytes_per_token() / layout.tg
-        transient = max(transient, kv_cache)
+    if role is Role.ActorRollout and not workload.rollout_apart:  # the hybrid actor also holds the generator
+        copy, kv_cache = _generation_memory(shape, layout, workload)
+        static, transient = static + copy, max(transient, kv_cache)
     return static, transient
+
+
+def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workload) -> tuple[float, float]:
+    """(the generation copy of the weights, the KV cache while generating) bytes per device."""
+    copy = 2 * (shape.layer_params / layout.tg + shape.embedding_params)
+    groups = layout.world // layout.tg
+    running = min(ceil(workload.samples / groups), workload.max_num_seqs)
+    length = workload.prompt_length + workload.response_length
+    return copy, running * length * shape.kv_bytes_per_token() / layout.tg
 
 
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
@@ -152,4 +178,6 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     sizes = [t for t in sizes if shape.splits_over(t)] if role is not Role.RewardModel else [1]
     if role is Role.ActorRollout:
         return [LayoutShape.over(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0]
+    if role is Role.Rollout:  # replicas of tg ranks
+        return [LayoutShape.over(devices, tg, tg) for tg in sizes]
     return [LayoutShape.over(devices, t) for t in sizes]

@@ -5,7 +5,8 @@ models fit in (memory is a hard constraint) and the remaining devices are split 
 every way (whole nodes on a multi-node cluster). For each model and device count the best layout is
 the one with the fewest seconds over the model's own stages (cached, as the paper's ``d_cost``). A
 step costs, per phase of the dataflow, the busiest set (the stages of one set run one after another,
-different sets at once), summed over the phases.
+different sets at once), summed over the phases. One step off policy (a rollout role on devices of its
+own), generation overlaps the rest of the step: max(generation, scoring + updates) + the weight transfer.
 
 Choosing each model's layout on its own stages is the paper's decomposition: it keeps the search
 small, and can miss a plan where a model takes a slower layout so that another set's phase hides it.
@@ -43,7 +44,12 @@ class DeviceSet:
 class Plan:
     sets: tuple[DeviceSet, ...]
     seconds: float  # predicted seconds per step
-    phase_seconds: tuple[float, ...]
+    phase_seconds: tuple[float, ...]  # per phase of PHASES, then the weight transfer (one step off)
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether a rollout role generates on its own devices (one step off policy)."""
+        return any(Role.Rollout in s.roles for s in self.sets)
 
 
 def set_partitions(items: list) -> Iterator[list[list]]:
@@ -110,13 +116,15 @@ class Planner:
         found = []
         for partition in set_partitions(roles):
             blocks = [tuple(block) for block in partition]
+            if any(Role.Rollout in block and Role.ActorRollout in block for block in blocks):
+                continue  # the rollout role generates while the actor trains: never on its devices
             minimums = [self.fewest_units(block) for block in blocks]
             if any(m is None for m in minimums):
                 continue
             for split in device_splits(total, minimums):
                 sets = [self.device_set(block, units * self.unit) for block, units in zip(blocks, split)]
                 if all(s is not None for s in sets):
-                    found.append(step_plan(sets))
+                    found.append(step_plan(sets, overlapped=self.workload.rollout_apart))
         return sorted(found, key=lambda plan: plan.seconds)
 
 
@@ -138,10 +146,14 @@ def evaluate_set(workload: Workload, cluster: ClusterSpec, layouts: dict[Role, L
     return DeviceSet(tuple(layouts), devices.pop(), dict(layouts), stages, static + transient)
 
 
-def step_plan(sets: list[DeviceSet]) -> Plan:
-    """A step's seconds: per phase the busiest set, summed over the phases."""
+def step_plan(sets: list[DeviceSet], overlapped: bool = False) -> Plan:
+    """A step's seconds: per phase the busiest set, summed over the phases; ``overlapped`` (one step off
+    policy): generation beside the scoring and update phases, then the weight transfer."""
     phases = tuple(max(sum(s.stage_seconds.get(stage, 0.0) for stage in phase) for s in sets) for phase in PHASES)
-    return Plan(tuple(sets), sum(phases), phases)
+    transfer = max(s.stage_seconds.get("weight_transfer", 0.0) for s in sets)
+    generation, *training = phases
+    seconds = max(generation, sum(training)) + transfer if overlapped else sum(phases)
+    return Plan(tuple(sets), seconds, (*phases, transfer))
 
 
 def plan_run(workload: Workload, cluster: ClusterSpec) -> list[Plan]:

@@ -6,6 +6,7 @@ lengths, which roles the algorithm needs); paper-scale studies use the Llama sha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.controller import Role
@@ -91,7 +92,9 @@ def shape_from_hf(config, name: str) -> ModelShape:
 class Workload:
     """One step: ``prompts`` x ``n`` samples of ``prompt_length`` + ``response_length`` tokens."""
 
-    models: dict[Role, ModelShape]  # the roles the run needs (the actor generates and trains)
+    models: dict[
+        Role, ModelShape
+    ]  # the roles the run needs (the actor generates and trains, or a rollout role generates)
     prompts: int
     n: int
     prompt_length: int
@@ -101,6 +104,20 @@ class Workload:
     micro_batch: int = 8  # samples per forward/backward on one device (activation memory)
     gradient_checkpointing: bool = False  # keep only each layer's input for the backward
     max_num_seqs: int = 256  # most sequences a generation group decodes at once (its KV cache's slots)
+
+    @property
+    def rollout_apart(self) -> bool:
+        """Whether a rollout role generates on devices of its own, overlapping the actor's training (one step
+        off policy), instead of the actor switching between the two."""
+        return Role.Rollout in self.models
+
+    def in_mode(self, mode: str) -> Workload:
+        """The same step under ``trainer.async_training.mode`` ``mode``: sync (the hybrid actor generates) or
+        one_step_off (a rollout role with the policy's shape generates)."""
+        models = {role: shape for role, shape in self.models.items() if role is not Role.Rollout}
+        if mode != "sync":
+            models[Role.Rollout] = models[Role.ActorRollout]
+        return dataclasses.replace(self, models=models)
 
     @property
     def samples(self) -> int:
@@ -115,17 +132,23 @@ def workload_from_config(config) -> Workload:
     """The workload of a ``HybridFlowConfig``: its needed roles' model shapes and its batch."""
     from transformers import AutoConfig
 
-    from hybridflow.trainer.run_plan import make_run_plan
+    from hybridflow.algorithms import get_adv_estimator
+    from hybridflow.trainer.roles import needed_roles
+    from hybridflow.trainer.run_plan import RunPaths
 
-    arr, plan = config.actor_rollout_ref, make_run_plan(config)
-    names = {  # as the config names them (for the plan's printout); the run plan has their directories
-        Role.ActorRollout: (arr.model.path, plan.paths.actor_model),
-        Role.RefPolicy: (arr.model.path, plan.paths.actor_model),
-        Role.Critic: (config.critic.model.path or arr.model.path, plan.paths.critic_model),
-        Role.RewardModel: (config.reward_model.model.path, plan.paths.reward_model),
+    # the roles and their model directories, not the config's placement: the planner chooses its own
+    arr = config.actor_rollout_ref
+    roles = tuple(needed_roles(config, get_adv_estimator(config.algorithm.adv_estimator)))
+    paths = RunPaths.resolve(config, roles)
+    names = {  # as the config names them (for the plan's printout), and their directories
+        Role.ActorRollout: (arr.model.path, paths.actor_model),
+        Role.RefPolicy: (arr.model.path, paths.actor_model),
+        Role.Critic: (config.critic.model.path or arr.model.path, paths.critic_model),
+        Role.RewardModel: (config.reward_model.model.path, paths.reward_model),
+        Role.Rollout: (arr.model.path, paths.actor_model),
     }
     models = {}
-    for role in plan.roles:
+    for role in roles:
         name, directory = names[role]
         models[role] = shape_from_hf(AutoConfig.from_pretrained(directory), str(name))
     return Workload(

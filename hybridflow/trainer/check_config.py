@@ -124,6 +124,22 @@ def _check_multi_turn(cfg: HybridFlowConfig, plan: RunPlan) -> None:
             raise ConfigError(f"{key}.tool_config_path", str(error)) from None
 
 
+def _check_async(cfg: HybridFlowConfig) -> None:
+    """An asynchronous mode trains each batch after the policy that generated it changed: the loss must
+    correct for that (the decoupled objective, or the rollout's log-probs as PPO's old policy)."""
+    mode = cfg.trainer.async_training.mode
+    rollout = cfg.actor_rollout_ref.rollout
+    _check(
+        mode == "sync" or cfg.algorithm.rollout_correction.enabled or rollout.old_log_prob_source == "rollout",
+        "trainer.async_training.mode",
+        f"{mode} trains each batch one policy version after the one that generated it, and nothing corrects for "
+        "that: the rollout correction is off and PPO's old log-probs are the trainer's",
+        "set algorithm.rollout_correction.rollout_is=token (the decoupled objective: importance weights between "
+        "the trainer's and the rollout's log-probs, truncated) or actor_rollout_ref.rollout.old_log_prob_source="
+        "rollout",
+    )
+
+
 def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     _check(
@@ -251,6 +267,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)
+    _check_async(cfg)
     overlong = cfg.reward.overlong_buffer
     _check(
         not overlong.enable or overlong.len <= arr.rollout.response_length,

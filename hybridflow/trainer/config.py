@@ -41,6 +41,30 @@ from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
 DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
 PLACEMENTS = ("all_colocate", "group_colocate", "separate", "custom")  # see trainer/placement.py
+ASYNC_MODES = ("sync", "one_step_off")  # see trainer/one_step_off.py
+
+
+@dataclass(kw_only=True)
+class AsyncTrainingConfig:
+    """Generation on a pool of its own (the rollout role), overlapping the actor's training."""
+
+    # sync (generate, then train, both on the actor's pool) | one_step_off (the rollout role generates the batch of
+    # step k+1 with the weights of step k-1 while the actor trains step k; trainer/one_step_off.py)
+    mode: str
+    transfer_bucket_mb: float  # new weights go from the actor's pool to the rollout's in messages of at most this size
+    # a weight transfer (or the start of its group) that does not finish in this time stops the run with an error
+    # naming both sides, instead of hanging
+    transfer_timeout_s: float
+
+    def __post_init__(self) -> None:
+        require_choice(self.mode, ASYNC_MODES, "mode")
+        require_positive(self.transfer_bucket_mb, "transfer_bucket_mb")
+        require_positive(self.transfer_timeout_s, "transfer_timeout_s")
+
+    @property
+    def rollout_apart(self) -> bool:
+        """Whether generation runs on the rollout role's pool instead of the actor's (every mode but sync)."""
+        return self.mode != "sync"
 
 
 @dataclass(kw_only=True)
@@ -56,9 +80,9 @@ class TrainerConfig:
     device: str  # cpu (gloo) | cuda (nccl)
     cpus_per_worker: float  # CPUs reserved per rank in the Ray placement group
     threads_per_worker: int  # torch threads per rank (0: cpus_per_worker, at least 1)
-    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model) | separate | custom
+    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model, rollout) | separate | custom
     resource_pool_spec: dict[str, list[int]]  # custom: pool name -> processes per node, e.g. {actor: [2], critic: [1]}
-    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model) -> pool name
+    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model | rollout) -> pool name
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
     ray_address: str  # join this Ray cluster ("": start a local one)
@@ -75,6 +99,7 @@ class TrainerConfig:
     default_local_dir: str  # the run's directory: metrics, config, checkpoints
     critic_warmup: int  # steps that train only the critic before the actor starts
     seed: int  # seeds data order, sampling and initialisation
+    async_training: AsyncTrainingConfig
 
     def __post_init__(self) -> None:
         require_positive(self.total_epochs, "total_epochs")

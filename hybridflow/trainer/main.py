@@ -21,6 +21,7 @@ from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.config_help import key_help
+from hybridflow.trainer.one_step_off import OneStepOffTrainer
 from hybridflow.trainer.placement import build_groups
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups
@@ -28,27 +29,29 @@ from hybridflow.trainer.run_dir import prepare_run_dir
 from hybridflow.trainer.run_plan import RunPlan, total_training_steps
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.validation import run_command, split_debug_flag
-from hybridflow.workers import ActorRolloutWorker, CriticWorker, RefPolicyWorker, RewardModelWorker
+from hybridflow.workers import (
+    ActorRolloutWorker,
+    ActorWorker,
+    CriticWorker,
+    RefPolicyWorker,
+    RewardModelWorker,
+    RolloutWorker,
+)
 
 
 def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dict[Role, RoleSpec]:
     """Each needed role's worker class and the keyword arguments it is built with on every rank: its config
     section, and from the plan its layout and the files it reads."""
     seed, arr, paths = config.trainer.seed, config.actor_rollout_ref, plan.paths
-    specs = {
-        Role.ActorRollout: RoleSpec(
-            ActorRolloutWorker,
-            kwargs=dict(
-                config=arr,
-                model_path=paths.actor_model,
-                layout=plan.actor_layout,
-                tool_config=paths.tool_config,
-                default_agent=paths.default_agent,
-                total_training_steps=total_steps,
-                seed=seed,
-            ),
-        )
-    }
+    actor = dict(config=arr, model_path=paths.actor_model, layout=plan.actor_layout)
+    actor.update(total_training_steps=total_steps, seed=seed)
+    files = dict(tool_config=paths.tool_config, default_agent=paths.default_agent)
+    if plan.needs(Role.Rollout):  # generation apart: the actor only trains
+        specs = {Role.ActorRollout: RoleSpec(ActorWorker, kwargs=actor)}
+        rollout = dict(config=arr, model_path=paths.actor_model, layout=plan.layouts[Role.Rollout], **files)
+        specs[Role.Rollout] = RoleSpec(RolloutWorker, kwargs=rollout)
+    else:
+        specs = {Role.ActorRollout: RoleSpec(ActorRolloutWorker, kwargs=actor | files)}
     if plan.needs(Role.RefPolicy):
         specs[Role.RefPolicy] = RoleSpec(
             RefPolicyWorker,
@@ -133,7 +136,8 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
             check_cluster(config, placement)
         groups = build_role_groups(config, plan, total_steps)
         tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
-        trainer = RayPPOTrainer(
+        loop = OneStepOffTrainer if config.trainer.async_training.mode == "one_step_off" else RayPPOTrainer
+        trainer = loop(
             config,
             plan,
             groups,

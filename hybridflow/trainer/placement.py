@@ -5,11 +5,16 @@ The HybridFlow paper's three placements, plus an explicit form:
 - ``all_colocate``: one pool; every role of the run is fused into one process per rank (one
   process group), and the stages run one after another.
 - ``group_colocate``: the actor and the reference on pool ``actor``, the critic and the reward
-  model on pool ``critic``: stages of the two groups overlap.
+  model on pool ``critic``, the rollout role (async modes) on pool ``rollout``: stages of the
+  groups overlap.
 - ``separate``: one pool per role, named after it.
 - ``custom``: ``trainer.resource_pool_spec`` names the pools with their processes per node (pools
   may differ in size) and ``trainer.role_pool`` maps each role (actor_rollout, ref, critic,
-  reward_model) to one.
+  reward_model, rollout) to one.
+
+The rollout role exists only when generation runs apart from the actor
+(``trainer.async_training.mode``), and then never on the actor's pool: its point is to generate
+while the actor trains.
 
 The presets give every pool ``trainer.n_workers_per_node`` processes on each of ``trainer.nnodes``
 nodes, so ``separate`` uses as many processes as the run has roles times that. Roles on one pool
@@ -27,7 +32,13 @@ from hybridflow.trainer.roles import RoleGroups
 
 ROLE_NAMES = tuple(role.value for role in Role)
 
-_GROUPS = {Role.ActorRollout: "actor", Role.RefPolicy: "actor", Role.Critic: "critic", Role.RewardModel: "critic"}
+_GROUPS = {
+    Role.ActorRollout: "actor",
+    Role.RefPolicy: "actor",
+    Role.Critic: "critic",
+    Role.RewardModel: "critic",
+    Role.Rollout: "rollout",
+}
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,12 @@ class Placement:
 def place_roles(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
     """The pools and the role -> pool map of ``roles`` under ``trainer.placement``; ConfigError naming the key
     when it does not fit."""
+    placement = _presets(config, roles)
+    _check_rollout_apart(config, placement)
+    return placement
+
+
+def _presets(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
     trainer = config.trainer
     per_pool = [trainer.n_workers_per_node] * trainer.nnodes
     if trainer.placement == "all_colocate":
@@ -62,6 +79,21 @@ def place_roles(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
     if trainer.placement == "separate":
         return Placement({role.value: list(per_pool) for role in roles}, {role: role.value for role in roles})
     return _custom_plan(config, roles)
+
+
+def _check_rollout_apart(config: HybridFlowConfig, placement: Placement) -> None:
+    """The rollout role, where the run has one, on a pool the actor does not train on."""
+    rollout_pool = placement.role_pool.get(Role.Rollout)
+    if rollout_pool is None or rollout_pool != placement.role_pool[Role.ActorRollout]:
+        return
+    mode = config.trainer.async_training.mode
+    key = "trainer.role_pool.rollout" if config.trainer.placement == "custom" else "trainer.placement"
+    raise ConfigError(
+        key,
+        f"async_training.mode={mode} generates on the rollout role's pool while the actor trains, but both are on "
+        f"pool '{rollout_pool}'",
+        "use trainer.placement=group_colocate or separate, or give the rollout role a pool of its own (custom)",
+    )
 
 
 def _custom_plan(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:

@@ -137,22 +137,28 @@ class RayPPOTrainer:
                 self.global_step += 1
                 self.timeline = StepTimeline(self.global_step, progress)
                 metrics = self.train_step(prompts)
-                last = self.global_step >= self.total_steps
-                if self.val_batches is not None and (
-                    last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)
-                ):
-                    metrics.update(self.validate())
-                if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
-                    with self.timeline.stage("save_checkpoint", on_driver=True):
-                        self.save_checkpoint()
-                    metrics["timing_s/save_checkpoint"] = self.timeline.stage_seconds()["save_checkpoint"]
-                self.timeline.collect(self.groups)
-                self.timeline.append_to(self.run_dir / TIMELINE_FILE)
-                self.tracking.log(metrics, step=self.global_step)
-                progress.step_done(self.global_step, metrics)
-                if last:
+                if self.end_step(metrics, progress):
                     break
         return metrics
+
+    def end_step(self, metrics: dict[str, float], progress: RunProgress) -> bool:
+        """Validate and checkpoint when due, then record the step (metrics, timeline, progress); whether it was
+        the last."""
+        trainer = self.config.trainer
+        last = self.global_step >= self.total_steps
+        if self.val_batches is not None and (
+            last or (trainer.test_freq > 0 and self.global_step % trainer.test_freq == 0)
+        ):
+            metrics.update(self.validate())
+        if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
+            with self.timeline.stage("save_checkpoint", on_driver=True):
+                self.save_checkpoint()
+            metrics["timing_s/save_checkpoint"] = self.timeline.stage_seconds()["save_checkpoint"]
+        self.timeline.collect(self.groups)
+        self.timeline.append_to(self.run_dir / TIMELINE_FILE)
+        self.tracking.log(metrics, step=self.global_step)
+        progress.step_done(self.global_step, metrics)
+        return last
 
     def train_batches(self) -> Iterator[DataProto]:
         while self.train_loader.state_dict()["epoch"] < self.config.trainer.total_epochs:
@@ -160,11 +166,16 @@ class RayPPOTrainer:
 
     # ---- checkpoints ----------------------------------------------------------------------
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, write_more: Callable[[Path], None] | None = None) -> Path:
+        """The roles' states and the driver's in a new checkpoint; ``write_more(directory)`` adds files of a
+        subclass's loop (they are part of the manifest)."""
+
         def write_roles(directory: Path) -> None:
             self.groups.actor_rollout.save_checkpoint(str(directory))
             if self.groups.critic is not None:
                 self.groups.critic.save_checkpoint(str(directory))
+            if write_more is not None:
+                write_more(directory)
 
         state = {
             "global_step": self.global_step,
@@ -184,8 +195,15 @@ class RayPPOTrainer:
         print(f"resumed from {checkpoint} at step {self.global_step}")
 
     def train_step(self, prompts: DataProto) -> dict[str, float]:
-        groups, metrics, timeline = self.groups, {}, self.timeline
+        metrics: dict[str, float] = {}
         batch = self.experience(prompts, metrics)  # responses in rank order (scored, with dynamic sampling)
+        self.learn(batch, metrics)
+        self.step_metrics(batch, metrics)
+        return metrics
+
+    def learn(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """Everything of a step after generation: log-probs, values, advantages, the updates."""
+        groups, timeline = self.groups, self.timeline
         # the stages that read only the responses, issued at once: where their pools differ, they run together
         after_generation = [
             self.old_log_probs(batch, metrics),
@@ -210,13 +228,16 @@ class RayPPOTrainer:
         if critic_update is not None:
             with timeline.stage("update_critic"):
                 take_metrics(critic_update.get(), metrics)
-        timeline.collect(groups)
-        timings = timeline.stage_seconds() | {"step": time.time() - timeline.start}
+
+    def step_metrics(self, batch: DataProto, metrics: dict[str, float]) -> None:
+        """What the step's data and timeline say, at its end: lengths, scores, agent turns, each stage's
+        seconds and the throughput."""
+        self.timeline.collect(self.groups)
+        timings = self.timeline.stage_seconds() | {"step": time.time() - self.timeline.start}
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(agent_metrics(batch))
         metrics.update(throughput_metrics(batch, timings, self.plan.placement.processes))
         metrics["perf/driver_rss_gb"] = resident_gb()
-        return metrics
 
     # ---- the stages -----------------------------------------------------------------------
 
@@ -287,7 +308,7 @@ class RayPPOTrainer:
             gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO]))
         gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling, SAMPLING_ROUND: round_index}
         generated = take_metrics(
-            self.groups.actor_rollout.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
+            self.groups.generator.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
         )
         batch = prompts.repeat(n, interleave=True).union(generated)
         batch.batch[GENERATED_MASK] = batch.batch[RESPONSE_MASK].clone()  # before any loss mask narrows it

@@ -12,7 +12,7 @@ from hybridflow.trainer.config import HybridFlowConfig
 
 def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> list[Role]:
     """The actor always; the reference for a KL term; the critic for an estimator that needs values;
-    the reward model when enabled."""
+    the reward model when enabled; the rollout role when generation runs apart from the actor (async modes)."""
     roles = [Role.ActorRollout]
     if config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss:
         roles.append(Role.RefPolicy)
@@ -20,6 +20,8 @@ def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> lis
         roles.append(Role.Critic)
     if config.reward_model.enable:
         roles.append(Role.RewardModel)
+    if config.trainer.async_training.rollout_apart:
+        roles.append(Role.Rollout)
     return roles
 
 
@@ -32,6 +34,7 @@ class RoleGroups:
     ref: RayWorkerGroup | None
     critic: RayWorkerGroup | None
     reward_model: RayWorkerGroup | None
+    rollout: RayWorkerGroup | None  # generation apart from the actor (async modes); None: the actor generates
     pool_of: dict[Role, str]
 
     @classmethod
@@ -41,13 +44,20 @@ class RoleGroups:
             ref=groups.get(Role.RefPolicy),
             critic=groups.get(Role.Critic),
             reward_model=groups.get(Role.RewardModel),
+            rollout=groups.get(Role.Rollout),
             pool_of=dict(pool_of),
         )
+
+    @property
+    def generator(self) -> RayWorkerGroup:
+        """The group that generates: the rollout role's when it runs apart, else the hybrid actor."""
+        return self.rollout if self.rollout is not None else self.actor_rollout
 
     def by_pool(self) -> dict[str, RayWorkerGroup]:
         """One group per pool (the roles of a pool share its processes, so any of them stands for it)."""
         groups = {Role.ActorRollout: self.actor_rollout, Role.RefPolicy: self.ref, Role.Critic: self.critic}
         groups[Role.RewardModel] = self.reward_model
+        groups[Role.Rollout] = self.rollout
         pools: dict[str, RayWorkerGroup] = {}
         for role, group in groups.items():
             if group is not None:

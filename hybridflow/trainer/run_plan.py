@@ -29,6 +29,8 @@ from hybridflow.trainer.config import ConfigError, HybridFlowConfig, TrainerConf
 from hybridflow.trainer.placement import Placement, place_roles
 from hybridflow.trainer.roles import needed_roles
 
+TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
 
 def _model_dir(path: str, key: str) -> str:
     """The model directory of a built-in name (built on first use) or a local Hugging Face directory."""
@@ -90,6 +92,11 @@ class RunPlan:
     def actor_layout(self) -> LayoutShape:
         return self.layouts[Role.ActorRollout]
 
+    @property
+    def generation_layout(self) -> LayoutShape:
+        """The layout of the ranks that generate: the rollout role's where it runs apart, else the actor's."""
+        return self.layouts.get(Role.Rollout, self.actor_layout)
+
 
 def on_policy_update(config: HybridFlowConfig) -> bool:
     """Whether the actor update is one optimizer step on this very batch, with nothing needing old
@@ -129,11 +136,11 @@ def _splits_evenly(model_path: str, size: int, key: str) -> None:
         raise ConfigError(key, str(error)) from None
 
 
-def _actor_layout(config: HybridFlowConfig, dp: int, t: int) -> LayoutShape:
-    """The actor's (dp, t) training layout with generation groups of tg ranks: every rule on tg is here
-    (and tg dividing t in LayoutShape itself, as the regrouping needs)."""
+def _generation_size(config: HybridFlowConfig) -> int:
+    """tg, the ranks that generate together (rollout.tensor_model_parallel_size): every rule on tg but how it
+    fits the ranks is here."""
     rollout = config.actor_rollout_ref.rollout
-    tg, key = rollout.tensor_model_parallel_size, "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    tg, key = rollout.tensor_model_parallel_size, TG_KEY
     if tg > 1 and not rollout_backend(rollout.name).tensor_parallel:
         raise ConfigError(
             key,
@@ -146,15 +153,36 @@ def _actor_layout(config: HybridFlowConfig, dp: int, t: int) -> LayoutShape:
             "multi-turn rollout generates on one rank (the ranks of a group would wait on different tools)",
             "set it to 1 (the actor may still train tensor-parallel)",
         )
+    return tg
+
+
+def _actor_layout(config: HybridFlowConfig, dp: int, t: int) -> LayoutShape:
+    """The hybrid actor's (dp, t) training layout with generation groups of tg ranks (tg dividing t is checked
+    in LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
+    if config.trainer.async_training.rollout_apart:
+        return LayoutShape(dp=dp, t=t, tg=1)
+    tg = _generation_size(config)
     try:
         return LayoutShape(dp=dp, t=t, tg=tg)
     except ValueError as error:
         raise ConfigError(
-            key,
+            TG_KEY,
             f"{tg} does not divide actor.tensor_model_parallel_size={t}: every generation shard must be made of "
             f"whole training shards (the 3D-HybridEngine's regrouping: {error})",
             f"choose a divisor of {t}",
         ) from None
+
+
+def _rollout_layout(config: HybridFlowConfig, world: int, pool: str) -> LayoutShape:
+    """The rollout role's layout: its pool's ranks in generation groups of tg (each group one replica)."""
+    tg = _generation_size(config)
+    if world % tg:
+        raise ConfigError(
+            TG_KEY,
+            f"{tg} does not divide the {world} ranks of pool '{pool}' (rollout)",
+            "choose a divisor of the rollout pool's ranks",
+        )
+    return LayoutShape(dp=world // tg, t=tg, tg=tg)
 
 
 def role_layouts(
@@ -177,8 +205,13 @@ def role_layouts(
             )
         if role in model_of:
             _splits_evenly(model_of[role], t, key)  # then also over tg, which divides t
-        is_actor = role is Role.ActorRollout
-        layouts[role] = _actor_layout(config, world // t, t) if is_actor else LayoutShape(dp=world // t, t=t, tg=1)
+        if role is Role.ActorRollout:
+            layouts[role] = _actor_layout(config, world // t, t)
+        elif role is Role.Rollout:
+            _splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
+            layouts[role] = _rollout_layout(config, world, placement.role_pool[role])
+        else:
+            layouts[role] = LayoutShape(dp=world // t, t=t, tg=1)
     return layouts
 
 

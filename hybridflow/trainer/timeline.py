@@ -29,6 +29,8 @@ STAGE_OF_METHOD = {
     "compute_rm_score": "rm",
     "update_critic": "update_critic",
     "update_actor": "update_actor",
+    "send_weights": "weight_transfer",  # asynchronous modes: the actor's pool sends, the rollout's receives
+    "receive_weights": "weight_transfer",
 }
 
 # how the progress display names a stage (the timeline and the timing_s/* metrics use the keys)
@@ -38,6 +40,7 @@ STAGE_LABELS = {
     "update_critic": "critic update",
     "validate": "validation",
     "save_checkpoint": "checkpoint",
+    "weight_transfer": "weight transfer",
 }
 
 
@@ -68,6 +71,14 @@ class StepTimeline:
             finally:
                 if on_driver:
                     self._add("driver", name, -1, start, time.time())
+
+    def absorb(self, other: StepTimeline) -> None:
+        """Take the spans of ``other`` (the driver's work for another step that ran during this one, e.g. the
+        next batch's reward scoring in asynchronous training), re-timed from this step's start."""
+        shift = other.start - self.start
+        for span in other.spans:
+            self.spans.append(Span(self.step, span.lane, span.stage, span.rank, span.start + shift, span.end + shift))
+        other.spans = []
 
     def collect(self, groups: RoleGroups) -> None:
         """Take the spans every pool's workers recorded since the last take."""

@@ -1,9 +1,12 @@
-"""The hybrid actor: trains with FSDP2 and generates in the same process, on the same devices.
+"""The actor: ``ActorWorker`` trains with FSDP2 (and tensor parallelism); ``ActorRolloutWorker``, the hybrid
+actor, also generates in the same process, on the same devices.
 
 Two layouts over the same ranks (hybrid_engine/layout.py): training (dp, t) and generation in groups
 of tg. ``generate_sequences`` splits prompts over the generation groups and collects one rank of
 each; ``compute_log_prob`` / ``update_actor`` split rows over the training dp ranks. The driver sees
-neither: dispatch reads the meshes each rank declares.
+neither: dispatch reads the meshes each rank declares. Where the rollout role generates on a pool of
+its own (asynchronous modes, workers/rollout.py), the actor is an ``ActorWorker`` and sends it its
+new weights (``send_weights``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.batch_keys import GLOBAL_STEP, METRICS, SAMPLING, SAMPLING_ROUND
+from hybridflow.batch_keys import GLOBAL_STEP, METRICS
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
@@ -22,23 +25,24 @@ from hybridflow.engine.policy import PolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.hybrid_engine.pool_transfer import TransferAddress, TransferReport, host_transfer_store, send_weights
+from hybridflow.hybrid_engine.transfer_plan import ParamSpec, transfer_params
+from hybridflow.hybrid_engine.transfer_setup import TransferSetup
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.build import build_rollout
-from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.run_files import ACTOR_STATE, HF_FILES
-from hybridflow.tools import load_tools
 from hybridflow.workers.config import ActorRolloutRefConfig
+from hybridflow.workers.generation import build_generator, call_sampling
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
 
 TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
 GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences splits prompts over its dp
 
 
-class ActorRolloutWorker(Worker):
-    """model_path: the policy's model directory; layout: the actor's (dp, t, tg) over this group's ranks;
-    tool_config, default_agent: the multi-turn files as absolute paths (all from the run plan)."""
+class ActorWorker(Worker):
+    """The actor that trains. model_path: the policy's model directory; layout: the actor's (dp, t) over this
+    group's ranks (from the run plan)."""
 
     def __init__(
         self,
@@ -46,8 +50,6 @@ class ActorRolloutWorker(Worker):
         config: ActorRolloutRefConfig,
         model_path: str,
         layout: LayoutShape,
-        tool_config: str,
-        default_agent: str,
         total_training_steps: int,
         seed: int,
     ):
@@ -56,11 +58,10 @@ class ActorRolloutWorker(Worker):
         self.seed = seed
         self.tokenizer = load_tokenizer(model_path)
         # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
-        # generation: groups of tg ranks split each layer and see the same prompts
+        # generation (the hybrid actor's): groups of tg ranks split each layer and see the same prompts
         self.layouts = ActorLayouts.build(self.device, layout)
         mesh = self.layouts.training
         self.register_dispatch_mesh(TRAIN_MESH, mesh)
-        self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
         self.dp_size = mesh["dp"].size()
         trained = build_trainable(
             load_causal_lm,
@@ -74,48 +75,36 @@ class ActorRolloutWorker(Worker):
             mesh,
         )
         self.actor = PolicyEngine(trained, config.actor, dp_group=mesh["dp"].get_group())
-        generation_dtype = parse_dtype(config.rollout.dtype, self.device)
-        generator = load_causal_lm(model_path, dtype=generation_dtype).to(self.device)
-        tools = load_tools(tool_config) if config.rollout.multi_turn.enable and tool_config else None
-        self.rollout = build_rollout(
-            generator,
-            self.tokenizer,
-            config.rollout,
-            self.layouts.generation_group,
-            tools=tools,
-            default_agent=default_agent,
-        )
-        del generator  # the rollout keeps its own copy (1/tg of the weights)
-        self.hybrid = HybridEngine(
-            trained,
-            self.rollout,
-            self.device,
-            param_offload=config.actor.param_offload,
-            optimizer_offload=config.actor.optimizer_offload,
-            dtype=generation_dtype,
-            shape=layout,
-            gather_group=self.layouts.gather_group,
-        )
+        self.generation_dtype = parse_dtype(config.rollout.dtype, self.device)  # what generation weights are in
 
-    def _sampling(self, meta_info: dict) -> SamplingParams:
-        """The call's settings: training (rollout.*), validation (rollout.val_kwargs) or greedy (ReMax's baseline)."""
-        cfg = self.config.rollout
-        # the generation group's index (its ranks sample alike); dynamic sampling's round r of a step samples
-        # as groups r·G .. r·G+G-1 would: seeds stay distinct
-        groups = self.generation_coord.dp_size
-        rank = self.generation_coord.dp_rank + int(meta_info.get(SAMPLING_ROUND, 0)) * groups
-        seed = cfg.sampling_seed(step=int(meta_info[GLOBAL_STEP]), rank=rank)
-        sampling = meta_info[SAMPLING]
-        if sampling == "greedy":
-            return SamplingParams.greedy(max_new_tokens=cfg.response_length, seed=seed)
-        source = cfg.val_kwargs if sampling == "validate" else cfg
-        return SamplingParams.from_config(source, max_new_tokens=cfg.response_length, seed=seed)
+    # ---- the weight transfer to a rollout role on its own pool (asynchronous modes) ----------------
 
-    @register(dispatch_mode=mesh_compute_proto(GENERATE_MESH))
-    def generate_sequences(self, prompts: DataProto) -> DataProto:
-        """Switch to generation, generate, switch back (see HybridEngine); the switch's metrics in the output.
-        Every rank of a generation group gets the same prompts; one of them is collected."""
-        return self.hybrid.generate(prompts, self._sampling(prompts.meta_info))
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def transfer_endpoint(self) -> TransferAddress | None:
+        """Rank 0 hosts the rendezvous of the group spanning both pools; its address (None elsewhere)."""
+        if self.rank != 0:
+            return None
+        self.transfer_store, address = host_transfer_store()
+        return address
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def transfer_params(self) -> list[ParamSpec]:
+        """The weights a transfer moves: names, full shapes, split dimensions (the same on every rank)."""
+        return transfer_params(self.actor.model)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def join_weight_transfer(self, setup: TransferSetup) -> None:
+        self.transfer_plan = setup.plan(self.generation_dtype)
+        store = getattr(self, "transfer_store", None)  # rank 0's
+        self.transfer = setup.join(actor_side=True, rank=self.rank, device=self.device, store=store)
+        self.transfer_timeout = setup.timeout_s
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def send_weights(self) -> TransferReport:
+        """Send this rank's slices of the current weights to the rollout's ranks (every rank takes part)."""
+        return send_weights(
+            self.actor.model, self.generation_dtype, self.transfer_plan, self.transfer, timeout=self.transfer_timeout
+        )
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -157,3 +146,51 @@ class ActorRolloutWorker(Worker):
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
         metrics["perf/worker_rss_gb"] = resident_gb()  # what the process holds between steps (mean over ranks)
         return output
+
+
+class ActorRolloutWorker(ActorWorker):
+    """The hybrid actor: trains, and generates on the same ranks (HybridEngine switches the weights).
+    tool_config, default_agent: the multi-turn files as absolute paths (from the run plan)."""
+
+    def __init__(
+        self,
+        *,
+        config: ActorRolloutRefConfig,
+        model_path: str,
+        layout: LayoutShape,
+        tool_config: str,
+        default_agent: str,
+        total_training_steps: int,
+        seed: int,
+    ):
+        super().__init__(
+            config=config, model_path=model_path, layout=layout, total_training_steps=total_training_steps, seed=seed
+        )
+        self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
+        self.rollout = build_generator(
+            model_path,
+            self.tokenizer,
+            config.rollout,
+            dtype=self.generation_dtype,
+            device=self.device,
+            group=self.layouts.generation_group,
+            tool_config=tool_config,
+            default_agent=default_agent,
+        )
+        self.hybrid = HybridEngine(
+            self.actor.trained,
+            self.rollout,
+            self.device,
+            param_offload=config.actor.param_offload,
+            optimizer_offload=config.actor.optimizer_offload,
+            dtype=self.generation_dtype,
+            shape=layout,
+            gather_group=self.layouts.gather_group,
+        )
+
+    @register(dispatch_mode=mesh_compute_proto(GENERATE_MESH))
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Switch to generation, generate, switch back (see HybridEngine); the switch's metrics in the output.
+        Every rank of a generation group gets the same prompts; one of them is collected."""
+        sampling = call_sampling(self.config.rollout, prompts.meta_info, self.generation_coord)
+        return self.hybrid.generate(prompts, sampling)

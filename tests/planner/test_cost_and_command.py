@@ -108,3 +108,53 @@ def test_hybridflow_plan_writes_a_config_that_train_accepts(arithmetic_files, tm
 def test_plan_refuses_an_unknown_cluster(capsys):
     assert cli(["plan", "--cluster", "tpu-v9"]) == 2
     assert "no such preset" in capsys.readouterr().err
+
+
+def test_one_step_off_overlaps_generation_with_the_rest_of_the_step_by_hand():
+    from hybridflow.planner.cost import stage_seconds, transfer_seconds
+    from hybridflow.planner.search import evaluate_set, step_plan
+
+    work = WORK.in_mode("one_step_off")
+    assert work.rollout_apart and set(work.models) == {Role.ActorRollout, Role.Rollout}
+    actor = evaluate_set(work, CLUSTER, {Role.ActorRollout: ONE})
+    rollout = evaluate_set(work, CLUSTER, {Role.Rollout: ONE})
+    assert "gen" not in actor.stage_seconds  # the actor only trains
+    generation = generation_seconds(SHAPE, ONE, work, CLUSTER)
+    assert rollout.stage_seconds == {"gen": generation, "weight_transfer": transfer_seconds(SHAPE, ONE, CLUSTER)}
+    # the rollout rank receives the whole bf16 model (tg = 1) over the link
+    assert transfer_seconds(SHAPE, ONE, CLUSTER) == pytest.approx(2 * SHAPE.params / 50)
+    # tg = 2: half of the decoder, the embedding whole
+    assert transfer_seconds(SHAPE, LayoutShape(dp=1, t=2, tg=2), CLUSTER) == pytest.approx(
+        (2 * SHAPE.layer_params / 2 + 2 * 80) / 50
+    )
+    training = stage_seconds(Role.ActorRollout, SHAPE, ONE, work, CLUSTER)
+    plan = step_plan([actor, rollout], overlapped=True)
+    expected = max(generation, training["old_log_prob"] + training["update_actor"]) + 2 * SHAPE.params / 50
+    assert plan.overlapped and plan.seconds == pytest.approx(expected)
+    # the rollout's devices hold only the generation copy and its KV cache
+    held, kv = memory_bytes(Role.Rollout, SHAPE, ONE, work)
+    assert held == pytest.approx(2 * SHAPE.params) and kv == pytest.approx(4 * 4 * SHAPE.kv_bytes_per_token())
+    assert WORK.in_mode("sync") == WORK and not step_plan([actor], overlapped=False).overlapped
+
+
+def test_plan_of_a_one_step_off_config_keeps_the_rollout_apart_and_says_whether_it_pays(
+    arithmetic_files, tmp_path, capsys
+):
+    train, _ = arithmetic_files
+    settings = [
+        f"data.train_files=[{train}]",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.async_training.mode=one_step_off",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]  # the placement is the plan's (all_colocate, the default, could not overlap anything)
+    out = tmp_path / "plan.yaml"
+    assert cli(["plan", "--cluster", "cpu", "--out", str(out), *settings]) == 0
+    printed = capsys.readouterr().out
+    assert "one step off policy (trainer.async_training.mode=one_step_off)" in printed
+    assert ("does not pay here" in printed) != (" pays here" in printed)
+    written = OmegaConf.to_container(OmegaConf.load(out))
+    trainer = written["trainer"]
+    assert trainer["async_training"]["mode"] == "one_step_off"
+    assert trainer["role_pool"]["rollout"] != trainer["role_pool"]["actor_rollout"]  # never on the actor's devices
+    check_config(load_config(settings, out))  # trainable as written

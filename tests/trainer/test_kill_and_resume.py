@@ -1,4 +1,6 @@
-"""A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped."""
+"""A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
+synchronous, and one-step-off (killed after the batch of step 3 was generated, while step 3 trains on it and
+the rollout's pool generates the batch of step 4)."""
 
 import json
 import os
@@ -7,9 +9,21 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from hybridflow.data.tasks import write_task
 
-MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
+# wall-clock times, throughput, MFU and memory: not reproducible
+MEASUREMENTS = ("timing_s/", "perf/", "transfer/seconds", "async/trainer_wait_s", "async/rollout_idle_s")
+MODES = {
+    "sync": [],
+    "one_step_off": [
+        "trainer.async_training.mode=one_step_off",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=1",
+    ],
+}
 
 # The arithmetic score, as every run gets it. With $PAUSE_DIR set, the scoring of step 3 (the
 # driver scores each sample in turn: once before training, checking that the function scores the
@@ -33,7 +47,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def args(files, run_dir) -> list[str]:
+def args(files, run_dir, mode: str) -> list[str]:
     train, test = files
     reward = run_dir.parent / "reward.py"
     reward.write_text(REWARD)
@@ -51,6 +65,7 @@ def args(files, run_dir) -> list[str]:
         "trainer.val_before_train=false",
         "trainer.logger=[jsonl]",
         f"trainer.default_local_dir={run_dir}",
+        *MODES[mode],
     ]
 
 
@@ -74,19 +89,20 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(MEASUREMENTS)}
 
 
-def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path, mode):
     data = tmp_path / "data"
     write_task("arithmetic", data, train=8, test=4, seed=0)
     files = (data / "train.parquet", data / "test.parquet")
 
     reference_dir = tmp_path / "reference"
-    reference = train(args(files, reference_dir))
+    reference = train(args(files, reference_dir, mode))
     assert reference.wait(timeout=300) == 0, reference.stderr.read().decode()[-3000:]
 
     run_dir = tmp_path / "interrupted"
     gate = tmp_path / "gate"
     gate.mkdir()
-    victim = train(args(files, run_dir), pause_dir=gate)
+    victim = train(args(files, run_dir, mode), pause_dir=gate)
     deadline = time.time() + 240
     while not (gate / "paused").exists():  # step 3 (the first of the second epoch) is scoring its samples
         assert time.time() < deadline and victim.poll() is None, "the run ended before step 3 scored"
@@ -96,7 +112,7 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path
     victim.wait()
     assert 3 not in records(run_dir), "the kill came too late to interrupt step 3"
 
-    resumed = train(args(files, run_dir))  # resume_mode=auto
+    resumed = train(args(files, run_dir, mode))  # resume_mode=auto
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
 
     expected, got = records(reference_dir), records(run_dir)

@@ -53,6 +53,15 @@ BACKENDS = {
         "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
         "actor_rollout_ref.rollout.vllm.block_size=32",
     ],
+    # the agent loops on the rollout role's own pool, one step off policy (docs/async.md): each batch trains
+    # one policy version late, and this run needed a few more steps to learn (10 steps reached 0.21)
+    "native_one_step_off": [
+        "trainer.total_training_steps=14",
+        "trainer.async_training.mode=one_step_off",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=1",
+    ],
 }
 
 
@@ -85,7 +94,7 @@ def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(arithmetic_
     run(config)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in records]
-    assert len(scores) == 10
+    assert len(scores) == (14 if "one_step_off" in backend else 10)
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.15 and last > first + 0.4, scores
     step = records[-1]

@@ -18,6 +18,14 @@ from hybridflow.trainer.run_plan import make_run_plan, on_policy_update
             ["reward_model.enable=true", "reward_model.model.path=tiny-llama", "algorithm.adv_estimator=gae"],
             [Role.ActorRollout, Role.Critic, Role.RewardModel],
         ),
+        (
+            [
+                "trainer.async_training.mode=one_step_off",
+                "trainer.placement=group_colocate",
+                "algorithm.rollout_correction.rollout_is=token",
+            ],
+            [Role.ActorRollout, Role.Rollout],
+        ),
     ],
 )
 def test_needed_roles(overrides, roles):
@@ -25,7 +33,7 @@ def test_needed_roles(overrides, roles):
 
 
 def test_role_names_are_the_group_names():
-    assert [str(role) for role in Role] == ["actor_rollout", "ref", "critic", "reward_model"]
+    assert [str(role) for role in Role] == ["actor_rollout", "ref", "critic", "reward_model", "rollout"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,68 @@
+"""The driver's side of the weight transfer between the actor's pool and the rollout's (asynchronous modes).
+
+The workers move the weights themselves, over a process group that spans both pools
+(hybrid_engine/pool_transfer.py); the driver only starts both sides of each step at once and reads what
+they report. Nothing of the weights passes through the driver or the disk.
+"""
+
+from __future__ import annotations
+
+from hybridflow.controller import RayWorkerGroup
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.hybrid_engine.transfer_setup import TransferSetup
+
+
+class WeightLink:
+    """The actor group's ranks and the rollout group's, joined by one transfer group (``connect``, once);
+    ``send`` moves the actor's current weights to every rollout rank."""
+
+    def __init__(
+        self,
+        actor: RayWorkerGroup,
+        rollout: RayWorkerGroup,
+        *,
+        actor_layout: LayoutShape,
+        rollout_layout: LayoutShape,
+        bucket_mb: float,
+        timeout_s: float,
+    ):
+        self.actor = actor
+        self.rollout = rollout
+        self.layouts = actor_layout, rollout_layout
+        self.bucket_bytes = max(1, int(bucket_mb * 2**20))
+        self.timeout_s = timeout_s
+        self.connected = False
+
+    def connect(self) -> None:
+        """Both groups join the transfer group, whose rendezvous the actor's rank 0 hosts. Every rank makes
+        the plan of each transfer (which rank sends which slice to which) from the same ``TransferSetup``,
+        so both sides agree without exchanging it."""
+        if self.connected:
+            return
+        setup = TransferSetup(
+            address=self.actor.transfer_endpoint()[0],
+            actor=self.layouts[0],
+            rollout=self.layouts[1],
+            params=tuple(self.actor.transfer_params()[0]),
+            bucket_bytes=self.bucket_bytes,
+            timeout_s=self.timeout_s,
+        )
+        on_actor = self.actor.join_weight_transfer.future(setup)
+        self.rollout.join_weight_transfer(setup)
+        on_actor.get()
+        self.connected = True
+
+    def send(self, version: int) -> dict[str, float]:
+        """Move the actor's weights (those after step ``version``) to the rollout's ranks; the transfer's
+        metrics: MB the busiest rollout rank received and what the formula says it must, MB the busiest
+        actor rank sent, seconds (the slowest rank), buckets."""
+        on_actor = self.actor.send_weights.future()
+        received = self.rollout.receive_weights(version)
+        sent = on_actor.get()
+        return {
+            "transfer/mb": max(r.received for r in received) / 2**20,
+            "transfer/predicted_mb": max(r.predicted for r in received) / 2**20,
+            "transfer/sent_mb": max(s.sent for s in sent) / 2**20,
+            "transfer/seconds": max(r.seconds for r in [*received, *sent]),
+            "transfer/buckets": float(max(r.buckets for r in received)),
+        }
