@@ -77,10 +77,7 @@ class OneStepOffTrainer(RayPPOTrainer):
     def fit(self, resume_from: Path | None = None) -> dict[str, float]:
         trainer = self.config.trainer
         metrics: dict[str, float] = {}
-        if resume_from is not None:
-            self.resume(resume_from)
-        if self.global_step >= self.total_steps:
-            print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
+        if not self.steps_left(resume_from):
             return metrics
         try:
             with RunProgress(self.total_steps, start_step=self.global_step) as progress:

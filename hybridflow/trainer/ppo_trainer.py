@@ -120,10 +120,7 @@ class RayPPOTrainer:
         """Train to ``total_steps``, first resuming from ``resume_from`` (a verified checkpoint) if given."""
         trainer = self.config.trainer
         metrics: dict[str, float] = {}
-        if resume_from is not None:
-            self.resume(resume_from)
-        if self.global_step >= self.total_steps:
-            print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
+        if not self.steps_left(resume_from):
             return metrics
         with RunProgress(self.total_steps, start_step=self.global_step) as progress:
             # step 0's timeline: validation before training, or loading a checkpoint
@@ -140,6 +137,15 @@ class RayPPOTrainer:
                 if self.end_step(metrics, progress):
                     break
         return metrics
+
+    def steps_left(self, resume_from: Path | None) -> bool:
+        """Resume from ``resume_from`` if given; whether any step is left to train."""
+        if resume_from is not None:
+            self.resume(resume_from)
+        if self.global_step >= self.total_steps:
+            print(f"nothing to train: the run is at step {self.global_step} of {self.total_steps}")
+            return False
+        return True
 
     def end_step(self, metrics: dict[str, float], progress: RunProgress) -> bool:
         """Validate and checkpoint when due, then record the step (metrics, timeline, progress); whether it was

@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from test_reshard import prompts, trained_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
+from hybridflow.batch_keys import RESPONSES
 from hybridflow.controller import (
     Dispatch,
     Execute,
@@ -44,7 +45,6 @@ from hybridflow.hybrid_engine.transfer_plan import (
 )
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.models.tensor_parallel import layer_split
-from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.parallel import TensorParallelGroup
@@ -56,22 +56,6 @@ SPLIT = layer_split("qwen2")
 FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
 BUCKET_BYTES = 32 * 1024  # the tiny model's ~450 KB in many buckets; the embedding alone in one
 TIMEOUT = 30.0  # seconds a side may wait for one bucket; a healthy transfer takes well under one
-
-
-def trained_model(path: str):
-    """The model with seeded changes, standing in for training (the rollout starts from the original)."""
-    model = load_causal_lm(path, dtype=torch.float32)
-    noise = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
-            param.add_(0.05 * torch.randn(param.shape, generator=noise))
-    return model
-
-
-def prompts() -> DataProto:
-    ids = torch.tensor([[0, 5, 9, 13, 21], [0, 0, 7, 8, 9], [3, 4, 5, 6, 7], [0, 0, 0, 40, 41]])
-    mask = (ids != 0).long()
-    return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: (mask.cumsum(1) - 1).clamp(min=0)})
 
 
 class Process(Worker):
