@@ -77,14 +77,6 @@ class TransferReport:
     buckets: int = 0
     predicted: float = 0.0  # what ``sent`` (actor) or ``received`` (rollout) must be, by the formulas
 
-    def metrics(self) -> dict[str, float]:
-        return {
-            "transfer/mb": (self.sent + self.received) / 2**20,
-            "transfer/predicted_mb": self.predicted / 2**20,
-            "transfer/seconds": self.seconds,
-            "transfer/buckets": float(self.buckets),
-        }
-
 
 @dataclass
 class TransferGroup:

@@ -40,11 +40,10 @@ PENDING_BATCH = "pending_batch.pkl"  # in a checkpoint: the batch generated for 
 
 
 class Experience:
-    """One batch being generated in the background for ``step``: its future, and what its generation
-    recorded (metrics; the driver's spans, on the copy's timeline)."""
+    """One batch being generated in the background: its future, and what its generation recorded (metrics;
+    the driver's spans, on the copy's timeline)."""
 
-    def __init__(self, step: int, future: Future[DataProto], timeline: StepTimeline, metrics: dict[str, float]):
-        self.step = step
+    def __init__(self, future: Future[DataProto], timeline: StepTimeline, metrics: dict[str, float]):
         self.future = future
         self.timeline = timeline
         self.metrics = metrics
@@ -54,7 +53,7 @@ class Experience:
         """A batch generated earlier (restored from a checkpoint)."""
         future: Future[DataProto] = Future()
         future.set_result(batch)
-        return cls(step, future, StepTimeline(step), metrics)
+        return cls(future, StepTimeline(step), metrics)
 
 
 class OneStepOffTrainer(RayPPOTrainer):
@@ -133,7 +132,7 @@ class OneStepOffTrainer(RayPPOTrainer):
         ahead = copy.copy(self)  # the trainer one step ahead: its own step and timeline, everything else shared
         ahead.global_step, ahead.timeline, metrics = step, StepTimeline(step), {}
         future = self.generating.submit(ahead.experience, prompts, metrics)
-        return Experience(step, future, ahead.timeline, metrics)
+        return Experience(future, ahead.timeline, metrics)
 
     def finish_generation(self, metrics: dict[str, float]) -> None:
         """Wait for the next step's batch (the trainer's wait: how much longer generation took than the
