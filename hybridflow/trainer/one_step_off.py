@@ -23,9 +23,11 @@ dynamic sampling, ReMax's baseline) overlap the training stages like the workers
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pickle
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -103,12 +105,26 @@ class OneStepOffTrainer(RayPPOTrainer):
                     if self.end_step(metrics, progress):
                         break
         except BaseException:
-            # a worker failed (or the user stopped the run): generation stops with it, unwaited; leaving
-            # the Ray session (trainer/main.py) ends every pool's processes, the generating call with them
-            self.generating.shutdown(wait=False, cancel_futures=True)
+            self.stop_generation()  # a worker failed (or the user stopped the run): generation stops with it
             raise
         self.generating.shutdown(wait=True)
         return metrics
+
+    def stop_generation(self, timeout_s: float = 60.0) -> None:
+        """End the generation running in the background before the Ray session ends: every pool's processes
+        are killed, so the thread's waiting call returns with their error, and the thread is joined. A
+        thread left inside a Ray call while the session shuts down can take the driver's whole process with
+        it (seen once: the next test's cluster start ended pytest with exit 1 and no report)."""
+        self.generating.shutdown(wait=False, cancel_futures=True)
+        if self.pending is not None and not self.pending.future.done():  # the one batch that can be running
+            for group in self.groups.by_pool().values():
+                with contextlib.suppress(Exception):  # already dead, or Ray already gone
+                    group.kill()
+            done, _ = futures.wait([self.pending.future], timeout=timeout_s)
+            if not done:
+                print(f"warning: the background generation did not stop within {timeout_s:.0f} s of its pools' end")
+                return
+        self.generating.shutdown(wait=True)  # its thread ends after the last item
 
     def next_batch(self) -> tuple[DataProto | None, dict[str, float]]:
         """The batch of step global_step + 1 and its generation's metrics: generated during the last step,

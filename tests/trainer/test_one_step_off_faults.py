@@ -1,6 +1,9 @@
 """One-step-off when a pool dies: the driver names the dead worker (group, rank, method) like any other, a
-failing actor stops the generation running beside it, and no process of either pool is left."""
+failing actor stops the generation running beside it, and no process of either pool, nor the driver's
+generating thread, is left."""
 
+import threading
+import time
 import uuid
 
 import pytest
@@ -51,3 +54,9 @@ def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
     assert (error.group, error.method, error.rank) == (group, method, 0)
     assert "died" in str(error) or "ActorDiedError" in str(error) or "RayActorError" in str(error)
     assert worker_processes(tag) == set()  # both pools' processes are gone
+    # and the driver's background generation with them: a thread still inside a Ray call when the session
+    # ends makes its next call start a new cluster (Ray's auto-init) whose processes die with that thread,
+    # and the next run in this process, finding Ray started, uses it and is ended by Ray 60 s later
+    time.sleep(1)
+    assert [t.name for t in threading.enumerate() if t.name.startswith("generate-ahead")] == []
+    assert not ray.is_initialized()
