@@ -8,7 +8,7 @@ from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT
 from hybridflow.controller import RoleSpec, start_ray
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
-from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
@@ -39,6 +39,19 @@ def fp32_actor_config(path: str, lr: float, *extra: str):
             *extra,
         ]
     ).actor_rollout_ref
+
+
+@pytest.fixture(scope="session")
+def reward_model_dir(tmp_path_factory):
+    """tiny-llama as a reward model with a random scoring head (the loader zeroes a head the checkpoint
+    lacks, which would score every conversation 0): one that tells conversations apart."""
+    directory = tmp_path_factory.mktemp("rm")
+    torch.manual_seed(1)
+    model = load_reward_model("tiny-llama")
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.save_pretrained(directory)
+    load_tokenizer("tiny-llama").save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="session")

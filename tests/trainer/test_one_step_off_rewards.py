@@ -4,12 +4,10 @@ of its own (tiny-llama, one rank per pool)."""
 
 import json
 
-import torch
 from test_batch_shaping_e2e import HALF_INFORMATIVE_REWARD
 from test_one_step_off_e2e import overrides, records
 from test_train_e2e import assert_all_finite
 
-from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.trainer import main as train_main
 from hybridflow.trainer.checkpoint import read_trainer_state
 from hybridflow.trainer.config import load_config
@@ -19,22 +17,25 @@ ONE_STEP_OFF = ["trainer.async_training.mode=one_step_off", "trainer.placement=g
 ZERO_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 
 
+def run_three_steps(arithmetic_files, tmp_path, reward_source: str, *extra: str) -> dict[int, dict]:
+    """A one-step-off run of 3 steps with the reward ``reward_source`` defines; its records by step."""
+    reward = tmp_path / "reward_fn.py"
+    reward.write_text(reward_source)
+    settings = [f"custom_reward_function.path={reward}", "trainer.total_training_steps=3", *extra]
+    train_main.run(load_config(overrides(arithmetic_files, tmp_path, *ONE_STEP_OFF, *settings)))
+    return records(tmp_path)
+
+
 def test_dynamic_sampling_generates_its_rounds_ahead_and_the_checkpoint_counts_them(arithmetic_files, tmp_path):
-    reward = tmp_path / "half.py"
-    reward.write_text(HALF_INFORMATIVE_REWARD)
-    config = overrides(
+    steps = run_three_steps(
         arithmetic_files,
         tmp_path,
-        *ONE_STEP_OFF,
-        f"custom_reward_function.path={reward}",
+        HALF_INFORMATIVE_REWARD,
         "algorithm.filter_groups.enable=true",
         "algorithm.filter_groups.max_num_gen_batches=3",
-        "trainer.total_training_steps=3",
         "trainer.save_freq=1",
         "trainer.val_before_train=false",
     )
-    train_main.run(load_config(config))
-    steps = records(tmp_path)
     assert sorted(steps) == [1, 2, 3]
     assert_all_finite(steps.values())
     groups = 4  # data.train_batch_size
@@ -53,31 +54,15 @@ def test_dynamic_sampling_generates_its_rounds_ahead_and_the_checkpoint_counts_t
     assert read_trainer_state(checkpoint)["data_loader"]["position"] == sum(rounds)
 
 
-def reward_model_with_a_head(directory):
-    """tiny-llama with a random scoring head (the loader zeroes a head the checkpoint lacks: scores all 0)."""
-    torch.manual_seed(1)
-    model = load_reward_model("tiny-llama")
-    torch.nn.init.normal_(model.score.weight, std=1.0)
-    model.save_pretrained(directory)
-    load_tokenizer("tiny-llama").save_pretrained(directory)
-    return directory
-
-
-def test_a_reward_model_on_its_own_pool_gives_the_rewards(arithmetic_files, tmp_path):
-    reward = tmp_path / "zero.py"
-    reward.write_text(ZERO_REWARD)
-    config = overrides(
+def test_a_reward_model_on_its_own_pool_gives_the_rewards(arithmetic_files, tmp_path, reward_model_dir):
+    steps = run_three_steps(
         arithmetic_files,
         tmp_path,
-        *ONE_STEP_OFF,
-        f"custom_reward_function.path={reward}",  # 0 for every sample: the rewards are the reward model's
+        ZERO_REWARD,  # 0 for every sample: the rewards are the reward model's
         "reward_model.enable=true",
-        f"reward_model.model.path={reward_model_with_a_head(tmp_path / 'rm')}",
-        "trainer.total_training_steps=3",
+        f"reward_model.model.path={reward_model_dir}",
         "trainer.val_before_train=false",
     )
-    train_main.run(load_config(config))
-    steps = records(tmp_path)
     assert_all_finite(steps.values())
     for record in steps.values():
         assert record["critic/score/max"] > record["critic/score/min"]  # the reward model's scores differ

@@ -18,17 +18,6 @@ def test_last_token_scores_by_hand():
     assert last_token_scores(torch.tensor([2.0, -1.0, 5.0]), mask).tolist() == [[0, 2.0, 0], [0, 0, -1.0], [0, 0, 0]]
 
 
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("rm")
-    torch.manual_seed(1)
-    model = load_reward_model("tiny-llama")
-    torch.nn.init.normal_(model.score.weight, std=1.0)  # a head that tells conversations apart
-    model.save_pretrained(directory)
-    load_tokenizer("tiny-llama").save_pretrained(directory)
-    return directory
-
-
 def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
     started = start_ray(num_cpus=8)
     policy_path = str(resolve_model_path("tiny-llama"))
