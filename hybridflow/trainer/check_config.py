@@ -127,13 +127,15 @@ def _check_multi_turn(cfg: HybridFlowConfig, plan: RunPlan) -> None:
 def _check_async(cfg: HybridFlowConfig) -> None:
     """An asynchronous mode trains each batch after the policy that generated it changed: the loss must
     correct for that (the decoupled objective, or the rollout's log-probs as PPO's old policy)."""
-    mode = cfg.trainer.async_training.mode
-    rollout = cfg.actor_rollout_ref.rollout
+    settings = cfg.trainer.async_training
+    mode, rollout = settings.mode, cfg.actor_rollout_ref.rollout
+    lags = mode == "one_step_off" or (mode == "fully_async" and settings.max_staleness > 0)
     _check(
-        mode == "sync" or cfg.algorithm.rollout_correction.enabled or rollout.old_log_prob_source == "rollout",
+        not lags or cfg.algorithm.rollout_correction.enabled or rollout.old_log_prob_source == "rollout",
         "trainer.async_training.mode",
-        f"{mode} trains each batch one policy version after the one that generated it, and nothing corrects for "
-        "that: the rollout correction is off and PPO's old log-probs are the trainer's",
+        f"{mode} trains batches after the policy that generated them changed (one_step_off: one version; "
+        f"fully_async: up to max_staleness={settings.max_staleness}), and nothing corrects for that: the rollout "
+        "correction is off and PPO's old log-probs are the trainer's",
         "set algorithm.rollout_correction.rollout_is=token (the decoupled objective: importance weights between "
         "the trainer's and the rollout's log-probs, truncated) or actor_rollout_ref.rollout.old_log_prob_source="
         "rollout",

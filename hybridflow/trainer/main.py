@@ -21,6 +21,7 @@ from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.config_help import key_help
+from hybridflow.trainer.fully_async import FullyAsyncTrainer
 from hybridflow.trainer.one_step_off import OneStepOffTrainer
 from hybridflow.trainer.placement import build_groups
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
@@ -136,7 +137,9 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
             check_cluster(config, placement)
         groups = build_role_groups(config, plan, total_steps)
         tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
-        loop = OneStepOffTrainer if config.trainer.async_training.mode == "one_step_off" else RayPPOTrainer
+        loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
+            config.trainer.async_training.mode, RayPPOTrainer
+        )
         trainer = loop(
             config,
             plan,

@@ -36,7 +36,7 @@ from hybridflow.run_files import TIMELINE_FILE
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.timeline import StepTimeline
-from hybridflow.trainer.weight_link import WeightLink
+from hybridflow.trainer.weight_link import link_actor_to_rollout
 
 PENDING_BATCH = "pending_batch.pkl"  # in a checkpoint: the batch generated for the step after it
 
@@ -61,15 +61,7 @@ class Experience:
 class OneStepOffTrainer(RayPPOTrainer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        settings = self.config.trainer.async_training
-        self.link = WeightLink(
-            self.groups.actor_rollout,
-            self.groups.rollout,
-            actor_layout=self.plan.actor_layout,
-            rollout_layout=self.plan.generation_layout,
-            bucket_mb=settings.transfer_bucket_mb,
-            timeout_s=settings.transfer_timeout_s,
-        )
+        self.link = link_actor_to_rollout(self.groups, self.plan, self.config.trainer.async_training)
         self.generating = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")
         self.pending: Experience | None = None  # the next step's batch: being generated, done, or restored
 
@@ -87,7 +79,7 @@ class OneStepOffTrainer(RayPPOTrainer):
                 self.transfer_weights({})  # the rollout starts from the actor's weights (those of a checkpoint)
                 if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
                     self.tracking.log(self.validate(), step=0)
-                self.timeline.collect(self.groups)
+                self.collect_spans()
                 if self.global_step == 0:
                     self.timeline.append_to(self.run_dir / TIMELINE_FILE)
                 while True:
@@ -160,7 +152,7 @@ class OneStepOffTrainer(RayPPOTrainer):
             self.pending.future.result()  # a worker's error surfaces here, named
         metrics["async/trainer_wait_s"] = time.time() - start
         self.timeline.absorb(self.pending.timeline)
-        self.timeline.collect(self.groups)  # the generation's spans so far: how long the rollout's ranks were busy
+        self.collect_spans()  # the generation's spans so far: how long the rollout's ranks were busy
         busy = self.timeline.stage_seconds().get("gen", 0.0)
         metrics["async/rollout_idle_s"] = max(0.0, time.time() - self.timeline.start - busy)
 

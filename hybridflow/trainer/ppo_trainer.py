@@ -127,7 +127,7 @@ class RayPPOTrainer:
             self.timeline = StepTimeline(0, progress)
             if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
                 self.tracking.log(self.validate(), step=0)
-            self.timeline.collect(self.groups)
+            self.collect_spans()
             if self.global_step == 0:
                 self.timeline.append_to(self.run_dir / TIMELINE_FILE)
             for prompts in self.batches:
@@ -160,11 +160,15 @@ class RayPPOTrainer:
             with self.timeline.stage("save_checkpoint", on_driver=True):
                 self.save_checkpoint()
             metrics["timing_s/save_checkpoint"] = self.timeline.stage_seconds()["save_checkpoint"]
-        self.timeline.collect(self.groups)
+        self.collect_spans()
         self.timeline.append_to(self.run_dir / TIMELINE_FILE)
         self.tracking.log(metrics, step=self.global_step)
         progress.step_done(self.global_step, metrics)
         return last
+
+    def collect_spans(self) -> None:
+        """Take the spans the workers of every pool recorded since the last take into the step's timeline."""
+        self.timeline.collect(self.groups)
 
     def train_batches(self) -> Iterator[DataProto]:
         while self.train_loader.state_dict()["epoch"] < self.config.trainer.total_epochs:
@@ -185,10 +189,14 @@ class RayPPOTrainer:
 
         state = {
             "global_step": self.global_step,
-            "data_loader": self.train_loader.state_dict(),
+            "data_loader": self.loader_state(),
             "kl_coef": self.kl_ctrl.value,
         }
         return self.checkpoints.save(self.global_step, write_roles, state)
+
+    def loader_state(self) -> dict:
+        """Where the data loader stands, for a checkpoint."""
+        return self.train_loader.state_dict()
 
     def resume(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)  # before the workers load: a bad one fails here, not in them
@@ -238,7 +246,7 @@ class RayPPOTrainer:
     def step_metrics(self, batch: DataProto, metrics: dict[str, float]) -> None:
         """What the step's data and timeline say, at its end: lengths, scores, agent turns, each stage's
         seconds and the throughput."""
-        self.timeline.collect(self.groups)
+        self.collect_spans()
         timings = self.timeline.stage_seconds() | {"step": time.time() - self.timeline.start}
         metrics.update(data_metrics(batch, self.config.actor_rollout_ref.rollout.response_length))
         metrics.update(agent_metrics(batch))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 from hybridflow.run_files import Span, append_spans
@@ -80,9 +80,11 @@ class StepTimeline:
             self.spans.append(Span(self.step, span.lane, span.stage, span.rank, span.start + shift, span.end + shift))
         other.spans = []
 
-    def collect(self, groups: RoleGroups) -> None:
-        """Take the spans every pool's workers recorded since the last take."""
+    def collect(self, groups: RoleGroups, pools: Collection[str] | None = None) -> None:
+        """Take the spans every pool's workers (or those of ``pools``) recorded since the last take."""
         for pool, group in groups.by_pool().items():
+            if pools is not None and pool not in pools:
+                continue
             for rank, spans in enumerate(group.take_spans()):
                 for _role, method, start, end in spans:
                     self._add(pool, STAGE_OF_METHOD.get(method, method), rank, start, end)

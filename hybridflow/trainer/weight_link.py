@@ -10,6 +10,9 @@ from __future__ import annotations
 from hybridflow.controller import RayWorkerGroup
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.transfer_setup import TransferSetup
+from hybridflow.trainer.config import AsyncTrainingConfig
+from hybridflow.trainer.roles import RoleGroups
+from hybridflow.trainer.run_plan import RunPlan
 
 
 class WeightLink:
@@ -66,3 +69,15 @@ class WeightLink:
             "transfer/seconds": max(r.seconds for r in [*received, *sent]),
             "transfer/buckets": float(max(r.buckets for r in received)),
         }
+
+
+def link_actor_to_rollout(groups: RoleGroups, plan: RunPlan, settings: AsyncTrainingConfig) -> WeightLink:
+    """The link of an asynchronous run: the actor's training layout to the rollout's generation layout."""
+    return WeightLink(
+        groups.actor_rollout,
+        groups.rollout,
+        actor_layout=plan.actor_layout,
+        rollout_layout=plan.generation_layout,
+        bucket_mb=settings.transfer_bucket_mb,
+        timeout_s=settings.transfer_timeout_s,
+    )
