@@ -1,4 +1,5 @@
-"""One step off policy against synchronous training on the same cores (run by hand, not a test).
+"""Asynchronous training (one step off policy, fully asynchronous) against synchronous training on the same cores
+(run by hand, not a test).
 
     .venv/bin/python bench/async.py demo --seeds 0 1 2                  # the demo's job, 30 steps per run
     .venv/bin/python bench/async.py calculator --tool-delay-s 1 --steps 12
@@ -13,14 +14,17 @@ Each (seed, mode) is a real `hybridflow train` run on a local Ray cluster of --w
   token`);
 - ``one_step_off_rollout_log_probs`` (not run unless named in --modes): the same schedule with the cheap
   correction, the rollout's log-probs as PPO's old policy (`rollout.old_log_prob_source=rollout`).
+- ``fully_async`` and ``fully_async_eta4`` (not run unless named in --modes): the same two pools, the rollout
+  generating continuously into a queue at most 1 (4) policy versions ahead of the trainer
+  (`trainer.async_training.max_staleness`), weights pushed every step, the decoupled objective.
 
 It prints, per mode and seed, the held-out accuracy at each validation, seconds per step (the median after
 the first), samples per second (all the run's samples over the sum of its steps' times: validation and
 checkpoints left out, the same in both modes), response tokens per second (the same, in generated tokens:
 the fairer measure where the two modes' samples differ in length) and the training time until the held-out
-accuracy first reached --target; then the ratios one_step_off / sync over the same seeds of this invocation.
-It writes results.json, results.md and each mode's Gantt chart of its median step (seed of the first run)
-into --out; --report-only summarises the runs already there again.
+accuracy first reached --target; then the ratios of each asynchronous mode to sync over the same seeds of
+this invocation. It writes results.json, results.md and each mode's Gantt chart of its median step (seed of
+the first run) into --out; --report-only summarises the runs already there again.
 
 Workloads: ``demo`` (examples/grpo_arithmetic_smollm2.yaml: 16 prompts x 4 samples of up to 32 tokens),
 ``calculator`` (examples/grpo_calculator_smollm2.yaml, multi-turn with the calculator tool, whose every call
@@ -44,6 +48,18 @@ from hybridflow.report.timeline import draw_timeline
 from hybridflow.run_files import Span
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def fully_async(workers: int, max_staleness: int) -> list[str]:
+    return [
+        "trainer.async_training.mode=fully_async",
+        f"trainer.async_training.max_staleness={max_staleness}",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=group_colocate",
+        f"trainer.n_workers_per_node={workers // 2}",
+    ]
+
+
 MODES = {
     "sync": lambda workers: [f"trainer.n_workers_per_node={workers}"],
     "one_step_off": lambda workers: [
@@ -59,6 +75,9 @@ MODES = {
         "trainer.placement=group_colocate",
         f"trainer.n_workers_per_node={workers // 2}",
     ],
+    # the rollout generates continuously into a queue, at most η policy versions ahead (trainer/fully_async.py)
+    "fully_async": lambda workers: fully_async(workers, max_staleness=1),
+    "fully_async_eta4": lambda workers: fully_async(workers, max_staleness=4),
 }
 WORKLOADS = {  # name: (config file, task, held-out questions)
     "demo": ("examples/grpo_arithmetic_smollm2.yaml", "arithmetic", 100),

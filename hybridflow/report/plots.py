@@ -97,6 +97,16 @@ FIGURES = (
             Panel("why conversations ended (fraction)", ("agent/stop/*",)),
         ),
     ),
+    FigureSpec(
+        "staleness",
+        "Asynchronous training",
+        (
+            Panel("staleness (policy versions) of the trained groups", ("async/staleness/mean",), band=True),
+            Panel("fraction of groups at each staleness", ("async/staleness/frac_*",)),
+            Panel("queue: groups ready, requeued, dropped", ("async/queue_groups", "async/*_groups")),
+            Panel("waits (s)", ("async/trainer_wait_s", "async/rollouter_idle_s", "async/push_wait_s")),
+        ),
+    ),
     FigureSpec("timing", "Time per stage", stacked=True),
     FigureSpec(
         "throughput",
