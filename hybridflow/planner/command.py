@@ -26,8 +26,9 @@ FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", 
 USAGE = __doc__
 
 
-def plan_overrides(plan: Plan, cluster: ClusterSpec) -> dict:
-    """The plan as nested config keys: pools per node, each role's pool, each model's layout."""
+def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = "one_step_off") -> dict:
+    """The plan as nested config keys: pools per node, each role's pool, each model's layout; a plan with the
+    rollout apart keeps ``apart_mode`` (the config's asynchronous mode, one_step_off or fully_async)."""
     pools, role_pool = {}, {}
     actor_rollout_ref: dict = {}
     critic: dict = {}
@@ -55,7 +56,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec) -> dict:
             "device": "cpu" if cluster.name == "cpu" else "cuda",
             "resource_pool_spec": pools,
             "role_pool": role_pool,
-            "async_training": {"mode": "one_step_off" if plan.overlapped else "sync"},
+            "async_training": {"mode": apart_mode if plan.overlapped else "sync"},
         },
         "actor_rollout_ref": actor_rollout_ref,
     }
@@ -160,7 +161,10 @@ def main(args: list[str]) -> int:
         raise UserError(f"--cluster {name}: no such preset; presets: {', '.join(PRESETS)}")
     cluster = cluster_preset(name, _count(flags, "--nodes", 1))
     config_file = flags.get("--config")
-    workload = workload_from_config(load_config(overrides, config_file))
+    config = load_config(overrides, config_file)
+    workload = workload_from_config(config)
+    mode = config.trainer.async_training.mode
+    apart_mode = mode if mode != "sync" else "one_step_off"
     try:
         plans = plan_run(workload, cluster)
     except ValueError as error:
@@ -174,6 +178,6 @@ def main(args: list[str]) -> int:
     print(mode_comparison(workload, plans[0], cluster))
     out = Path(flags.get("--out", "plan.yaml"))
     base = OmegaConf.to_container(OmegaConf.load(config_file)) if config_file else {}
-    out.write_text(OmegaConf.to_yaml(OmegaConf.create(merged(base, plan_overrides(plans[0], cluster)))))
+    out.write_text(OmegaConf.to_yaml(OmegaConf.create(merged(base, plan_overrides(plans[0], cluster, apart_mode)))))
     print(f"wrote the best plan to {out}: hybridflow train --config {out} (with the same key=value settings)")
     return 0

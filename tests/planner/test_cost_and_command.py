@@ -137,15 +137,16 @@ def test_one_step_off_overlaps_generation_with_the_rest_of_the_step_by_hand():
     assert WORK.in_mode("sync") == WORK and not step_plan([actor], overlapped=False).overlapped
 
 
-def test_plan_of_a_one_step_off_config_keeps_the_rollout_apart_and_says_whether_it_pays(
-    arithmetic_files, tmp_path, capsys
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_plan_of_an_asynchronous_config_keeps_the_rollout_apart_and_says_whether_it_pays(
+    arithmetic_files, tmp_path, capsys, mode
 ):
     train, _ = arithmetic_files
     settings = [
         f"data.train_files=[{train}]",
         "data.train_batch_size=4",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "trainer.async_training.mode=one_step_off",
+        f"trainer.async_training.mode={mode}",
         "algorithm.rollout_correction.rollout_is=token",
     ]  # the placement is the plan's (all_colocate, the default, could not overlap anything)
     out = tmp_path / "plan.yaml"
@@ -155,6 +156,6 @@ def test_plan_of_a_one_step_off_config_keeps_the_rollout_apart_and_says_whether_
     assert ("does not pay here" in printed) != (" pays here" in printed)
     written = OmegaConf.to_container(OmegaConf.load(out))
     trainer = written["trainer"]
-    assert trainer["async_training"]["mode"] == "one_step_off"
+    assert trainer["async_training"]["mode"] == mode  # the config's asynchronous mode, kept
     assert trainer["role_pool"]["rollout"] != trainer["role_pool"]["actor_rollout"]  # never on the actor's devices
     check_config(load_config(settings, out))  # trainable as written

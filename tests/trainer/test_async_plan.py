@@ -96,3 +96,19 @@ def test_one_step_off_needs_a_loss_that_corrects_for_the_lag():
             ["trainer.async_training.mode=one_step_off", "actor_rollout_ref.rollout.old_log_prob_source=rollout"]
         )
     )
+
+
+def test_fully_async_needs_a_correction_unless_it_has_no_staleness():
+    base = ["trainer.async_training.mode=fully_async", "trainer.placement=group_colocate"]
+    with pytest.raises(ConfigError) as error:
+        _check_async(load_config([*base, "trainer.async_training.max_staleness=2"]))
+    assert error.value.key == "trainer.async_training.mode" and "max_staleness=2" in str(error.value)
+    _check_async(load_config([*base, "trainer.async_training.max_staleness=0"]))  # on policy: nothing to correct
+    _check_async(load_config([*base, "algorithm.rollout_correction.rollout_is=token"]))
+
+
+def test_a_push_schedule_that_would_starve_the_trainer_is_refused():
+    with pytest.raises(ConfigError) as error:
+        load_config(["trainer.async_training.max_staleness=1", "trainer.async_training.weight_push_every=3"])
+    assert error.value.key == "trainer.async_training.weight_push_every" and "wait forever" in str(error.value)
+    load_config(["trainer.async_training.max_staleness=2", "trainer.async_training.weight_push_every=3"])
