@@ -16,6 +16,10 @@ RESPONSE_MASK = "response_mask"  # (B, R) 1 on the response tokens losses train 
 GENERATED_MASK = "generated_mask"  # (B, R) 1 on generated tokens: response_mask as generation returned it
 TRUNCATED = "truncated"  # (B,) bool: the response holds no stop token (cut at the length budget)
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the generator's log-probs of the sampled tokens
+# ---- partial rollout (fully asynchronous training): a response generated across weight pushes
+PREFIX_LENGTH = "prefix_length"  # (B,) response tokens generated before this call (it continues after them)
+INTERRUPTED = "interrupted"  # (B,) bool: the call stopped before this response finished (a weight push)
+TOKEN_VERSIONS = "token_versions"  # (B, R) the weights version (trainer step) that generated each response token
 OLD_LOG_PROBS = "old_log_probs"  # (B, R) the trainer's log-probs before the update (PPO's π_old)
 ENTROPYS = "entropys"  # (B, R) the policy's entropy at each response position
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) rollout-correction importance weights for the policy loss
@@ -57,5 +61,6 @@ SAMPLING = "sampling"  # generation settings to use: one of SAMPLING_MODES
 SAMPLING_ROUND = "sampling_round"  # dynamic sampling: the step's generation round (0 first; seeds derive from it)
 OLD_POLICY = "old_policy"  # "rollout": the update uses the rollout's log-probs as the old policy (bypass mode)
 METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
+INTERRUPT_KEY = "interrupt_key"  # partial rollout: the store key whose presence stops the call (rollout/interrupt.py)
 
 SAMPLING_MODES = ("train", "validate", "greedy")

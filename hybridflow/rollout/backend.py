@@ -59,6 +59,7 @@ class RolloutBackend:
     settings: type | None = None  # dataclass of actor_rollout_ref.rollout.<name>.* (None: no settings)
     tensor_parallel: bool = False  # generates in groups of rollout.tensor_model_parallel_size > 1 ranks
     request_api: bool = False  # has Rollout.request_engine(), which multi-turn agent loops drive
+    partial_rollout: bool = False  # has Rollout.generate_partial(): pauses at a weight push, continues after it
     # raises InvalidSetting (field relative to the rollout section, e.g. "vllm.max_num_batched_tokens")
     check: Callable[[BackendCheck], None] | None = None
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,6 +43,14 @@ class Rollout(ABC):
     @abstractmethod
     def release_cache(self) -> None:
         """Free generation memory (KV cache) until the next generation."""
+
+    def generate_partial(
+        self, prompts: DataProto, params: SamplingParams, should_stop: Callable[[], bool] | None
+    ) -> DataProto:
+        """Partial rollout (a backend registered with ``partial_rollout=True``): ``generate_sequences`` that
+        also continues rows with a ``prefix_length`` and stops early when ``should_stop`` says so, marking
+        the rows cut short in an ``interrupted`` column."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause and continue generation (partial rollout)")
 
     def request_engine(self) -> RequestEngine:
         """The same engine behind the asynchronous request API of multi-turn rollout (rollout/requests.py)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 import torch
 
-from hybridflow.algorithms.advantage import AdvantageEstimator
+from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimator
 from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
 from hybridflow.models import parse_dtype
@@ -139,6 +139,46 @@ def _check_async(cfg: HybridFlowConfig) -> None:
         "set algorithm.rollout_correction.rollout_is=token (the decoupled objective: importance weights between "
         "the trainer's and the rollout's log-probs, truncated) or actor_rollout_ref.rollout.old_log_prob_source="
         "rollout",
+    )
+    if settings.partial_rollout:
+        _check_partial_rollout(cfg)
+
+
+def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
+    """Partial rollout stops a generation call mid-way and continues its samples in another: the backend must
+    be able to, on one rank per generation group, with samples whose only state is their tokens."""
+    rollout, key = cfg.actor_rollout_ref.rollout, "trainer.async_training.partial_rollout"
+    no = "set trainer.async_training.partial_rollout=false"
+    _check(cfg.trainer.async_training.mode == "fully_async", key, "only fully_async pushes weights mid-generation", no)
+    _check(
+        rollout_backend(rollout.name).partial_rollout,
+        key,
+        f"rollout.name={rollout.name} cannot pause a call and continue its samples",
+        f"use rollout.name=native, or {no}",
+    )
+    _check(
+        rollout.tensor_model_parallel_size == 1,
+        key,
+        "it generates on one rank per generation group",
+        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1, or " + no,
+    )
+    _check(
+        not rollout.multi_turn.enable,
+        key,
+        "a multi-turn sample's agent loop cannot be paused between two tokens yet",
+        no,
+    )
+    _check(
+        not cfg.algorithm.filter_groups.enable,
+        key,
+        "dynamic sampling scores chunks whose samples may be unfinished",
+        no,
+    )
+    _check(
+        not get_adv_estimator(cfg.algorithm.adv_estimator).needs_baseline,
+        key,
+        f"{cfg.algorithm.adv_estimator}'s greedy baseline is generated in the same call",
+        no,
     )
 
 

@@ -62,6 +62,9 @@ class AsyncTrainingConfig:
     max_staleness: int
     weight_push_every: int  # fully_async: new weights go to the rollout every this many steps (<= max_staleness + 1)
     chunk_prompts: int  # fully_async: prompts per generation call (0: data.train_batch_size); best a divisor of it
+    # fully_async: a weight push cuts the generation call short and the samples in flight continue under the new
+    # weights, each token recording its version (native engine, one rank per generation group, single-turn)
+    partial_rollout: bool
 
     def __post_init__(self) -> None:
         require_choice(self.mode, ASYNC_MODES, "mode")

@@ -27,10 +27,30 @@ import pickle
 from pathlib import Path
 
 from hybridflow.algorithms.dynamic_sampling import informative_groups
-from hybridflow.batch_keys import GLOBAL_STEP, INDEX, TOKEN_LEVEL_SCORES, UID
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    GENERATED_MASK,
+    GLOBAL_STEP,
+    INDEX,
+    INPUT_IDS,
+    INTERRUPT_KEY,
+    POSITION_IDS,
+    PREFIX_LENGTH,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+    SAMPLING,
+    SAMPLING_ROUND,
+    TOKEN_LEVEL_SCORES,
+    TOKEN_VERSIONS,
+    UID,
+)
+from hybridflow.hybrid_engine.interrupt import interrupt_key
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import TIMELINE_FILE
-from hybridflow.trainer.ppo_trainer import RayPPOTrainer
+from hybridflow.trainer.partial_rollout import PartialRollout
+from hybridflow.trainer.ppo_trainer import RayPPOTrainer, take_metrics
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import Role
 from hybridflow.trainer.rollout_batches import concat_rollouts
@@ -52,6 +72,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
         self.rollout_pool = self.groups.pool_of[Role.Rollout]
         batch = self.config.data.train_batch_size
         dynamic = self.config.algorithm.filter_groups.enable
+        partial = PartialRollout(interrupt=self.link.interrupt, continue_rows=self.continue_rows)
         self.rollouter = Rollouter(
             generate_chunk=self.generate_chunk,
             keep_groups=self.informative if dynamic else None,
@@ -60,6 +81,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
             chunk_prompts=settings.chunk_prompts or batch,
             max_staleness=settings.max_staleness,
             pad_token_id=self.train_loader.dataset.tokenizer.pad_token_id,
+            partial=partial if settings.partial_rollout else None,
         )
         self.snapshot: dict | None = None  # the rollouter's state for the checkpoint being written
 
@@ -120,9 +142,36 @@ class FullyAsyncTrainer(RayPPOTrainer):
         ``chunk`` would make it: a copy of the trainer with that step number and its own timeline."""
         ahead = copy.copy(self)
         ahead.global_step, ahead.timeline, metrics = chunk, StepTimeline(chunk), {}
+        if self.settings.partial_rollout:
+            ahead.generation_meta = {INTERRUPT_KEY: interrupt_key(chunk)}
         batch = ahead.generate(prompts, 0, metrics, scored=self.config.algorithm.filter_groups.enable)
         ahead.timeline.collect(self.groups, pools=[self.rollout_pool])  # the pool is the rollouter's until it returns
         return batch, metrics, ahead.timeline
+
+    def continue_rows(self, cut: DataProto, call: int) -> tuple[DataProto, dict[str, float], StepTimeline]:
+        """Partial rollout (the rollouter's thread): the rest of the responses a weight push cut short, under
+        the weights the rollout holds now; their prompt and response so far are prefilled again."""
+        timeline, metrics = StepTimeline(call), {}
+        width = cut.batch[PROMPTS].shape[1]
+        tensors = cut.batch
+        gen_input = DataProto.from_dict(
+            {
+                INPUT_IDS: tensors[PROMPTS],
+                ATTENTION_MASK: tensors[ATTENTION_MASK][:, :width],
+                POSITION_IDS: tensors[POSITION_IDS][:, :width],
+                RESPONSES: tensors[RESPONSES],
+                ROLLOUT_LOG_PROBS: tensors[ROLLOUT_LOG_PROBS],
+                PREFIX_LENGTH: tensors[RESPONSE_MASK].sum(dim=1),
+            },
+            meta_info={GLOBAL_STEP: call, SAMPLING: "train", SAMPLING_ROUND: 0, INTERRUPT_KEY: interrupt_key(call)},
+        )
+        with timeline.stage("gen"):
+            generated = take_metrics(self.groups.generator.generate_sequences(gen_input), metrics)
+        generated.non_tensor_batch = dict(cut.non_tensor_batch)
+        generated.batch[GENERATED_MASK] = generated.batch[RESPONSE_MASK].clone()
+        generated.meta_info = {GLOBAL_STEP: call}
+        timeline.collect(self.groups, pools=[self.rollout_pool])
+        return generated, metrics, timeline
 
     def informative(self, batch: DataProto) -> set[str]:
         """Dynamic sampling in the stream: the groups whose rewards differ (the rest are used up)."""
@@ -139,6 +188,13 @@ class FullyAsyncTrainer(RayPPOTrainer):
         stalenesses = [staleness_of(self.global_step, g.version) for g in groups]
         metrics.update(staleness_metrics(stalenesses, self.settings.max_staleness))
         metrics["async/policy_version_lag"] = metrics["async/staleness/mean"]
+        if TOKEN_VERSIONS in batch.batch.keys():  # partial rollout: the staleness of each token
+            mask = batch.batch[RESPONSE_MASK].bool()
+            tokens = (self.global_step - 1 - batch.batch[TOKEN_VERSIONS])[mask].float()
+            metrics["async/token_staleness/mean"] = tokens.mean().item()
+            metrics["async/mixed_version_samples"] = float(
+                (batch.batch[TOKEN_VERSIONS].masked_fill(~mask, -1).amax(dim=1) != oldest_per_row(batch)).sum()
+            )
         metrics["rollout/weights_version"] = sum(g.version for g in groups) / len(groups)
         metrics["async/trainer_wait_s"] = taken.wait_s
         metrics["async/queue_groups"] = float(taken.queue_depth)
@@ -214,3 +270,9 @@ class FullyAsyncTrainer(RayPPOTrainer):
             print(f"resumed the rollouter: {queued} groups queued, {waiting} prompts to generate (again)")
         else:
             print(f"{checkpoint} holds no rollouter state (another mode's): generation starts at the loader")
+
+
+def oldest_per_row(batch: DataProto):
+    """Each row's oldest token version (over its response)."""
+    versions, mask = batch.batch[TOKEN_VERSIONS], batch.batch[RESPONSE_MASK].bool()
+    return versions.masked_fill(~mask, versions.max().item() + 1).amin(dim=1)

@@ -86,6 +86,8 @@ def take_metrics(output: DataProto, metrics: dict[str, float]) -> DataProto:
 
 
 class RayPPOTrainer:
+    generation_meta: dict = {}  # more settings for the generation calls (fully_async: the call's interrupt key)
+
     def __init__(
         self,
         config: HybridFlowConfig,
@@ -321,6 +323,7 @@ class RayPPOTrainer:
         if rollout_config.multi_turn.enable:  # each row's agent loop and its tools' arguments
             gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO]))
         gen_input.meta_info = {GLOBAL_STEP: self.global_step, SAMPLING: sampling, SAMPLING_ROUND: round_index}
+        gen_input.meta_info.update(self.generation_meta)
         generated = take_metrics(
             self.groups.generator.generate_sequences(gen_input.repeat(n, interleave=True)), metrics
         )

@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, UID
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, INTERRUPTED, POSITION_IDS, RESPONSES, TOKEN_VERSIONS, UID
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.partial_rollout import OpenGroup, PartialRollout, continued_versions, oldest_version
+from hybridflow.trainer.rollout_batches import concat_rollouts
 from hybridflow.trainer.staleness import admission_capacity, staleness_of
 from hybridflow.trainer.timeline import StepTimeline
 
@@ -86,8 +88,10 @@ class Rollouter:
         chunk_prompts: int,
         max_staleness: int,
         pad_token_id: int,
+        partial: PartialRollout | None = None,
     ):
         self.generate_chunk = generate_chunk
+        self.partial = partial
         self.keep_groups = keep_groups
         self.loader_batches = loader_batches
         self.batch_groups = batch_groups
@@ -102,6 +106,8 @@ class Rollouter:
         self.queue: deque[FinishedGroup] = deque()
         self.backlog: deque[DataProto] = deque()  # single prompt rows waiting for a chunk, oldest first
         self.in_flight: DataProto | None = None  # the prompts of the chunk being generated
+        self.busy = False  # a generation call is running (a new chunk, or continuations)
+        self.open: dict[str, OpenGroup] = {}  # partial rollout: groups a weight push cut short, by uid
         self.chunk_index = 0  # generation calls started (seeds and uids derive from it)
         self.loader_done = False
         self.pauses = 0  # pause requests held (a weight push, a validation)
@@ -113,6 +119,7 @@ class Rollouter:
         self.idle_s = 0.0  # the rollouter waited (admission, a pause)
         self.requeued = 0
         self.filtered = 0  # groups dynamic sampling used up
+        self.continued = 0  # samples continued after a weight push (partial rollout)
 
     # ---- the thread -----------------------------------------------------------------------
 
@@ -121,10 +128,13 @@ class Rollouter:
         self.thread.start()
 
     def stop(self, timeout_s: float | None = None) -> bool:
-        """Stop after the chunk in flight; whether the thread ended within ``timeout_s``."""
+        """Stop after the chunk in flight (cut short with partial rollout); whether the thread ended in time."""
         with self.lock:
             self.stopped = True
+            call = self.chunk_index if self.busy else None
             self.lock.notify_all()
+        if call is not None and self.partial is not None:
+            self.partial.interrupt(call)  # what it generated is not needed any more
         if self.thread is None:
             return True
         self.thread.join(timeout_s)
@@ -132,21 +142,26 @@ class Rollouter:
 
     @property
     def generating(self) -> bool:
-        return self.in_flight is not None
+        return self.busy
 
     def capacity(self) -> int:
+        flying = (0 if self.in_flight is None else len(self.in_flight)) + len(self.open)
         return admission_capacity(
             max_staleness=self.max_staleness,
             rollout_version=self.rollout_version,
             batch_groups=self.batch_groups,
             consumed=self.consumed,
             queued=len(self.queue),
-            in_flight=0 if self.in_flight is None else len(self.in_flight),
+            in_flight=flying,
         )
 
     def _may_start(self) -> bool:
+        if self.pauses:
+            return False
+        if self.open:  # continuations take no new room
+            return True
         has_prompts = bool(self.backlog) or not self.loader_done
-        return not self.pauses and has_prompts and self.capacity() > 0
+        return has_prompts and self.capacity() > 0
 
     def _run(self) -> None:
         """The thread: any error (a worker's, or this code's) is handed to the trainer, which raises it."""
@@ -166,13 +181,19 @@ class Rollouter:
                 self.idle_s += time.time() - waited
                 if self.stopped:
                     return
-                prompts = self._draw(min(self.chunk_prompts, self.capacity()))
-                if prompts is None:  # the data ran out: wait for requeued prompts, or the end
+                cut = [(uid, sample) for uid, group in self.open.items() for sample in group.cut]
+                prompts = None if cut else self._draw(min(self.chunk_prompts, self.capacity()))
+                if not cut and prompts is None:  # the data ran out: wait for requeued prompts, or the end
                     self.lock.notify_all()
                     continue
                 self.chunk_index += 1
-                chunk, version, self.in_flight = self.chunk_index, self.rollout_version, prompts
+                chunk, version, self.in_flight, self.busy = self.chunk_index, self.rollout_version, prompts, True
+            if cut:
+                self._continue(cut, chunk, version)
+                continue
             batch, metrics, timeline = self.generate_chunk(prompts.select(deepcopy=True), chunk)
+            if self.partial is not None:
+                batch.batch[TOKEN_VERSIONS] = torch.full_like(batch.batch[RESPONSES], version)
             groups = self._groups(batch, prompts, version, chunk)
             if self.keep_groups is not None:
                 kept_uids = self.keep_groups(batch)
@@ -184,8 +205,29 @@ class Rollouter:
                 self.filtered += len(groups) - len(kept)  # never trained: they take no room under the bound
                 self.finished_chunks[chunk] = metrics
                 self.finished_timelines.append(timeline)
-                self.in_flight = None
+                self.in_flight, self.busy = None, False
                 self.lock.notify_all()
+
+    def _continue(self, cut: list[tuple[str, int]], call: int, version: int) -> None:
+        """Generate the rest of the samples a weight push cut short, under the weights of ``version``; a
+        group whose samples are all done goes to the queue."""
+        rows = concat_rollouts([self.open[uid].cut[sample] for uid, sample in cut], self.pad_token_id)
+        batch, _, timeline = self.partial.continue_rows(rows, call)
+        batch.batch[TOKEN_VERSIONS] = continued_versions(rows, version)
+        done: list[FinishedGroup] = []
+        with self.lock:
+            for row, (uid, sample) in enumerate(cut):
+                group = self.open[uid]
+                group.take(sample, batch[row : row + 1])
+                if group.complete:
+                    rows = group.rows()
+                    done.append(FinishedGroup(rows, group.prompt, oldest_version(rows), group.chunk))
+                    del self.open[uid]
+            self.queue.extend(done)
+            self.continued += len(cut)
+            self.finished_timelines.append(timeline)
+            self.busy = False
+            self.lock.notify_all()
 
     def _draw(self, size: int) -> DataProto | None:
         """The next chunk's prompts, at most ``size``: requeued and left-over rows first, then the loader's
@@ -203,15 +245,24 @@ class Rollouter:
         rows = [self.backlog.popleft() for _ in range(min(size, len(self.backlog)))]
         return join_prompts(rows, self.pad_token_id)
 
-    @staticmethod
-    def _groups(batch: DataProto, prompts: DataProto, version: int, chunk: int) -> list[FinishedGroup]:
+    def _groups(self, batch: DataProto, prompts: DataProto, version: int, chunk: int) -> list[FinishedGroup]:
+        """The chunk's finished groups; with partial rollout, those a push cut short go to ``self.open``."""
         rows_of: dict[str, list[int]] = {}
         for row, uid in enumerate(batch.non_tensor_batch[UID]):
             rows_of.setdefault(uid, []).append(row)
-        return [
-            FinishedGroup(batch[rows_of[f"{chunk}-{i}"]], prompts[i : i + 1], version, chunk)
-            for i in range(len(prompts))
-        ]
+        finished = []
+        for i in range(len(prompts)):
+            uid = f"{chunk}-{i}"
+            rows = batch[rows_of[uid]]
+            if INTERRUPTED in rows.batch.keys() and bool(rows.batch[INTERRUPTED].any()):
+                group = OpenGroup(prompts[i : i + 1], chunk)
+                for sample in range(len(rows)):
+                    group.take(sample, rows[sample : sample + 1])
+                with self.lock:
+                    self.open[uid] = group
+                continue
+            finished.append(FinishedGroup(rows, prompts[i : i + 1], version, chunk))
+        return finished
 
     # ---- the trainer's side ---------------------------------------------------------------
 
@@ -249,7 +300,7 @@ class Rollouter:
 
     def _exhausted(self) -> bool:
         """No more groups will come: the data ran out, nothing is left to requeue and nothing is generating."""
-        return self.loader_done and not self.backlog and self.in_flight is None
+        return self.loader_done and not self.backlog and not self.busy and not self.open
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[float]:
@@ -258,8 +309,12 @@ class Rollouter:
         start = time.time()
         with self.lock:
             self.pauses += 1
+            call = self.chunk_index if self.busy else None
+        if call is not None and self.partial is not None:
+            self.partial.interrupt(call)  # partial rollout: the call returns at its next decode step
+        with self.lock:
             try:
-                while self.in_flight is not None and self.error is None:
+                while self.busy and self.error is None:
                     self.lock.wait()
                 self._raise_error()
             except BaseException:
@@ -284,7 +339,9 @@ class Rollouter:
             counters = {"async/rollouter_idle_s": self.idle_s, "async/requeued_groups": float(self.requeued)}
             if self.keep_groups is not None:
                 counters["dynamic_sampling/dropped_groups"] = float(self.filtered)
-            self.idle_s, self.requeued, self.filtered = 0.0, 0, 0
+            if self.partial is not None:
+                counters["async/continued_samples"] = float(self.continued)
+            self.idle_s, self.requeued, self.filtered, self.continued = 0.0, 0, 0, 0
             return counters
 
     def take_timelines(self) -> list[StepTimeline]:
@@ -301,7 +358,7 @@ class Rollouter:
         counts: dict[str, int] = {}
         with self.lock:
             records = {chunk: self.finished_chunks[chunk] for chunk in weights}
-            queued = {g.chunk for g in self.queue}
+            queued = {g.chunk for g in self.queue} | {g.chunk for g in self.open.values()}
             for chunk in [c for c in self.finished_chunks if c <= max(weights) and c not in queued]:
                 del self.finished_chunks[chunk]  # no group left to share its metrics
         for chunk, weight in weights.items():
@@ -318,7 +375,8 @@ class Rollouter:
         with self.lock:
             chunks = {g.chunk for g in self.queue}
             flying = self.in_flight
-            waiting = [] if flying is None else [flying[i : i + 1] for i in range(len(flying))]
+            waiting = [group.prompt for group in self.open.values()]  # cut short: generated again from scratch
+            waiting += [] if flying is None else [flying[i : i + 1] for i in range(len(flying))]
             return {
                 "queue": list(self.queue),
                 "backlog": waiting + list(self.backlog),

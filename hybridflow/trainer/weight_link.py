@@ -8,7 +8,9 @@ they report. Nothing of the weights passes through the driver or the disk.
 from __future__ import annotations
 
 from hybridflow.controller import RayWorkerGroup
+from hybridflow.hybrid_engine.interrupt import Interrupter
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.hybrid_engine.pool_transfer import TransferAddress
 from hybridflow.hybrid_engine.transfer_setup import TransferSetup
 from hybridflow.trainer.config import AsyncTrainingConfig
 from hybridflow.trainer.roles import RoleGroups
@@ -35,6 +37,8 @@ class WeightLink:
         self.bucket_bytes = max(1, int(bucket_mb * 2**20))
         self.timeout_s = timeout_s
         self.connected = False
+        self.address: TransferAddress | None = None
+        self.interrupter: Interrupter | None = None
 
     def connect(self) -> None:
         """Both groups join the transfer group, whose rendezvous the actor's rank 0 hosts. Every rank makes
@@ -42,8 +46,9 @@ class WeightLink:
         so both sides agree without exchanging it."""
         if self.connected:
             return
+        self.address = self.actor.transfer_endpoint()[0]
         setup = TransferSetup(
-            address=self.actor.transfer_endpoint()[0],
+            address=self.address,
             actor=self.layouts[0],
             rollout=self.layouts[1],
             params=tuple(self.actor.transfer_params()[0]),
@@ -54,6 +59,13 @@ class WeightLink:
         self.rollout.join_weight_transfer(setup)
         on_actor.get()
         self.connected = True
+
+    def interrupt(self, call: int) -> None:
+        """Stop the rollout's generation call ``call`` at its next decode step (partial rollout), through the
+        transfer group's store."""
+        if self.interrupter is None:
+            self.interrupter = Interrupter(self.address, self.timeout_s)
+        self.interrupter.interrupt(call)
 
     def send(self, version: int) -> dict[str, float]:
         """Move the actor's weights (those after step ``version``) to the rollout's ranks; the transfer's

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow.batch_keys import METRICS
+from hybridflow.batch_keys import INTERRUPT_KEY, METRICS, PREFIX_LENGTH
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
+from hybridflow.hybrid_engine.interrupt import InterruptPoller
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import TransferReport, receive_weights
 from hybridflow.hybrid_engine.transfer_setup import TransferSetup
@@ -84,8 +85,15 @@ class RolloutWorker(Worker):
     @register(dispatch_mode=mesh_compute_proto(GENERATE_MESH))
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Responses with the weights of step ``weights_version`` (``rollout/weights_version`` in the metrics).
-        Every rank of a generation group gets the same prompts; one of them is collected."""
+        Every rank of a generation group gets the same prompts; one of them is collected. With partial rollout
+        the call stops when the driver sets its ``interrupt_key`` (hybrid_engine/interrupt.py), and continues
+        rows that carry a ``prefix_length``."""
         sampling = call_sampling(self.config.rollout, prompts.meta_info, self.generation_coord)
-        output = self.rollout.generate_sequences(prompts, sampling)
+        key = prompts.meta_info.get(INTERRUPT_KEY)
+        if key is not None or PREFIX_LENGTH in prompts.batch.keys():  # partial rollout (trainer/rollouter.py)
+            should_stop = InterruptPoller(self.transfer.store, key) if key is not None else None
+            output = self.rollout.generate_partial(prompts, sampling, should_stop)
+        else:
+            output = self.rollout.generate_sequences(prompts, sampling)
         output.meta_info[METRICS] = {"rollout/weights_version": float(self.weights_version)}
         return output

@@ -112,3 +112,25 @@ def test_a_push_schedule_that_would_starve_the_trainer_is_refused():
         load_config(["trainer.async_training.max_staleness=1", "trainer.async_training.weight_push_every=3"])
     assert error.value.key == "trainer.async_training.weight_push_every" and "wait forever" in str(error.value)
     load_config(["trainer.async_training.max_staleness=2", "trainer.async_training.weight_push_every=3"])
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ("trainer.async_training.mode=one_step_off", "only fully_async"),
+        ("actor_rollout_ref.rollout.name=hf", "cannot pause a call"),
+        ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn"),
+        ("algorithm.filter_groups.enable=true", "dynamic sampling"),
+        ("algorithm.adv_estimator=remax", "greedy baseline"),
+    ],
+)
+def test_partial_rollout_is_refused_where_a_call_cannot_be_cut_short(change, says):
+    base = [
+        "trainer.async_training.mode=fully_async",
+        "trainer.async_training.partial_rollout=true",
+        "algorithm.rollout_correction.rollout_is=token",
+    ]
+    _check_async(load_config(base))  # native, single-turn: fine
+    with pytest.raises(ConfigError) as error:
+        _check_async(load_config([*base, change]))
+    assert error.value.key == "trainer.async_training.partial_rollout" and says in str(error.value)

@@ -3,12 +3,13 @@ tiny-llama): with max_staleness 0 and a push every step it reproduces the synchr
 sample; with max_staleness 1 the rollout runs ahead and no group trains more than one version stale."""
 
 import json
+import time
 
 import pytest
 
 from hybridflow.trainer import main as train_main
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.fully_async import TRAINED_PROMPTS
+from hybridflow.trainer.fully_async import TRAINED_PROMPTS, FullyAsyncTrainer
 
 # wall-clock times, and what only one of the two loops has (the switch of the hybrid actor; the transfer, the queue)
 MEASUREMENTS = ("timing_s/", "perf/", "switch/", "transfer/", "async/", "rollout/weights_version")
@@ -121,3 +122,43 @@ def test_staleness_one_runs_ahead_within_the_bound(arithmetic_files, tmp_path):
     seen = [i for s in (1, 2, 3, 4) for i in lineage[s]["index"]]
     assert len(seen) == len(set(seen)) == 16
     assert "val/score/mean" in got[2] and "val/score/mean" in got[4]
+
+
+class PushMidGeneration(FullyAsyncTrainer):
+    """Pushes only while the rollouter is generating (waiting for it to start), so every push cuts a call short."""
+
+    def push_weights(self, metrics):
+        deadline = time.time() + 30
+        while self.rollouter.thread is not None and not self.rollouter.busy and time.time() < deadline:
+            time.sleep(0.005)
+        super().push_weights(metrics)
+
+
+def test_partial_rollout_continues_samples_across_pushes_within_the_bound(arithmetic_files, tmp_path, monkeypatch):
+    monkeypatch.setattr(train_main, "FullyAsyncTrainer", PushMidGeneration)
+    train_main.run(
+        load_config(
+            overrides(
+                arithmetic_files,
+                tmp_path,
+                *FULLY_ASYNC,
+                "trainer.async_training.max_staleness=2",
+                "trainer.async_training.partial_rollout=true",
+                "trainer.async_training.chunk_prompts=2",
+                "actor_rollout_ref.rollout.response_length=96",  # calls long enough to be cut short
+                "trainer.total_training_steps=4",
+                "trainer.test_freq=4",
+            )
+        )
+    )
+    got = records(tmp_path)
+    steps = [got[s] for s in (1, 2, 3, 4)]
+    assert sum(s["async/continued_samples"] for s in steps) > 0  # pushes cut calls short, their samples went on
+    assert max(s["async/mixed_version_samples"] for s in steps) > 0  # trained samples of two versions
+    for record in steps:
+        assert record["async/staleness/max"] <= 2  # by each sample's oldest token
+        assert 0 <= record["async/token_staleness/mean"] <= record["async/staleness/max"]
+        assert record["response_length/max"] <= 96
+    lineage = trained(tmp_path)
+    seen = [i for s in (1, 2, 3, 4) for i in lineage[s]["index"]]
+    assert len(seen) == len(set(seen)) == 16

@@ -20,5 +20,6 @@ NATIVE = register_rollout_backend(
         settings=NativeEngineConfig,
         tensor_parallel=True,
         request_api=True,
+        partial_rollout=True,
     )
 )

@@ -17,6 +17,7 @@ sequence's slot, so prefills only run the rest of each prompt.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,22 @@ class EngineStats:
 
 @dataclass
 class _Group:
-    """Waiting requests with the same prompt."""
+    """Waiting requests with the same prompt (and the same tokens already generated, for continuations)."""
 
-    prompt: list[int]
+    prompt: list[int]  # what is prefilled: the prompt, then the response so far
     requests: deque[int]
+    first_step: int = 0  # response tokens already generated (a continued request's prefix)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Requests that generation continues: each one's response so far (tokens and their log-probs), and the
+    random stream each request samples from (its index in the call that began it), so that continuing with
+    unchanged weights gives what one uninterrupted call gives."""
+
+    prefixes: list[list[int]]
+    prefix_log_probs: list[list[float]]
+    streams: list[int]
 
 
 class Engine:
@@ -62,6 +75,9 @@ class Engine:
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()
+        # after a `generate` call: which requests finished (False: interrupted) and how many tokens each has
+        self.finished: torch.Tensor | None = None
+        self.lengths: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -86,27 +102,51 @@ class Engine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int], pad_token_id: int
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_token_ids: list[int],
+        pad_token_id: int,
+        *,
+        continuation: Continuation | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Generate up to `params.max_new_tokens` tokens for each prompt (token ids, no padding).
 
         Request i is prompt i; identical prompts prefill once. Returns tokens (N, R) (stop token
         included, `pad_token_id` after it) and their log-probs (N, R) (0 after), R = max_new_tokens.
+
+        ``continuation``: request i already generated ``prefixes[i]`` (partial rollout, after new weights):
+        its prompt and prefix are prefilled and it generates the rest of its R tokens, which the returned
+        rows hold whole (the prefix's tokens and log-probs first). ``should_stop``: asked after every decode
+        step; when it says so the call returns what it has, and ``self.finished`` tells which requests were
+        cut short (``self.lengths`` how many tokens each has).
         """
         n, r = len(prompts), params.max_new_tokens
         self.stats = EngineStats()
         tokens_out = torch.full((n, r), pad_token_id, dtype=torch.long, device=self.device)
         log_probs_out = torch.zeros(n, r, dtype=torch.float32, device=self.device)
+        self.finished = torch.ones(n, dtype=torch.bool)
+        self.lengths = torch.zeros(n, dtype=torch.long)
         if n == 0 or r == 0:
             return tokens_out, log_probs_out
         if min(len(p) for p in prompts) == 0:
             raise ValueError("every prompt needs at least one token")
+        prefixes = continuation.prefixes if continuation is not None else [[] for _ in prompts]
+        if any(len(prefix) >= r for prefix in prefixes):
+            raise ValueError(f"a continued request already has all {r} of its tokens")
+        streams = continuation.streams if continuation is not None else list(range(n))
+        for i, prefix in enumerate(prefixes):
+            if prefix:
+                tokens_out[i, : len(prefix)] = torch.tensor(prefix)
+                log_probs_out[i, : len(prefix)] = torch.tensor(continuation.prefix_log_probs[i])
         capacity = min(n, self.max_num_seqs)
-        self.prepare(capacity + 1, max(len(p) for p in prompts) + r)  # +1: the prefix slot
-        run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out)
-        by_prompt: dict[tuple[int, ...], _Group] = {}
-        for i, prompt in enumerate(prompts):
-            by_prompt.setdefault(tuple(prompt), _Group(list(prompt), deque())).requests.append(i)
+        self.prepare(capacity + 1, max(len(p) + len(x) for p, x in zip(prompts, prefixes)) + r)  # +1: prefix slot
+        run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out, streams)
+        by_prompt: dict[tuple[tuple[int, ...], int], _Group] = {}
+        for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
+            key = (tuple(prompt) + tuple(prefix), len(prefix))
+            by_prompt.setdefault(key, _Group(list(prompt) + list(prefix), deque(), len(prefix))).requests.append(i)
         run.waiting.extend(by_prompt.values())
         run.share_prefix([group.prompt for group in by_prompt.values()])
         while run.waiting or run.running:
@@ -115,6 +155,9 @@ class Engine:
             run.compact()
             if run.running:
                 run.decode()
+            if should_stop is not None and (run.waiting or run.running) and should_stop():
+                run.interrupt(prefixes)
+                break
         return tokens_out, log_probs_out
 
 
@@ -129,8 +172,10 @@ class _Run:
         stop_ids: list[int],
         tokens_out: torch.Tensor,
         log_probs_out: torch.Tensor,
+        streams: list[int],
     ):
         self.engine, self.params = engine, params
+        self.streams = torch.tensor(streams, dtype=torch.long, device=engine.device)  # each request's random stream
         self.cache: KVCache = engine.cache
         self.stats = engine.stats
         device = engine.device
@@ -183,6 +228,19 @@ class _Run:
             self.stats.slot_moves += len(holes)
         self.running, self.finished = keep, set()
 
+    def interrupt(self, prefixes: list[list[int]]) -> None:
+        """Stop here: mark the requests still running or waiting as unfinished, with the tokens they have."""
+        finished, lengths = self.engine.finished, self.engine.lengths
+        for slot in range(self.running):
+            if slot not in self.finished:
+                request = int(self.request[slot])
+                finished[request], lengths[request] = False, int(self.step[slot])
+        for group in self.waiting:
+            for request in group.requests:
+                finished[request], lengths[request] = False, len(prefixes[request])
+        self.waiting.clear()
+        self.running, self.finished = 0, set()
+
     def _record(self, slots: slice, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
         """Store each slot's new token and retire those that stopped: slots cover B slots, tensors (B,)."""
         request, step = self.request[slots], self.step[slots]
@@ -198,6 +256,7 @@ class _Run:
         """Move waiting requests into free slots and prefill their distinct prompts in one batch."""
         free, budget = self.capacity - self.running, self.engine.max_prefill_tokens
         admitted: list[tuple[list[int], list[int]]] = []  # (prompt, requests)
+        first_steps: list[int] = []
         while self.waiting and free > 0:
             group = self.waiting[0]
             longest = max([len(group.prompt)] + [len(p) for p, _ in admitted]) - self.prefix_len
@@ -205,13 +264,14 @@ class _Run:
                 break
             take = [group.requests.popleft() for _ in range(min(free, len(group.requests)))]
             admitted.append((group.prompt, take))
+            first_steps.append(group.first_step)
             free -= len(take)
             if not group.requests:
                 self.waiting.popleft()
         if admitted:
-            self._prefill(admitted)
+            self._prefill(admitted, first_steps)
 
-    def _prefill(self, admitted: list[tuple[list[int], list[int]]]) -> None:
+    def _prefill(self, admitted: list[tuple[list[int], list[int]]], first_steps: list[int]) -> None:
         engine, device, start = self.engine, self.engine.device, self.prefix_len
         lengths = [len(p) for p, _ in admitted]
         tokens = torch.zeros(len(admitted), max(lengths) - start, dtype=torch.long)
@@ -242,9 +302,11 @@ class _Run:
         new = slice(first, slot)
         self.running = slot
         self.request[new] = torch.tensor(requests, device=device)
-        self.step[new] = 0
+        self.step[new] = torch.tensor([first_steps[row] for row in member_rows], device=device)
         self.position[new] = lengths_t[torch.tensor(member_rows, device=device)]
-        tokens_new, log_probs = sample(logits[member_rows], self.params, self.request[new], self.step[new])
+        tokens_new, log_probs = sample(
+            logits[member_rows], self.params, self.streams[self.request[new]], self.step[new]
+        )
         self._record(new, tokens_new, log_probs)
         self.stats.prefill_calls += 1
         self.stats.prefill_sequences += len(admitted)
@@ -256,7 +318,7 @@ class _Run:
         running = slice(0, b)
         logits = model.decode(engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b])
         self.position[running] += 1
-        tokens, log_probs = sample(logits, self.params, self.request[running], self.step[running])
+        tokens, log_probs = sample(logits, self.params, self.streams[self.request[running]], self.step[running])
         self._record(running, tokens, log_probs)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += b

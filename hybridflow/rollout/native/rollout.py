@@ -2,19 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    INTERRUPTED,
+    PREFIX_LENGTH,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
 from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
 from hybridflow.rollout.native.config import NativeEngineConfig
-from hybridflow.rollout.native.engine import Engine, EngineStats
+from hybridflow.rollout.native.engine import Continuation, Engine, EngineStats
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.sessions import NativeRequestEngine
 from hybridflow.rollout.native.spec import spec_from_config
@@ -65,16 +72,52 @@ class NativeRollout(Rollout):
 
         Identical prompts (e.g. the n interleaved repeats of a GRPO group) are prefilled once.
         """
+        return self.generate_partial(prompts, params, None)
+
+    @torch.no_grad()
+    def generate_partial(
+        self, prompts: DataProto, params: SamplingParams, should_stop: Callable[[], bool] | None
+    ) -> DataProto:
+        """Partial rollout: rows with a ``prefix_length`` continue their ``responses`` (and
+        ``rollout_log_probs``) after that many tokens, prefilling prompt and prefix under the weights held
+        now; ``should_stop`` (asked after every decode step) ends the call early, and the ``interrupted``
+        column marks the rows cut short (their response mask covers the tokens they have)."""
+        if self.engine.weights.tp.size > 1 and should_stop is not None:
+            raise NotImplementedError("partial rollout generates on one rank: rollout.tensor_model_parallel_size=1")
         prompt_ids = prompts.batch[INPUT_IDS]
         prompt_mask = prompts.batch[ATTENTION_MASK]
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
-        responses, log_probs = self.engine.generate(token_lists, params, self.stop_token_ids, self.pad_token_id)
+        continuation = self._continuation(prompts) if PREFIX_LENGTH in prompts.batch.keys() else None
+        responses, log_probs = self.engine.generate(
+            token_lists,
+            params,
+            self.stop_token_ids,
+            self.pad_token_id,
+            continuation=continuation,
+            should_stop=should_stop,
+        )
         responses, log_probs = responses.to(prompt_ids.device), log_probs.to(prompt_ids.device)
         mask = response_mask_from(responses, self.stop_token_ids) if self.stop_token_ids else torch.ones_like(responses)
+        interrupted = ~self.engine.finished.to(prompt_ids.device)
+        if interrupted.any():  # a row cut short has only its first `lengths` tokens
+            have = torch.arange(responses.shape[1], device=responses.device)[None, :] < self.engine.lengths[:, None]
+            mask = torch.where(interrupted[:, None], have.long(), mask)
         batch = assemble_batch(
             prompt_ids, prompt_mask, responses, mask, log_probs, self.pad_token_id, self.stop_token_ids
         )
+        if should_stop is not None or continuation is not None:
+            batch[INTERRUPTED] = interrupted
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
+
+    @staticmethod
+    def _continuation(prompts: DataProto) -> Continuation:
+        lengths = prompts.batch[PREFIX_LENGTH].tolist()
+        responses, log_probs = prompts.batch[RESPONSES], prompts.batch[ROLLOUT_LOG_PROBS]
+        return Continuation(
+            prefixes=[responses[i, :k].tolist() for i, k in enumerate(lengths)],
+            prefix_log_probs=[log_probs[i, :k].tolist() for i, k in enumerate(lengths)],
+            streams=list(range(len(lengths))),
+        )
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
