@@ -78,6 +78,7 @@ class Engine:
         # after a `generate` call: which requests finished (False: interrupted) and how many tokens each has
         self.finished: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.paused: _Run | None = None  # a call stopped with keep_on_stop, for resume
 
     @property
     def device(self) -> torch.device:
@@ -110,6 +111,7 @@ class Engine:
         *,
         continuation: Continuation | None = None,
         should_stop: Callable[[], bool] | None = None,
+        keep_on_stop: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Generate up to `params.max_new_tokens` tokens for each prompt (token ids, no padding).
 
@@ -120,8 +122,10 @@ class Engine:
         its prompt and prefix are prefilled and it generates the rest of its R tokens, which the returned
         rows hold whole (the prefix's tokens and log-probs first). ``should_stop``: asked after every decode
         step; when it says so the call returns what it has, and ``self.finished`` tells which requests were
-        cut short (``self.lengths`` how many tokens each has).
+        cut short (``self.lengths`` how many tokens each has); ``keep_on_stop`` keeps the call's state and KV
+        cache for ``resume``.
         """
+        self.paused = None
         n, r = len(prompts), params.max_new_tokens
         self.stats = EngineStats()
         tokens_out = torch.full((n, r), pad_token_id, dtype=torch.long, device=self.device)
@@ -149,6 +153,24 @@ class Engine:
             by_prompt.setdefault(key, _Group(list(prompt) + list(prefix), deque(), len(prefix))).requests.append(i)
         run.waiting.extend(by_prompt.values())
         run.share_prefix([group.prompt for group in by_prompt.values()])
+        run.prefix_lengths = [len(prefix) for prefix in prefixes]
+        return self._drive(run, should_stop, keep_on_stop)
+
+    @torch.no_grad()
+    def resume(self, should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Go on with the call that ``generate(..., keep_on_stop=True)`` stopped, under the weights held now,
+        over the KV cache the old weights computed (partial rollout's "KV kept"; the alternative continues from
+        the tokens, prefilled again). Returns the whole rows, as ``generate`` does."""
+        if self.paused is None:
+            raise RuntimeError("no stopped call to resume")
+        run, self.paused = self.paused, None
+        return self._drive(run, should_stop, keep_on_stop=True)
+
+    def _drive(
+        self, run: _Run, should_stop: Callable[[], bool] | None, keep_on_stop: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.finished = torch.ones(len(run.tokens_out), dtype=torch.bool)
+        self.lengths = torch.zeros(len(run.tokens_out), dtype=torch.long)
         while run.waiting or run.running:
             run.compact()
             run.admit()
@@ -156,9 +178,14 @@ class Engine:
             if run.running:
                 run.decode()
             if should_stop is not None and (run.waiting or run.running) and should_stop():
-                run.interrupt(prefixes)
+                run.mark_unfinished()
+                if keep_on_stop:
+                    self.paused = run
+                else:
+                    run.waiting.clear()
+                    run.running, run.finished = 0, set()
                 break
-        return tokens_out, log_probs_out
+        return run.tokens_out, run.log_probs_out
 
 
 class _Run:
@@ -181,6 +208,7 @@ class _Run:
         device = engine.device
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
         self.tokens_out, self.log_probs_out = tokens_out, log_probs_out
+        self.prefix_lengths: list[int] = []  # per request, response tokens it had when the call began
         self.waiting: deque[_Group] = deque()
         self.running = 0  # sequences in slots 0..running-1, including finished ones not yet removed
         self.finished: set[int] = set()  # slots whose sequence is done
@@ -228,8 +256,8 @@ class _Run:
             self.stats.slot_moves += len(holes)
         self.running, self.finished = keep, set()
 
-    def interrupt(self, prefixes: list[list[int]]) -> None:
-        """Stop here: mark the requests still running or waiting as unfinished, with the tokens they have."""
+    def mark_unfinished(self) -> None:
+        """At a stop: mark the requests still running or waiting as unfinished, with the tokens they have."""
         finished, lengths = self.engine.finished, self.engine.lengths
         for slot in range(self.running):
             if slot not in self.finished:
@@ -237,9 +265,7 @@ class _Run:
                 finished[request], lengths[request] = False, int(self.step[slot])
         for group in self.waiting:
             for request in group.requests:
-                finished[request], lengths[request] = False, len(prefixes[request])
-        self.waiting.clear()
-        self.running, self.finished = 0, set()
+                finished[request], lengths[request] = False, self.prefix_lengths[request]
 
     def _record(self, slots: slice, tokens: torch.Tensor, log_probs: torch.Tensor) -> None:
         """Store each slot's new token and retire those that stopped: slots cover B slots, tensors (B,)."""

@@ -110,3 +110,22 @@ def test_requests_still_waiting_for_a_slot_when_stopped_have_no_tokens():
     continued = rollout.generate_partial(continuation_of(prompts, cut), greedy(R), None)
     whole = rollout.generate_sequences(prompts, greedy(R))
     assert torch.equal(continued.batch[RESPONSES], whole.batch[RESPONSES])
+
+
+def test_a_call_kept_with_its_cache_resumes_where_it_stopped():
+    """The other way to continue ("KV kept"): the engine keeps the stopped call and its KV cache; resumed with
+    the same weights it is the uninterrupted call."""
+    model, tokenizer = load_causal_lm("tiny-llama", dtype=torch.float32), load_tokenizer("tiny-llama")
+    rollout = rollout_of(model, tokenizer)
+    prompts, params = prompts_of(tokenizer, QUESTIONS), sampled(seed=5, max_new_tokens=R)
+    whole = rollout.generate_sequences(prompts, params)
+    engine = rollout.engine
+    token_lists = [
+        row[mask.bool()].tolist() for row, mask in zip(prompts.batch[INPUT_IDS], prompts.batch[ATTENTION_MASK])
+    ]
+    tokens, _ = engine.generate(token_lists, params, [], rollout.pad_token_id, should_stop=after(3), keep_on_stop=True)
+    assert (~engine.finished).all() and engine.lengths.tolist() == [4] * len(QUESTIONS)
+    tokens, log_probs = engine.resume()
+    assert engine.finished.all() and engine.paused is None
+    assert torch.equal(tokens, whole.batch[RESPONSES])
+    assert torch.allclose(log_probs, whole.batch[ROLLOUT_LOG_PROBS], atol=1e-5)
