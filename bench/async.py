@@ -16,7 +16,9 @@ Each (seed, mode) is a real `hybridflow train` run on a local Ray cluster of --w
   correction, the rollout's log-probs as PPO's old policy (`rollout.old_log_prob_source=rollout`).
 - ``fully_async`` and ``fully_async_eta4`` (not run unless named in --modes): the same two pools, the rollout
   generating continuously into a queue at most 1 (4) policy versions ahead of the trainer
-  (`trainer.async_training.max_staleness`), weights pushed every step, the decoupled objective.
+  (`trainer.async_training.max_staleness`), weights pushed every step, the decoupled objective;
+  ``fully_async_partial``: η = 1 with partial rollout (a push cuts the call in flight short; single-turn
+  workloads: demo, countdown).
 
 It prints, per mode and seed, the held-out accuracy at each validation, seconds per step (the median after
 the first), samples per second (all the run's samples over the sum of its steps' times: validation and
@@ -78,6 +80,11 @@ MODES = {
     # the rollout generates continuously into a queue, at most η policy versions ahead (trainer/fully_async.py)
     "fully_async": lambda workers: fully_async(workers, max_staleness=1),
     "fully_async_eta4": lambda workers: fully_async(workers, max_staleness=4),
+    # the same with partial rollout: a push cuts the call in flight short, its samples go on under the new weights
+    "fully_async_partial": lambda workers: [
+        *fully_async(workers, max_staleness=1),
+        "trainer.async_training.partial_rollout=true",
+    ],
 }
 WORKLOADS = {  # name: (config file, task, held-out questions)
     "demo": ("examples/grpo_arithmetic_smollm2.yaml", "arithmetic", 100),
