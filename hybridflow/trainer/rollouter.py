@@ -194,14 +194,15 @@ class Rollouter:
             batch, metrics, timeline = self.generate_chunk(prompts.select(deepcopy=True), chunk)
             if self.partial is not None:
                 batch.batch[TOKEN_VERSIONS] = torch.full_like(batch.batch[RESPONSES], version)
-            groups = self._groups(batch, prompts, version, chunk)
+            groups, opened = self._groups(batch, prompts, version, chunk)
             if self.keep_groups is not None:
                 kept_uids = self.keep_groups(batch)
                 kept = [g for g in groups if g.rows.non_tensor_batch[UID][0] in kept_uids]
             else:
                 kept = groups
-            with self.lock:
+            with self.lock:  # one instant: the chunk's prompts leave in_flight for the queue or the open groups
                 self.queue.extend(kept)
+                self.open.update(opened)
                 self.filtered += len(groups) - len(kept)  # never trained: they take no room under the bound
                 self.finished_chunks[chunk] = metrics
                 self.finished_timelines.append(timeline)
@@ -245,24 +246,24 @@ class Rollouter:
         rows = [self.backlog.popleft() for _ in range(min(size, len(self.backlog)))]
         return join_prompts(rows, self.pad_token_id)
 
-    def _groups(self, batch: DataProto, prompts: DataProto, version: int, chunk: int) -> list[FinishedGroup]:
-        """The chunk's finished groups; with partial rollout, those a push cut short go to ``self.open``."""
+    def _groups(
+        self, batch: DataProto, prompts: DataProto, version: int, chunk: int
+    ) -> tuple[list[FinishedGroup], dict[str, OpenGroup]]:
+        """The chunk's finished groups, and (partial rollout) those a push cut short, by uid."""
         rows_of: dict[str, list[int]] = {}
         for row, uid in enumerate(batch.non_tensor_batch[UID]):
             rows_of.setdefault(uid, []).append(row)
-        finished = []
+        finished, opened = [], {}
         for i in range(len(prompts)):
             uid = f"{chunk}-{i}"
             rows = batch[rows_of[uid]]
             if INTERRUPTED in rows.batch.keys() and bool(rows.batch[INTERRUPTED].any()):
-                group = OpenGroup(prompts[i : i + 1], chunk)
+                opened[uid] = OpenGroup(prompts[i : i + 1], chunk)
                 for sample in range(len(rows)):
-                    group.take(sample, rows[sample : sample + 1])
-                with self.lock:
-                    self.open[uid] = group
-                continue
-            finished.append(FinishedGroup(rows, prompts[i : i + 1], version, chunk))
-        return finished
+                    opened[uid].take(sample, rows[sample : sample + 1])
+            else:
+                finished.append(FinishedGroup(rows, prompts[i : i + 1], version, chunk))
+        return finished, opened
 
     # ---- the trainer's side ---------------------------------------------------------------
 

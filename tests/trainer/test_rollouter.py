@@ -2,14 +2,27 @@
 in for the rollout pool (the e2e tests run the real one) so that its speed, and the trainer's, can be set."""
 
 import random
+import threading
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from hybridflow.batch_keys import ATTENTION_MASK, INDEX, INPUT_IDS, POSITION_IDS, RESPONSES, UID
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    INDEX,
+    INPUT_IDS,
+    INTERRUPTED,
+    POSITION_IDS,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    TOKEN_VERSIONS,
+    UID,
+)
 from hybridflow.protocol import DataProto
+from hybridflow.trainer.partial_rollout import PartialRollout
 from hybridflow.trainer.rollouter import FinishedGroup, Rollouter
 from hybridflow.trainer.staleness import staleness_of
 from hybridflow.trainer.timeline import StepTimeline
@@ -45,6 +58,7 @@ class Generator:
         rows = prompts.repeat(N, interleave=True)
         rows.non_tensor_batch[UID] = np.array([f"{chunk}-{i // N}" for i in range(len(rows))], dtype=object)
         rows.batch[RESPONSES] = torch.full((len(rows), 2), chunk)
+        rows.batch[PROMPTS] = rows.batch[INPUT_IDS].clone()
         return rows, {"rollout/chunk": float(chunk)}, StepTimeline(chunk)
 
 
@@ -216,3 +230,68 @@ def test_finished_group_is_picklable():
 
     group = FinishedGroup(next(loader(4, 4)), next(loader(4, 4))[0:1], 3, 1)
     assert pickle.loads(pickle.dumps(group)).version == 3
+
+
+class CutFirstChunk(Generator):
+    """Partial rollout: the first chunk comes back with each prompt's second sample cut after 2 of its 4 tokens
+    (as a push would cut it: the rollout holds version 1 by the time the call returns)."""
+
+    def __call__(self, prompts, chunk):
+        rows, metrics, timeline = super().__call__(prompts, chunk)
+        rows.batch[RESPONSES] = torch.full((len(rows), 4), chunk)
+        cut = torch.tensor([chunk == 1 and i % N == 1 for i in range(len(rows))])
+        rows.batch[RESPONSE_MASK] = torch.where(cut[:, None], torch.tensor([[1, 1, 0, 0]]), torch.ones(1, 4)).long()
+        rows.batch[INTERRUPTED] = cut
+        if chunk == 1:
+            self.rollouter.set_version(1)
+        return rows, metrics, timeline
+
+
+def finish_rows(rows, call):
+    """The continuation: every cut row generated to the end."""
+    done = rows.select(deepcopy=True)
+    done.batch[RESPONSE_MASK] = torch.ones_like(done.batch[RESPONSE_MASK])
+    done.batch[INTERRUPTED] = torch.zeros(len(done), dtype=torch.bool)
+    return done, {}, StepTimeline(call)
+
+
+def test_partial_rollout_continues_cut_samples_first_and_tags_their_tokens():
+    generator = CutFirstChunk()
+    continued_calls = []
+    partial = PartialRollout(
+        interrupt=lambda call: None, continue_rows=lambda r, c: continued_calls.append(c) or finish_rows(r, c)
+    )
+    rollouter = make(generator, eta=1)
+    rollouter.partial = partial
+    rollouter.start()
+    taken = rollouter.take(1)
+    rollouter.stop(5.0)
+    assert continued_calls == [2]  # the call after the cut one continued its samples, before any new prompt
+    assert [int(g.prompt.non_tensor_batch[INDEX][0]) for g in taken.groups] == [0, 1, 2, 3]
+    for group in taken.groups:
+        assert group.version == 0  # its oldest token's
+        assert group.rows.batch[TOKEN_VERSIONS].tolist() == [[0, 0, 0, 0], [0, 0, 1, 1]]
+    assert rollouter.step_counters()["async/continued_samples"] == 4
+
+
+def test_a_snapshot_holds_open_groups_as_prompts_to_generate_again():
+    generator = CutFirstChunk()
+    gate = threading.Event()
+
+    def continue_later(rows, call):
+        gate.wait(5.0)
+        return finish_rows(rows, call)
+
+    rollouter = make(generator, eta=0)
+    rollouter.partial = PartialRollout(interrupt=lambda call: None, continue_rows=continue_later)
+    rollouter.start()
+    deadline = time.time() + 5
+    while not rollouter.open and time.time() < deadline:
+        time.sleep(0.01)
+    state = rollouter.snapshot(lambda: {})
+    gate.set()
+    assert rollouter.take(1) is not None
+    rollouter.stop(5.0)
+    # the 4 prompts were all cut (each group has a sample in flight): all come back as prompts, none queued
+    assert state["queue"] == []
+    assert sorted(int(p.non_tensor_batch[INDEX][0]) for p in state["backlog"]) == [0, 1, 2, 3]
