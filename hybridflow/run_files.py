@@ -22,6 +22,7 @@ from pathlib import Path
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 TIMELINE_FILE = "timeline.jsonl"
+TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"  # fully_async: per step, the dataset index and version of each group
 ACTOR_STATE = "actor"  # a checkpoint's actor: sharded training state (engine/checkpoint.py)
 CRITIC_STATE = "critic"  # a checkpoint's critic, when the run has one
 HF_FILES = "huggingface"  # inside ACTOR_STATE: the model's config, generation config and tokenizer

@@ -32,7 +32,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hybridflow.protocol import DataProto
-from hybridflow.run_files import TIMELINE_FILE
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.timeline import StepTimeline
@@ -67,21 +66,18 @@ class OneStepOffTrainer(RayPPOTrainer):
 
     # ---- the loop -------------------------------------------------------------------------
 
+    def prepare_generation(self) -> None:
+        """The rollout's pool starts from the actor's weights (those of a checkpoint)."""
+        self.link.connect()
+        self.transfer_weights({})
+
     def fit(self, resume_from: Path | None = None) -> dict[str, float]:
-        trainer = self.config.trainer
         metrics: dict[str, float] = {}
         if not self.steps_left(resume_from):
             return metrics
         try:
             with RunProgress(self.total_steps, start_step=self.global_step) as progress:
-                self.timeline = StepTimeline(0, progress)
-                self.link.connect()
-                self.transfer_weights({})  # the rollout starts from the actor's weights (those of a checkpoint)
-                if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
-                    self.tracking.log(self.validate(), step=0)
-                self.collect_spans()
-                if self.global_step == 0:
-                    self.timeline.append_to(self.run_dir / TIMELINE_FILE)
+                self.begin(progress)
                 while True:
                     self.timeline = StepTimeline(self.global_step + 1, progress)
                     batch, metrics = self.next_batch()  # generated during the last step (or now, at first)

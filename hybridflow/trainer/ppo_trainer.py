@@ -120,18 +120,11 @@ class RayPPOTrainer:
 
     def fit(self, resume_from: Path | None = None) -> dict[str, float]:
         """Train to ``total_steps``, first resuming from ``resume_from`` (a verified checkpoint) if given."""
-        trainer = self.config.trainer
         metrics: dict[str, float] = {}
         if not self.steps_left(resume_from):
             return metrics
         with RunProgress(self.total_steps, start_step=self.global_step) as progress:
-            # step 0's timeline: validation before training, or loading a checkpoint
-            self.timeline = StepTimeline(0, progress)
-            if self.val_batches is not None and trainer.val_before_train and self.global_step == 0:
-                self.tracking.log(self.validate(), step=0)
-            self.collect_spans()
-            if self.global_step == 0:
-                self.timeline.append_to(self.run_dir / TIMELINE_FILE)
+            self.begin(progress)
             for prompts in self.batches:
                 self.global_step += 1
                 self.timeline = StepTimeline(self.global_step, progress)
@@ -139,6 +132,21 @@ class RayPPOTrainer:
                 if self.end_step(metrics, progress):
                     break
         return metrics
+
+    def begin(self, progress: RunProgress) -> None:
+        """Step 0, before the first step: the generator made ready, validation before training when due, and
+        step 0's timeline (that validation, or loading a checkpoint)."""
+        self.timeline = StepTimeline(0, progress)
+        self.prepare_generation()
+        if self.val_batches is not None and self.config.trainer.val_before_train and self.global_step == 0:
+            self.tracking.log(self.validate(), step=0)
+        self.collect_spans()
+        if self.global_step == 0:
+            self.timeline.append_to(self.run_dir / TIMELINE_FILE)
+
+    def prepare_generation(self) -> None:
+        """Nothing to do here: the hybrid actor generates with the weights it trains (asynchronous modes give
+        the rollout's pool the actor's weights)."""
 
     def steps_left(self, resume_from: Path | None) -> bool:
         """Resume from ``resume_from`` if given; whether any step is left to train."""

@@ -16,7 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.controller import Role
-from hybridflow.run_files import CONFIG_FILE, CRITIC_STATE, METRICS_FILE, TIMELINE_FILE, keep_records_up_to
+from hybridflow.run_files import (
+    CONFIG_FILE,
+    CRITIC_STATE,
+    METRICS_FILE,
+    TIMELINE_FILE,
+    TRAINED_PROMPTS_FILE,
+    keep_records_up_to,
+)
 from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound, read_trainer_state
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, to_yaml
 from hybridflow.trainer.run_plan import RunPlan
@@ -120,7 +127,7 @@ def _tidy(run_dir: Path, checkpoints: CheckpointManager, checkpoint: Path | None
     """Remove interrupted saves; drop the records the resumed run redoes, or set a fresh run's aside."""
     for stale in checkpoints.remove_unfinished():
         print(f"removed {stale.name}, left by an interrupted checkpoint save")
-    for name in (METRICS_FILE, TIMELINE_FILE):
+    for name in (METRICS_FILE, TIMELINE_FILE, TRAINED_PROMPTS_FILE):
         log = run_dir / name
         if checkpoint is not None and log.is_file():
             step = read_trainer_state(checkpoint)["global_step"]

@@ -7,9 +7,10 @@ import time
 
 import pytest
 
+from hybridflow.run_files import TRAINED_PROMPTS_FILE
 from hybridflow.trainer import main as train_main
 from hybridflow.trainer.config import load_config
-from hybridflow.trainer.fully_async import TRAINED_PROMPTS, FullyAsyncTrainer
+from hybridflow.trainer.fully_async import FullyAsyncTrainer
 
 # wall-clock times, and what only one of the two loops has (the switch of the hybrid actor; the transfer, the queue)
 MEASUREMENTS = ("timing_s/", "perf/", "switch/", "transfer/", "async/", "rollout/weights_version")
@@ -56,7 +57,7 @@ def records(run_dir) -> dict[int, dict]:
 
 
 def trained(run_dir) -> dict[int, dict]:
-    lines = (run_dir / "run" / TRAINED_PROMPTS).read_text().splitlines()
+    lines = (run_dir / "run" / TRAINED_PROMPTS_FILE).read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
 
 

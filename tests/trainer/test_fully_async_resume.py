@@ -11,7 +11,8 @@ import sys
 import time
 
 from hybridflow.data.tasks import write_task
-from hybridflow.trainer.fully_async import ROLLOUTER_STATE, TRAINED_PROMPTS
+from hybridflow.run_files import TRAINED_PROMPTS_FILE
+from hybridflow.trainer.fully_async import ROLLOUTER_STATE
 
 MAX_STALENESS = 2
 
@@ -74,9 +75,11 @@ def train(arguments: list[str], pause_dir=None) -> subprocess.Popen:
 
 
 def lineage(run_dir) -> dict[int, dict]:
-    """The last record of each step (a step the kill interrupted after its record was redone on resume)."""
-    lines = (run_dir / TRAINED_PROMPTS).read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
+    """Each step's record; a resumed run drops those after its checkpoint, as it does their metrics."""
+    records = [json.loads(line) for line in (run_dir / TRAINED_PROMPTS_FILE).read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), steps  # each step once
+    return {r["step"]: r for r in records}
 
 
 def test_kill_minus_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path):
