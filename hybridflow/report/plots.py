@@ -101,9 +101,16 @@ FIGURES = (
         "staleness",
         "Asynchronous training",
         (
-            Panel("staleness (policy versions) of the trained groups", ("async/staleness/mean",), band=True),
+            Panel(
+                "staleness (policy versions): groups, and tokens (partial rollout)",
+                ("async/staleness/mean", "async/token_staleness/mean"),
+                band=True,
+            ),
             Panel("fraction of groups at each staleness", ("async/staleness/frac_*",)),
-            Panel("queue: groups ready, requeued, dropped", ("async/queue_groups", "async/*_groups")),
+            Panel(
+                "queue: groups ready, requeued, dropped; samples continued",
+                ("async/queue_groups", "async/*_groups", "async/continued_samples"),
+            ),
             Panel("waits (s)", ("async/trainer_wait_s", "async/rollouter_idle_s", "async/push_wait_s")),
         ),
     ),
