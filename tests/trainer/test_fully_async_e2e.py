@@ -6,20 +6,13 @@ import json
 import time
 
 import pytest
+from test_one_step_off_e2e import comparable, records
+from test_one_step_off_e2e import overrides as one_step_off_overrides
 
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
 from hybridflow.trainer import main as train_main
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.fully_async import FullyAsyncTrainer
-
-# wall-clock times, and what only one of the two loops has (the switch of the hybrid actor; the transfer, the queue)
-MEASUREMENTS = ("timing_s/", "perf/", "switch/", "transfer/", "async/", "rollout/weights_version")
-
-REWARD = '''
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """Varies between samples, so the tiny model's updates are not zero."""
-    return (sum(map(ord, solution_str)) % 7) / 6.0
-'''
 
 FULLY_ASYNC = (
     "trainer.async_training.mode=fully_async",
@@ -29,40 +22,15 @@ FULLY_ASYNC = (
 
 
 def overrides(arithmetic_files, run_dir, *extra: str) -> list[str]:
-    train, test = arithmetic_files
-    reward = run_dir / "reward.py"
-    reward.write_text(REWARD)
-    return [
-        f"data.train_files=[{train}]",
-        f"data.val_files=[{test}]",
-        f"custom_reward_function.path={reward}",
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.response_length=6",
-        "actor_rollout_ref.actor.optim.lr=1e-2",
-        "algorithm.rollout_correction.rollout_is=token",
-        "trainer.total_training_steps=3",
-        "trainer.test_freq=3",
-        "trainer.n_workers_per_node=1",
-        "trainer.logger=[jsonl]",
-        f"trainer.default_local_dir={run_dir / 'run'}",
-        *extra,
-    ]
-
-
-def records(run_dir) -> dict[int, dict]:
-    lines = (run_dir / "run" / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
+    """One-step-off's test run (tiny-llama, 4 prompts x 2 samples, a reward that varies), 3 steps."""
+    return one_step_off_overrides(
+        arithmetic_files, run_dir, "trainer.total_training_steps=3", "trainer.test_freq=3", *extra
+    )
 
 
 def trained(run_dir) -> dict[int, dict]:
     lines = (run_dir / "run" / TRAINED_PROMPTS_FILE).read_text().splitlines()
     return {r["step"]: r for r in map(json.loads, lines)}
-
-
-def comparable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(MEASUREMENTS)}
 
 
 def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path):

@@ -6,9 +6,9 @@ import json
 import os
 import pickle
 import signal
-import subprocess
-import sys
 import time
+
+from test_kill_and_resume import train
 
 from hybridflow.data.tasks import write_task
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
@@ -62,16 +62,6 @@ def args(files, run_dir) -> list[str]:
         "algorithm.rollout_correction.rollout_is=token",
         f"trainer.default_local_dir={run_dir}",
     ]
-
-
-def train(arguments: list[str], pause_dir=None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.main", *arguments],
-        env={**os.environ, "PAUSE_DIR": str(pause_dir or "")},
-        start_new_session=True,  # its own process group: the kill takes Ray's processes too
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
 
 
 def lineage(run_dir) -> dict[int, dict]:
