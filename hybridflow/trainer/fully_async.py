@@ -49,7 +49,7 @@ from hybridflow.batch_keys import (
 from hybridflow.hybrid_engine.interrupt import interrupt_key
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
-from hybridflow.trainer.partial_rollout import PartialRollout
+from hybridflow.trainer.partial_rollout import PartialRollout, version_range
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer, take_metrics
 from hybridflow.trainer.progress import RunProgress
 from hybridflow.trainer.roles import Role
@@ -188,9 +188,8 @@ class FullyAsyncTrainer(RayPPOTrainer):
             mask = batch.batch[RESPONSE_MASK].bool()
             tokens = (self.global_step - 1 - batch.batch[TOKEN_VERSIONS])[mask].float()
             metrics["async/token_staleness/mean"] = tokens.mean().item()
-            metrics["async/mixed_version_samples"] = float(
-                (batch.batch[TOKEN_VERSIONS].masked_fill(~mask, -1).amax(dim=1) != oldest_per_row(batch)).sum()
-            )
+            oldest, newest = version_range(batch)
+            metrics["async/mixed_version_samples"] = float((newest != oldest).sum())
         metrics["rollout/weights_version"] = sum(g.version for g in groups) / len(groups)
         metrics["async/trainer_wait_s"] = taken.wait_s
         metrics["async/queue_groups"] = float(taken.queue_depth)
@@ -266,9 +265,3 @@ class FullyAsyncTrainer(RayPPOTrainer):
             print(f"resumed the rollouter: {queued} groups queued, {waiting} prompts to generate (again)")
         else:
             print(f"{checkpoint} holds no rollouter state (another mode's): generation starts at the loader")
-
-
-def oldest_per_row(batch: DataProto):
-    """Each row's oldest token version (over its response)."""
-    versions, mask = batch.batch[TOKEN_VERSIONS], batch.batch[RESPONSE_MASK].bool()
-    return versions.masked_fill(~mask, versions.max().item() + 1).amin(dim=1)

@@ -56,11 +56,18 @@ class OpenGroup:
         return DataProto.concat([self.done[s] for s in sorted(self.done)])
 
 
+def version_range(rows: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's oldest and newest token version, over its response: (B,), (B,)."""
+    versions, mask = rows.batch[TOKEN_VERSIONS], rows.batch[RESPONSE_MASK].bool()
+    oldest = versions.masked_fill(~mask, torch.iinfo(versions.dtype).max).amin(dim=1)
+    newest = versions.masked_fill(~mask, torch.iinfo(versions.dtype).min).amax(dim=1)
+    empty = ~mask.any(dim=1)  # no response token: the row's versions as they are
+    return torch.where(empty, versions.amin(dim=1), oldest), torch.where(empty, versions.amax(dim=1), newest)
+
+
 def oldest_version(rows: DataProto) -> int:
     """The version of the oldest token the rows' responses hold."""
-    versions, mask = rows.batch[TOKEN_VERSIONS], rows.batch[RESPONSE_MASK].bool()
-    held = versions[mask]
-    return int(held.min()) if held.numel() else int(versions.min())
+    return int(version_range(rows)[0].min())
 
 
 def continued_versions(cut: DataProto, version: int) -> torch.Tensor:
