@@ -79,6 +79,7 @@ class FullyAsyncTrainer(RayPPOTrainer):
             batch_groups=batch,
             chunk_prompts=settings.chunk_prompts or batch,
             max_staleness=settings.max_staleness,
+            staleness_policy=settings.staleness_policy,
             pad_token_id=self.train_loader.dataset.tokenizer.pad_token_id,
             partial=partial if settings.partial_rollout else None,
         )

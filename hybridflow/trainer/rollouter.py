@@ -27,7 +27,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, INTERRUPTED, POSITI
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.partial_rollout import OpenGroup, PartialRollout, continued_versions, oldest_version
 from hybridflow.trainer.rollout_batches import concat_rollouts
-from hybridflow.trainer.staleness import admission_capacity, staleness_of
+from hybridflow.trainer.staleness import admission_capacity, queue_capacity, staleness_of
 from hybridflow.trainer.timeline import StepTimeline
 
 # generate_chunk(prompts, chunk_index) -> (rollouts with uid "<chunk_index>-<i>" for prompt i, metrics, timeline)
@@ -89,6 +89,7 @@ class Rollouter:
         max_staleness: int,
         pad_token_id: int,
         partial: PartialRollout | None = None,
+        staleness_policy: str = "wait",
     ):
         self.generate_chunk = generate_chunk
         self.partial = partial
@@ -97,6 +98,7 @@ class Rollouter:
         self.batch_groups = batch_groups
         self.chunk_prompts = chunk_prompts
         self.max_staleness = max_staleness
+        self.staleness_policy = staleness_policy  # wait (admission control) | drop (a bounded queue); staleness.py
         self.pad_token_id = pad_token_id
         self.lock = threading.Condition()
         self.thread: threading.Thread | None = None
@@ -146,6 +148,13 @@ class Rollouter:
 
     def capacity(self) -> int:
         flying = (0 if self.in_flight is None else len(self.in_flight)) + len(self.open)
+        if self.staleness_policy == "drop":
+            return queue_capacity(
+                max_staleness=self.max_staleness,
+                batch_groups=self.batch_groups,
+                queued=len(self.queue),
+                in_flight=flying,
+            )
         return admission_capacity(
             max_staleness=self.max_staleness,
             rollout_version=self.rollout_version,
@@ -279,10 +288,8 @@ class Rollouter:
         with self.lock:
             depth = len(self.queue)
             while True:
-                while len(self.queue) < self.batch_groups and not self._exhausted() and self.error is None:
-                    self.lock.wait()
                 self._raise_error()
-                for group in list(self.queue):  # over the bound: possible after a resume with a smaller bound
+                for group in list(self.queue):  # over the bound: the drop policy, or a resume with a smaller bound
                     if staleness_of(train_step, group.version) > self.max_staleness:
                         self.queue.remove(group)
                         self.backlog.append(group.prompt)
@@ -294,6 +301,7 @@ class Rollouter:
                     break
                 if self._exhausted():
                     return None
+                self.lock.wait()
             groups = [self.queue.popleft() for _ in range(self.batch_groups)]
             self.consumed += len(groups)
             self.lock.notify_all()  # room for more generation

@@ -12,6 +12,11 @@ train, so they take no room).
 Groups are generated and trained in the order they were started, so the group at position p (counting
 from 0) is trained at step p // batch + 1 <= η + v + 1: at most η stale. A group found over the bound
 anyway (after a resume with a smaller η) is dropped and its prompt requeued.
+
+That is the ``wait`` policy (``trainer.async_training.staleness_policy``): generation waits for room, so no
+sample is generated in vain. The ``drop`` policy bounds only the queue: at most ``(η + 1) · batch`` groups
+queued or in flight whatever weights the rollout holds, so the rollout never waits on a weight push; a group
+over the bound when the trainer takes it is dropped and its prompt requeued (generated again, by newer weights).
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ def admission_capacity(
     """How many more groups generation may start now without any of them training more than
     ``max_staleness`` versions after the one (``rollout_version``) that generates them."""
     return (max_staleness + rollout_version + 1) * batch_groups - consumed - queued - in_flight
+
+
+def queue_capacity(*, max_staleness: int, batch_groups: int, queued: int, in_flight: int) -> int:
+    """The ``drop`` policy's room: how many more groups generation may start with at most ``(η + 1)`` batches
+    queued or in flight (some may then train over the bound: the trainer drops those)."""
+    return (max_staleness + 1) * batch_groups - queued - in_flight
 
 
 def staleness_of(train_step: int, generated_by: int) -> int:

@@ -114,6 +114,12 @@ def test_a_push_schedule_that_would_starve_the_trainer_is_refused():
     load_config(["trainer.async_training.max_staleness=2", "trainer.async_training.weight_push_every=3"])
 
 
+def test_an_unknown_staleness_policy_is_refused():
+    with pytest.raises(ConfigError) as error:
+        load_config(["trainer.async_training.staleness_policy=skip"])
+    assert error.value.key == "trainer.async_training.staleness_policy" and "drop" in str(error.value)
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [

@@ -62,7 +62,9 @@ class Generator:
         return rows, {"rollout/chunk": float(chunk)}, StepTimeline(chunk)
 
 
-def make(generator, *, n_prompts=32, batch=4, chunk=4, eta=1, keep=None, width_of=lambda b: 3 + b % 2, start=0):
+def make(
+    generator, *, n_prompts=32, batch=4, chunk=4, eta=1, keep=None, width_of=lambda b: 3 + b % 2, start=0, policy="wait"
+):
     rollouter = Rollouter(
         generate_chunk=generator,
         keep_groups=keep,
@@ -71,18 +73,21 @@ def make(generator, *, n_prompts=32, batch=4, chunk=4, eta=1, keep=None, width_o
         chunk_prompts=chunk,
         max_staleness=eta,
         pad_token_id=0,
+        staleness_policy=policy,
     )
     generator.rollouter = rollouter
     return rollouter
 
 
-def train(rollouter, steps, seconds=lambda: 0.0, push_every=1):
+def train(rollouter, steps, seconds=lambda: 0.0, push_every=1, dropped=None):
     """The trainer's side: take, 'train', push; returns per step the (index, version) of each group."""
     seen = []
     for step in range(1, steps + 1):
         taken = rollouter.take(step)
         if taken is None:
             break
+        if dropped is not None:
+            dropped.append(taken.dropped)
         seen.append([(int(g.prompt.non_tensor_batch[INDEX][0]), g.version) for g in taken.groups])
         time.sleep(seconds())
         if step % push_every == 0:
@@ -110,6 +115,29 @@ def test_the_bound_holds_under_a_slow_side(eta, slow):
     indices = [index for groups in seen for index, _ in groups]
     assert sorted(indices) == list(range(32))  # every prompt once, in order of the loader
     assert indices == list(range(32))
+
+
+@pytest.mark.parametrize("policy", ["wait", "drop"])
+def test_the_drop_policy_generates_ahead_and_drops_what_went_stale(policy):
+    """A fast rollouter, a slow trainer, η = 1: waiting, the rollout never starts a group that would train over
+    the bound; dropping, it fills the queue with the old weights between a take and the push, and the trainer
+    drops those groups when they come up two versions stale, their prompts generated again: either way no group
+    trains over the bound and every prompt trains exactly once."""
+    generator = Generator()
+    rollouter = make(generator, chunk=2, eta=1, policy=policy)
+    rollouter.start()
+    dropped: list[int] = []
+    seen = train(rollouter, steps=20, seconds=lambda: 0.05, dropped=dropped)
+    assert rollouter.stop(5.0)
+    stalenesses = [staleness_of(step, version) for step, groups in enumerate(seen, 1) for _, version in groups]
+    assert max(stalenesses) == 1
+    assert sorted(index for groups in seen for index, _ in groups) == list(range(32))
+    generated = sum(generator.chunk_sizes)
+    if policy == "wait":
+        assert sum(dropped) == 0 and generated == 32  # nothing generated in vain
+    else:
+        assert sum(dropped) > 0 and generated == 32 + sum(dropped)  # each dropped group generated again
+        assert len(seen) == 8
 
 
 def test_no_staleness_alternates_generation_and_training():

@@ -2,7 +2,13 @@
 
 import pytest
 
-from hybridflow.trainer.staleness import admission_capacity, check_push_schedule, staleness_metrics, staleness_of
+from hybridflow.trainer.staleness import (
+    admission_capacity,
+    check_push_schedule,
+    queue_capacity,
+    staleness_metrics,
+    staleness_of,
+)
 
 
 def room(**state) -> int:
@@ -20,6 +26,15 @@ def test_admission_capacity_by_hand():
     assert room(max_staleness=1, rollout_version=1, consumed=4, queued=2, in_flight=2) == 4
     # η=0: only the batch the current weights will train
     assert room(max_staleness=0, rollout_version=3, consumed=12, queued=0, in_flight=0) == 4
+
+
+def test_the_drop_policy_bounds_only_the_queue():
+    # η=1, batch 4: two batches queued or in flight, whatever the rollout's weights and the trainer's progress
+    assert queue_capacity(max_staleness=1, batch_groups=4, queued=0, in_flight=0) == 8
+    assert queue_capacity(max_staleness=1, batch_groups=4, queued=2, in_flight=2) == 4
+    # where admission control waits for the push (consumed 4, version 0: no room), the bounded queue does not
+    assert room(max_staleness=1, rollout_version=0, consumed=4, queued=2, in_flight=2) == 0
+    assert queue_capacity(max_staleness=1, batch_groups=4, queued=2, in_flight=2) == 4
 
 
 def test_staleness_of_a_sample():
