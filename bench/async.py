@@ -18,7 +18,8 @@ Each (seed, mode) is a real `hybridflow train` run on a local Ray cluster of --w
   generating continuously into a queue at most 1 (4) policy versions ahead of the trainer
   (`trainer.async_training.max_staleness`), weights pushed every step, the decoupled objective;
   ``fully_async_partial``: η = 1 with partial rollout (a push cuts the call in flight short; single-turn
-  workloads: demo, countdown).
+  workloads: demo, countdown); ``fully_async_shared_cores``: η = 1 with both pools' ranks running --workers
+  torch threads each, sharing all the cores instead of one each.
 
 It prints, per mode and seed, the held-out accuracy at each validation, seconds per step (the median after
 the first), samples per second (all the run's samples over the sum of its steps' times: validation and
@@ -84,6 +85,12 @@ MODES = {
     "fully_async_partial": lambda workers: [
         *fully_async(workers, max_staleness=1),
         "trainer.async_training.partial_rollout=true",
+    ],
+    # η = 1 with each pool's rank free to use every core (torch threads = --workers): the OS hands the trainer the
+    # cores that generation leaves idle (waiting on a tool, between calls) instead of fixing one core per pool
+    "fully_async_shared_cores": lambda workers: [
+        *fully_async(workers, max_staleness=1),
+        f"trainer.threads_per_worker={workers}",
     ],
 }
 WORKLOADS = {  # name: (config file, task, held-out questions)
