@@ -16,7 +16,8 @@ USAGE = """usage: hybridflow <command> [--debug] [args]
 
 commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
-  export CHECKPOINT|RUN_DIR OUT_DIR     write a checkpoint's actor (a run's latest) as a Hugging Face model directory
+  export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
+                                        write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
   measure TASK [--model M] [--n N] [--tools FILE] ...
                                         a model's accuracy on a built-in task's test prompts, before training
@@ -24,10 +25,13 @@ commands:
                                         choose the placement and parallel layouts of a run (writes plan.yaml)
 """
 
-EXPORT_USAGE = """usage: hybridflow export CHECKPOINT|RUN_DIR OUT_DIR
+EXPORT_USAGE = """usage: hybridflow export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
 
 Writes the actor of a checkpoint (a global_step_N directory, or a run directory: its latest
 complete checkpoint) as a plain Hugging Face model directory (safetensors, config, tokenizer).
+An actor trained with LoRA is written as peft's adapter directory (adapter_model.safetensors,
+adapter_config.json naming the base model; peft.PeftModel.from_pretrained loads it), or with
+--merged as the base model with the adapters merged in.
 """
 
 
@@ -41,11 +45,13 @@ def _export(args: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in args):
         print(EXPORT_USAGE)
         return 0
-    if len(args) != 2:
+    merged = "--merged" in args
+    paths = [arg for arg in args if arg != "--merged"]
+    if len(paths) != 2:
         raise UserError(f"export takes a checkpoint (or run directory) and an output directory\n\n{EXPORT_USAGE}")
     from hybridflow.trainer.export import export_checkpoint
 
-    print(f"exported to {export_checkpoint(args[0], args[1])}")
+    print(f"exported to {export_checkpoint(paths[0], paths[1], merged=merged)}")
     return 0
 
 

@@ -26,6 +26,7 @@ TRAINED_PROMPTS_FILE = "trained_prompts.jsonl"  # fully_async: per step, the dat
 ACTOR_STATE = "actor"  # a checkpoint's actor: sharded training state (engine/checkpoint.py)
 CRITIC_STATE = "critic"  # a checkpoint's critic, when the run has one
 HF_FILES = "huggingface"  # inside ACTOR_STATE: the model's config, generation config and tokenizer
+ADAPTER_FILES = "adapter"  # beside HF_FILES in a LoRA role's state: peft's adapter_config.json
 
 
 @dataclass(frozen=True)

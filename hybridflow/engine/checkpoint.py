@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from hybridflow.engine.lora import is_lora
 from hybridflow.engine.optim import TrainedModel
 
 SHARDS = "dcp"
@@ -40,10 +41,18 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def _state_options(trained: TrainedModel) -> StateDictOptions:
+    """A LoRA model's state is its adapters (and their optimizer state): the frozen base is the model
+    directory's, unchanged, and is not saved again. Loading then sets the trainable weights only (not strict
+    about the frozen ones); dcp.load has already failed if the checkpoint lacks any of those."""
+    lora = is_lora(trained.model)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+
+
 def save_training_state(directory: Path, trained: TrainedModel, rank: int) -> None:
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optim_state = get_state_dict(trained.model, trained.optimizer)
+    model_state, optim_state = get_state_dict(trained.model, trained.optimizer, options=_state_options(trained))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / SHARDS))
     if rank == 0:
         torch.save(trained.scheduler.state_dict(), directory / SCHEDULER)
@@ -58,10 +67,17 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
         raise FileNotFoundError(
             f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?"
         )
-    model_state, optim_state = get_state_dict(trained.model, trained.optimizer)
+    options = _state_options(trained)
+    model_state, optim_state = get_state_dict(trained.model, trained.optimizer, options=options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
-    set_state_dict(trained.model, trained.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        trained.model,
+        trained.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        options=options,
+    )
     if (directory / SCHEDULER).is_file():
         trained.scheduler.load_state_dict(torch.load(directory / SCHEDULER, weights_only=False))
     rng_file = directory / f"rng_rank{rank}.pt"

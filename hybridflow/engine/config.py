@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
+from hybridflow.engine.lora import LoraConfig
 from hybridflow.engine.optim import OptimConfig
 from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES
 from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
@@ -20,6 +21,13 @@ from hybridflow.validation import require, require_choice, require_positive, req
 class ModelConfig:
     path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
     enable_gradient_checkpointing: bool  # recompute activations in backward to save memory
+
+
+@dataclass(kw_only=True)
+class TrainedModelConfig(ModelConfig):
+    """A model that a role trains (the actor's, the critic's)."""
+
+    lora: LoraConfig  # LoRA adapters (peft) instead of training every weight; rank 0: off
 
 
 @dataclass(kw_only=True)
@@ -117,7 +125,7 @@ class RefConfig:
 class CriticConfig(UpdateConfig):
     """The value model of PPO (built when algorithm.adv_estimator needs values, e.g. gae)."""
 
-    model: ModelConfig  # path "" means: the actor's model
+    model: TrainedModelConfig  # path "" means: the actor's model
     forward_micro_batch_size_per_gpu: int  # samples per forward when computing values
     forward_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch when computing values
     cliprange_value: float  # value clipping range around the old values

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import torch
@@ -12,6 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import FSDPConfig
+from hybridflow.engine.lora import policy_buffers, policy_parameters
 from hybridflow.models.dtypes import parse_dtype
 
 
@@ -40,8 +42,9 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mo
 
 
 def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for each parameter and buffer, gathered one at a time on every rank."""
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    """(name, full tensor) for each parameter and buffer, gathered one at a time on every rank (a LoRA
+    model's weights merged, under the plain model's names)."""
+    for name, tensor in itertools.chain(policy_parameters(model), policy_buffers(model)):
         yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 

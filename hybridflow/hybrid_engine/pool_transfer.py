@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hybridflow.engine.lora import policy_parameters
 from hybridflow.hybrid_engine.reshard import tensor_parallel_dim, unshard_data_parallel
 from hybridflow.hybrid_engine.transfer_plan import (
     Bucket,
@@ -234,7 +235,7 @@ def send_weights(
         ready.setdefault(bucket.ready, []).append(bucket)
         for piece in bucket.pieces:
             pieces.setdefault(piece.param, []).append((bucket, piece))
-    named = list(model.named_parameters())
+    named = list(policy_parameters(model))  # a LoRA model's merged, under the plain names
     if [n for n, _ in named] != [p.name for p in plan.params]:
         raise ValueError("the model's parameters are not the plan's (names or order differ)")
     buffers: dict[int, torch.Tensor] = {}

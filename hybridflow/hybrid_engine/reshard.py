@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from hybridflow.engine.lora import policy_buffers, policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
 from hybridflow.models.tensor_parallel import layer_split
@@ -78,7 +79,7 @@ def generation_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
     one at a time; ``report`` accumulates the bytes."""
-    for name, param in model.named_parameters():
+    for name, param in policy_parameters(model):  # a LoRA model's merged, under the plain names
         part = param.detach().to(dtype)
         if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
             report.whole += _nbytes(part)
@@ -98,5 +99,5 @@ def generation_weights(
         report.received += _nbytes(piece) - own
         report.held += _nbytes(piece)
         yield name, piece
-    for name, buffer in model.named_buffers():
+    for name, buffer in policy_buffers(model):
         yield name, buffer.full_tensor() if isinstance(buffer, DTensor) else buffer

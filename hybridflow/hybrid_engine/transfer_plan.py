@@ -23,6 +23,7 @@ from math import prod
 
 from torch import nn
 
+from hybridflow.engine.lora import policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models.tensor_parallel import layer_split
 
@@ -167,10 +168,11 @@ def predicted_sent_bytes(
 
 
 def transfer_params(model: nn.Module) -> list[ParamSpec]:
-    """The parameter list of a Hugging Face model (full shapes, also of DTensors or on the meta device),
-    with each weight's split dimension from its family's table (models/tensor_parallel.py)."""
+    """The parameter list of a Hugging Face model (full shapes, also of DTensors or on the meta device; a LoRA
+    model's as merged weights under the plain names, engine/lora.py), with each weight's split dimension
+    from its family's table (models/tensor_parallel.py)."""
     split = layer_split(model.config.model_type)
-    return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in model.named_parameters()]
+    return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in policy_parameters(model)]
 
 
 def _overlap(lo: int, hi: int, lo2: int, hi2: int) -> tuple[int, int] | None:

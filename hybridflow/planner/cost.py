@@ -17,11 +17,12 @@ Kinds of work (per device, one step):
   generation engine): kernel dispatch, what dominates small models and small batches on a CPU.
 
 Memory per device: fp32 masters, gradients and Adam's two moments (16 bytes per weight) for trained
-models, fp32 weights for scored ones, all sharded over every rank of the model (FSDP over dp, tensor
-parallelism over t); the actor's bf16 generation copy (1/tg of the decoder, whole embeddings); and the
-largest transient: activations of a micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti
-et al. 2022, over t; with gradient checkpointing each layer's bf16 input and one layer's activations) and
-its fp32 logits, or the KV cache of the rank's generation group.
+models (with LoRA: 16 bytes per adapter weight, the frozen base in bf16), fp32 weights for scored ones,
+all sharded over every rank of the model (FSDP over dp, tensor parallelism over t); the actor's bf16
+generation copy (1/tg of the decoder, whole embeddings); and the largest transient: activations of a
+micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti et al. 2022, over t; with gradient
+checkpointing each layer's bf16 input and one layer's activations) and its fp32 logits, or the KV cache of
+the rank's generation group.
 """
 
 from __future__ import annotations
@@ -59,12 +60,22 @@ def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
 
 
 def pass_seconds(
-    shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec, *, backward: bool, epochs: int = 1
+    shape: ModelShape,
+    layout: LayoutShape,
+    workload: Workload,
+    cluster: ClusterSpec,
+    *,
+    backward: bool,
+    epochs: int = 1,
+    frozen_base: bool = False,
 ) -> float:
-    """A scoring pass (backward=False) or ``epochs`` training passes over the step's samples."""
+    """A scoring pass (backward=False) or ``epochs`` training passes over the step's samples (``frozen_base``:
+    LoRA's, whose backward computes the activations' gradients but no weight gradients of the base)."""
     rows = ceil(workload.samples / layout.dp)
     length = workload.prompt_length + workload.response_length
     factor = 6 if backward else 2
+    if backward and frozen_base:
+        factor = 4
     weights = shape.layer_params / layout.t + shape.vocab * shape.hidden
     attention = 2 * shape.layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
     compute = factor * rows * length * (weights + attention) / (cluster.flops * cluster.train_efficiency)
@@ -117,7 +128,15 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
     if role is Role.ActorRollout:
         seconds = {
             "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
-            "update_actor": pass_seconds(shape, layout, workload, cluster, backward=True, epochs=workload.actor_epochs),
+            "update_actor": pass_seconds(
+                shape,
+                layout,
+                workload,
+                cluster,
+                backward=True,
+                epochs=workload.actor_epochs,
+                frozen_base=Role.ActorRollout in workload.adapters,
+            ),
         }
         if not workload.rollout_apart:
             seconds["gen"] = switch_seconds(shape, layout, cluster) + generation_seconds(
@@ -133,7 +152,13 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
         return {
             "values": pass_seconds(shape, layout, workload, cluster, backward=False),
             "update_critic": pass_seconds(
-                shape, layout, workload, cluster, backward=True, epochs=workload.critic_epochs
+                shape,
+                layout,
+                workload,
+                cluster,
+                backward=True,
+                epochs=workload.critic_epochs,
+                frozen_base=Role.Critic in workload.adapters,
             ),
         }
     stage = ROLE_STAGES[role][0]
@@ -146,6 +171,8 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
         return _generation_memory(shape, layout, workload)
     shard = layout.world
     static = (16 if role in TRAINED else 4) * shape.params / shard
+    if role in workload.adapters:  # LoRA: no gradients, optimizer state or fp32 master for the frozen base
+        static = (2 * shape.params + 16 * workload.adapters[role]) / shard
     length = workload.prompt_length + workload.response_length
     micro = min(workload.micro_batch, ceil(workload.samples / layout.dp))
     logits = 4 * micro * length * shape.vocab

@@ -50,6 +50,22 @@ class ModelShape:
         """Weights multiplied per token (the input embedding is a lookup)."""
         return self.layer_params + self.vocab * self.hidden
 
+    def adapter_params(self, rank: int, targets: tuple[str, ...] = ()) -> int:
+        """LoRA's trained weights at ``rank``: r x (inputs + outputs) of each adapted projection of every layer
+        (``targets``: their names; empty: every linear layer of the decoder)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        sizes = {
+            "q_proj": self.hidden + q,
+            "k_proj": self.hidden + kv,
+            "v_proj": self.hidden + kv,
+            "o_proj": q + self.hidden,
+            "gate_proj": self.hidden + self.ffn,
+            "up_proj": self.hidden + self.ffn,
+            "down_proj": self.ffn + self.hidden,
+        }
+        chosen = targets or tuple(sizes)
+        return self.layers * rank * sum(sizes[name] for name in chosen if name in sizes)
+
     def kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
@@ -104,6 +120,8 @@ class Workload:
     micro_batch: int = 8  # samples per forward/backward on one device (activation memory)
     gradient_checkpointing: bool = False  # keep only each layer's input for the backward
     max_num_seqs: int = 256  # most sequences a generation group decodes at once (its KV cache's slots)
+    # LoRA: the trained weights of each role that trains adapters (the rest of its model is frozen)
+    adapters: dict[Role, int] = dataclasses.field(default_factory=dict)
 
     @property
     def rollout_apart(self) -> bool:
@@ -151,6 +169,11 @@ def workload_from_config(config) -> Workload:
     for role in roles:
         name, directory = names[role]
         models[role] = shape_from_hf(AutoConfig.from_pretrained(directory), str(name))
+    adapters = {}
+    for role, lora in ((Role.ActorRollout, arr.model.lora), (Role.Critic, config.critic.model.lora)):
+        if role in models and lora.enabled:
+            targets = () if lora.target_modules == ["all-linear"] else tuple(lora.target_modules)
+            adapters[role] = models[role].adapter_params(lora.rank, targets)
     return Workload(
         models=models,
         prompts=config.data.train_batch_size,
@@ -162,4 +185,5 @@ def workload_from_config(config) -> Workload:
         micro_batch=arr.actor.ppo_micro_batch_size_per_gpu,
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         max_num_seqs=arr.rollout.native.max_num_seqs,
+        adapters=adapters,
     )

@@ -182,6 +182,53 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
     )
 
 
+def _lora_layers(model_dir: str, critic: bool) -> set[str]:
+    """The linear layers LoRA may adapt in the model directory, read from a copy built on the meta device."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    from hybridflow.engine.lora import heads, linear_layer_names
+
+    config = model_config(model_dir)
+    with torch.device("meta"):
+        model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(config)
+    return linear_layer_names(model) - set(heads(model))
+
+
+def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """Target modules this model has; no tensor parallelism (its adapters would need a split of their own)."""
+    from hybridflow.engine.lora import target_problem
+
+    arr = cfg.actor_rollout_ref
+    trained = [
+        ("actor_rollout_ref", arr.model.lora, plan.paths.actor_model, False, arr.actor.tensor_model_parallel_size)
+    ]
+    if plan.needs(Role.Critic):
+        trained.append(
+            ("critic", cfg.critic.model.lora, plan.paths.critic_model, True, cfg.critic.tensor_model_parallel_size)
+        )
+    for section, lora, model_dir, critic, t in trained:
+        if not lora.enabled:
+            continue
+        key = f"{section}.model.lora"
+        problem = target_problem(lora.target_modules, _lora_layers(model_dir, critic))
+        _check(problem is None, f"{key}.target_modules", problem or "", "name some of them, or [all-linear]")
+        tensor_key = "actor_rollout_ref.actor" if section == "actor_rollout_ref" else "critic"
+        _check(
+            t == 1,
+            f"{key}.rank",
+            f"LoRA with tensor parallelism ({tensor_key}.tensor_model_parallel_size={t}) is not supported yet",
+            f"{tensor_key}.tensor_model_parallel_size=1, or train without LoRA (rank 0)",
+        )
+    if arr.model.lora.enabled:
+        tg = plan.generation_layout.tg
+        _check(
+            tg == 1,
+            "actor_rollout_ref.model.lora.rank",
+            f"LoRA with a tensor-parallel generation layout (tg={tg}) is not supported yet",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size=1, or train without LoRA (rank 0)",
+        )
+
+
 def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:
     n = cfg.actor_rollout_ref.rollout.n
     _check(
@@ -310,6 +357,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)
     _check_async(cfg)
+    _check_lora(cfg, plan)
     overlong = cfg.reward.overlong_buffer
     _check(
         not overlong.enable or overlong.len <= arr.rollout.response_length,

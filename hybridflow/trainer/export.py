@@ -8,18 +8,23 @@ newest intact checkpoint, with a warning naming the damaged ones skipped. Nothin
 
 from __future__ import annotations
 
+import json
 import pickle
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from hybridflow.engine.checkpoint import SHARDS
-from hybridflow.run_files import ACTOR_STATE, HF_FILES
+from hybridflow.engine.lora import ADAPTER
+from hybridflow.models import load_causal_lm
+from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
 from hybridflow.trainer.checkpoint import (
     COMPLETE,
     MANIFEST,
@@ -34,6 +39,8 @@ from hybridflow.trainer.checkpoint import (
 from hybridflow.validation import UserError
 
 HF_CONFIG = "config.json"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's names for an adapter directory's files
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # what reading a checkpoint's files raises when their bytes are not what they should be
 UNREADABLE = (OSError, ValueError, RuntimeError, KeyError, EOFError, pickle.UnpicklingError)
 
@@ -99,17 +106,66 @@ def _load_actor(checkpoint: Path) -> PreTrainedModel:
     return model
 
 
-def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> Path:
+def _adapter_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A LoRA actor's adapter weights under the names peft saves them by (no adapter name)."""
+    try:
+        state = consolidated_model_state(checkpoint / ACTOR_STATE)
+    except (*UNREADABLE, CheckpointException) as error:
+        raise CheckpointError(
+            f"cannot export {checkpoint}: its adapters do not load, damaged or not hybridflow's ({_error_text(error)})"
+        ) from error
+    return {name.replace(f".{ADAPTER}.", "."): tensor.contiguous() for name, tensor in state.items()}
+
+
+def _load_lora_actor(checkpoint: Path, adapter_out: Path) -> PreTrainedModel:
+    """The base model with the checkpoint's adapters merged in (the adapter directory already written)."""
+    from peft import PeftModel
+
+    base = json.loads((adapter_out / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    try:
+        model = PeftModel.from_pretrained(load_causal_lm(base, dtype=torch.float32), str(adapter_out))
+    except (*UNREADABLE, CheckpointException) as error:
+        raise CheckpointError(
+            f"cannot export {checkpoint}: its adapters do not fit {base} ({_error_text(error)})"
+        ) from error
+    return model.merge_and_unload()
+
+
+def export_checkpoint(
+    checkpoint: str | Path, out_dir: str | Path, dtype: torch.dtype = torch.float32, *, merged: bool = False
+) -> Path:
     """Write safetensors weights, config, generation config and tokenizer that ``from_pretrained`` loads.
 
     ``checkpoint``: a global_step_N directory, or a run directory (its newest intact checkpoint). A damaged
-    checkpoint, or an ``out_dir`` that cannot be written, is a UserError naming it."""
+    checkpoint, or an ``out_dir`` that cannot be written, is a UserError naming it. A LoRA actor's checkpoint
+    exports as peft's adapter directory (``peft.PeftModel.from_pretrained`` loads it over the base model), or
+    with ``merged`` as the base model with the adapters merged in."""
     out = Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"cannot export to {out}: it is a file, not a directory")
     source = find_checkpoint(Path(checkpoint).expanduser())
     print(f"exporting from {source}")
-    model = _load_actor(source).to(dtype)
+    adapter_config = source / ACTOR_STATE / ADAPTER_FILES / ADAPTER_CONFIG
+    if adapter_config.is_file():
+        adapters = _adapter_state(source)
+        with tempfile.TemporaryDirectory() as scratch:
+            staged = Path(scratch)
+            save_file(adapters, str(staged / ADAPTER_WEIGHTS))
+            shutil.copyfile(adapter_config, staged / ADAPTER_CONFIG)
+            if not merged:
+                try:
+                    out.mkdir(parents=True, exist_ok=True)
+                    for name in (ADAPTER_WEIGHTS, ADAPTER_CONFIG):
+                        shutil.copyfile(staged / name, out / name)
+                    AutoTokenizer.from_pretrained(source / ACTOR_STATE / HF_FILES).save_pretrained(out)
+                except OSError as error:
+                    raise UserError(
+                        f"cannot write the exported adapters to {out}: {error.strerror or error}"
+                    ) from error
+                return out
+            model = _load_lora_actor(source, staged).to(dtype)
+    else:
+        model = _load_actor(source).to(dtype)
     hf_dir = source / ACTOR_STATE / HF_FILES
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)

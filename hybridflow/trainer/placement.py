@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
-from hybridflow.trainer.roles import RoleGroups
+from hybridflow.trainer.roles import RoleGroups, needs_reference
 
 ROLE_NAMES = tuple(role.value for role in Role)
 
@@ -150,4 +150,5 @@ def build_groups(config: HybridFlowConfig, placement: Placement, specs: dict[Rol
         pool_specs = {role.value: specs[role] for role in placement.roles_on(pool_name)}
         views = RayWorkerGroup.colocated(pool, pool_specs, name=pool_name)
         groups.update({Role(name): view for name, view in views.items()})
-    return RoleGroups.from_roles(groups, pool_of=placement.role_pool)
+    reference_on_actor = needs_reference(config) and config.actor_rollout_ref.model.lora.enabled
+    return RoleGroups.from_roles(groups, pool_of=placement.role_pool, reference_on_actor=reference_on_actor)

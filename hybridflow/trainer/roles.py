@@ -11,10 +11,11 @@ from hybridflow.trainer.config import HybridFlowConfig
 
 
 def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> list[Role]:
-    """The actor always; the reference for a KL term; the critic for an estimator that needs values;
-    the reward model when enabled; the rollout role when generation runs apart from the actor (async modes)."""
+    """The actor always; the reference for a KL term (unless the actor trains LoRA adapters: then the actor
+    with its adapters off is the reference); the critic for an estimator that needs values; the reward model
+    when enabled; the rollout role when generation runs apart from the actor (async modes)."""
     roles = [Role.ActorRollout]
-    if config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss:
+    if needs_reference(config) and not config.actor_rollout_ref.model.lora.enabled:
         roles.append(Role.RefPolicy)
     if estimator.needs_values:
         roles.append(Role.Critic)
@@ -25,23 +26,31 @@ def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> lis
     return roles
 
 
+def needs_reference(config: HybridFlowConfig) -> bool:
+    """Whether a KL term needs the reference policy's log-probs."""
+    return config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss
+
+
 @dataclass(kw_only=True)
 class RoleGroups:
     """The worker groups of a run, one field per Role (roles a config does not need are None), and
     the resource pool each runs on."""
 
     actor_rollout: RayWorkerGroup
-    ref: RayWorkerGroup | None
+    ref: RayWorkerGroup | None  # computes the reference log-probs: the ref role's group, or a LoRA actor's
     critic: RayWorkerGroup | None
     reward_model: RayWorkerGroup | None
     rollout: RayWorkerGroup | None  # generation apart from the actor (async modes); None: the actor generates
     pool_of: dict[Role, str]
 
     @classmethod
-    def from_roles(cls, groups: Mapping[Role, RayWorkerGroup], pool_of: Mapping[Role, str]) -> RoleGroups:
+    def from_roles(
+        cls, groups: Mapping[Role, RayWorkerGroup], pool_of: Mapping[Role, str], *, reference_on_actor: bool = False
+    ) -> RoleGroups:
+        """``reference_on_actor``: the actor computes the reference log-probs (LoRA, adapters off)."""
         return cls(
             actor_rollout=groups[Role.ActorRollout],
-            ref=groups.get(Role.RefPolicy),
+            ref=groups[Role.ActorRollout] if reference_on_actor else groups.get(Role.RefPolicy),
             critic=groups.get(Role.Critic),
             reward_model=groups.get(Role.RewardModel),
             rollout=groups.get(Role.Rollout),
@@ -60,6 +69,6 @@ class RoleGroups:
         groups[Role.Rollout] = self.rollout
         pools: dict[str, RayWorkerGroup] = {}
         for role, group in groups.items():
-            if group is not None:
+            if group is not None and role in self.pool_of:  # a LoRA actor's reference has no pool of its own
                 pools.setdefault(self.pool_of[role], group)
         return pools

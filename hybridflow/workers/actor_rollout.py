@@ -20,8 +20,10 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters
+from hybridflow.engine.lora import adapters_off, save_adapter_config
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
+from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -31,7 +33,7 @@ from hybridflow.hybrid_engine.transfer_setup import TransferSetup
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.run_files import ACTOR_STATE, HF_FILES
+from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.generation import build_generator, call_sampling
 from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
@@ -56,6 +58,7 @@ class ActorWorker(Worker):
         super().__init__()
         self.config = config
         self.seed = seed
+        self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
         # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
         # generation (the hybrid actor's): groups of tg ranks split each layer and see the same prompts
@@ -75,6 +78,8 @@ class ActorWorker(Worker):
             mesh,
         )
         self.actor = PolicyEngine(trained, config.actor, dp_group=mesh["dp"].get_group())
+        # LoRA: the reference policy is this model with its adapters off (no second copy of the weights)
+        self.reference = ReferenceEngine(trained.model, config.ref) if config.model.lora.enabled else None
         self.generation_dtype = parse_dtype(config.rollout.dtype, self.device)  # what generation weights are in
 
     # ---- the weight transfer to a rollout role on its own pool (asynchronous modes) ----------------
@@ -121,6 +126,8 @@ class ActorWorker(Worker):
             self.actor.model.config.save_pretrained(target / HF_FILES)
             self.actor.model.generation_config.save_pretrained(target / HF_FILES)
             self.tokenizer.save_pretrained(target / HF_FILES)
+            if self.config.model.lora.enabled:  # the adapters' settings and base model, for an export
+                save_adapter_config(self.actor.model, self.model_path, target / ADAPTER_FILES)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:
@@ -130,6 +137,14 @@ class ActorWorker(Worker):
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """old_log_probs and entropys (B, R)."""
         return self.actor.compute_log_prob(data, self.config.rollout.temperature, with_entropy=True)
+
+    @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
+    def compute_ref_log_prob(self, data: DataProto) -> DataProto:
+        """ref_log_prob (B, R) of a LoRA actor: the base model's, its adapters off (RefPolicyWorker's otherwise)."""
+        if self.reference is None:
+            raise RuntimeError("the actor computes reference log-probs only with LoRA on (model.lora.rank > 0)")
+        with adapters_off(self.actor.model):
+            return self.reference.compute_ref_log_prob(data, self.config.rollout.temperature)
 
     @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
     def update_actor(self, data: DataProto) -> DataProto:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.engine.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig
+from hybridflow.engine.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig, TrainedModelConfig
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.validation import require, require_positive
 
@@ -13,7 +13,7 @@ from hybridflow.validation import require, require_positive
 class ActorRolloutRefConfig:
     """The policy: its model, training (actor), generation (rollout) and the frozen reference (ref)."""
 
-    model: ModelConfig  # the policy; the reference starts from the same weights
+    model: TrainedModelConfig  # the policy; the reference starts from the same weights
     actor: ActorConfig
     rollout: RolloutConfig
     ref: RefConfig

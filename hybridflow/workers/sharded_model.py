@@ -10,10 +10,12 @@ import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hybridflow.engine.config import FSDPConfig, ModelConfig
+from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
+from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
+from hybridflow.models.dtypes import parse_dtype
 from hybridflow.models.loading import enable_activation_checkpointing
 
 
@@ -33,15 +35,19 @@ def build_sharded(
     mesh: DeviceMesh | None = None,
     *,
     gradient_checkpointing: bool = False,
+    lora: LoraConfig | None = None,
 ) -> nn.Module:
     """Load the model directory ``path`` (the run plan's), then shard: over all ranks (FSDP2), or on a
-    (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp."""
+    (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp. With ``lora`` enabled the
+    model gets peft's adapters first, its frozen base kept in the compute dtype (no fp32 master copy)."""
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(path, dtype=torch.float32)
     if gradient_checkpointing:
         enable_activation_checkpointing(module)
     module.config.use_cache = False
+    if lora is not None and lora.enabled:
+        module = apply_lora(module, lora, frozen_dtype=parse_dtype(fsdp.param_dtype, device))
     module = module.to(device)
     if mesh is None:
         return shard_model(module, data_parallel_mesh(device), fsdp)
@@ -52,7 +58,7 @@ def build_sharded(
 def build_trainable(
     load: Callable[..., nn.Module],
     path: str,
-    model: ModelConfig,
+    model: TrainedModelConfig,
     fsdp: FSDPConfig,
     optim: OptimConfig,
     device: torch.device,
@@ -60,10 +66,17 @@ def build_trainable(
     total_steps: int,
     mesh: DeviceMesh | None = None,
 ) -> TrainedModel:
-    """``build_sharded`` (``model``: its gradient checkpointing), with AdamW and its learning-rate schedule
-    over ``total_steps`` training steps."""
+    """``build_sharded`` (``model``: its gradient checkpointing and LoRA), with AdamW over the trainable
+    parameters and its learning-rate schedule over ``total_steps`` training steps."""
     sharded = build_sharded(
-        load, path, fsdp, device, seed, mesh, gradient_checkpointing=model.enable_gradient_checkpointing
+        load,
+        path,
+        fsdp,
+        device,
+        seed,
+        mesh,
+        gradient_checkpointing=model.enable_gradient_checkpointing,
+        lora=model.lora,
     )
     return TrainedModel.build(sharded, optim, total_steps)
 

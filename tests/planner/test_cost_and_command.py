@@ -80,6 +80,26 @@ def test_memory_by_hand():
     assert ref_static == pytest.approx(4 * SHAPE.params / 2)
 
 
+def test_lora_by_hand():
+    # rank 2 on every projection of the 2 layers: q, k, v, o are 8 -> 8 (16 each), gate and up 8 -> 16 and down
+    # 16 -> 8 (24 each): r x (inputs + outputs) each
+    assert SHAPE.adapter_params(2) == 2 * 2 * (4 * 16 + 3 * 24)
+    assert SHAPE.adapter_params(2, ("q_proj", "v_proj")) == 2 * 2 * (16 + 16)
+    adapters = SHAPE.adapter_params(2)
+    lora = replace(WORK, adapters={Role.ActorRollout: adapters})
+    layout = LayoutShape(dp=2, t=1, tg=1)
+    full, _ = memory_bytes(Role.ActorRollout, SHAPE, layout, WORK)
+    static, _ = memory_bytes(Role.ActorRollout, SHAPE, layout, lora)
+    generation_copy = 2 * (SHAPE.layer_params + 80)
+    assert full == pytest.approx(16 * SHAPE.params / 2 + generation_copy)
+    # the frozen base in bf16 with no gradients or optimizer state; 16 bytes per adapter weight
+    assert static == pytest.approx((2 * SHAPE.params + 16 * adapters) / 2 + generation_copy)
+    # the update's backward computes no weight gradients of the base: 4 x, not 6 x, the forward's FLOPs
+    forward = pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=False)
+    assert pass_seconds(SHAPE, ONE, lora, CLUSTER, backward=True, frozen_base=True) == pytest.approx(2 * forward)
+    assert pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=True) == pytest.approx(3 * forward)
+
+
 def test_hybridflow_plan_writes_a_config_that_train_accepts(arithmetic_files, tmp_path, capsys):
     train, _ = arithmetic_files
     settings = [

@@ -1,6 +1,6 @@
 """A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
-synchronous, and one-step-off (killed after the batch of step 3 was generated, while step 3 trains on it and
-the rollout's pool generates the batch of step 4)."""
+synchronous, synchronous with LoRA adapters, and one-step-off (killed after the batch of step 3 was generated,
+while step 3 trains on it and the rollout's pool generates the batch of step 4)."""
 
 import json
 import os
@@ -22,6 +22,13 @@ MODES = {
         "algorithm.rollout_correction.rollout_is=token",
         "trainer.placement=group_colocate",
         "trainer.n_workers_per_node=1",
+    ],
+    # LoRA adapters (the checkpoint holds them and their optimizer state), with a KL loss whose reference is the
+    # actor with its adapters off
+    "lora": [
+        "actor_rollout_ref.model.lora.rank=4",
+        "actor_rollout_ref.model.lora.alpha=8",
+        "actor_rollout_ref.actor.use_kl_loss=true",
     ],
 }
 

@@ -1,0 +1,196 @@
+"""LoRA adapters on a role's model, built by peft: the settings, the wrapping, the adapters-off context (the
+reference policy) and the merged weights a rollout engine takes.
+
+Only the adapter matrices train: peft freezes the base, so the base has no gradients, no optimizer state and
+(with ``frozen_dtype``) no fp32 master copy. A wrapped linear layer computes
+
+    y = x W^T + scaling · (x A^T) B^T,      scaling = alpha / rank
+
+so the weight it stands for is W + scaling · B A (``merged_parameters``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hybridflow.validation import require
+
+ALL_LINEAR = "all-linear"  # every linear layer of the decoder (not the output head), as peft reads it
+PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's parameter names
+BASE_LAYER = ".base_layer"  # where peft moves a wrapped layer's own weight
+ADAPTER = "default"  # the adapter's name in peft (one adapter per model here)
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    rank: int  # LoRA rank r of every adapter (0: off, the whole model trains)
+    alpha: float  # the adapters' output is scaled by alpha / rank
+    dropout: float  # dropout on the adapters' input while training
+    # linear layers to adapt, by the last part of their name (q_proj, v_proj, ...), or [all-linear]
+    target_modules: list[str]
+
+    def __post_init__(self) -> None:
+        require(self.rank >= 0, "rank", f"must be 0 (off) or more, got {self.rank}", "set rank to e.g. 8, or 0")
+        require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
+        require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        require(
+            not self.enabled or bool(self.target_modules),
+            "target_modules",
+            "is empty: LoRA needs layers to adapt",
+            f"name them (q_proj, v_proj, ...) or [{ALL_LINEAR}]",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def linear_layer_names(model: nn.Module) -> set[str]:
+    """The last part of the name of every linear layer in the decoder (the output head left out): what
+    ``target_modules`` may name. Works on a model built on the meta device."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not head
+    }
+
+
+def target_problem(targets: list[str], available: set[str]) -> str | None:
+    """Why ``targets`` cannot be adapted on a model whose linear layers are ``available`` (None: they can)."""
+    if targets == [ALL_LINEAR]:
+        return None
+    unknown = sorted(set(targets) - available)
+    if not unknown:
+        return None
+    return f"{unknown} name no linear layer of this model; its linear layers are {sorted(available)}"
+
+
+def heads(model: nn.Module) -> list[str]:
+    """The task heads a LoRA model trains whole: linear layers right under the model other than the
+    language-model head (a critic's value head, ``score``). A causal LM has none."""
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_children() if isinstance(module, nn.Linear) and module is not output]
+
+
+def apply_lora(model: nn.Module, config: LoraConfig, frozen_dtype: torch.dtype | None = None) -> nn.Module:
+    """``model`` with LoRA adapters on ``config.target_modules`` (peft); a task head (``heads``) trains whole;
+    the rest is frozen, and cast to ``frozen_dtype`` when given (it needs no fp32 master: it never updates).
+    What trains stays fp32."""
+    import peft
+
+    whole = heads(model)
+    if config.target_modules == [ALL_LINEAR]:
+        targets = sorted(linear_layer_names(model) - set(whole))
+    else:
+        targets = list(config.target_modules)
+    settings = peft.LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=targets,
+        modules_to_save=whole or None,
+        bias="none",
+    )
+    wrapped = peft.get_peft_model(model, settings)
+    if frozen_dtype is not None:
+        for parameter in wrapped.parameters():
+            if not parameter.requires_grad:
+                parameter.data = parameter.data.to(frozen_dtype)
+    return wrapped
+
+
+def is_lora(model: nn.Module) -> bool:
+    return any(name.endswith(f"lora_A.{ADAPTER}.weight") for name, _ in model.named_parameters())
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model's forward inside the block: the reference policy of a LoRA actor."""
+    with model.disable_adapter():
+        yield
+
+
+def base_name(name: str) -> str:
+    """A peft parameter name as the plain Hugging Face model names it."""
+    if name.startswith(PEFT_PREFIX):
+        name = name[len(PEFT_PREFIX) :]
+    return name.replace(BASE_LAYER, "")
+
+
+def merged_parameters(named: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of a LoRA model (``named``: peft's names, in the model's order) as the plain model's
+    parameters, each adapted weight merged: W + scaling · B A (computed in fp32, returned in W's dtype).
+
+    A wrapped layer's base weight comes before its lora_A and lora_B, so it is held until both have come."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> what has come of it
+    for name, tensor in named:
+        if BASE_LAYER + ".weight" in name:
+            layer = name[: name.index(BASE_LAYER)]
+            waiting.setdefault(layer, {})["W"] = tensor
+        elif f".lora_A.{ADAPTER}.weight" in name:
+            layer = name[: name.index(".lora_A.")]
+            waiting.setdefault(layer, {})["A"] = tensor
+        elif f".lora_B.{ADAPTER}.weight" in name:
+            layer = name[: name.index(".lora_B.")]
+            waiting.setdefault(layer, {})["B"] = tensor
+        else:
+            yield base_name(name), tensor
+            continue
+        parts = waiting[layer]
+        if len(parts) == 3:
+            del waiting[layer]
+            weight = parts["W"]
+            delta = scaling * (parts["B"].float() @ parts["A"].float())
+            yield base_name(layer) + ".weight", (weight.float() + delta).to(weight.dtype)
+    if waiting:
+        raise ValueError(f"adapted layers without their base weight or both adapters: {sorted(waiting)}")
+
+
+def save_adapter_config(model: nn.Module, base_model: str, directory: Path) -> None:
+    """peft's adapter_config.json of ``model``'s adapter, naming ``base_model`` (the model directory)."""
+    settings = copy.copy(model.peft_config[ADAPTER])
+    settings.base_model_name_or_path = base_model
+    settings.save_pretrained(str(directory))
+
+
+def lora_scaling(model: nn.Module) -> float | None:
+    """alpha / rank of a LoRA model's adapter (None: not a LoRA model)."""
+    settings = getattr(model, "peft_config", {}).get(ADAPTER)
+    return None if settings is None else settings.lora_alpha / settings.r
+
+
+def policy_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The policy's weights under the plain model's names, one at a time: a LoRA model's merged (their
+    adapters folded in; DTensor shards merge as DTensors), any other model's as they are. What every weight
+    path out of the trainer (the switch to generation, the transfer to a rollout pool, an export) sends."""
+    scaling = lora_scaling(model)
+    if scaling is None:
+        yield from model.named_parameters()
+        return
+    for name, tensor in merged_parameters(model.named_parameters(), scaling):
+        yield name, tensor.detach()
+
+
+def policy_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's buffers under the plain model's names."""
+    for name, buffer in model.named_buffers():
+        yield base_name(name), buffer
+
+
+def adapter_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Only the adapters' tensors (what changes between two syncs, and what a checkpoint of them holds)."""
+    for name, tensor in named:
+        if ".lora_A." in name or ".lora_B." in name:
+            yield name, tensor

@@ -1,0 +1,129 @@
+"""LoRA through peft: the settings' checks, the frozen base, adapters off = the base model, and the merged
+weights against peft's own forward (fp32, tight tolerance)."""
+
+import pytest
+import torch
+
+from hybridflow.engine.lora import (
+    ALL_LINEAR,
+    LoraConfig,
+    adapter_parameters,
+    adapters_off,
+    apply_lora,
+    is_lora,
+    linear_layer_names,
+    merged_parameters,
+    target_problem,
+)
+from hybridflow.models import load_causal_lm
+from hybridflow.validation import InvalidSetting
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora(**changes) -> LoraConfig:
+    return LoraConfig(**{"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": TARGETS, **changes})
+
+
+def randomised_adapters(model: torch.nn.Module, seed: int = 0) -> None:
+    """peft starts B at zero (the adapted model is the base); move both adapters so that they matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+
+
+def inputs(vocab: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, vocab, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("field,value", [("rank", -1), ("alpha", 0.0), ("dropout", 1.0), ("target_modules", [])])
+def test_settings_are_checked(field, value):
+    with pytest.raises(InvalidSetting) as error:
+        lora(**{field: value})
+    assert error.value.field == field
+    assert not LoraConfig(rank=0, alpha=8.0, dropout=0.0, target_modules=[]).enabled  # off needs no targets
+
+
+def test_target_modules_are_checked_against_the_model(tiny_path):
+    model = load_causal_lm(tiny_path, dtype=torch.float32)
+    names = linear_layer_names(model)
+    assert names == set(TARGETS)  # the output head is not a target
+    assert target_problem(["q_proj", "v_proj"], names) is None
+    assert target_problem([ALL_LINEAR], names) is None
+    problem = target_problem(["q_proj", "qkv_proj"], names)
+    assert "['qkv_proj']" in problem and "q_proj" in problem
+
+
+def test_only_the_adapters_train_and_the_base_is_frozen_in_its_dtype(tiny_path):
+    model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), lora(), frozen_dtype=torch.bfloat16)
+    assert is_lora(model)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert all(p.dtype == torch.float32 for p in trainable.values())
+    assert all(p.dtype == torch.bfloat16 for p in frozen.values())
+    layers = model.config.num_hidden_layers
+    assert len(trainable) == 2 * len(TARGETS) * layers  # A and B of each adapted layer
+    assert len(dict(adapter_parameters(model.named_parameters()))) == len(trainable)
+
+
+def test_adapters_off_is_the_base_model_exactly(tiny_path):
+    base = load_causal_lm(tiny_path, dtype=torch.float32).eval()
+    ids = inputs(base.config.vocab_size)
+    with torch.no_grad():
+        expected = base(input_ids=ids).logits
+    model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), lora()).eval()
+    randomised_adapters(model)
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with adapters_off(model):
+            off = model(input_ids=ids).logits
+        again = model(input_ids=ids).logits
+    assert torch.equal(off, expected)
+    assert (adapted - expected).abs().max() > 1e-2  # the adapters change the output
+    assert torch.equal(again, adapted)  # and come back on after the block
+
+
+def test_merged_weights_give_peft_s_forward(tiny_path):
+    """A plain model loaded with the merged weights computes what peft's adapted model does."""
+    model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), lora(alpha=16.0)).eval()
+    randomised_adapters(model, seed=3)
+    ids = inputs(model.config.vocab_size, seed=4)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    plain = load_causal_lm(tiny_path, dtype=torch.float32).eval()
+    merged = dict(merged_parameters(model.named_parameters(), scaling=16.0 / 4))
+    assert set(merged) == set(dict(plain.named_parameters()))
+    plain.load_state_dict(merged, strict=False)
+    with torch.no_grad():
+        logits = plain(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # and peft's own merge agrees with ours, weight by weight
+    reference = dict(model.merge_and_unload().named_parameters())
+    for name, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[name], rtol=1e-6, atol=1e-6)
+
+
+def test_merging_needs_every_part_of_an_adapted_layer():
+    weight = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match="self_attn.q_proj"):
+        list(merged_parameters([("base_model.model.layers.0.self_attn.q_proj.base_layer.weight", weight)], 1.0))
+
+
+def test_a_critic_trains_its_value_head_whole_and_adapters_elsewhere(tiny_path):
+    from hybridflow.engine.lora import heads
+    from hybridflow.models.loading import load_critic
+
+    critic = load_critic(tiny_path, dtype=torch.float32)
+    assert heads(critic) == ["score"]
+    assert heads(load_causal_lm(tiny_path, dtype=torch.float32)) == []  # the LM head is not trained whole
+    model = apply_lora(critic, lora(target_modules=[ALL_LINEAR]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    value_head = [n for n in trainable if ".score." in n]
+    assert value_head and all("modules_to_save" in n for n in value_head)  # a trained copy of the head
+    assert all(".lora_" in n for n in trainable if n not in value_head)
+    assert not any(".score.lora_" in n for n in trainable)  # the head is not LoRA-adapted
+    ids = inputs(critic.config.vocab_size)
+    assert model(input_ids=ids).logits.shape == (2, 12, 1)

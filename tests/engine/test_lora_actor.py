@@ -1,0 +1,96 @@
+"""A LoRA actor over 2 Ray ranks (FSDP2) against peft's model in this process: the reference with the adapters
+off, one update of the adapters only, the merged weights it exports and the generation engine's log-probs after
+the switch."""
+
+import torch
+
+from hybridflow.batch_keys import (
+    GLOBAL_STEP,
+    METRICS,
+    OLD_LOG_PROBS,
+    REF_LOG_PROB,
+    RESPONSE_MASK,
+    ROLLOUT_LOG_PROBS,
+    SAMPLING,
+)
+from hybridflow.controller import RayResourcePool, RayWorkerGroup
+from hybridflow.engine.lora import apply_lora
+from hybridflow.models import load_causal_lm
+from hybridflow.protocol import DataProto
+
+LR = 1e-2
+LORA = ["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.alpha=8"]
+
+
+def log_probs(model, batch: DataProto) -> torch.Tensor:
+    b = batch.batch
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    width = b["responses"].shape[1]
+    chosen = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
+    return chosen.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+def prompts_of(batch: DataProto) -> DataProto:
+    width = batch.batch["prompts"].shape[1]
+    prompts = DataProto.from_dict(
+        {key: batch.batch[key][:, :width].clone() for key in ("input_ids", "attention_mask", "position_ids")}
+    )
+    prompts.meta_info.update({GLOBAL_STEP: 2, SAMPLING: "greedy"})
+    return prompts
+
+
+def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
+    local_ray, tiny_path, rollout_batch, actor_config_factory, actor_worker_factory
+):
+    config = actor_config_factory(tiny_path, LR, *LORA)
+    pool = RayResourcePool([2])
+    group = RayWorkerGroup(pool, actor_worker_factory(config, 2))
+    batch = rollout_batch.select(deepcopy=True)
+    mask = batch.batch[RESPONSE_MASK].float()
+    base = load_causal_lm(tiny_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_log_probs = log_probs(base, batch)
+
+    # the reference is the base model: the adapters off, on the actor's own ranks
+    reference = group.compute_ref_log_prob(batch).batch[REF_LOG_PROB]
+    torch.testing.assert_close(reference * mask, base_log_probs * mask, atol=1e-5, rtol=0)
+
+    # one update of the adapters, against peft's model built the same way (seed 0, then the adapters) here
+    batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+    metrics = group.update_actor(batch).meta_info[METRICS]
+    assert metrics["actor/skipped_steps"] == 0.0
+    trained = group.full_state_dict()[0]
+    torch.manual_seed(0)
+    model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), config.model.lora)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(adapters, lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
+    loss = -(batch.batch["advantages"] * log_probs(model, batch) * mask).sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
+    expected = dict(model.merge_and_unload().named_parameters())
+    initial = dict(base.named_parameters())
+    assert set(trained) >= set(expected)  # the plain model's names: the adapters merged in
+    changed = 0
+    for name, tensor in expected.items():
+        step_expected = tensor.detach() - initial[name]
+        step_taken = trained[name] - initial[name]
+        if step_expected.abs().max() == 0:  # not adapted: frozen, bit for bit
+            assert torch.equal(trained[name], initial[name]), name
+            continue
+        changed += 1
+        torch.testing.assert_close(step_taken, step_expected, rtol=1e-3, atol=1e-7)
+    assert changed == 7 * base.config.num_hidden_layers  # every adapted linear layer moved
+
+    # the reference stays the base model after the update; the policy does not
+    after = group.compute_ref_log_prob(batch).batch[REF_LOG_PROB]
+    torch.testing.assert_close(after * mask, base_log_probs * mask, atol=1e-5, rtol=0)
+    policy = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+    assert ((policy - base_log_probs).abs() * mask).max() > 1e-3
+
+    # the switch gives the generation engine the merged weights: its log-probs are the trainer's
+    generated = group.generate_sequences(prompts_of(rollout_batch))
+    recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
+    gen_mask = generated.batch[RESPONSE_MASK].float()
+    torch.testing.assert_close(generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0)
+    group.kill()
+    pool.release()
