@@ -123,20 +123,20 @@ def transfer_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpe
     return received / cluster.link_bandwidth(cluster.devices)
 
 
+def update_seconds(
+    role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec, *, epochs: int
+) -> float:
+    """``role``'s update: ``epochs`` training passes, with a frozen base where it trains LoRA adapters."""
+    frozen = role in workload.adapters
+    return pass_seconds(shape, layout, workload, cluster, backward=True, epochs=epochs, frozen_base=frozen)
+
+
 def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> dict:
     """Seconds of each of ``role``'s stages (ROLE_STAGES) in ``layout``."""
     if role is Role.ActorRollout:
         seconds = {
             "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
-            "update_actor": pass_seconds(
-                shape,
-                layout,
-                workload,
-                cluster,
-                backward=True,
-                epochs=workload.actor_epochs,
-                frozen_base=Role.ActorRollout in workload.adapters,
-            ),
+            "update_actor": update_seconds(role, shape, layout, workload, cluster, epochs=workload.actor_epochs),
         }
         if not workload.rollout_apart:
             seconds["gen"] = switch_seconds(shape, layout, cluster) + generation_seconds(
@@ -151,15 +151,7 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
     if role is Role.Critic:
         return {
             "values": pass_seconds(shape, layout, workload, cluster, backward=False),
-            "update_critic": pass_seconds(
-                shape,
-                layout,
-                workload,
-                cluster,
-                backward=True,
-                epochs=workload.critic_epochs,
-                frozen_base=Role.Critic in workload.adapters,
-            ),
+            "update_critic": update_seconds(role, shape, layout, workload, cluster, epochs=workload.critic_epochs),
         }
     stage = ROLE_STAGES[role][0]
     return {stage: pass_seconds(shape, layout, workload, cluster, backward=False)}

@@ -11,6 +11,7 @@ import math
 
 import torch
 from peft import PeftModel
+from test_train_e2e import DIGITS_REWARD
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoModelForCausalLM
 
@@ -20,11 +21,6 @@ from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main import run
 
 STEPS = 10
-DIGITS_REWARD = """
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    text = solution_str.replace(" ", "")
-    return sum(c.isdigit() for c in text) / max(1, len(text))
-"""
 
 
 def sharp_tiny_model(directory):
