@@ -33,9 +33,20 @@ def trained(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines)}
 
 
-def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path):
+# LoRA: the transfer to the rollout's pool carries the merged policy, as the hybrid actor's switch does, and the
+# KL loss's reference is the actor with its adapters off on either side
+LORA = (
+    "actor_rollout_ref.model.lora.rank=4",
+    "actor_rollout_ref.model.lora.alpha=8",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+)
+
+
+@pytest.mark.parametrize("model", ["full", "lora"])
+def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path, model):
     async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
     async_dir.mkdir(), sync_dir.mkdir()
+    extra = LORA if model == "lora" else ()
     train_main.run(
         load_config(
             overrides(
@@ -43,10 +54,11 @@ def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path):
                 async_dir,
                 *FULLY_ASYNC,
                 "trainer.async_training.max_staleness=0",
+                *extra,
             )
         )
     )
-    train_main.run(load_config(overrides(arithmetic_files, sync_dir)))
+    train_main.run(load_config(overrides(arithmetic_files, sync_dir, *extra)))
 
     got, want = records(async_dir), records(sync_dir)
     assert sorted(got) == sorted(want) == [0, 1, 2, 3]
