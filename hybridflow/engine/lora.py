@@ -51,10 +51,6 @@ class LoraConfig:
     def enabled(self) -> bool:
         return self.rank > 0
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
 
 def linear_layer_names(model: nn.Module) -> set[str]:
     """The last part of the name of every linear layer in the decoder (the output head left out): what
@@ -187,10 +183,3 @@ def policy_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's buffers under the plain model's names."""
     for name, buffer in model.named_buffers():
         yield base_name(name), buffer
-
-
-def adapter_parameters(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Only the adapters' tensors (what changes between two syncs, and what a checkpoint of them holds)."""
-    for name, tensor in named:
-        if ".lora_A." in name or ".lora_B." in name:
-            yield name, tensor

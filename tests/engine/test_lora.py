@@ -7,7 +7,6 @@ import torch
 from hybridflow.engine.lora import (
     ALL_LINEAR,
     LoraConfig,
-    adapter_parameters,
     adapters_off,
     apply_lora,
     is_lora,
@@ -66,7 +65,6 @@ def test_only_the_adapters_train_and_the_base_is_frozen_in_its_dtype(tiny_path):
     assert all(p.dtype == torch.bfloat16 for p in frozen.values())
     layers = model.config.num_hidden_layers
     assert len(trainable) == 2 * len(TARGETS) * layers  # A and B of each adapted layer
-    assert len(dict(adapter_parameters(model.named_parameters()))) == len(trainable)
 
 
 def test_adapters_off_is_the_base_model_exactly(tiny_path):
