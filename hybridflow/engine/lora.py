@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hybridflow.models.adapters import LORA_A, LORA_B, adapter_name
 from hybridflow.validation import require
 
 ALL_LINEAR = "all-linear"  # every linear layer of the decoder (not the output head), as peft reads it
@@ -183,3 +184,32 @@ def policy_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's buffers under the plain model's names."""
     for name, buffer in model.named_buffers():
         yield base_name(name), buffer
+
+
+def _adapter_part(name: str) -> tuple[str, str] | None:
+    """(layer's plain name, LORA_A or LORA_B) of a peft adapter parameter's name; None for any other name."""
+    for part in (LORA_A, LORA_B):
+        marker = f".{part}.{ADAPTER}.weight"
+        if name.endswith(marker):
+            return base_name(name[: -len(marker)]), part
+    return None
+
+
+def base_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA model's frozen base under the plain model's names (adapted layers' weights without their
+    adapters), one at a time: what a rollout engine holds under the adapters (``adapter_tensors``)."""
+    for name, tensor in model.named_parameters():
+        if _adapter_part(name) is None:
+            yield base_name(name), tensor.detach()
+
+
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA policy's adapters under the names they travel by (models/adapters.py), in the model's order:
+    with ``base_parameters`` the whole policy, and all of it that trains. ValueError for a model that trains
+    anything else (a head trained whole, which an adapter-sized sync would leave behind)."""
+    for name, tensor in model.named_parameters():
+        found = _adapter_part(name)
+        if found is not None:
+            yield adapter_name(*found), tensor.detach()
+        elif tensor.requires_grad:
+            raise ValueError(f"{name} trains whole: a sync of the adapters alone would not carry it")

@@ -31,10 +31,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.lora import policy_parameters
 from hybridflow.hybrid_engine.reshard import tensor_parallel_dim, unshard_data_parallel
 from hybridflow.hybrid_engine.transfer_plan import (
     Bucket,
@@ -77,6 +75,16 @@ class TransferReport:
     seconds: float = 0.0
     buckets: int = 0
     predicted: float = 0.0  # what ``sent`` (actor) or ``received`` (rollout) must be, by the formulas
+
+    def add(self, other: TransferReport) -> TransferReport:
+        """This report and ``other``'s together (two transfers of one sync: a LoRA model's base, then its adapters)."""
+        return TransferReport(
+            sent=self.sent + other.sent,
+            received=self.received + other.received,
+            seconds=self.seconds + other.seconds,
+            buckets=self.buckets + other.buckets,
+            predicted=self.predicted + other.predicted,
+        )
 
 
 @dataclass
@@ -209,7 +217,7 @@ def _tp_local(param: torch.Tensor, dtype: torch.dtype, plan: TransferPlan, index
 
 
 def send_weights(
-    model: nn.Module,
+    named: list[tuple[str, torch.Tensor]],
     dtype: torch.dtype,
     plan: TransferPlan,
     group: TransferGroup,
@@ -217,7 +225,9 @@ def send_weights(
     timeout: float,
     in_flight: int = 2,
 ) -> TransferReport:
-    """Send this actor rank's buckets of ``plan``; every actor rank calls it: a weight is gathered over dp
+    """Send this actor rank's buckets of ``plan`` of the weights ``named`` (the plan's, in its order: the model's
+    ``policy_parameters``, or a LoRA model's ``base_parameters`` or ``adapter_tensors``, engine/lora.py); every
+    actor rank calls it: a weight is gathered over dp
     (cast to ``dtype`` first) by all the ranks of each dp group of which some rank sends a piece of it.
     About ``in_flight`` buckets' bytes at most wait for their receiver at a time; each buffer lives until
     its send completes."""
@@ -235,9 +245,8 @@ def send_weights(
         ready.setdefault(bucket.ready, []).append(bucket)
         for piece in bucket.pieces:
             pieces.setdefault(piece.param, []).append((bucket, piece))
-    named = list(policy_parameters(model))  # a LoRA model's merged, under the plain names
     if [n for n, _ in named] != [p.name for p in plan.params]:
-        raise ValueError("the model's parameters are not the plan's (names or order differ)")
+        raise ValueError("the weights to send are not the plan's (names or order differ)")
     buffers: dict[int, torch.Tensor] = {}
     pending: deque[tuple[Bucket, dist.Work, torch.Tensor]] = deque()
     limit = max(1, in_flight) * plan.bucket_bytes
@@ -307,7 +316,7 @@ def receive_weights(
     report = report if report is not None else TransferReport()
     rank = group.pool_rank
     split, whole = plan.split_and_whole_bytes()
-    report.predicted = predicted_transfer_bytes(split, whole, plan.tg)
+    report.predicted += predicted_transfer_bytes(split, whole, plan.tg)
     mine = plan.receives(rank)
     left: dict[int, int] = {}
     for bucket in mine:

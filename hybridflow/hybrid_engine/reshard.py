@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from hybridflow.engine.lora import policy_buffers, policy_parameters
+from hybridflow.engine.lora import adapter_tensors, base_parameters, policy_buffers, policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
 from hybridflow.models.tensor_parallel import layer_split
@@ -78,8 +78,35 @@ def generation_weights(
     model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
-    one at a time; ``report`` accumulates the bytes."""
-    for name, param in policy_parameters(model):  # a LoRA model's merged, under the plain names
+    one at a time; ``report`` accumulates the bytes. A LoRA model's weights come merged."""
+    yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report)
+    yield from _buffers(model)
+
+
+def base_generation_weights(
+    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``generation_weights`` of a LoRA model's frozen base (its adapters left out): sent to a rollout once."""
+    yield from _generation_slices(model, base_parameters(model), dtype, gather_group, report)
+    yield from _buffers(model)
+
+
+def adapter_generation_weights(
+    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A LoRA model's adapters, gathered whole, under the names they travel by (models/adapters.py): all of the
+    policy that changes after an update."""
+    yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
+
+
+def _generation_slices(
+    model: nn.Module,
+    named: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    gather_group: dist.ProcessGroup | None,
+    report: SwitchReport,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in named:
         part = param.detach().to(dtype)
         if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
             report.whole += _nbytes(part)
@@ -99,5 +126,8 @@ def generation_weights(
         report.received += _nbytes(piece) - own
         report.held += _nbytes(piece)
         yield name, piece
+
+
+def _buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     for name, buffer in policy_buffers(model):
         yield name, buffer.full_tensor() if isinstance(buffer, DTensor) else buffer

@@ -9,11 +9,17 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from hybridflow.batch_keys import METRICS
+from hybridflow.engine.lora import lora_scaling
 from hybridflow.engine.memory import peak_memory_gb, reset_peak_memory
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.offload import move_model, move_optimizer_state
-from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
+from hybridflow.hybrid_engine.reshard import (
+    SwitchReport,
+    adapter_generation_weights,
+    base_generation_weights,
+    generation_weights,
+)
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams
 
@@ -26,13 +32,15 @@ class HybridEngine:
     To generation: the rollout's weights are overwritten in place with this rank's generation slice
     (reshard.py: gathered from the training shards one parameter at a time, only the missing pieces,
     inside the rank's gather group), so the only other copy is the rollout's own 1/tg of the
-    weights; then, when configured, the optimizer state (``optimizer_offload``) and the parameter shards
-    with their gradients (``param_offload``) move to the CPU, leaving the devices to the KV cache.
+    weights (a LoRA model's adapters only, after the first switch: ``_sync``); then, when configured, the
+    optimizer state (``optimizer_offload``) and the parameter shards with their gradients
+    (``param_offload``) move to the CPU, leaving the devices to the KV cache.
     Back to training: the KV cache is freed and the offloaded state returns.
 
     Each call reports what the switch moved: ``switch/received_mb`` (bytes this rank received),
     ``switch/predicted_mb`` (the paper's formula for them), ``switch/generation_weights_mb`` (the
-    generation weights the rank holds) and ``switch/training_params_mb`` (its training shards); the
+    generation weights the rank gave the rollout: all of them, or a LoRA model's adapters) and
+    ``switch/training_params_mb`` (its training shards); the
     switch times (``timing_s/weight_sync``, ``timing_s/offload``,
     ``timing_s/release_cache``, ``timing_s/reload``), the bytes offloaded and the peak memory of
     the generation (``perf/max_memory_gb_generation``, and ``perf/max_memory_gb``, which the
@@ -62,13 +70,14 @@ class HybridEngine:
         self.dtype = dtype
         self.shape = shape or LayoutShape(dp=1, t=1, tg=1)
         self.gather_group = gather_group
+        self.base_synced = False  # a LoRA model's frozen base is in the rollout (sent at the first switch)
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         """The rollout's output, with the switch metrics in ``meta_info[METRICS]``."""
         reset_peak_memory(self.device)
         clock = [time.perf_counter()]
         report = SwitchReport()
-        self.rollout.load_weights(generation_weights(self.trained.model, self.dtype, self.gather_group, report))
+        self._sync(report)
         clock.append(time.perf_counter())
         offloaded = self._offload()
         clock.append(time.perf_counter())
@@ -95,6 +104,19 @@ class HybridEngine:
             "perf/max_memory_gb": peak,
         }
         return output
+
+    def _sync(self, report: SwitchReport) -> None:
+        """The rollout takes the policy of now: all its weights; for a LoRA model, its base the first time and
+        its adapters every time (what an update changes), so every switch after the first moves adapters only."""
+        model = self.trained.model
+        scaling = lora_scaling(model)
+        if scaling is None:
+            self.rollout.load_weights(generation_weights(model, self.dtype, self.gather_group, report))
+            return
+        if not self.base_synced:
+            self.rollout.load_base_weights(base_generation_weights(model, self.dtype, self.gather_group, report))
+            self.base_synced = True
+        self.rollout.load_adapters(adapter_generation_weights(model, self.dtype, self.gather_group, report), scaling)
 
     def _training_bytes(self) -> int:
         """This rank's shards of the training parameters (fp32 masters)."""

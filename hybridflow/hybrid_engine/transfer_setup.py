@@ -19,6 +19,10 @@ class TransferSetup:
     actor: LayoutShape  # the actor's training layout (dp, t)
     rollout: LayoutShape  # the rollout's: dp generation replicas of tg ranks
     params: tuple[ParamSpec, ...]  # the actor's weights, in its parameter order
+    # a LoRA actor's adapters (transfer_plan.adapter_transfer_params), all that moves after the first transfer;
+    # () for a model trained whole
+    adapter_params: tuple[ParamSpec, ...] = ()
+    adapter_scaling: float = 0.0  # a LoRA actor's alpha / rank
     bucket_bytes: int
     timeout_s: float
 
@@ -29,6 +33,19 @@ class TransferSetup:
             replicas=self.rollout.dp,
             tg=self.rollout.tg,
             params=self.params,
+            element_size=dtype.itemsize,
+            bucket_bytes=self.bucket_bytes,
+        )
+
+    def adapter_plan(self, dtype: torch.dtype) -> TransferPlan | None:
+        """The plan of a LoRA actor's adapters (None: the model trains whole)."""
+        if not self.adapter_params:
+            return None
+        return plan_transfer(
+            self.actor,
+            replicas=self.rollout.dp,
+            tg=self.rollout.tg,
+            params=self.adapter_params,
             element_size=dtype.itemsize,
             bucket_bytes=self.bucket_bytes,
         )

@@ -19,6 +19,7 @@ from hybridflow.batch_keys import (
     TRUNCATED,
 )
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.adapter_merge import AdapterMerge
 from hybridflow.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ __all__ = ["Rollout", "SamplingParams", "assemble_batch", "response_mask_from", 
 class Rollout(ABC):
     """Generates responses for left-padded prompts; the batch layout is the same for every backend."""
 
+    reload_needs_every_weight = False  # load_weights must be given every weight of the model each time
+
     @abstractmethod
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """prompts: input_ids, attention_mask, position_ids (B, P). Returns a DataProto with
@@ -39,6 +42,22 @@ class Rollout(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Overwrite the generator's weights in place from (HF parameter name, full tensor) pairs, one at a time."""
+
+    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA policy's frozen base (``load_weights``'s pairs, adapted layers without their adapters), once,
+        before its adapters (``load_adapters``). By default the engine takes the weights and this side keeps a
+        copy to merge the adapters into (rollout/adapter_merge.py)."""
+        self._adapter_merge = AdapterMerge(every_weight=self.reload_needs_every_weight)
+        self.load_weights(self._adapter_merge.keep(named_tensors))
+
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        """A LoRA policy's adapters (``<layer>.lora_A`` / ``<layer>.lora_B``, models/adapters.py), after each
+        update: the engine generates with W + scaling · B A for every adapted layer from now on. By default
+        merged into whole weights (rollout/adapter_merge.py)."""
+        merge = getattr(self, "_adapter_merge", None)
+        if merge is None:
+            raise RuntimeError(f"{type(self).__name__}: load_base_weights must come before load_adapters")
+        self.load_weights(merge.merged(adapters, scaling))
 
     @abstractmethod
     def release_cache(self) -> None:

@@ -47,11 +47,14 @@ class WeightLink:
         if self.connected:
             return
         self.address = self.actor.transfer_endpoint()[0]
+        params, adapter_params, adapter_scaling = self.actor.transfer_params()[0]
         setup = TransferSetup(
             address=self.address,
             actor=self.layouts[0],
             rollout=self.layouts[1],
-            params=tuple(self.actor.transfer_params()[0]),
+            params=tuple(params),
+            adapter_params=tuple(adapter_params),
+            adapter_scaling=adapter_scaling,
             bucket_bytes=self.bucket_bytes,
             timeout_s=self.timeout_s,
         )
@@ -68,7 +71,8 @@ class WeightLink:
         self.interrupter.interrupt(call)
 
     def send(self, version: int) -> dict[str, float]:
-        """Move the actor's weights (those after step ``version``) to the rollout's ranks; the transfer's
+        """Move the actor's weights (those after step ``version``; a LoRA actor's adapters, after the first) to
+        the rollout's ranks; the transfer's
         metrics: MB the busiest rollout rank received and what the formula says it must, MB the busiest
         actor rank sent, seconds (the slowest rank), buckets."""
         on_actor = self.actor.send_weights.future()

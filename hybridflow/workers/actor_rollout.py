@@ -20,7 +20,14 @@ from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.fsdp import full_parameters
-from hybridflow.engine.lora import adapters_off, save_adapter_config
+from hybridflow.engine.lora import (
+    adapter_tensors,
+    adapters_off,
+    base_parameters,
+    lora_scaling,
+    policy_parameters,
+    save_adapter_config,
+)
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.engine.reference import ReferenceEngine
@@ -28,7 +35,7 @@ from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import TransferAddress, TransferReport, host_transfer_store, send_weights
-from hybridflow.hybrid_engine.transfer_plan import ParamSpec, transfer_params
+from hybridflow.hybrid_engine.transfer_plan import ParamSpec, adapter_transfer_params, transfer_params
 from hybridflow.hybrid_engine.transfer_setup import TransferSetup
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
@@ -93,23 +100,40 @@ class ActorWorker(Worker):
         return address
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def transfer_params(self) -> list[ParamSpec]:
-        """The weights a transfer moves: names, full shapes, split dimensions (the same on every rank)."""
-        return transfer_params(self.actor.model)
+    def transfer_params(self) -> tuple[list[ParamSpec], list[ParamSpec], float]:
+        """What transfers move (the same on every rank): the weights (names, full shapes, split dimensions);
+        a LoRA model's adapters and their scaling (else [] and 0), all that moves after its first transfer."""
+        model = self.actor.model
+        scaling = lora_scaling(model)
+        if scaling is None:
+            return transfer_params(model), [], 0.0
+        return transfer_params(model), adapter_transfer_params(model), scaling
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def join_weight_transfer(self, setup: TransferSetup) -> None:
         self.transfer_plan = setup.plan(self.generation_dtype)
+        self.adapter_plan = setup.adapter_plan(self.generation_dtype)
+        self.base_sent = False  # a LoRA model's base goes once, with the first transfer
         store = getattr(self, "transfer_store", None)  # rank 0's
         self.transfer = setup.join(actor_side=True, rank=self.rank, device=self.device, store=store)
         self.transfer_timeout = setup.timeout_s
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self) -> TransferReport:
-        """Send this rank's slices of the current weights to the rollout's ranks (every rank takes part)."""
-        return send_weights(
-            self.actor.model, self.generation_dtype, self.transfer_plan, self.transfer, timeout=self.transfer_timeout
-        )
+        """Send this rank's slices of the current weights to the rollout's ranks (every rank takes part): all
+        of them, or a LoRA model's adapters (its base too the first time)."""
+        model = self.actor.model
+
+        def send(named, plan) -> TransferReport:
+            return send_weights(named, self.generation_dtype, plan, self.transfer, timeout=self.transfer_timeout)
+
+        if self.adapter_plan is None:
+            return send(list(policy_parameters(model)), self.transfer_plan)
+        report = TransferReport()
+        if not self.base_sent:
+            report = send(list(base_parameters(model)), self.transfer_plan)
+            self.base_sent = True
+        return report.add(send(list(adapter_tensors(model)), self.adapter_plan))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

@@ -62,23 +62,31 @@ class RolloutWorker(Worker):
     def join_weight_transfer(self, setup: TransferSetup) -> None:
         """Join the group spanning both pools, and plan this rank's part of every transfer."""
         self.transfer_plan = setup.plan(self.dtype)
+        self.adapter_plan = setup.adapter_plan(self.dtype)
+        self.adapter_scaling = setup.adapter_scaling
+        self.base_received = False  # a LoRA policy's base comes once, with the first transfer
         self.transfer = setup.join(actor_side=False, rank=self.rank, device=self.device)
         self.transfer_timeout = setup.timeout_s
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive_weights(self, version: int) -> TransferReport:
         """Take the actor's weights of step ``version`` into the engine as they arrive (this rank's generation
-        shard only), while the actor's ranks send them."""
+        shard only), while the actor's ranks send them: all of them, or a LoRA policy's adapters (its base
+        too the first time)."""
         report = TransferReport()
-        weights = receive_weights(
-            self.transfer_plan,
-            self.transfer,
-            report,
-            dtype=self.dtype,
-            device=self.device,
-            timeout=self.transfer_timeout,
-        )
-        self.rollout.load_weights(weights)
+
+        def receive(plan):
+            return receive_weights(
+                plan, self.transfer, report, dtype=self.dtype, device=self.device, timeout=self.transfer_timeout
+            )
+
+        if self.adapter_plan is None:
+            self.rollout.load_weights(receive(self.transfer_plan))
+        else:
+            if not self.base_received:
+                self.rollout.load_base_weights(receive(self.transfer_plan))
+                self.base_received = True
+            self.rollout.load_adapters(receive(self.adapter_plan), self.adapter_scaling)
         self.weights_version = version
         return report
 

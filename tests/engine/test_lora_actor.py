@@ -2,6 +2,7 @@
 off, one update of the adapters only, the merged weights it exports and the generation engine's log-probs after
 the switch."""
 
+import pytest
 import torch
 
 from hybridflow.batch_keys import (
@@ -87,10 +88,21 @@ def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
     policy = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
     assert ((policy - base_log_probs).abs() * mask).max() > 1e-3
 
-    # the switch gives the generation engine the merged weights: its log-probs are the trainer's
-    generated = group.generate_sequences(prompts_of(rollout_batch))
-    recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
-    gen_mask = generated.batch[RESPONSE_MASK].float()
-    torch.testing.assert_close(generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0)
+    # the switch gives the generation engine the policy (base, then adapters): its log-probs are the trainer's;
+    # after another update the next switch moves the adapters only, and they replace the ones before
+    adapter_mb = sum(p.numel() * 4 for p in adapters) / 2**20
+    whole_mb = sum(p.numel() * 4 for p in base.parameters()) / 2**20
+    for switch in range(2):
+        if switch:
+            batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+            group.update_actor(batch)
+        generated = group.generate_sequences(prompts_of(rollout_batch))
+        recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
+        gen_mask = generated.batch[RESPONSE_MASK].float()
+        torch.testing.assert_close(
+            generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0
+        )
+        synced = generated.meta_info[METRICS]["switch/generation_weights_mb"]
+        assert synced == pytest.approx(adapter_mb if switch else whole_mb + adapter_mb)
     group.kill()
     pool.release()

@@ -25,6 +25,7 @@ from hybridflow.controller import (
     register,
 )
 from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.lora import policy_parameters
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import (
@@ -96,7 +97,9 @@ class ActorSide(Process):
         self.group = join_transfer_group(  # kept: a group dropped closes its connections, its peers fail at once
             address, rank=self.rank, actors=plan.actors, rollouts=plan.rollouts, timeout=60.0, name=name, store=store
         )
-        return send_weights(self.model, dtype, plan, self.group, timeout=timeout) if act else None
+        if not act:
+            return None
+        return send_weights(list(policy_parameters(self.model)), dtype, plan, self.group, timeout=timeout)
 
 
 class RolloutSide(Process):

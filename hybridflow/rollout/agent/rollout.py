@@ -82,6 +82,12 @@ class AgentRollout(Rollout):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.backend.load_weights(named_tensors)
 
+    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.backend.load_base_weights(named_tensors)
+
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        self.backend.load_adapters(adapters, scaling)
+
     def release_cache(self) -> None:
         self.backend.release_cache()
 

@@ -6,14 +6,24 @@ from dataclasses import dataclass
 
 from hybridflow.validation import require, require_positive
 
+ADAPTER_MODES = ("served", "merged")
+
 
 @dataclass(kw_only=True)
 class NativeEngineConfig:
     max_num_seqs: int  # most sequences decoded together: the KV cache has that many slots
     max_prefill_tokens: int  # most (padded) prompt tokens in one prefill forward
     min_shared_prefix: int  # a common prefix of the prompts shorter than this is not computed separately
+    # a LoRA policy's adapters: served (applied at each matmul, the base never rewritten) | merged (W + s·BA
+    # written into the engine's weights from a kept copy of the base)
+    adapters: str
 
     def __post_init__(self) -> None:
         require_positive(self.max_num_seqs, "max_num_seqs")
         require_positive(self.max_prefill_tokens, "max_prefill_tokens")
+        require(
+            self.adapters in ADAPTER_MODES,
+            "adapters",
+            f"must be one of {list(ADAPTER_MODES)}, got {self.adapters!r}",
+        )
         require(self.min_shared_prefix >= 1, "min_shared_prefix", f"must be >= 1, got {self.min_shared_prefix}")

@@ -10,6 +10,7 @@ written into; `repack` refreshes the packed copy in place afterwards.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -36,6 +37,7 @@ class Matrix:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.weight, self.bias = weight, bias
         self.packed: torch.Tensor | None = None
+        self.adapter: LowRank | None = None  # a LoRA policy's adapters on this matrix, served (not merged)
         self.pack = pack and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and cpu_packs_bf16()
 
     def repack(self) -> None:
@@ -50,5 +52,33 @@ class Matrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y if self.adapter is None else self.adapter.add_to(y, x)
+
+
+@dataclass
+class AdapterBlock:
+    """One adapted layer inside a (possibly fused) matrix: its rows of the output, its columns of the
+    stacked A, and its B."""
+
+    rows: slice
+    columns: slice
+    lora_b: torch.Tensor  # (rows, rank)
+
+
+@dataclass
+class LowRank:
+    """LoRA adapters served on one matrix: y[:, rows] += scaling · (x A^T) B^T for each adapted layer in it.
+    The A of every layer fused into the matrix are stacked, so their shared input is multiplied once."""
+
+    lora_a: torch.Tensor  # (sum of ranks, K): the A of each block, stacked
+    blocks: list[AdapterBlock]
+    scaling: float
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        down = F.linear(x, self.lora_a)
+        for block in self.blocks:
+            y[..., block.rows].add_(F.linear(down[..., block.columns], block.lora_b), alpha=self.scaling)
+        return y

@@ -59,6 +59,7 @@ class NativeRollout(Rollout):
         tp = TensorParallelGroup.of(layer_split(model.config.model_type), tp_group)
         weights = Weights.from_model(model, spec, dtype, tp)
         self.engine = Engine(weights, engine_config)
+        self.adapters = engine_config.adapters
         self.requests = NativeRequestEngine(self.engine, self.stop_token_ids)
 
     @property
@@ -128,6 +129,22 @@ class NativeRollout(Rollout):
         engine's dtype and device; rotary buffers are ignored, unknown names raise KeyError.
         """
         self.engine.weights.load(named_tensors)
+
+    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """A LoRA policy's base: served adapters go on top of the engine's own weights, so no copy is kept;
+        merged ones need one (``Rollout.load_base_weights``)."""
+        if self.adapters == "merged":
+            super().load_base_weights(named_tensors)
+        else:
+            self.load_weights(named_tensors)
+
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        """Served: each adapted matrix applies scaling · (x A^T) B^T after its own product (linear.py);
+        merged: W + scaling · B A written into the engine's weights (``Rollout.load_adapters``)."""
+        if self.adapters == "merged":
+            super().load_adapters(adapters, scaling)
+        else:
+            self.engine.weights.load_adapters(adapters, scaling)
 
     def request_engine(self) -> NativeRequestEngine:
         """Multi-turn generation on the same weights and KV cache (sessions.py); one rank only."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridflow.rollout.native.linear import Matrix
+from hybridflow.models.adapters import LORA_A, LORA_B, split_adapter_name
+from hybridflow.rollout.native.linear import AdapterBlock, LowRank, Matrix
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import ModelSpec
 
@@ -183,3 +184,67 @@ class Weights:
         for matrix in touched.values():
             matrix.repack()
         return used
+
+    def adapted_rows(self, layer_name: str) -> tuple[Matrix, slice]:
+        """The matrix that HF linear layer ``layer_name`` (e.g. model.layers.0.self_attn.k_proj) lives in,
+        and its rows there."""
+        match = _LAYER.fullmatch(layer_name)
+        if match is None:
+            raise KeyError(f"native rollout cannot serve adapters on {layer_name!r}: not a decoder layer's linear")
+        layer, part = self.layers[int(match.group(1))], match.group(2)
+        q, k, i = self.spec.q_size, self.spec.kv_size, self.spec.intermediate_size
+        rows = {
+            "self_attn.q_proj": (layer.qkv, slice(0, q)),
+            "self_attn.k_proj": (layer.qkv, slice(q, q + k)),
+            "self_attn.v_proj": (layer.qkv, slice(q + k, q + 2 * k)),
+            "self_attn.o_proj": (layer.o, slice(None)),
+            "mlp.gate_proj": (layer.gate_up, slice(0, i)),
+            "mlp.up_proj": (layer.gate_up, slice(i, 2 * i)),
+            "mlp.down_proj": (layer.down, slice(None)),
+        }
+        if part not in rows:
+            raise KeyError(f"native rollout cannot serve adapters on {layer_name!r}: not a decoder layer's linear")
+        return rows[part]
+
+    @torch.no_grad()
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        """Serve a LoRA policy's adapters (``<layer>.lora_A`` / ``.lora_B``, models/adapters.py) from now on:
+        every adapted layer computes x W^T + scaling · (x A^T) B^T, its W untouched. Replaces the adapters
+        served before; a matrix no adapter names has none."""
+        if self.tp.size > 1:
+            raise NotImplementedError("served adapters run on one rank: set rollout.tensor_model_parallel_size=1")
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in adapters:
+            layer, part = split_adapter_name(name)
+            pairs.setdefault(layer, {})[part] = tensor
+        per_matrix: dict[int, tuple[Matrix, list[tuple[slice, torch.Tensor, torch.Tensor]]]] = {}
+        for layer, parts in pairs.items():
+            if set(parts) != {LORA_A, LORA_B}:
+                raise ValueError(f"{layer}: came with {sorted(parts)}, needs both {LORA_A} and {LORA_B}")
+            matrix, rows = self.adapted_rows(layer)
+            out_rows = len(range(*rows.indices(matrix.weight.shape[0])))
+            lora_a, lora_b = parts[LORA_A], parts[LORA_B]
+            if lora_a.shape[1] != matrix.weight.shape[1] or lora_b.shape != (out_rows, lora_a.shape[0]):
+                raise ValueError(
+                    f"{layer}: adapters of shapes A {tuple(lora_a.shape)}, B {tuple(lora_b.shape)} do not fit a "
+                    f"layer of {out_rows} outputs and {matrix.weight.shape[1]} inputs"
+                )
+            per_matrix.setdefault(id(matrix), (matrix, []))[1].append((rows, lora_a, lora_b))
+        dtype, device = self.embed.dtype, self.embed.device
+        for matrix in self.matrices():
+            matrix.adapter = None
+        for matrix, found in per_matrix.values():
+            found.sort(key=lambda item: item[0].start or 0)
+            blocks, start = [], 0
+            for rows, lora_a, _ in found:
+                blocks.append((rows, slice(start, start + lora_a.shape[0])))
+                start += lora_a.shape[0]
+            stacked = torch.cat([a for _, a, _ in found]).to(device=device, dtype=dtype)
+            matrix.adapter = LowRank(
+                lora_a=stacked,
+                blocks=[
+                    AdapterBlock(rows, columns, b.to(device=device, dtype=dtype))
+                    for (rows, columns), (_, _, b) in zip(blocks, found)
+                ],
+                scaling=scaling,
+            )

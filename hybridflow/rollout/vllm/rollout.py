@@ -77,6 +77,8 @@ class VllmRollout(Rollout):
     length (benchmarks). engine_config: `actor_rollout_ref.rollout.vllm.*`.
     """
 
+    reload_needs_every_weight = True  # its reload finishes a layer when all of its tensors came
+
     def __init__(
         self,
         model: nn.Module,

@@ -1,9 +1,12 @@
 """vLLM behind the Rollout interface, against transformers, the native engine and forward passes (fp32, tiny models)."""
 
+import copy
+
 import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS, TRUNCATED
+from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
@@ -143,3 +146,28 @@ def test_release_cache_frees_the_kv_cache_until_the_next_generation(tiny):
     assert rollout.cache.held_bytes() == rollout.cache.nbytes
     assert torch.equal(after[RESPONSES], before[RESPONSES])
     assert torch.equal(after[ROLLOUT_LOG_PROBS], before[ROLLOUT_LOG_PROBS])
+
+
+def test_a_lora_policy_is_merged_into_vllm_s_weights_and_new_adapters_replace_the_old(tiny):
+    """vLLM reloads whole weights: the base is loaded once, then each set of adapters is merged from the copy of
+    it kept on this side; generation follows peft's model each time."""
+    model, tokenizer, rollout = tiny
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    peft_model = apply_lora(
+        copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
+    ).eval()
+    try:
+        rollout.load_base_weights([*base_parameters(peft_model), *peft_model.named_buffers()])
+        for seed in (1, 2):
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for name, parameter in peft_model.named_parameters():
+                    if ".lora_" in name:
+                        parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
+            got = rollout.generate_sequences(prompts, greedy(10)).batch
+            mask = got[RESPONSE_MASK].bool()
+            expected = _chosen(_forward_log_probs(peft_model, got), got[RESPONSES])
+            assert torch.allclose(got[ROLLOUT_LOG_PROBS][mask], expected[mask], atol=1e-4)
+    finally:
+        rollout.load_weights(model.named_parameters())

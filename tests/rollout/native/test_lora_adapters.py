@@ -1,0 +1,99 @@
+"""A LoRA policy on the native engine, both ways: adapters served (x W^T + s·(x A^T) B^T at each matmul, the
+base untouched) and merged (W + s·B A written from a kept copy of the base). Either way the engine's
+log-probs are peft's own forward's, and a second set of adapters replaces the first (no drift)."""
+
+import copy
+
+import pytest
+import torch
+from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
+
+from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
+from hybridflow.models.adapters import LORA_A, adapter_name
+from hybridflow.rollout.adapter_merge import AdapterMerge
+from hybridflow.rollout.native import NativeRollout
+
+SOME = ["q_proj", "v_proj", "up_proj", "down_proj"]  # fused and whole matrices, some parts of a fused one only
+
+
+def adapted(model, targets: list[str]):
+    peft_model = apply_lora(copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=targets))
+    return peft_model.eval()
+
+
+def randomise(peft_model, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+
+
+def peft_log_probs(peft_model, batch) -> torch.Tensor:
+    """The log-probs peft's model gives the engine's responses (B, R)."""
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    width = batch["responses"].shape[1]
+    chosen = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
+    return chosen.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("mode", ["served", "merged"])
+@pytest.mark.parametrize("targets", [SOME, ["all-linear"]], ids=["some", "all"])
+def test_the_engine_generates_with_peft_s_policy_and_new_adapters_replace_the_old(tiny, mode, targets):
+    _, model, tokenizer = tiny
+    peft_model = adapted(model, targets)
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(adapters=mode))
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    base_batch = rollout.generate_sequences(prompts, greedy(10)).batch
+    qkv = rollout.engine.weights.layers[0].qkv.weight
+    base_qkv = qkv.clone()
+
+    rollout.load_base_weights(base_parameters(peft_model))
+    for seed in (1, 2):  # the second adapters replace the first
+        randomise(peft_model, seed)
+        rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
+        batch = rollout.generate_sequences(prompts, greedy(10)).batch
+        mask = batch["response_mask"].float()
+        expected = peft_log_probs(peft_model, batch)
+        torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
+        assert ((batch["rollout_log_probs"] - base_batch["rollout_log_probs"]).abs() * mask).max() > 1e-2
+    if mode == "served":
+        assert torch.equal(qkv, base_qkv)  # the engine's own weights never change
+    else:
+        assert not torch.equal(qkv, base_qkv)
+
+
+def test_served_adapters_refuse_a_layer_the_engine_does_not_have(tiny):
+    _, model, tokenizer = tiny
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
+    hidden = model.config.hidden_size
+    with pytest.raises(KeyError, match="lm_head"):
+        rollout.load_adapters([("lm_head.lora_A", torch.zeros(2, hidden)), ("lm_head.lora_B", torch.zeros(5, 2))], 1.0)
+    with pytest.raises(ValueError, match="needs both"):
+        rollout.load_adapters([(adapter_name("model.layers.0.self_attn.q_proj", LORA_A), torch.zeros(2, hidden))], 1.0)
+    layer = "model.layers.0.self_attn.q_proj"
+    with pytest.raises(ValueError, match="do not fit"):
+        rollout.load_adapters(
+            [(f"{layer}.lora_A", torch.zeros(2, hidden + 1)), (f"{layer}.lora_B", torch.zeros(4, 2))], 1.0
+        )
+
+
+def test_merging_needs_the_base_first_and_gives_every_weight_when_the_engine_reloads_whole():
+    weight, other = torch.ones(3, 2), torch.full((4,), 7.0)
+    a, b = torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0], [0.0], [-1.0]])
+    layer = "model.layers.0.mlp.up_proj"
+    adapters = [(f"{layer}.lora_A", a), (f"{layer}.lora_B", b)]
+    with pytest.raises(RuntimeError, match="base weights"):
+        list(AdapterMerge(every_weight=False).merged(adapters, 2.0))
+    merge = AdapterMerge(every_weight=True)
+    base = [(f"{layer}.weight", weight), ("model.norm.weight", other)]
+    assert [name for name, _ in merge.keep(base)] == [f"{layer}.weight", "model.norm.weight"]
+    weight.add_(100.0)  # the caller's tensor changes later: the kept copy does not
+    merged = dict(merge.merged(adapters, 2.0))
+    torch.testing.assert_close(merged[f"{layer}.weight"], torch.ones(3, 2) + 2.0 * b @ a)  # by hand: W + s·B A
+    assert torch.equal(merged["model.norm.weight"], other)
+    with pytest.raises(ValueError, match="one adapter of the two"):
+        list(merge.merged(adapters[:1], 2.0))
