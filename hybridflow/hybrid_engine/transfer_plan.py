@@ -23,9 +23,8 @@ from math import prod
 
 from torch import nn
 
-from hybridflow.engine.lora import adapter_tensors, policy_parameters
+from hybridflow.engine.lora import adapter_tensors, base_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
-from hybridflow.models.adapters import LORA_A, LORA_B, split_adapter_name
 from hybridflow.models.tensor_parallel import layer_split
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -169,25 +168,19 @@ def predicted_sent_bytes(
 
 
 def transfer_params(model: nn.Module) -> list[ParamSpec]:
-    """The parameter list of a Hugging Face model (full shapes, also of DTensors or on the meta device; a LoRA
-    model's as merged weights under the plain names, engine/lora.py, which are also its base's), with each
-    weight's split dimension from its family's table (models/tensor_parallel.py)."""
+    """The parameter list of a Hugging Face model (full shapes, also of DTensors or on the meta device; of a LoRA
+    model its base, engine/lora.py ``base_parameters``, the weights its first transfer sends), with each weight's
+    split dimension from its family's table (models/tensor_parallel.py)."""
     split = layer_split(model.config.model_type)
-    return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in policy_parameters(model)]
+    return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in base_parameters(model)]
 
 
 def adapter_transfer_params(model: nn.Module) -> list[ParamSpec]:
-    """A LoRA model's adapters as they travel (models/adapters.py), in the model's order; each split as its
-    layer's weight W (out x in) splits B A: a weight split by rows (dim 0) splits B by rows, one split by
-    columns (dim 1) splits A by columns, and the other matrix travels whole."""
+    """A LoRA model's adapters as they travel (models/adapters.py), in the model's order, each split as its
+    family's table splits it (B A splits as the layer's weight: B by rows in a column-split layer, A by columns
+    in a row-split one; the other whole)."""
     split = layer_split(model.config.model_type)
-    specs = []
-    for name, tensor in adapter_tensors(model):
-        layer, part = split_adapter_name(name)
-        weight_dim = split.shard_dim(f"{layer}.weight")
-        dim = 0 if part == LORA_B and weight_dim == 0 else 1 if part == LORA_A and weight_dim == 1 else None
-        specs.append(ParamSpec(name, tuple(tensor.shape), dim))
-    return specs
+    return [ParamSpec(name, tuple(t.shape), split.shard_dim(name)) for name, t in adapter_tensors(model)]
 
 
 def _overlap(lo: int, hi: int, lo2: int, hi2: int) -> tuple[int, int] | None:

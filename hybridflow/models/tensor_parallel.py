@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.models.adapters import LORA_A
+
 
 @dataclass(frozen=True)
 class LayerSplit:
@@ -32,13 +34,13 @@ class LayerSplit:
     """Split by input features: weight columns (dimension 1); the bias stays whole."""
 
     def shard_dim(self, name: str) -> int | None:
-        """The dimension along which Hugging Face tensor ``name`` is split over tensor-parallel ranks
-        (None: every rank holds it whole)."""
+        """The dimension along which Hugging Face tensor ``name`` (or a LoRA adapter's ``<layer>.lora_A`` /
+        ``.lora_B``, models/adapters.py) is split over tensor-parallel ranks (None: every rank holds it whole)."""
         module, _, kind = name.rpartition(".")
-        if module.endswith(self.column):
-            return 0  # weight (out, in) and bias (out,): split the outputs
-        if module.endswith(self.row) and kind == "weight":
-            return 1  # weight (out, in): split the inputs
+        if module.endswith(self.column):  # weight (out, in), bias (out,), a LoRA B (out, r): split the outputs
+            return None if kind == LORA_A else 0
+        if module.endswith(self.row) and kind in ("weight", LORA_A):
+            return 1  # weight (out, in), a LoRA A (r, in): split the inputs
         return None
 
     def is_row_bias(self, name: str) -> bool:

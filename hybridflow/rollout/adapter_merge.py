@@ -61,3 +61,5 @@ class AdapterMerge:
             for name, tensor in self.base.items():
                 if name not in done:
                     yield name, tensor
+        else:  # the copy of a weight no adapter names is never needed again
+            self.base = {name: tensor for name, tensor in self.base.items() if name in done}

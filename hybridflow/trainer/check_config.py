@@ -195,37 +195,19 @@ def _lora_layers(model_dir: str, critic: bool) -> set[str]:
 
 
 def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """Target modules this model has; no tensor parallelism (its adapters would need a split of their own)."""
+    """Target modules this model has (read from a copy built on the meta device)."""
     from hybridflow.engine.lora import target_problem
 
     arr = cfg.actor_rollout_ref
-    trained = [
-        ("actor_rollout_ref", arr.model.lora, plan.paths.actor_model, False, arr.actor.tensor_model_parallel_size)
-    ]
+    trained = [("actor_rollout_ref", arr.model.lora, plan.paths.actor_model, False)]
     if plan.needs(Role.Critic):
-        trained.append(
-            ("critic", cfg.critic.model.lora, plan.paths.critic_model, True, cfg.critic.tensor_model_parallel_size)
-        )
-    for section, lora, model_dir, critic, t in trained:
+        trained.append(("critic", cfg.critic.model.lora, plan.paths.critic_model, True))
+    for section, lora, model_dir, critic in trained:
         if not lora.enabled:
             continue
-        key = f"{section}.model.lora"
         problem = target_problem(lora.target_modules, _lora_layers(model_dir, critic))
-        _check(problem is None, f"{key}.target_modules", problem or "", "name some of them, or [all-linear]")
-        tensor_key = "actor_rollout_ref.actor" if section == "actor_rollout_ref" else "critic"
         _check(
-            t == 1,
-            f"{key}.rank",
-            f"LoRA with tensor parallelism ({tensor_key}.tensor_model_parallel_size={t}) is not supported yet",
-            f"{tensor_key}.tensor_model_parallel_size=1, or train without LoRA (rank 0)",
-        )
-    if arr.model.lora.enabled:
-        tg = plan.generation_layout.tg
-        _check(
-            tg == 1,
-            "actor_rollout_ref.model.lora.rank",
-            f"LoRA with a tensor-parallel generation layout (tg={tg}) is not supported yet",
-            "actor_rollout_ref.rollout.tensor_model_parallel_size=1, or train without LoRA (rank 0)",
+            problem is None, f"{section}.model.lora.target_modules", problem or "", "name some of them, or [all-linear]"
         )
 
 

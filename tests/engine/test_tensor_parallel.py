@@ -9,6 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_layer_plan, training_mesh
 from hybridflow.models import load_causal_lm
 from hybridflow.models.split_sizes import check_tensor_parallel_size
@@ -30,12 +31,27 @@ def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, weights
 
 
+def load(path: str, lora: bool) -> torch.nn.Module:
+    """The tiny model, seeded; with ``lora``, adapters of rank 4 on every linear layer, B moved off zero so
+    that A has gradients too."""
+    torch.manual_seed(0)
+    model = load_causal_lm(path, dtype=torch.float32)
+    if not lora:
+        return model
+    model = apply_lora(model, LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"]))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_B." in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model
+
+
 class ParallelStep(Worker):
-    def __init__(self, *, path: str, dp: int, tp: int):
+    def __init__(self, *, path: str, dp: int, tp: int, lora: bool = False):
         super().__init__()
         self.mesh = training_mesh(self.device, dp, tp)
-        torch.manual_seed(0)
-        model = load_causal_lm(path, dtype=torch.float32)
+        model = load(path, lora)
         apply_tensor_parallel(model, self.mesh["tp"])
         self.model = shard_model(model, self.mesh["dp"], FP32)
 
@@ -49,7 +65,7 @@ class ParallelStep(Worker):
         (share * dp).backward()  # FSDP averages gradients over dp: the sum of the shares' gradients
         loss = share.detach().clone()
         dist.all_reduce(loss, group=dp_mesh.get_group())
-        grads = {name: p.grad.full_tensor() for name, p in self.model.named_parameters()}
+        grads = {name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.requires_grad}
         return float(loss), grads
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -58,24 +74,36 @@ class ParallelStep(Worker):
         return dict(self.model.named_parameters())[name].to_local().numel()
 
 
-@pytest.fixture(scope="module")
-def unsharded(tiny_path):
-    torch.manual_seed(0)
-    model = load_causal_lm(tiny_path, dtype=torch.float32)
+def one_process(path: str, lora: bool):
+    model = load(path, lora)
     input_ids, weights = batch(model.config.vocab_size)
     loss = -(weights * token_log_probs(model, input_ids)).sum() / weights.sum()
     loss.backward()
-    return float(loss.detach()), {name: p.grad for name, p in model.named_parameters()}, (input_ids, weights)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    return float(loss.detach()), grads, (input_ids, weights)
 
 
-@pytest.mark.parametrize("dp, tp", [(2, 1), (1, 2), (2, 2)])
-def test_a_step_in_the_training_layout_matches_one_process(local_ray, tiny_path, unsharded, dp, tp):
-    loss, grads, (input_ids, weights) = unsharded
+@pytest.mark.parametrize("dp, tp, lora", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)])
+def test_a_step_in_the_training_layout_matches_one_process(local_ray, tiny_path, dp, tp, lora):
+    """With LoRA: the adapters' gradients (all that trains) split with their layers, as one process's."""
+    loss, grads, (input_ids, weights) = one_process(tiny_path, lora)
     pool = RayResourcePool([dp * tp])
-    group = RayWorkerGroup(pool, RoleSpec(ParallelStep, kwargs={"path": tiny_path, "dp": dp, "tp": tp}))
+    kwargs = {"path": tiny_path, "dp": dp, "tp": tp, "lora": lora}
+    group = RayWorkerGroup(pool, RoleSpec(ParallelStep, kwargs=kwargs))
     try:
-        q_proj = "model.layers.0.self_attn.q_proj.weight"
-        assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
+        if lora:  # a column-split layer's B and a row-split layer's A split over both; the other over dp only
+            prefix = "base_model.model.model.layers.0"
+            for name, split in [
+                ("self_attn.q_proj.lora_B", dp * tp),
+                ("self_attn.q_proj.lora_A", dp),
+                ("mlp.down_proj.lora_A", dp * tp),
+                ("mlp.down_proj.lora_B", dp),
+            ]:
+                full = f"{prefix}.{name}.default.weight"
+                assert group.local_numel(full) == [grads[full].numel() // split] * (dp * tp), name
+        else:
+            q_proj = "model.layers.0.self_attn.q_proj.weight"
+            assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
         for rank_loss, rank_grads in group.loss_and_grads(input_ids, weights):
             assert rank_loss == pytest.approx(loss, rel=1e-5)
             assert rank_grads.keys() == grads.keys()

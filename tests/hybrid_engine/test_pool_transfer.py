@@ -3,6 +3,7 @@ gloo transfer group spanning both (real processes, at most 4 ranks in all): ever
 with exactly its generation shard of the actor's weights, in the generation dtype, having received
 the bytes of the formula; a transfer that one side never joins in ends in a clear error in time."""
 
+import copy
 import dataclasses
 import os
 import time
@@ -25,7 +26,14 @@ from hybridflow.controller import (
     register,
 )
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.lora import policy_parameters
+from hybridflow.engine.lora import (
+    LoraConfig,
+    adapter_tensors,
+    apply_lora,
+    base_parameters,
+    lora_scaling,
+    policy_parameters,
+)
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import (
@@ -40,6 +48,7 @@ from hybridflow.hybrid_engine.pool_transfer import (
 )
 from hybridflow.hybrid_engine.transfer_plan import (
     TransferPlan,
+    adapter_transfer_params,
     plan_transfer,
     predicted_transfer_bytes,
     transfer_params,
@@ -75,9 +84,9 @@ class ActorSide(Process):
         self.store = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def build(self, path: str, dp: int, t: int) -> None:
+    def build(self, path: str, dp: int, t: int, lora: bool = False) -> None:
         mesh = init_device_mesh("cpu", (self.world_size // (dp * t), dp, t), mesh_dim_names=("copy", "dp", "tp"))
-        model = trained_model(path)
+        model = lora_model(path) if lora else trained_model(path)
         apply_tensor_parallel(model, mesh["tp"])
         self.model = shard_model(model, mesh["dp"], FP32)
 
@@ -88,9 +97,17 @@ class ActorSide(Process):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send(
-        self, address: TransferAddress, plan: TransferPlan, dtype: torch.dtype, name: str, timeout: float, act: bool
+        self,
+        address: TransferAddress,
+        plan: TransferPlan,
+        dtype: torch.dtype,
+        name: str,
+        timeout: float,
+        act: bool,
+        part: str = "policy",
     ) -> TransferReport | None:
-        """Join the transfer group; send the weights when ``act`` (else stop there: a stalled actor)."""
+        """Join the transfer group; send the weights when ``act`` (else stop there: a stalled actor): the
+        policy's, or a LoRA model's ``base`` or ``adapters``."""
         if self.rank >= plan.actors:
             return None
         store = self.store if self.rank == 0 else None
@@ -99,7 +116,8 @@ class ActorSide(Process):
         )
         if not act:
             return None
-        return send_weights(list(policy_parameters(self.model)), dtype, plan, self.group, timeout=timeout)
+        named = {"policy": policy_parameters, "base": base_parameters, "adapters": adapter_tensors}[part](self.model)
+        return send_weights(list(named), dtype, plan, self.group, timeout=timeout)
 
 
 class RolloutSide(Process):
@@ -118,9 +136,18 @@ class RolloutSide(Process):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive(
-        self, address: TransferAddress, plan: TransferPlan, dtype: torch.dtype, name: str, timeout: float, act: bool
+        self,
+        address: TransferAddress,
+        plan: TransferPlan,
+        dtype: torch.dtype,
+        name: str,
+        timeout: float,
+        act: bool,
+        part: str = "policy",
+        scaling: float = 0.0,
     ) -> dict:
-        """Join the transfer group; receive the weights into the engine when ``act`` (else: a stalled rollout)."""
+        """Join the transfer group; receive the weights into the engine when ``act`` (else: a stalled rollout):
+        the policy's, or a LoRA model's ``base`` or ``adapters`` (of ``scaling``), served by the engine."""
         if self.rank >= plan.rollouts:
             return {}
         self.group = join_transfer_group(
@@ -132,7 +159,13 @@ class RolloutSide(Process):
         self.waited = None
         start = time.perf_counter()
         try:
-            self.rollout.load_weights(receive_weights(plan, self.group, report, dtype=dtype, timeout=timeout))
+            weights = receive_weights(plan, self.group, report, dtype=dtype, timeout=timeout)
+            if part == "base":
+                self.rollout.load_base_weights(weights)
+            elif part == "adapters":
+                self.rollout.load_adapters(weights, scaling)
+            else:
+                self.rollout.load_weights(weights)
         finally:
             self.waited = time.perf_counter() - start
         weights = self.rollout.engine.weights
@@ -246,6 +279,49 @@ def test_each_rollout_rank_receives_exactly_its_generation_shard(pools, path, ex
     if (dp, t, replicas, tg, dtype) == (1, 2, 1, 2, torch.float32):  # the rollout generates with them
         _, rollout = pools
         assert all(torch.equal(r, responses) for r in rollout.generate())
+
+
+def lora_model(path: str):
+    """The perturbed model with rank-4 adapters on every linear layer, moved off their start (B = 0)."""
+    model = apply_lora(trained_model(path), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"]))
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    return model
+
+
+@pytest.mark.parametrize("dp, t, tg", [(1, 2, 2), (1, 2, 1), (2, 1, 2)], ids=["dp1t2-tg2", "dp1t2-tg1", "dp2t1-tg2"])
+def test_a_lora_policy_crosses_as_its_base_then_its_adapters_each_split_like_its_layer(pools, path, dp, t, tg):
+    """The base by the model's plan, then the adapters by their own (each rollout rank receiving its slices, the
+    bytes of the formula); the engine serves them split over tg and generates what peft's merged model does."""
+    model = lora_model(path)
+    merged = copy.deepcopy(model).merge_and_unload()
+    expected = NativeRollout(merged, load_tokenizer(path), engine_config=ENGINE).generate_sequences(prompts(), GREEDY)
+    actor, rollout = pools
+    actor.build(path, dp, t, True)
+    rollout.build(path, tg, torch.float32)
+    name = f"lora-{dp}-{t}-{tg}"
+    for part, params in [("base", transfer_params(model)), ("adapters", adapter_transfer_params(model))]:
+        plan = plan_transfer(
+            LayoutShape(dp=dp, t=t, tg=1), replicas=1, tg=tg, params=params, element_size=4, bucket_bytes=BUCKET_BYTES
+        )
+        address = actor.host()
+        args = (address, plan, torch.float32, f"{name}-{part}", TIMEOUT, True, part)
+        sent = actor.send.future(*args)
+        received = rollout.receive.future(*args, lora_scaling(model))
+        sent = sent.get()[: dp * t]
+        received = received.get()[:tg]
+        for rank, out in enumerate(received):
+            assert out["report"].received == plan.received_bytes(rank) == out["report"].predicted
+        assert sum(r.sent for r in sent) == sum(o["report"].received for o in received)
+    adapters = dict(adapter_tensors(model))
+    split = sum(a.numel() * 4 for n, a in adapters.items() if SPLIT.shard_dim(n) is not None)
+    whole = sum(a.numel() * 4 for n, a in adapters.items() if SPLIT.shard_dim(n) is None)
+    assert split and whole  # B of the column-split layers and A of the row-split ones are sliced, the rest whole
+    assert sum(o["report"].received for o in received) == split + whole * tg
+    assert all(torch.equal(r, expected.batch[RESPONSES]) for r in rollout.generate()[:tg])
 
 
 def test_a_rollout_waiting_for_an_actor_that_never_sends_fails_in_time_naming_both(pools, path, expected):

@@ -23,12 +23,24 @@ LAYOUTS = {"one_rank": (1, 1, 1), "t1": (2, 1, 1), "t2_tg1": (2, 2, 1), "t2_tg2"
 SAME_SAMPLES = {"t2_tg1": "t1", "t2_tg2": "one_rank"}
 
 
-def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_files, tmp_path):
+# LoRA: the adapters split with their layers in training, the switch gathers (t2_tg1) or keeps (t2_tg2) their
+# slices like the layers', and the engine serves them split over tg; a KL loss with the adapters off as reference
+LORA = [
+    "actor_rollout_ref.model.lora.rank=4",
+    "actor_rollout_ref.model.lora.alpha=8",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+]
+
+
+@pytest.mark.parametrize("model", ["full", "lora"])
+def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_files, tmp_path, model):
     runs = {
         name: short_run(
             arithmetic_files,
             tmp_path / name,
             *FP32,
+            *(LORA if model == "lora" else []),
             f"trainer.n_workers_per_node={ranks}",
             f"actor_rollout_ref.actor.tensor_model_parallel_size={t}",
             f"actor_rollout_ref.rollout.tensor_model_parallel_size={tg}",
@@ -39,7 +51,8 @@ def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_file
         assert_all_finite(runs[name])
         for layout, data_parallel in zip(runs[name], runs[reference]):
             assert layout["response_length/mean"] == data_parallel["response_length/mean"], name  # same samples
-            for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/log_prob_diff_mean"):
+            keys = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "rollout/log_prob_diff_mean")
+            for key in keys + (("actor/kl_loss",) if model == "lora" else ()):
                 # another reduction order (the layer's halves summed instead of the rows'): a small tolerance
                 assert layout[key] == pytest.approx(data_parallel[key], rel=1e-4, abs=1e-6), (name, key)
     for step in range(2):

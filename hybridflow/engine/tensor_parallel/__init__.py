@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from hybridflow.engine.fsdp import decoder_layers
+from hybridflow.engine.lora import ADAPTER
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.models.tensor_parallel import LayerSplit, layer_split
 
@@ -33,16 +34,36 @@ def decoder_layer_plan(split: LayerSplit) -> dict[str, ParallelStyle]:
     return {name: ColwiseParallel() for name in split.column} | {name: RowwiseParallel() for name in split.row}
 
 
+def lora_layer_plan(layer: nn.Module, split: LayerSplit) -> dict[str, ParallelStyle]:
+    """``decoder_layer_plan`` for a layer whose linear modules may carry peft's LoRA adapters: an adapted
+    module's own weight (``base_layer``) splits as the module would, and its adapters so that their product
+    B A splits the same way: a column-split module's B by columns (its outputs; A sees the whole input, on
+    every rank), a row-split module's A by rows (its inputs: the partial sums of x A^T are summed once, then
+    the whole B applies on every rank)."""
+    plan: dict[str, ParallelStyle] = {}
+    for name, style in decoder_layer_plan(split).items():
+        module = layer.get_submodule(name)
+        if not hasattr(module, "base_layer"):  # not adapted
+            plan[name] = style
+            continue
+        plan[f"{name}.base_layer"] = style
+        if isinstance(style, ColwiseParallel):
+            plan[f"{name}.lora_B.{ADAPTER}"] = ColwiseParallel()
+        else:
+            plan[f"{name}.lora_A.{ADAPTER}"] = RowwiseParallel()
+    return plan
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place)."""
+    """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place); a LoRA
+    model's adapters split with the layers they wrap (``lora_layer_plan``)."""
     split = layer_split(model.config.model_type)
     tp = tp_mesh.size()
     check_tensor_parallel_size(model.config, tp, "tensor_model_parallel_size")
     if tp == 1:
         return model
-    plan = decoder_layer_plan(split)
     for layer in decoder_layers(model):
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, lora_layer_plan(layer, split))
     return model
 
 

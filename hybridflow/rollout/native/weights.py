@@ -210,9 +210,9 @@ class Weights:
     def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
         """Serve a LoRA policy's adapters (``<layer>.lora_A`` / ``.lora_B``, models/adapters.py) from now on:
         every adapted layer computes x W^T + scaling · (x A^T) B^T, its W untouched. Replaces the adapters
-        served before; a matrix no adapter names has none."""
-        if self.tp.size > 1:
-            raise NotImplementedError("served adapters run on one rank: set rollout.tensor_model_parallel_size=1")
+        served before; a matrix no adapter names has none. Under tensor parallelism each adapter is this rank's
+        slice (``LayerSplit.shard_dim``): a row-split matrix's partial sums then include the adapters' own,
+        and the all-reduce after it completes both."""
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in adapters:
             layer, part = split_adapter_name(name)

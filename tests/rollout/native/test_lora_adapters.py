@@ -97,3 +97,10 @@ def test_merging_needs_the_base_first_and_gives_every_weight_when_the_engine_rel
     assert torch.equal(merged["model.norm.weight"], other)
     with pytest.raises(ValueError, match="one adapter of the two"):
         list(merge.merged(adapters[:1], 2.0))
+    # an engine that takes weights one by one gets the adapted ones only, and the copies of the rest are dropped
+    alone = AdapterMerge(every_weight=False)
+    list(alone.keep([(f"{layer}.weight", torch.ones(3, 2)), ("model.norm.weight", other)]))
+    for scaling in (2.0, 3.0):
+        merged = dict(alone.merged(adapters, scaling))
+        assert merged.keys() == alone.base.keys() == {f"{layer}.weight"}
+        torch.testing.assert_close(merged[f"{layer}.weight"], torch.ones(3, 2) + scaling * b @ a)
