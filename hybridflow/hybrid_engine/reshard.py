@@ -15,13 +15,14 @@ The result is exactly the slice the generation engine holds: both follow the mod
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hybridflow.engine.lora import adapter_tensors, base_parameters, policy_buffers, policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -94,9 +95,60 @@ def base_generation_weights(
 def adapter_generation_weights(
     model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """A LoRA model's adapters, gathered whole, under the names they travel by (models/adapters.py): all of the
-    policy that changes after an update."""
-    yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
+    """A LoRA model's adapters, this rank's generation slices of them, under the names they travel by
+    (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
+    that only FSDP2 shards (over dp, by rows) are gathered in one collective, not one each (``gather_rows``)."""
+    together, apart = [], []
+    for name, tensor in adapter_tensors(model):
+        (together if _sharded_by_rows_only(tensor) else apart).append((name, tensor))
+    if together:
+        for (name, tensor), whole in zip(together, gather_rows([t.to(dtype) for _, t in together])):
+            report.whole += _nbytes(whole)
+            report.received += _nbytes(whole) - tensor.to_local().numel() * dtype.itemsize
+            report.held += _nbytes(whole)
+            yield name, whole
+    yield from _generation_slices(model, iter(apart), dtype, gather_group, report)
+
+
+def _sharded_by_rows_only(tensor: torch.Tensor) -> bool:
+    """A DTensor split by rows over one mesh dimension (FSDP2's dp) and whole on every other one."""
+    if not isinstance(tensor, DTensor):
+        return False
+    shards = [p for p in tensor.placements if not isinstance(p, Replicate)]
+    return len(shards) == 1 and shards[0].is_shard(0) and type(shards[0]) is Shard
+
+
+def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
+    """The whole tensors of DTensors sharded by rows over one mesh dimension (the same for all, as FSDP2
+    shards one model; ``_sharded_by_rows_only``), with one all-gather of every rank's shards packed together.
+    Shard(0) splits rows as ``torch.chunk`` does (chunks of ceil(rows / ranks), the last ones shorter or empty),
+    so each shard is padded to its chunk size in the packed buffer and cut back after."""
+    mesh = parts[0].device_mesh
+    dim = next(i for i, p in enumerate(parts[0].placements) if not isinstance(p, Replicate))
+    group, ranks = mesh.get_group(dim), mesh.size(dim)
+    chunks = [-(-p.shape[0] // ranks) for p in parts]
+    row_numel = [math.prod(p.shape[1:]) for p in parts]
+    sizes = [c * n for c, n in zip(chunks, row_numel)]
+    total = sum(sizes)
+    packed = torch.zeros(total, dtype=parts[0].dtype, device=parts[0].to_local().device)
+    offset = 0
+    for part, size in zip(parts, sizes):
+        local = part.to_local().reshape(-1)
+        packed[offset : offset + local.numel()].copy_(local)
+        offset += size
+    gathered = torch.empty(ranks * total, dtype=packed.dtype, device=packed.device)
+    dist.all_gather_into_tensor(gathered, packed, group=group)
+    wholes, offset = [], 0
+    for part, chunk, size in zip(parts, chunks, sizes):
+        rows = torch.cat(
+            [
+                gathered[r * total + offset : r * total + offset + size].view(chunk, *part.shape[1:])
+                for r in range(ranks)
+            ]
+        )
+        wholes.append(rows[: part.shape[0]])
+        offset += size
+    return wholes
 
 
 def _generation_slices(

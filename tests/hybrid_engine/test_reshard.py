@@ -10,6 +10,8 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
@@ -18,7 +20,7 @@ from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
-from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights
+from hybridflow.hybrid_engine.reshard import SwitchReport, gather_rows, generation_weights
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.protocol import DataProto
@@ -135,3 +137,27 @@ def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(local_
     for same_prompts in by_group.values():  # a group's ranks generate alike
         assert all(torch.equal(r, same_prompts[0]) for r in same_prompts)
     assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)
+
+
+class RowGather(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
+        parts = [distribute_tensor(whole, mesh, [Shard(0)]) for whole in wholes]
+        return gather_rows(parts)
+
+
+def test_adapters_gather_whole_in_one_collective_whatever_their_rows(local_ray):
+    """Rows that 2 ranks split evenly, unevenly, or not at all (one row: the second rank holds none)."""
+    generator = torch.Generator().manual_seed(0)
+    wholes = [torch.randn(shape, generator=generator) for shape in [(5, 3), (1, 4), (4,), (2, 2, 2), (8, 1)]]
+    pool = RayResourcePool([2])
+    group = RayWorkerGroup(pool, RoleSpec(RowGather))
+    try:
+        for got in group.gather(wholes):
+            assert len(got) == len(wholes)
+            for have, want in zip(got, wholes):
+                assert torch.equal(have, want)
+    finally:
+        group.kill()
+        pool.release()
