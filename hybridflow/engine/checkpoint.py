@@ -49,10 +49,21 @@ def _state_options(trained: TrainedModel) -> StateDictOptions:
     return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
 
 
+def _training_state(trained: TrainedModel, options: StateDictOptions) -> tuple[dict, dict]:
+    """The model's and the optimizer's state dicts. A LoRA model's holds its trainable weights only: torch's
+    ``ignore_frozen_params`` keeps a frozen weight that a model ties under a second name (the LM head of a model
+    with tied embeddings, the size of the embedding), since that name is no parameter's."""
+    model_state, optim_state = get_state_dict(trained.model, trained.optimizer, options=options)
+    if options.ignore_frozen_params:
+        trainable = {name for name, p in trained.model.named_parameters() if p.requires_grad}
+        model_state = {name: value for name, value in model_state.items() if name in trainable}
+    return model_state, optim_state
+
+
 def save_training_state(directory: Path, trained: TrainedModel, rank: int) -> None:
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optim_state = get_state_dict(trained.model, trained.optimizer, options=_state_options(trained))
+    model_state, optim_state = _training_state(trained, _state_options(trained))
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / SHARDS))
     if rank == 0:
         torch.save(trained.scheduler.state_dict(), directory / SCHEDULER)
@@ -68,7 +79,7 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
             f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?"
         )
     options = _state_options(trained)
-    model_state, optim_state = get_state_dict(trained.model, trained.optimizer, options=options)
+    model_state, optim_state = _training_state(trained, options)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
     set_state_dict(

@@ -137,7 +137,7 @@ def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
         packed[offset : offset + local.numel()].copy_(local)
         offset += size
     gathered = torch.empty(ranks * total, dtype=packed.dtype, device=packed.device)
-    dist.all_gather_into_tensor(gathered, packed, group=group)
+    dist.all_gather_single(gathered, packed, group=group)
     wholes, offset = [], 0
     for part, chunk, size in zip(parts, chunks, sizes):
         rows = torch.cat(

@@ -125,3 +125,37 @@ def test_a_critic_trains_its_value_head_whole_and_adapters_elsewhere(tiny_path):
     assert not any(".score.lora_" in n for n in trainable)  # the head is not LoRA-adapted
     ids = inputs(critic.config.vocab_size)
     assert model(input_ids=ids).logits.shape == (2, 12, 1)
+
+
+def test_a_checkpoint_of_a_model_with_tied_embeddings_holds_the_adapters_only(tmp_path):
+    """tiny-qwen2 ties its LM head to the embedding: a second name of a frozen weight, which torch's
+    ignore_frozen_params alone would save (the embedding's size, in every checkpoint); a load puts the adapters
+    and their optimizer state back."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hybridflow.engine.checkpoint import SHARDS, load_training_state, save_training_state
+    from hybridflow.engine.optim import TrainedModel
+    from hybridflow.trainer.config import default_config
+
+    def trained() -> TrainedModel:
+        torch.manual_seed(0)
+        model = apply_lora(load_causal_lm("tiny-qwen2", dtype=torch.float32), lora())
+        return TrainedModel.build(model, default_config().actor_rollout_ref.actor.optim, total_steps=4)
+
+    first = trained()
+    assert first.model.config.tie_word_embeddings
+    randomised_adapters(first.model)
+    loss = first.model(input_ids=inputs(first.model.config.vocab_size)).logits.square().mean()
+    loss.backward()
+    first.optimizer.step()
+    save_training_state(tmp_path, first, rank=0)
+    saved = FileSystemReader(str(tmp_path / SHARDS)).read_metadata().state_dict_metadata
+    weights = {k.removeprefix("model.") for k in saved if k.startswith("model.")}
+    assert weights == {n for n, p in first.model.named_parameters() if p.requires_grad}
+
+    second = trained()
+    load_training_state(tmp_path, second, rank=0)
+    for (name, want), have in zip(first.model.named_parameters(), second.model.parameters()):
+        assert torch.equal(have, want), name
+    for want, have in zip(first.optimizer.state.values(), second.optimizer.state.values()):
+        assert torch.equal(have["exp_avg"], want["exp_avg"])
