@@ -76,7 +76,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(), help="torch threads (1: robust to load)"
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype, torch.device("cpu"))
     base_model = load_causal_lm(args.model, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(args.model)
