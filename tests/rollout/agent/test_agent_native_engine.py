@@ -2,6 +2,7 @@
 are shared, and the batch is what transformers computes for the same conversations."""
 
 import asyncio
+import copy
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from agent_helpers import multi_turn_config
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.batch_keys import AGENT_FAILURE, ATTENTION_MASK, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
+from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState, register_agent_loop
 from hybridflow.rollout.agent.loops import AGENT_LOOPS
@@ -94,3 +96,31 @@ def test_a_slow_tool_holds_up_only_its_own_request(tiny_llama, max_num_seqs):
         assert torch.equal(logits.argmax(-1)[generated], torch.tensor(response)[generated])
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0] * generated
         torch.testing.assert_close(batch.batch[ROLLOUT_LOG_PROBS][row, :n], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_agent_loops_run_on_a_lora_policy_served_as_on_its_merged_model(tiny_llama):
+    """The request API's turns go through the same matrices: adapters served there are the merged model's policy."""
+    model, tokenizer = tiny_llama
+    peft_model = apply_lora(
+        copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
+    )
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    served = _agent_rollout(model, tokenizer, 16)
+    served.load_base_weights(base_parameters(peft_model))
+    served.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
+    merged = _agent_rollout(copy.deepcopy(peft_model).merge_and_unload(), tokenizer, 16)
+    batches = []
+    for rollout in (served, merged, _agent_rollout(model, tokenizer, 16)):
+        SlowToolLoop.others_left, SlowToolLoop.others_done = len(QUESTIONS) - 1, None
+        batches.append(rollout.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(24)).batch)
+    with_adapters, expected, base = batches
+    assert torch.equal(with_adapters[RESPONSES], expected[RESPONSES])
+    mask = expected[RESPONSE_MASK].bool()
+    torch.testing.assert_close(
+        with_adapters[ROLLOUT_LOG_PROBS][mask], expected[ROLLOUT_LOG_PROBS][mask], atol=1e-4, rtol=0
+    )
+    assert (with_adapters[ROLLOUT_LOG_PROBS] - base[ROLLOUT_LOG_PROBS])[mask].abs().max() > 1e-2  # they matter
