@@ -126,6 +126,11 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in (3, 4):
         want, have = comparable(expected[step]), comparable(got[step])
+        if mode == "lora" and step == 3:  # the restarted engine takes the base once more, then adapters again
+            synced = "switch/generation_weights_mb"
+            assert have[synced] > 10 * want[synced] and got[4][synced] == expected[4][synced]
+            want = {k: v for k, v in want.items() if not k.startswith("switch/")}
+            have = {k: v for k, v in have.items() if not k.startswith("switch/")}
         assert want.keys() == have.keys() and len(want) > 30
         for key, value in want.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
