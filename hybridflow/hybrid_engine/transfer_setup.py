@@ -28,24 +28,18 @@ class TransferSetup:
 
     def plan(self, dtype: torch.dtype) -> TransferPlan:
         """Every bucket of a transfer in the generation ``dtype``: the same on every rank of both pools."""
-        return plan_transfer(
-            self.actor,
-            replicas=self.rollout.dp,
-            tg=self.rollout.tg,
-            params=self.params,
-            element_size=dtype.itemsize,
-            bucket_bytes=self.bucket_bytes,
-        )
+        return self._plan(self.params, dtype)
 
     def adapter_plan(self, dtype: torch.dtype) -> TransferPlan | None:
         """The plan of a LoRA actor's adapters (None: the model trains whole)."""
-        if not self.adapter_params:
-            return None
+        return self._plan(self.adapter_params, dtype) if self.adapter_params else None
+
+    def _plan(self, params: tuple[ParamSpec, ...], dtype: torch.dtype) -> TransferPlan:
         return plan_transfer(
             self.actor,
             replicas=self.rollout.dp,
             tg=self.rollout.tg,
-            params=self.adapter_params,
+            params=params,
             element_size=dtype.itemsize,
             bucket_bytes=self.bucket_bytes,
         )

@@ -3,6 +3,7 @@ weights against peft's own forward (fp32, tight tolerance)."""
 
 import pytest
 import torch
+from lora_helpers import randomise_adapters
 
 from hybridflow.engine.lora import (
     ALL_LINEAR,
@@ -25,12 +26,7 @@ def lora(**changes) -> LoraConfig:
 
 
 def randomised_adapters(model: torch.nn.Module, seed: int = 0) -> None:
-    """peft starts B at zero (the adapted model is the base); move both adapters so that they matter."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    randomise_adapters(model, seed, scale=0.05)
 
 
 def inputs(vocab: int, seed: int = 1) -> torch.Tensor:

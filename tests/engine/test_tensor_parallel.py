@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
+from lora_helpers import lora_model
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_layer_plan, training_mesh
 from hybridflow.models import load_causal_lm
 from hybridflow.models.split_sizes import check_tensor_parallel_size
@@ -33,18 +33,12 @@ def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def load(path: str, lora: bool) -> torch.nn.Module:
     """The tiny model, seeded; with ``lora``, adapters of rank 4 on every linear layer, B moved off zero so
-    that A has gradients too."""
+    that A has gradients too (tests/lora_helpers.py)."""
     torch.manual_seed(0)
     model = load_causal_lm(path, dtype=torch.float32)
     if not lora:
         return model
-    model = apply_lora(model, LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"]))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".lora_B." in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model
+    return lora_model(model, seed=1)
 
 
 class ParallelStep(Worker):

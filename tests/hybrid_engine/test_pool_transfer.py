@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from lora_helpers import lora_model
 from test_reshard import prompts, trained_model
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -26,14 +27,7 @@ from hybridflow.controller import (
     register,
 )
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.lora import (
-    LoraConfig,
-    adapter_tensors,
-    apply_lora,
-    base_parameters,
-    lora_scaling,
-    policy_parameters,
-)
+from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling, policy_parameters
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import (
@@ -86,7 +80,7 @@ class ActorSide(Process):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def build(self, path: str, dp: int, t: int, lora: bool = False) -> None:
         mesh = init_device_mesh("cpu", (self.world_size // (dp * t), dp, t), mesh_dim_names=("copy", "dp", "tp"))
-        model = lora_model(path) if lora else trained_model(path)
+        model = perturbed_lora_model(path) if lora else trained_model(path)
         apply_tensor_parallel(model, mesh["tp"])
         self.model = shard_model(model, mesh["dp"], FP32)
 
@@ -281,22 +275,16 @@ def test_each_rollout_rank_receives_exactly_its_generation_shard(pools, path, ex
         assert all(torch.equal(r, responses) for r in rollout.generate())
 
 
-def lora_model(path: str):
-    """The perturbed model with rank-4 adapters on every linear layer, moved off their start (B = 0)."""
-    model = apply_lora(trained_model(path), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"]))
-    generator = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
-    return model
+def perturbed_lora_model(path: str):
+    """The perturbed model with rank-4 adapters on every linear layer."""
+    return lora_model(trained_model(path), seed=2)
 
 
 @pytest.mark.parametrize("dp, t, tg", [(1, 2, 2), (1, 2, 1), (2, 1, 2)], ids=["dp1t2-tg2", "dp1t2-tg1", "dp2t1-tg2"])
 def test_a_lora_policy_crosses_as_its_base_then_its_adapters_each_split_like_its_layer(pools, path, dp, t, tg):
     """The base by the model's plan, then the adapters by their own (each rollout rank receiving its slices, the
     bytes of the formula); the engine serves them split over tg and generates what peft's merged model does."""
-    model = lora_model(path)
+    model = perturbed_lora_model(path)
     merged = copy.deepcopy(model).merge_and_unload()
     expected = NativeRollout(merged, load_tokenizer(path), engine_config=ENGINE).generate_sequences(prompts(), GREEDY)
     actor, rollout = pools

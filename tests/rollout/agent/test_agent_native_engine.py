@@ -7,10 +7,11 @@ import copy
 import pytest
 import torch
 from agent_helpers import multi_turn_config
+from lora_helpers import lora_model
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.batch_keys import AGENT_FAILURE, ATTENTION_MASK, RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS
-from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
+from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState, register_agent_loop
 from hybridflow.rollout.agent.loops import AGENT_LOOPS
@@ -101,14 +102,7 @@ def test_a_slow_tool_holds_up_only_its_own_request(tiny_llama, max_num_seqs):
 def test_agent_loops_run_on_a_lora_policy_served_as_on_its_merged_model(tiny_llama):
     """The request API's turns go through the same matrices: adapters served there are the merged model's policy."""
     model, tokenizer = tiny_llama
-    peft_model = apply_lora(
-        copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
-    )
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    peft_model = lora_model(copy.deepcopy(model))
     served = _agent_rollout(model, tokenizer, 16)
     served.load_base_weights(base_parameters(peft_model))
     served.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))

@@ -6,27 +6,15 @@ import copy
 
 import pytest
 import torch
+from lora_helpers import lora_model, randomise_adapters
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
-from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
+from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling
 from hybridflow.models.adapters import LORA_A, adapter_name
 from hybridflow.rollout.adapter_merge import AdapterMerge
 from hybridflow.rollout.native import NativeRollout
 
 SOME = ["q_proj", "v_proj", "up_proj", "down_proj"]  # fused and whole matrices, some parts of a fused one only
-
-
-def adapted(model, targets: list[str]):
-    peft_model = apply_lora(copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=targets))
-    return peft_model.eval()
-
-
-def randomise(peft_model, seed: int) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if ".lora_" in name:
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
 
 
 def peft_log_probs(peft_model, batch) -> torch.Tensor:
@@ -44,7 +32,7 @@ def peft_log_probs(peft_model, batch) -> torch.Tensor:
 @pytest.mark.parametrize("targets", [SOME, ["all-linear"]], ids=["some", "all"])
 def test_the_engine_generates_with_peft_s_policy_and_new_adapters_replace_the_old(tiny, mode, targets):
     _, model, tokenizer = tiny
-    peft_model = adapted(model, targets)
+    peft_model = lora_model(copy.deepcopy(model), targets=targets).eval()
     rollout = NativeRollout(model, tokenizer, engine_config=engine_config(adapters=mode))
     prompts = prompts_of(tokenizer, QUESTIONS)
     base_batch = rollout.generate_sequences(prompts, greedy(10)).batch
@@ -53,7 +41,7 @@ def test_the_engine_generates_with_peft_s_policy_and_new_adapters_replace_the_ol
 
     rollout.load_base_weights(base_parameters(peft_model))
     for seed in (1, 2):  # the second adapters replace the first
-        randomise(peft_model, seed)
+        randomise_adapters(peft_model, seed)
         rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
         batch = rollout.generate_sequences(prompts, greedy(10)).batch
         mask = batch["response_mask"].float()

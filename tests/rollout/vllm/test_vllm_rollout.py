@@ -3,10 +3,11 @@
 import copy
 
 import torch
+from lora_helpers import lora_model, randomise_adapters
 from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS, TRUNCATED
-from hybridflow.engine.lora import LoraConfig, adapter_tensors, apply_lora, base_parameters, lora_scaling
+from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
 
@@ -153,17 +154,11 @@ def test_a_lora_policy_is_merged_into_vllm_s_weights_and_new_adapters_replace_th
     it kept on this side; generation follows peft's model each time."""
     model, tokenizer, rollout = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
-    peft_model = apply_lora(
-        copy.deepcopy(model), LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
-    ).eval()
+    peft_model = lora_model(copy.deepcopy(model)).eval()
     try:
         rollout.load_base_weights([*base_parameters(peft_model), *peft_model.named_buffers()])
         for seed in (1, 2):
-            generator = torch.Generator().manual_seed(seed)
-            with torch.no_grad():
-                for name, parameter in peft_model.named_parameters():
-                    if ".lora_" in name:
-                        parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+            randomise_adapters(peft_model, seed)
             rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
             got = rollout.generate_sequences(prompts, greedy(10)).batch
             mask = got[RESPONSE_MASK].bool()
