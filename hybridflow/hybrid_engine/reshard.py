@@ -98,11 +98,15 @@ def adapter_generation_weights(
     """A LoRA model's adapters, this rank's generation slices of them, under the names they travel by
     (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
     that only FSDP2 shards (over dp, by rows) are gathered in one collective, not one each (``gather_rows``)."""
-    together, apart = [], []
+    together: dict[int, list[tuple[str, DTensor]]] = {}  # by mesh: each group is one all-gather
+    apart = []
     for name, tensor in adapter_tensors(model):
-        (together if _sharded_by_rows_only(tensor) else apart).append((name, tensor))
-    if together:
-        for (name, tensor), whole in zip(together, gather_rows([t.to(dtype) for _, t in together])):
+        if _sharded_by_rows_only(tensor):
+            together.setdefault(id(tensor.device_mesh), []).append((name, tensor))
+        else:
+            apart.append((name, tensor))
+    for same_mesh in together.values():
+        for (name, tensor), whole in zip(same_mesh, gather_rows([t.to(dtype) for _, t in same_mesh])):
             report.whole += _nbytes(whole)
             report.received += _nbytes(whole) - tensor.to_local().numel() * dtype.itemsize
             report.held += _nbytes(whole)
@@ -119,8 +123,8 @@ def _sharded_by_rows_only(tensor: torch.Tensor) -> bool:
 
 
 def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
-    """The whole tensors of DTensors sharded by rows over one mesh dimension (the same for all, as FSDP2
-    shards one model; ``_sharded_by_rows_only``), with one all-gather of every rank's shards packed together.
+    """The whole tensors of DTensors on one mesh, sharded by rows over one of its dimensions
+    (``_sharded_by_rows_only``), with one all-gather of every rank's shards packed together.
     Shard(0) splits rows as ``torch.chunk`` does (chunks of ceil(rows / ranks), the last ones shorter or empty),
     so each shard is padded to its chunk size in the packed buffer and cut back after."""
     mesh = parts[0].device_mesh
