@@ -16,6 +16,7 @@ USAGE = """usage: hybridflow <command> [--debug] [args]
 
 commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
+  sft [--config FILE] key=value ...     supervised fine-tuning on conversations (hybridflow sft --help)
   export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
                                         write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
@@ -39,6 +40,12 @@ def _train(args: list[str]) -> int:
     from hybridflow.trainer.main import main as train
 
     return train(args)
+
+
+def _sft(args: list[str]) -> int:
+    from hybridflow.trainer.sft_main import main as sft
+
+    return sft(args)
 
 
 def _export(args: list[str]) -> int:
@@ -75,6 +82,7 @@ def _plan(args: list[str]) -> int:
 
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
+    "sft": _sft,
     "export": _export,
     "report": _report,
     "plan": _plan,

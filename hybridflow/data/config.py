@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.validation import require, require_positive
+from hybridflow.validation import require, require_choice, require_positive
 
 
 @dataclass(kw_only=True)
@@ -29,6 +29,45 @@ class DataConfig(DatasetConfig):
     train_batch_size: int  # prompts per training step (each sampled rollout.n times)
     val_batch_size: int  # prompts per validation generation call
     shuffle: bool  # shuffle training prompts each epoch (seeded by trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self.train_batch_size, "train_batch_size")
+        require_positive(self.val_batch_size, "val_batch_size")
+
+
+OVERLONG = ("error", "drop", "truncate")
+
+
+@dataclass(kw_only=True)
+class SFTDatasetConfig:
+    """What SFTDataset reads: conversations or prompt/response pairs, and how long a sample may be."""
+
+    messages_key: str  # column with a conversation [{"role", "content", "tool_calls"?}, ...] ("": none)
+    prompt_key: str  # rows without a conversation: the prompt column (chat messages or text)
+    response_key: str  # rows without a conversation: the answer column (text), all of it trained
+    tools_key: str  # column with a row's tool schemas (OpenAI function format) for the chat template ("": none)
+    max_length: int  # longest sample in tokens (the whole templated sequence)
+    overlong: str  # a longer sample: error (stop, naming it) | drop (skip it, logging the count) | truncate (cut it)
+
+    def __post_init__(self) -> None:
+        require_positive(self.max_length, "max_length")
+        require(bool(self.prompt_key), "prompt_key", "must name a column")
+        require(bool(self.response_key), "response_key", "must name a column")
+        require_choice(self.overlong, OVERLONG, "overlong")
+
+
+@dataclass(kw_only=True)
+class SFTDataConfig(SFTDatasetConfig):
+    """Supervised data: the files, how rows become samples, batch sizes.
+
+    How rows become samples: ``SFTDatasetConfig``'s fields, inherited."""
+
+    train_files: list[str]  # parquet/jsonl files of training conversations (or prompt/response pairs)
+    val_files: list[str]  # held-out files for the validation loss and perplexity (empty: no validation)
+    train_batch_size: int  # samples per optimizer step, over all ranks (micro-batches accumulate gradients)
+    val_batch_size: int  # samples per validation call
+    shuffle: bool  # shuffle training samples each epoch (seeded by trainer.seed)
 
     def __post_init__(self) -> None:
         super().__post_init__()

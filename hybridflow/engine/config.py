@@ -135,3 +135,40 @@ class CriticConfig(UpdateConfig):
         require_positive_fields(
             self, "forward_micro_batch_size_per_gpu", "forward_max_token_len_per_gpu", "cliprange_value"
         )
+
+
+@dataclass(kw_only=True)
+class SFTEngineConfig:
+    """The supervised update: micro-batches, packing, parallelism, clipping, FSDP2.
+
+    The optimizer is the ``optim`` section's."""
+
+    micro_batch_size_per_gpu: int  # samples per forward/backward on one rank (gradient accumulation up to the batch)
+    use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
+    use_dynamic_bsz: bool  # micro-batches by token count (max_token_len_per_gpu) instead of sample count
+    max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
+    tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the rest
+    grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
+    fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
+
+    def __post_init__(self) -> None:
+        require_positive_fields(
+            self, "micro_batch_size_per_gpu", "max_token_len_per_gpu", "tensor_model_parallel_size", "grad_clip"
+        )
+
+    def update_config(self, optim: OptimConfig) -> UpdateConfig:
+        """The shared update loop's settings (engine/update.py) for one optimizer step per batch, token-mean loss."""
+        return UpdateConfig(
+            ppo_mini_batch_size=1,  # not read: the caller gives the mini-batch (a rank's whole batch)
+            ppo_micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
+            ppo_epochs=1,
+            shuffle=False,
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            use_remove_padding=self.use_remove_padding,
+            use_dynamic_bsz=self.use_dynamic_bsz,
+            ppo_max_token_len_per_gpu=self.max_token_len_per_gpu,
+            loss_agg_mode="token-mean",
+            grad_clip=self.grad_clip,
+            optim=optim,
+            fsdp=self.fsdp,
+        )

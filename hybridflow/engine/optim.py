@@ -29,6 +29,8 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
     lr: float  # peak learning rate of AdamW
     weight_decay: float  # AdamW decoupled weight decay
     betas: list[float]  # AdamW betas

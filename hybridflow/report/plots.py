@@ -77,6 +77,7 @@ FIGURES = (
         (
             Panel("actor grad norm", ("actor/grad_norm",)),
             Panel("critic grad norm", ("critic/grad_norm",)),
+            Panel("SFT grad norm", ("sft/grad_norm",)),
         ),
     ),
     FigureSpec(
@@ -85,6 +86,8 @@ FIGURES = (
         (
             Panel("policy loss", ("actor/pg_loss",)),
             Panel("value loss", ("critic/vf_loss",)),
+            Panel("SFT: train and validation loss (per trained token)", ("sft/loss", "val/loss")),
+            Panel("SFT: validation perplexity", ("val/perplexity",)),
         ),
     ),
     FigureSpec(

@@ -21,10 +21,11 @@ import torch
 from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimator
 from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
+from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, RunConfig
 from hybridflow.trainer.placement import Placement
 from hybridflow.trainer.run_plan import RunPlan, make_run_plan, model_config
 from hybridflow.trainer.tracking import check_loggers
@@ -36,7 +37,7 @@ def _check(condition: bool, key: str, problem: str, fix: str = "") -> None:
         raise ConfigError(key, problem, fix)
 
 
-def _check_files(files: list[str], key: str, required: bool) -> None:
+def check_files(files: list[str], key: str, required: bool) -> None:
     _check(
         bool(files) or not required,
         key,
@@ -194,21 +195,20 @@ def _lora_layers(model_dir: str, critic: bool) -> set[str]:
     return linear_layer_names(model) - set(heads(model))
 
 
-def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """Target modules this model has (read from a copy built on the meta device)."""
+def check_lora_targets(section: str, lora: LoraConfig, model_dir: str, critic: bool = False) -> None:
+    """LoRA's target modules are layers this model has (read from a copy built on the meta device)."""
     from hybridflow.engine.lora import target_problem
 
-    arr = cfg.actor_rollout_ref
-    trained = [("actor_rollout_ref", arr.model.lora, plan.paths.actor_model, False)]
+    if not lora.enabled:
+        return
+    problem = target_problem(lora.target_modules, _lora_layers(model_dir, critic))
+    _check(problem is None, f"{section}.lora.target_modules", problem or "", "name some of them, or [all-linear]")
+
+
+def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    check_lora_targets("actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora, plan.paths.actor_model)
     if plan.needs(Role.Critic):
-        trained.append(("critic", cfg.critic.model.lora, plan.paths.critic_model, True))
-    for section, lora, model_dir, critic in trained:
-        if not lora.enabled:
-            continue
-        problem = target_problem(lora.target_modules, _lora_layers(model_dir, critic))
-        _check(
-            problem is None, f"{section}.model.lora.target_modules", problem or "", "name some of them, or [all-linear]"
-        )
+        check_lora_targets("critic.model", cfg.critic.model.lora, plan.paths.critic_model, critic=True)
 
 
 def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:
@@ -245,18 +245,16 @@ def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
     )
 
 
-def local_cluster_cpus(cfg: HybridFlowConfig, placement: Placement) -> int:
+def local_cluster_cpus(trainer: RunConfig, placement: Placement) -> int:
     """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
     to what the workers of every pool reserve (threads per worker bound the real CPU use, so a small
     machine may host more ranks than it has cores)."""
-    trainer = cfg.trainer
     reserved = math.ceil(placement.processes * trainer.cpus_per_worker)
     return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
 
 
-def _check_local_cluster(cfg: HybridFlowConfig, plan: Placement) -> None:
+def check_local_cluster(trainer: RunConfig, plan: Placement) -> None:
     """A local Ray cluster is this one machine: the workers must fit on it (a joined cluster: check_cluster)."""
-    trainer = cfg.trainer
     _check(
         trainer.nnodes == 1,
         "trainer.nnodes",
@@ -280,7 +278,7 @@ def _check_local_cluster(cfg: HybridFlowConfig, plan: Placement) -> None:
     )
     reserved = plan.processes * trainer.cpus_per_worker
     _check(
-        reserved <= local_cluster_cpus(cfg, plan),
+        reserved <= local_cluster_cpus(trainer, plan),
         "trainer.ray_num_cpus",
         f"{plan.processes} ranks in pools {plan.pools} x {trainer.cpus_per_worker} CPUs = {reserved} do not fit "
         f"in {trainer.ray_num_cpus}",
@@ -302,10 +300,9 @@ def pool_processes_per_node(plan: Placement) -> list[int]:
     return [sum(nodes[i] for nodes in plan.pools.values() if i < len(nodes)) for i in range(width)]
 
 
-def check_cluster(cfg: HybridFlowConfig, placement: Placement) -> None:
+def check_cluster(trainer: RunConfig, placement: Placement) -> None:
     """After joining a Ray cluster (``trainer.ray_address``): enough live nodes, each able to hold one
     node's share of ranks, so a bad request fails now rather than after the placement timeout."""
-    trainer = cfg.trainer
     nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     _check(
         len(nodes) >= trainer.nnodes,
@@ -331,8 +328,8 @@ def check_cluster(cfg: HybridFlowConfig, placement: Placement) -> None:
 def check_config(cfg: HybridFlowConfig) -> RunPlan:
     """Raise ConfigError naming the first problem; returns the run's plan when the config can run."""
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
-    _check_files(cfg.data.train_files, "data.train_files", required=True)
-    _check_files(cfg.data.val_files, "data.val_files", required=False)
+    check_files(cfg.data.train_files, "data.train_files", required=True)
+    check_files(cfg.data.val_files, "data.val_files", required=False)
     plan = make_run_plan(cfg)  # models, placement and layouts: ConfigError where they do not fit
     _check_batch_sizes(cfg, plan)
     _check_rollout_backend(cfg, plan)
@@ -358,7 +355,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
         "trainer.device=cpu",
     )
     if not trainer.ray_address:
-        _check_local_cluster(cfg, plan.placement)
+        check_local_cluster(trainer, plan.placement)
     try:
         check_loggers(trainer.logger)
     except ImportError as error:

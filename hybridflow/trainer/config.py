@@ -89,22 +89,21 @@ class AsyncTrainingConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
-    """The run: its length, workers and devices, Ray, logging, validation and checkpoints."""
+class RunConfig:
+    """The run: its length, workers and devices, Ray, logging, validation and checkpoints.
+
+    What every trainer's ``trainer`` section holds; RL's adds placement and asynchronous training
+    (``TrainerConfig``)."""
 
     project_name: str  # groups runs in the output directory and loggers
     experiment_name: str  # this run's name
-    total_epochs: int  # passes over the training prompts
+    total_epochs: int  # passes over the training data
     total_training_steps: int  # stop after this many steps (-1: total_epochs worth)
     nnodes: int  # Ray nodes to use
     n_workers_per_node: int  # worker processes (ranks) per node; GPUs per node on CUDA
     device: str  # cpu (gloo) | cuda (nccl)
     cpus_per_worker: float  # CPUs reserved per rank in the Ray placement group
     threads_per_worker: int  # torch threads per rank (0: cpus_per_worker, at least 1)
-    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model, rollout) | separate | custom
-    resource_pool_spec: dict[str, list[int]]  # custom: pool name -> processes per node, e.g. {actor: [2], critic: [1]}
-    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model | rollout) -> pool name
-    max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     placement_timeout_s: float  # how long to wait for Ray to place the worker groups before failing
     ray_address: str  # join this Ray cluster ("": start a local one)
     # compiled CPU kernels a worker keeps per input shape (oneDNN's and ideep's caches; 1024 by default): packed batches
@@ -118,9 +117,7 @@ class TrainerConfig:
     max_ckpt_to_keep: int  # keep only the newest N checkpoints (-1: all)
     resume_mode: str  # auto (latest complete checkpoint in default_local_dir, if any) | disable | a global_step_N path
     default_local_dir: str  # the run's directory: metrics, config, checkpoints
-    critic_warmup: int  # steps that train only the critic before the actor starts
     seed: int  # seeds data order, sampling and initialisation
-    async_training: AsyncTrainingConfig
 
     def __post_init__(self) -> None:
         require_positive(self.total_epochs, "total_epochs")
@@ -134,14 +131,6 @@ class TrainerConfig:
         require_choice(self.device, DEVICES, "device")
         require_positive(self.cpus_per_worker, "cpus_per_worker")
         require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
-        require_choice(self.placement, PLACEMENTS, "placement")
-        require(
-            self.placement == "custom" or not (self.resource_pool_spec or self.role_pool),
-            "placement",
-            f"resource_pool_spec / role_pool are read only with placement=custom, but placement={self.placement}",
-            "set trainer.placement=custom, or drop the pools",
-        )
-        require_positive(self.max_colocate_count, "max_colocate_count")
         require_positive(self.placement_timeout_s, "placement_timeout_s")
         require(
             self.cpu_kernel_cache_capacity >= 1,
@@ -155,11 +144,34 @@ class TrainerConfig:
             value = getattr(self, name)
             require(value == -1 or value > 0, name, f"must be positive or -1 (off), got {value}")
         require(bool(self.resume_mode), "resume_mode", "must be auto, disable or a global_step_N directory")
-        require(self.critic_warmup >= 0, "critic_warmup", f"must be >= 0, got {self.critic_warmup}")
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.n_workers_per_node
+
+
+@dataclass(kw_only=True)
+class TrainerConfig(RunConfig):
+    """The run: its length, workers and devices, placement, Ray, logging, validation and checkpoints."""
+
+    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model, rollout) | separate | custom
+    resource_pool_spec: dict[str, list[int]]  # custom: pool name -> processes per node, e.g. {actor: [2], critic: [1]}
+    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model | rollout) -> pool name
+    max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
+    critic_warmup: int  # steps that train only the critic before the actor starts
+    async_training: AsyncTrainingConfig
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_choice(self.placement, PLACEMENTS, "placement")
+        require(
+            self.placement == "custom" or not (self.resource_pool_spec or self.role_pool),
+            "placement",
+            f"resource_pool_spec / role_pool are read only with placement=custom, but placement={self.placement}",
+            "set trainer.placement=custom, or drop the pools",
+        )
+        require_positive(self.max_colocate_count, "max_colocate_count")
+        require(self.critic_warmup >= 0, "critic_warmup", f"must be >= 0, got {self.critic_warmup}")
 
 
 @dataclass(kw_only=True)
@@ -188,15 +200,15 @@ def _known_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
-def _explain(error: OmegaConfBaseException) -> ConfigError:
+def _explain(error: OmegaConfBaseException, defaults: Path) -> ConfigError:
     key = getattr(error, "full_key", None) or "?"
     if isinstance(error, ConfigKeyError):
-        close = difflib.get_close_matches(key, _known_keys(OmegaConf.load(DEFAULT_CONFIG)), n=3)
-        hint = f"did you mean {', '.join(close)}?" if close else "see hybridflow/config/ppo_trainer.yaml for the keys"
+        close = difflib.get_close_matches(key, _known_keys(OmegaConf.load(defaults)), n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"see hybridflow/config/{defaults.name} for the keys"
         return ConfigError(key, "no such key", hint)
     if isinstance(error, MissingMandatoryValue):
-        return ConfigError(key, "has no value", f"give one ({DEFAULT_CONFIG.name} holds every default)")
-    return ConfigError(key, str(error).splitlines()[0], "give a value of the field's type (see ppo_trainer.yaml)")
+        return ConfigError(key, "has no value", f"give one ({defaults.name} holds every default)")
+    return ConfigError(key, str(error).splitlines()[0], f"give a value of the field's type (see {defaults.name})")
 
 
 def build(cls: type, values: dict, prefix: str = ""):
@@ -238,26 +250,31 @@ def _override(override: str) -> DictConfig:
         ) from None
 
 
-def load_config(overrides: list[str] | None = None, config_file: str | Path | None = None) -> HybridFlowConfig:
-    """The default YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as typed dataclasses."""
+def load_config(
+    overrides: list[str] | None = None,
+    config_file: str | Path | None = None,
+    *,
+    root: type = HybridFlowConfig,
+    defaults: Path = DEFAULT_CONFIG,
+):
+    """The ``defaults`` YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as the typed dataclasses of
+    ``root`` (RL's config by default; the SFT trainer's: trainer/sft_config.py)."""
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(HybridFlowConfig), OmegaConf.load(DEFAULT_CONFIG))
+        merged = OmegaConf.merge(OmegaConf.structured(root), OmegaConf.load(defaults))
         if config_file is not None:
             merged = OmegaConf.merge(merged, _config_file(config_file))
         for override in overrides or []:
             merged = OmegaConf.merge(merged, _override(override))
         values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
-        raise _explain(error) from None
-    return build(HybridFlowConfig, values)
+        raise _explain(error, defaults) from None
+    return build(root, values)
 
 
-def config_sections() -> list[tuple[str, str]]:
+def config_sections(root: type = HybridFlowConfig) -> list[tuple[str, str]]:
     """(top-level key, the first line of its dataclass's docstring), for ``hybridflow train --help``."""
-    hints = typing.get_type_hints(HybridFlowConfig)
-    return [
-        (f.name, (hints[f.name].__doc__ or "").strip().splitlines()[0]) for f in dataclasses.fields(HybridFlowConfig)
-    ]
+    hints = typing.get_type_hints(root)
+    return [(f.name, (hints[f.name].__doc__ or "").strip().splitlines()[0]) for f in dataclasses.fields(root)]
 
 
 def default_config() -> HybridFlowConfig:

@@ -12,6 +12,7 @@ the defaults. A backend's section (``rollout.<name>``) is described by its regis
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
 import re
@@ -23,8 +24,10 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from hybridflow.rollout.backend import rollout_backends
-from hybridflow.trainer.config import DEFAULT_CONFIG, HybridFlowConfig
+from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig
 
 WIDTH = 120  # ruff's line length; a help that does not fit after its key goes above it
 
@@ -99,6 +102,23 @@ def key_help(cls: type = HybridFlowConfig, prefix: str = "") -> dict[str, Help |
     return helps
 
 
+def keys_usage(section: str, root: type = HybridFlowConfig, defaults: Path = DEFAULT_CONFIG) -> str:
+    """Each key under ``section`` (a dotted prefix) of the ``root`` config with its default (from ``defaults``)
+    and its help: ``hybridflow train --help SECTION`` (and ``sft``'s)."""
+    values = OmegaConf.to_container(OmegaConf.load(defaults))
+    helps = key_help(root)
+    lines = []
+    for key, help in helps.items():
+        if key != section and not key.startswith(section + "."):
+            continue
+        is_section = any(other.startswith(key + ".") for other in helps)
+        value = functools.reduce(lambda node, part: node[part], key.split("."), values)
+        lines.append(key + ("" if is_section else f" = {value!r}") + (f"\n    {help.text}" if help else ""))
+    if not lines:
+        raise ConfigError(section, "no such key or section", "--help lists the sections")
+    return "\n".join(lines)
+
+
 def yaml_with_help(text: str, helps: dict[str, Help | None]) -> str:
     """The YAML ``text`` with its comments replaced by ``helps``: values, keys and order are kept; a key's
     comment goes after it, or above it when it does not fit in WIDTH; other comment lines inside the
@@ -144,20 +164,29 @@ def _strip_comment(rest: str) -> str:
     return rest.rstrip()
 
 
+def default_yamls() -> list[tuple[Path, type]]:
+    """Each default YAML with the config dataclass it fills: RL's and the SFT trainer's."""
+    from hybridflow.trainer.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
+
+    return [(Path(DEFAULT_CONFIG), HybridFlowConfig), (SFT_DEFAULT_CONFIG, SFTConfig)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Rewrite the default YAML's comments from the dataclasses (``--check``: exit 1 if they differ)."""
+    """Rewrite the default YAMLs' comments from the dataclasses (``--check``: exit 1 if they differ)."""
     args = sys.argv[1:] if argv is None else argv
-    text = Path(DEFAULT_CONFIG).read_text()
-    wanted = yaml_with_help(text, key_help())
-    if "--check" in args:
-        if wanted != text:
-            print(f"{DEFAULT_CONFIG}: comments differ from the dataclasses; run python -m {__spec__.name}")
-            return 1
-        return 0
-    if wanted != text:
-        Path(DEFAULT_CONFIG).write_text(wanted)
-        print(f"rewrote the comments of {DEFAULT_CONFIG}")
-    return 0
+    differ = 0
+    for path, root in default_yamls():
+        text = path.read_text()
+        wanted = yaml_with_help(text, key_help(root))
+        if wanted == text:
+            continue
+        if "--check" in args:
+            print(f"{path}: comments differ from the dataclasses; run python -m {__spec__.name}")
+            differ = 1
+        else:
+            path.write_text(wanted)
+            print(f"rewrote the comments of {path}")
+    return differ
 
 
 if __name__ == "__main__":

@@ -6,10 +6,8 @@ Also runnable as ``python -m hybridflow.trainer.main key=value ...`` (the same c
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 
-from omegaconf import OmegaConf
 from rich.console import Console
 
 from hybridflow.controller import Role, RoleSpec, ray_session
@@ -20,7 +18,7 @@ from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
-from hybridflow.trainer.config_help import key_help
+from hybridflow.trainer.config_help import keys_usage
 from hybridflow.trainer.fully_async import FullyAsyncTrainer
 from hybridflow.trainer.one_step_off import OneStepOffTrainer
 from hybridflow.trainer.placement import build_groups
@@ -130,11 +128,11 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     joined = config.trainer.ray_address
     with ray_session(
         joined or None,
-        None if joined else local_cluster_cpus(config, placement),
+        None if joined else local_cluster_cpus(config.trainer, placement),
         worker_env=kernel_cache_env(config.trainer.cpu_kernel_cache_capacity),
     ):
         if joined:
-            check_cluster(config, placement)
+            check_cluster(config.trainer, placement)
         groups = build_role_groups(config, plan, total_steps)
         tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
         loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
@@ -168,22 +166,6 @@ holds only the keys it changes, and key=value overrides any key, for example
 config sections:
 {sections}
 """
-
-
-def keys_usage(section: str) -> str:
-    """Each key under ``section`` (a dotted prefix) with its default and its help."""
-    defaults = OmegaConf.to_container(OmegaConf.load(DEFAULT_CONFIG))
-    helps = key_help()
-    lines = []
-    for key, help in helps.items():
-        if key != section and not key.startswith(section + "."):
-            continue
-        is_section = any(other.startswith(key + ".") for other in helps)
-        value = functools.reduce(lambda node, part: node[part], key.split("."), defaults)
-        lines.append(key + ("" if is_section else f" = {value!r}") + (f"\n    {help.text}" if help else ""))
-    if not lines:
-        raise ConfigError(section, "no such key or section", "hybridflow train --help lists the sections")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,6 +27,7 @@ from rich.table import Column
 
 REWARD_KEY = "critic/score/mean"
 VAL_KEY = "val/score/mean"
+RL_SHOWN = ((REWARD_KEY, "reward"), (VAL_KEY, "val"))  # the metrics an RL run's status line shows, by label
 
 
 def format_seconds(seconds: float) -> str:
@@ -49,7 +50,8 @@ class StageHandle:
 
 
 class RunProgress:
-    """Steps done/total with ETA and the last reward, plus a transient bar per running stage.
+    """Steps done/total with ETA and the latest values of the ``shown`` metrics (an RL run's reward and validation
+    score), plus a transient bar per running stage.
 
     ``enabled``: draw bars (None: only when the console is a terminal). ``start_step``: the step a resumed
     run starts after (the ETA counts only the steps of this process). Use as a context manager or call
@@ -64,6 +66,7 @@ class RunProgress:
         start_step: int = 0,
         console: Console | None = None,
         plain_every_s: float | None = 60.0,
+        shown: tuple[tuple[str, str], ...] = RL_SHOWN,
     ):
         self.console = console or get_console()  # rich's shared console: other rich output prints above the bars
         self.total_steps = total_steps
@@ -72,8 +75,8 @@ class RunProgress:
         self.start_step = self.step = start_step
         self.started = monotonic()
         self.last_plain = self.started
-        self.reward: float | None = None
-        self.val_score: float | None = None
+        self.shown = shown  # (metric key, label): the latest value of each is shown beside the ETA
+        self.latest: dict[str, float] = {}
         self._first_done: tuple[int, float] | None = None  # (step, time) of the first step_done
         self._progress: Progress | None = None
         if self.enabled:
@@ -115,10 +118,9 @@ class RunProgress:
         self.step = step
         if self._first_done is None:
             self._first_done = (step, monotonic())
-        if isinstance(metrics.get(REWARD_KEY), (int, float)):
-            self.reward = float(metrics[REWARD_KEY])
-        if isinstance(metrics.get(VAL_KEY), (int, float)):
-            self.val_score = float(metrics[VAL_KEY])
+        for key, _ in self.shown:
+            if isinstance(metrics.get(key), (int, float)):
+                self.latest[key] = float(metrics[key])
         if self._progress is not None:
             eta = self.eta_seconds()
             info = " | ".join(
@@ -158,12 +160,7 @@ class RunProgress:
         return " | ".join(parts + ([self._info()] if self._info() else []))
 
     def _info(self) -> str:
-        parts = []
-        if self.reward is not None:
-            parts.append(f"reward {self.reward:.4g}")
-        if self.val_score is not None:
-            parts.append(f"val {self.val_score:.4g}")
-        return " | ".join(parts)
+        return " | ".join(f"{label} {self.latest[key]:.4g}" for key, label in self.shown if key in self.latest)
 
     def refresh(self) -> None:
         """Redraw now (the bars also redraw by themselves a few times a second)."""

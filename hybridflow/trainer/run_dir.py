@@ -9,6 +9,7 @@ another model or data refuses to resume, with its old ``config.yaml`` and interr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -25,7 +26,7 @@ from hybridflow.run_files import (
     keep_records_up_to,
 )
 from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound, read_trainer_state
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, to_yaml
+from hybridflow.trainer.config import ConfigError, HybridFlowConfig, RunConfig, to_yaml
 from hybridflow.trainer.run_plan import RunPlan
 
 # metrics.jsonl and timeline.jsonl hold one record per step (or span): on resume the steps after the
@@ -42,9 +43,8 @@ STATE_KEYS = (
 )
 
 
-def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, plan: RunPlan) -> list[str]:
-    """``key: old -> new`` for each state key on which the run directory's config differs from ``config``,
-    and the estimator when the checkpoint holds a critic the plan has none for (or lacks the one it needs)."""
+def changed_keys(saved: Path, config_yaml: str, keys: tuple[str, ...]) -> list[str]:
+    """``key: old -> new`` for each of ``keys`` on which the saved config differs from ``config_yaml``."""
     try:
         old = OmegaConf.load(saved)
         if not isinstance(old, DictConfig):
@@ -57,15 +57,23 @@ def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, p
             "restore the file, change trainer.experiment_name (a new run directory), or set "
             "trainer.resume_mode=disable to start over here",
         ) from None
-    new = OmegaConf.create(to_yaml(config))
-    differences = [
+    new = OmegaConf.create(config_yaml)
+    return [
         f"{key}: {OmegaConf.select(old, key)!r} -> {OmegaConf.select(new, key)!r}"
-        for key in STATE_KEYS
+        for key in keys
         if OmegaConf.select(old, key) != OmegaConf.select(new, key)
     ]
+
+
+def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, plan: RunPlan) -> list[str]:
+    """``key: old -> new`` for each state key on which the run directory's config differs from ``config``,
+    and the estimator when the checkpoint holds a critic the plan has none for (or lacks the one it needs)."""
+    differences = changed_keys(saved, to_yaml(config), STATE_KEYS)
     uses_critic = plan.needs(Role.Critic)
+    old = OmegaConf.load(saved)
     if (checkpoint / CRITIC_STATE).is_dir() != uses_critic:
-        differences.append(f"algorithm.adv_estimator: {old.algorithm.adv_estimator} -> {new.algorithm.adv_estimator}")
+        estimator = config.algorithm.adv_estimator
+        differences.append(f"algorithm.adv_estimator: {old.algorithm.adv_estimator} -> {estimator}")
     elif uses_critic and OmegaConf.select(old, "critic.model.path") != config.critic.model.path:
         differences.append(
             f"critic.model.path: {OmegaConf.select(old, 'critic.model.path')!r} -> {config.critic.model.path!r}"
@@ -88,13 +96,27 @@ def _check_writable(run_dir: Path) -> None:
 
 
 def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
+    """An RL run's ``prepare_run_directory``: its checkpoints fit if the state keys and the critic match."""
+    return prepare_run_directory(
+        plan.paths.run_dir,
+        config.trainer,
+        to_yaml(config),
+        lambda saved, checkpoint: incompatible_keys(saved, checkpoint, config, plan),
+    )
+
+
+def prepare_run_directory(
+    run_dir: Path,
+    trainer: RunConfig,
+    config_yaml: str,
+    incompatible: Callable[[Path, Path], list[str]],
+) -> Path | None:
     """Check and tidy the run directory, write the config; returns the checkpoint to resume from (or None).
+    ``incompatible(saved config, checkpoint)``: what makes the directory's checkpoints unfit for this config.
 
     ConfigError (naming ``trainer.resume_mode`` or ``trainer.default_local_dir``) when the checkpoint to
     resume is damaged, or the directory holds a run whose checkpoints do not fit this config, or it cannot
     be written; in each case before anything in it changes."""
-    trainer = config.trainer
-    run_dir = plan.paths.run_dir
     checkpoints = CheckpointManager(run_dir, trainer.max_ckpt_to_keep)
     try:
         checkpoint = checkpoints.resume_from(trainer.resume_mode)  # verified once, here, before any worker
@@ -102,7 +124,7 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
         raise ConfigError("trainer.resume_mode", str(error)) from None
     saved_config = run_dir / CONFIG_FILE
     if checkpoint is not None and saved_config.is_file():
-        differences = incompatible_keys(saved_config, checkpoint, config, plan)
+        differences = incompatible(saved_config, checkpoint)
         if differences:
             raise ConfigError(
                 "trainer.default_local_dir",
@@ -115,7 +137,7 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
     # the checks passed: from here on the directory changes
     try:
         _tidy(run_dir, checkpoints, checkpoint)
-        saved_config.write_text(to_yaml(config))
+        saved_config.write_text(config_yaml)
     except OSError as error:
         raise ConfigError(
             "trainer.default_local_dir", f"cannot update {error.filename or run_dir}: {error.strerror or error}"

@@ -32,7 +32,7 @@ from hybridflow.trainer.roles import needed_roles
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
-def _model_dir(path: str, key: str) -> str:
+def resolve_model_dir(path: str, key: str) -> str:
     """The model directory of a built-in name (built on first use) or a local Hugging Face directory."""
     try:
         return str(resolve_model_path(path))
@@ -59,13 +59,13 @@ class RunPaths:
     def resolve(cls, config: HybridFlowConfig, roles: tuple[Role, ...]) -> RunPaths:
         """The paths of ``config`` for a run of ``roles``; ConfigError for a model that is not there."""
         arr, multi_turn = config.actor_rollout_ref, config.actor_rollout_ref.rollout.multi_turn
-        actor = _model_dir(arr.model.path, "actor_rollout_ref.model.path")
+        actor = resolve_model_dir(arr.model.path, "actor_rollout_ref.model.path")
         critic = config.critic.model.path if Role.Critic in roles else ""
         file, sep, name = multi_turn.default_agent.rpartition(":")
         return cls(
             actor_model=actor,
-            critic_model=_model_dir(critic, "critic.model.path") if critic else actor,
-            reward_model=_model_dir(config.reward_model.model.path, "reward_model.model.path")
+            critic_model=resolve_model_dir(critic, "critic.model.path") if critic else actor,
+            reward_model=resolve_model_dir(config.reward_model.model.path, "reward_model.model.path")
             if Role.RewardModel in roles
             else "",
             tool_config=str(Path(multi_turn.tool_config_path).resolve()) if multi_turn.tool_config_path else "",
@@ -126,7 +126,7 @@ def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]
     }
 
 
-def _splits_evenly(model_path: str, size: int, key: str) -> None:
+def check_splits_evenly(model_path: str, size: int, key: str) -> None:
     """Whole heads and equal MLP slices per rank when ``size`` ranks split the model's layers."""
     if size == 1:
         return
@@ -204,11 +204,11 @@ def role_layouts(
                 "choose a divisor of the pool's ranks",
             )
         if role in model_of:
-            _splits_evenly(model_of[role], t, key)  # then also over tg, which divides t
+            check_splits_evenly(model_of[role], t, key)  # then also over tg, which divides t
         if role is Role.ActorRollout:
             layouts[role] = _actor_layout(config, world // t, t)
         elif role is Role.Rollout:
-            _splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
+            check_splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
             layouts[role] = _rollout_layout(config, world, placement.role_pool[role])
         else:
             layouts[role] = LayoutShape(dp=world // t, t=t, tg=1)

@@ -50,6 +50,10 @@ CONSOLE_KEYS = (
     "actor/grad_norm",
     "actor/kl_loss",
     "critic/vf_loss",
+    "sft/loss",
+    "sft/grad_norm",
+    "val/loss",
+    "val/perplexity",
     "timing_s/step",
     "perf/tokens_per_second",
 )

@@ -18,7 +18,7 @@ import torch
 from hybridflow.batch_keys import GLOBAL_STEP, METRICS
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
-from hybridflow.engine.checkpoint import load_training_state, save_training_state
+from hybridflow.engine.checkpoint import load_training_state
 from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.lora import (
     adapter_tensors,
@@ -26,7 +26,6 @@ from hybridflow.engine.lora import (
     base_parameters,
     lora_scaling,
     policy_parameters,
-    save_adapter_config,
 )
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
@@ -40,10 +39,10 @@ from hybridflow.hybrid_engine.transfer_setup import TransferSetup
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
+from hybridflow.run_files import ACTOR_STATE
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.generation import build_generator, call_sampling
-from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
+from hybridflow.workers.sharded_model import build_trainable, samples_per_rank, save_policy_state
 
 TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
 GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences splits prompts over its dp
@@ -144,14 +143,7 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:
         """The actor's training state under ``directory/actor``, plus its HF config and tokenizer for export."""
-        target = Path(directory) / ACTOR_STATE
-        save_training_state(target, self.actor.trained, self.rank)
-        if self.rank == 0:
-            self.actor.model.config.save_pretrained(target / HF_FILES)
-            self.actor.model.generation_config.save_pretrained(target / HF_FILES)
-            self.tokenizer.save_pretrained(target / HF_FILES)
-            if self.config.model.lora.enabled:  # the adapters' settings and base model, for an export
-                save_adapter_config(self.actor.model, self.model_path, target / ADAPTER_FILES)
+        save_policy_state(Path(directory) / ACTOR_STATE, self.actor.trained, self.rank, self.tokenizer, self.model_path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, directory: str) -> None:

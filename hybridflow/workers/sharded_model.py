@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
-from hybridflow.engine.lora import LoraConfig, apply_lora
+from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.models.dtypes import parse_dtype
 from hybridflow.models.loading import enable_activation_checkpointing
+from hybridflow.run_files import ADAPTER_FILES, HF_FILES
 
 
 def quiet_libraries() -> None:
@@ -86,3 +90,18 @@ def samples_per_rank(prompts: int, n: int, world_size: int, what: str) -> int:
     if samples % world_size:
         raise ValueError(f"{what}: {prompts} prompts x {n} samples = {samples} does not divide over {world_size} ranks")
     return samples // world_size
+
+
+def save_policy_state(target: Path, trained: TrainedModel, rank: int, tokenizer: Any, model_path: str) -> None:
+    """A trained causal LM's checkpoint under ``target`` (every rank takes part): its training state, and on
+    rank 0 its HF config, generation config and tokenizer, and a LoRA model's adapter settings naming its base
+    model ``model_path``: all that ``hybridflow export`` needs to write a model directory."""
+    save_training_state(target, trained, rank)
+    if rank != 0:
+        return
+    model = trained.model
+    model.config.save_pretrained(target / HF_FILES)
+    model.generation_config.save_pretrained(target / HF_FILES)
+    tokenizer.save_pretrained(target / HF_FILES)
+    if lora_scaling(model) is not None:  # the adapters' settings and base model, for an export
+        save_adapter_config(model, model_path, target / ADAPTER_FILES)

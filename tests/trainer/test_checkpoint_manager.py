@@ -122,7 +122,7 @@ DAMAGE = {
     ),
     "the trainer state without its keys": (
         lambda path: (path / "trainer_state.json").write_text("{}"),
-        r"trainer_state.json lacks \['global_step', 'data_loader', 'kl_coef'\]",
+        r"trainer_state.json lacks \['global_step', 'data_loader'\]",
     ),
     "the manifest not JSON": (lambda path: (path / MANIFEST).write_text("{"), "MANIFEST.json is not a manifest"),
 }

@@ -206,7 +206,7 @@ def test_a_joined_cluster_too_small_fails_before_placement():
 
     def check(overrides: list[str]) -> None:
         config = load_config(overrides)
-        check_cluster(config, make_run_plan(config).placement)
+        check_cluster(config.trainer, make_run_plan(config).placement)
 
     if ray.is_initialized():
         ray.shutdown()

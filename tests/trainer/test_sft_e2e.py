@@ -1,0 +1,171 @@
+"""``hybridflow sft`` end to end on a local Ray cluster (2 workers, the tiny model): the held-out loss falls; a run
+killed with SIGKILL in the middle of an epoch resumes to the losses of a run that never stopped; the checkpoint
+exports to a model directory that ``hybridflow train`` starts from; config errors come before Ray."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from hybridflow.data.io import write_rows
+from hybridflow.data.tasks import write_task
+from hybridflow.trainer.checkpoint import is_complete
+from hybridflow.trainer.sft_config import load_sft_config
+from hybridflow.trainer.sft_main import run
+from hybridflow.validation import ConfigError
+
+MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times and memory: not reproducible
+STEPS = 8  # 16 samples in batches of 4: 4 steps an epoch, 2 epochs
+
+
+def conversations(count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                    {"role": "assistant", "content": f"{a} + {b} = {a + b}"},
+                ]
+            }
+        )
+    return rows
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_data")
+    return write_rows(conversations(16, 0), root / "train.jsonl"), write_rows(conversations(8, 1), root / "val.jsonl")
+
+
+def arguments(files, run_dir) -> list[str]:
+    train, val = files
+    return [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{val}]",
+        "data.train_batch_size=4",
+        "engine.micro_batch_size_per_gpu=1",  # two micro-batches a rank: gradient accumulation
+        "optim.lr=2e-3",
+        "trainer.total_epochs=2",
+        "trainer.save_freq=2",
+        "trainer.logger=[jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
+def sft(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hybridflow.trainer.sft_main", *args],
+        start_new_session=True,  # its own process group: a kill takes Ray's processes too
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def records(run_dir) -> dict[int, dict]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return {r["step"]: r for r in map(json.loads, lines)}
+
+
+@pytest.fixture(scope="module")
+def reference(files, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sft_reference") / "run"
+    process = sft(arguments(files, run_dir))
+    assert process.wait(timeout=300) == 0, process.stderr.read().decode()[-3000:]
+    return run_dir
+
+
+def test_the_held_out_loss_falls(reference):
+    got = records(reference)
+    assert sorted(got) == list(range(STEPS + 1))  # step 0: the validation before training
+    assert got[STEPS]["val/loss"] < 0.8 * got[0]["val/loss"]
+    assert got[STEPS]["sft/loss"] < got[1]["sft/loss"]
+    assert got[1]["train/samples"] == 4 and got[1]["train/trained_tokens"] > 0
+
+
+def test_kill_minus_9_mid_epoch_then_resume_matches_an_uninterrupted_run(files, reference, tmp_path):
+    run_dir = tmp_path / "interrupted"
+    victim = sft(arguments(files, run_dir))
+    deadline = time.time() + 240
+    while not is_complete(run_dir / "global_step_2"):
+        assert time.time() < deadline and victim.poll() is None, "the run ended before its checkpoint of step 2"
+        time.sleep(0.01)
+    os.killpg(victim.pid, signal.SIGSTOP)  # frozen at once, somewhere in the steps after the checkpoint
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert STEPS not in records(run_dir), "the kill came too late: the run had finished"
+
+    resumed = sft(arguments(files, run_dir))  # resume_mode=auto
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()[-3000:]
+    expected, got = records(reference), records(run_dir)
+    assert sorted(got) == sorted(expected)
+    for step, want in expected.items():
+        want = {k: v for k, v in want.items() if not k.startswith(MEASUREMENTS)}
+        have = {k: v for k, v in got[step].items() if not k.startswith(MEASUREMENTS)}
+        assert want.keys() == have.keys()
+        for key, value in want.items():
+            assert abs(have[key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, have[key], value)
+
+
+def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_path):
+    model_dir = tmp_path / "sft_model"
+    export = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "export", str(reference), str(model_dir)],
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
+    data = tmp_path / "data"
+    write_task("arithmetic", data, train=8, test=4, seed=0)
+    train = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridflow.trainer.main",
+            f"actor_rollout_ref.model.path={model_dir}",
+            f"data.train_files=[{data / 'train.parquet'}]",
+            "data.val_files=[]",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.response_length=8",
+            "trainer.total_training_steps=1",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={tmp_path / 'grpo'}",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    (step,) = records(tmp_path / "grpo").values()
+    assert step["step"] == 1 and "actor/pg_loss" in step
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.train_batch_size=3", "data.train_batch_size"),  # 3 samples over 2 data-parallel ranks
+        ("engine.tensor_model_parallel_size=3", "engine.tensor_model_parallel_size"),
+        ("model.lora.rank=4", None),  # fine; with a target the model lacks:
+        ("model.path=/nonexistent", "model.path"),
+    ],
+)
+def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, override, key):
+    args = [*arguments(files, tmp_path / "run"), override]
+    if key is None:
+        args += ["model.lora.target_modules=[no_such_proj]"]
+        key = "model.lora.target_modules"
+    with pytest.raises(ConfigError, match=rf"^config key '{key}'"):
+        run(load_sft_config(args))
+    assert not ray.is_initialized()
+    assert not (tmp_path / "run").exists()  # nothing written
