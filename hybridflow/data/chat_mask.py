@@ -2,7 +2,8 @@
 
 A conversation becomes one or more *samples*, each a list of text segments marked trained (an assistant turn,
 through its end-of-turn token) or not (the system, user and tool messages, the template's headers, whatever the
-template writes after an end token). Each assistant turn is placed where the template puts it at generation time:
+template writes after an end token; an assistant message marked ``"train": false``, such as a worked example in
+the prompt). Each trained assistant turn is placed where the template puts it at generation time:
 
     context = render(messages[:i], add_generation_prompt=True)   # what the model is given
     turn    = render(messages[:i + 1])                            # the same, with turn i written
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 Render = Callable[[list[dict[str, Any]], bool], str]  # (messages, add_generation_prompt) -> text
+TRAIN_KEY = "train"  # an assistant message with "train": false is context (a worked example in the prompt, say)
 
 
 class ChatMaskError(ValueError):
@@ -68,8 +70,10 @@ def conversation_samples(messages: list[dict[str, Any]], render: Render, end_tex
     end an assistant turn (generation's stop tokens). ChatMaskError when a turn cannot be placed."""
     samples: list[TextSample] = []
     rendered = None  # the current sample's text so far, as the template wrote it (trailing template text included)
+    trains = [message.get("role") == "assistant" and message.get(TRAIN_KEY, True) is not False for message in messages]
+    messages = [{key: value for key, value in message.items() if key != TRAIN_KEY} for message in messages]
     for index, message in enumerate(messages):
-        if message.get("role") != "assistant":
+        if not trains[index]:
             continue
         if index == 0:
             raise ChatMaskError("message 0 is an assistant message; a conversation starts with a system or user one")
@@ -99,7 +103,7 @@ def conversation_samples(messages: list[dict[str, Any]], render: Render, end_tex
         sample.segments.append((turn[len(context) : end], True))
         rendered = turn[:end]
     if not samples:
-        raise ChatMaskError("the conversation has no assistant message to learn from")
+        raise ChatMaskError("the conversation has no assistant message to learn from (none, or all marked train false)")
     for sample in samples:  # the text a template writes after the last trained end token is not needed
         sample.segments = [(text, trained) for text, trained in sample.segments if text]
     return samples

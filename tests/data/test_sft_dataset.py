@@ -235,3 +235,36 @@ def test_a_template_without_an_end_token_or_a_generation_prompt_that_is_not_a_pr
 
     with pytest.raises(ChatMaskError, match="does not start with its text for the conversation before it"):
         conversation_samples(messages, other_prompt, ["<end>"])
+
+
+def test_calculator_gold_trajectories_are_the_tokens_the_tool_agent_loop_would_produce(tmp_path, tiny_tokenizer):
+    """The prompt as RL's dataset tokenises it (the worked example's assistant turns untrained), the call and the
+    answer trained, and between them exactly the ids the agent loop inserts for the tool's message."""
+    from hybridflow.data import RLHFDataset
+    from hybridflow.data.tasks import write_task
+    from hybridflow.rollout.agent.chat import ChatFormat
+    from hybridflow.trainer.config import default_config
+
+    paths = write_task("calculator", tmp_path, train=3, test=1, seed=0, gold=True)
+    gold = SFTDataset(paths["train"], tiny_tokenizer, CONFIG)
+    data = dataclasses.replace(default_config().data, max_prompt_length=512)
+    prompts = RLHFDataset(paths["train"], tiny_tokenizer, data)
+    tool_format = ChatFormat(tiny_tokenizer, [tiny_tokenizer.eos_token_id])
+    for row, prompt in zip(gold.rows, prompts.rows, strict=True):
+        assert row[PROMPT_IDS] == prompt[INPUT_IDS]
+        expression = prompt["extra_info"]["expression"]
+        result = str(eval(expression))  # the task's expressions are products and sums of integers
+        call = encode(tiny_tokenizer, CALL.replace("734 * 58", expression) + "<|im_end|>")
+        inserted = tool_format.tool_response_ids([result])
+        answer = encode(tiny_tokenizer, result + "<|im_end|>")
+        assert row[RESPONSE_IDS] == call + inserted + answer
+        assert row[LOSS_MASK] == [1] * len(call) + [0] * len(inserted) + [1] * len(answer)
+
+
+def test_gold_trajectories_of_a_task_without_them_are_refused(tmp_path):
+    from hybridflow.data.tasks import write_task
+
+    with pytest.raises(
+        ValueError, match="task 'arithmetic' has no gold trajectories; tasks that have: \\['calculator'\\]"
+    ):
+        write_task("arithmetic", tmp_path, train=2, test=1, gold=True)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -54,6 +55,7 @@ def arguments(files, run_dir) -> list[str]:
         "data.train_batch_size=4",
         "engine.micro_batch_size_per_gpu=1",  # two micro-batches a rank: gradient accumulation
         "optim.lr=2e-3",
+        "engine.fsdp.param_dtype=fp32",  # layouts compare to a tight tolerance
         "trainer.total_epochs=2",
         "trainer.save_freq=2",
         "trainer.logger=[jsonl]",
@@ -114,6 +116,42 @@ def test_kill_minus_9_mid_epoch_then_resume_matches_an_uninterrupted_run(files, 
         assert want.keys() == have.keys()
         for key, value in want.items():
             assert abs(have[key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, have[key], value)
+
+
+def test_lora_adapters_under_tensor_parallelism_start_from_the_same_loss_and_checkpoint_only_themselves(
+    files, reference, tmp_path
+):
+    """Tensor-parallel groups of 2 with LoRA adapters (zero at the start, so the model is the base): the same
+    held-out loss before training and the same first loss as the full run on two data-parallel ranks; the
+    checkpoint holds the adapters, and exports as peft's adapter directory."""
+    run_dir = tmp_path / "lora_tp"
+    args = [
+        *arguments(files, run_dir),
+        "engine.tensor_model_parallel_size=2",
+        "model.lora.rank=4",
+        "model.lora.alpha=8",
+        "trainer.total_training_steps=2",
+    ]
+    process = sft(args)
+    assert process.wait(timeout=300) == 0, process.stderr.read().decode()[-3000:]
+    expected, got = records(reference), records(run_dir)
+    assert got[0]["val/loss"] == pytest.approx(expected[0]["val/loss"], rel=1e-5)
+    assert got[1]["sft/loss"] == pytest.approx(expected[1]["sft/loss"], rel=1e-5)
+    assert got[2]["sft/loss"] != expected[2]["sft/loss"]  # the adapters trained, not the whole model
+    assert got[2]["val/loss"] < got[0]["val/loss"]
+
+    def state_bytes(run: Path) -> int:
+        return sum(f.stat().st_size for f in (run / "global_step_2" / "actor" / "dcp").rglob("*") if f.is_file())
+
+    assert state_bytes(run_dir) < state_bytes(reference) / 4  # tiny layers: rank-4 adapters are an eighth of each
+    export = subprocess.run(
+        [sys.executable, "-m", "hybridflow.cli", "export", str(run_dir), str(tmp_path / "adapter")],
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_path):

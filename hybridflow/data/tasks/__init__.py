@@ -4,7 +4,8 @@ calculator tool).
     python -m hybridflow.data.tasks arithmetic --out data/arithmetic --train 5000 --test 200 --seed 0
 
 writes DIR/train.parquet and DIR/test.parquet in the RLHFDataset row format; each task's
-scorer is registered in hybridflow.reward under the same data_source name.
+scorer is registered in hybridflow.reward under the same data_source name. ``--gold`` (calculator) adds each
+row's correct conversation as a ``messages`` column: the supervised data of ``hybridflow sft``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ TASKS: dict[str, Callable[[int, str, int], list[dict[str, Any]]]] = {
 }
 
 
+# tasks that can write gold trajectories: a row -> its correct conversation (chat messages), for hybridflow sft
+GOLD: dict[str, Callable[[dict[str, Any]], list[dict[str, Any]]]] = {"calculator": calculator.gold_messages}
+
+
 def make_task_rows(task: str, count: int, split: str, seed: int) -> list[dict[str, Any]]:
     """`count` rows of a built-in task's `split` ("train" or "test"), deterministic in `seed`."""
     if task not in TASKS:
@@ -32,13 +37,22 @@ def make_task_rows(task: str, count: int, split: str, seed: int) -> list[dict[st
     return TASKS[task](count, split, seed)
 
 
-def write_task(task: str, out: str | Path, train: int, test: int, seed: int = 0) -> dict[str, Path]:
-    """Write OUT/train.parquet and OUT/test.parquet; returns their paths by split."""
+def write_task(
+    task: str, out: str | Path, train: int, test: int, seed: int = 0, *, gold: bool = False
+) -> dict[str, Path]:
+    """Write OUT/train.parquet and OUT/test.parquet; returns their paths by split. ``gold``: the rows' correct
+    conversations instead (a ``messages`` column beside the row's columns, for ``hybridflow sft``), the same
+    questions as the prompts of the same seed."""
+    if gold and task not in GOLD:
+        raise ValueError(f"task {task!r} has no gold trajectories; tasks that have: {sorted(GOLD)}")
     out = Path(out)
-    return {
-        split: write_rows(make_task_rows(task, count, split, seed), out / f"{split}.parquet")
-        for split, count in (("train", train), ("test", test))
-    }
+    paths = {}
+    for split, count in (("train", train), ("test", test)):
+        rows = make_task_rows(task, count, split, seed)
+        if gold:
+            rows = [{**row, "messages": GOLD[task](row)} for row in rows]
+        paths[split] = write_rows(rows, out / f"{split}.parquet")
+    return paths
 
 
-__all__ = ["TASKS", "make_task_rows", "write_task"]
+__all__ = ["GOLD", "TASKS", "make_task_rows", "write_task"]

@@ -14,7 +14,8 @@ mix 0.10) and, sampled at temperature 1, 0.03; it calls the tool for 42 % (sampl
 questions and answers none of the others right (0 of 35; sampled 0 of 50). So the tool is needed,
 and RL has to teach when and how to call it beyond the one example. Rows run the `tool_agent` loop; the tools file is
 examples/tools/calculator.yaml. The scorer (`hybridflow.reward.scorers.calculator`) reads the final
-number of the model's last turn.
+number of the model's last turn. ``--gold`` writes each row's correct conversation (``gold_messages``: the call,
+the tool's message, the answer) for ``hybridflow sft``, the warm start before RL.
 """
 
 from __future__ import annotations
@@ -70,6 +71,21 @@ def _product(term: str) -> int:
     for factor in term.split("*"):
         value *= int(factor)
     return value
+
+
+def gold_messages(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's conversation done right, for supervised fine-tuning: its prompt (the worked example's assistant
+    turns marked untrained: they are part of the prompt), then the tool call, the tool's message and the answer,
+    as the ``tool_agent`` loop would produce them."""
+    expression = row["extra_info"]["expression"]
+    result = str(evaluate(expression))
+    prompt = [{**m, "train": False} if m["role"] == "assistant" else dict(m) for m in row["prompt"]]
+    return [
+        *prompt,
+        {"role": "assistant", "content": _call(expression)},
+        {"role": "tool", "content": result},
+        {"role": "assistant", "content": result},
+    ]
 
 
 def make_rows(count: int, split: str, seed: int) -> list[dict[str, Any]]:
