@@ -24,7 +24,7 @@ import torch
 from jinja2.exceptions import TemplateError
 
 from hybridflow.batch_keys import ATTENTION_MASK, INDEX, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from hybridflow.data.chat_mask import ChatMaskError, TextSample, conversation_samples, tokenize_sample
+from hybridflow.data.chat_mask import TRAIN_KEY, ChatMaskError, TextSample, conversation_samples, tokenize_sample
 from hybridflow.data.config import SFTDatasetConfig
 from hybridflow.data.io import read_rows
 from hybridflow.protocol import DataProto
@@ -122,7 +122,8 @@ class SFTDataset:
                 f"columns; its columns: {sorted(row)}"
             )
         if _is_messages(prompt):  # a chat prompt: the answer is its assistant turn, as the template writes it
-            conversation = [_clean(m) for m in prompt] + [{"role": "assistant", "content": response}]
+            context = [{**_clean(m), TRAIN_KEY: False} for m in prompt]  # a few-shot example's turns are prompt
+            conversation = [*context, {"role": "assistant", "content": response}]
             return conversation_samples(conversation, self._render(tools), self.end_texts)
         if not isinstance(prompt, str):
             raise ValueError(f"column {cfg.prompt_key!r} is neither chat messages nor text: {prompt!r:.120}")

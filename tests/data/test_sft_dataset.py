@@ -155,12 +155,17 @@ def test_structured_tool_calls_are_trained_where_the_template_writes_them(tmp_pa
 
 
 def test_prompt_response_rows_train_the_answer_and_its_end_token(tmp_path, tiny_tokenizer):
+    few_shot = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"}]
     rows = [
-        {"prompt": [{"role": "user", "content": "2+2?"}], "response": "4"},
+        {"prompt": [*few_shot, {"role": "user", "content": "2+2?"}], "response": "4"},
         {"prompt": "Q: 2+3? A:", "response": " 5"},
     ]
     chat, text = dataset(tmp_path, tiny_tokenizer, rows).rows
-    assert chat[PROMPT_IDS] == encode(tiny_tokenizer, "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert chat[PROMPT_IDS] == encode(  # the example's answer is part of the prompt, not trained
+        tiny_tokenizer,
+        "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n2<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n",
+    )
     assert chat[RESPONSE_IDS] == encode(tiny_tokenizer, "4<|im_end|>")
     assert text[PROMPT_IDS] == encode(tiny_tokenizer, "Q: 2+3? A:")
     assert text[RESPONSE_IDS] == encode(tiny_tokenizer, " 5<|im_end|>")
