@@ -1,0 +1,24 @@
+"""Every example config loads: its keys exist and its values pass their sections' checks (SFT's with the SFT
+trainer's config, the others with RL's)."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridflow.trainer.config import HybridFlowConfig, load_config
+from hybridflow.trainer.sft_config import SFTConfig, load_sft_config
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_the_example_config_loads(path):
+    if path.name.startswith("sft_"):
+        assert isinstance(load_sft_config(config_file=path), SFTConfig)
+    else:
+        assert isinstance(load_config(config_file=path), HybridFlowConfig)
+
+
+def test_there_are_examples_of_both_trainers():
+    names = [p.name for p in EXAMPLES]
+    assert any(n.startswith("sft_") for n in names) and any(n.startswith("grpo_") for n in names)
