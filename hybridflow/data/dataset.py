@@ -33,9 +33,9 @@ from hybridflow.batch_keys import (
     REWARD_MODEL,
 )
 from hybridflow.data.config import DatasetConfig
-from hybridflow.data.io import read_rows
+from hybridflow.data.io import data_files, rows_of_files
 from hybridflow.protocol import DataProto
-from hybridflow.validation import ConfigError, InputFileError, reading_file
+from hybridflow.validation import ConfigError, InputFileError
 
 logger = logging.getLogger(__name__)
 
@@ -86,32 +86,25 @@ class RLHFDataset:
             raise ValueError("the tokenizer has no pad token; collate needs one to left-pad prompts")
         self.tokenizer = tokenizer
         self.config = config
-        self.files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
-        if not self.files:
-            raise ConfigError(key, "no data files given", "give parquet or jsonl files")
+        self.files = data_files(files, key)
         rows, messages = [], []
-        for file in self.files:
-            with reading_file(file, key=key, fix=f"give parquet or jsonl files of {FORMAT_HINT}"):
-                file_rows = read_rows(file)
-            if not file_rows:
-                raise InputFileError(file, "holds no rows", f"give {FORMAT_HINT}", key)
-            for index, row in enumerate(file_rows):
-                chat = _messages(row, config.prompt_key)
-                if chat is None:
+        for file, index, row in rows_of_files(self.files, key, FORMAT_HINT):
+            chat = _messages(row, config.prompt_key)
+            if chat is None:
+                raise InputFileError(
+                    file,
+                    f"row {index}: column {config.prompt_key!r} (data.prompt_key) is not a non-empty list of "
+                    f'{{"role": str, "content": str}} messages: {row.get(config.prompt_key)!r:.120}',
+                    f"set data.prompt_key to the column with the chat messages; the columns are {sorted(row)}",
+                    key,
+                )
+            for column in (DATA_SOURCE, REWARD_MODEL):
+                if column not in row:
                     raise InputFileError(
-                        file,
-                        f"row {index}: column {config.prompt_key!r} (data.prompt_key) is not a non-empty list of "
-                        f'{{"role": str, "content": str}} messages: {row.get(config.prompt_key)!r:.120}',
-                        f"set data.prompt_key to the column with the chat messages; the columns are {sorted(row)}",
-                        key,
+                        file, f"row {index} has no {column!r} column; its columns: {sorted(row)}", FORMAT_HINT, key
                     )
-                for column in (DATA_SOURCE, REWARD_MODEL):
-                    if column not in row:
-                        raise InputFileError(
-                            file, f"row {index} has no {column!r} column; its columns: {sorted(row)}", FORMAT_HINT, key
-                        )
-                rows.append(row)
-                messages.append(chat)
+            rows.append(row)
+            messages.append(chat)
         tool_kwargs = {"tools": tools} if tools else {}
         texts = [
             tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **tool_kwargs)

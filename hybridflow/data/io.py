@@ -8,11 +8,14 @@ Parquet stores dict columns as structs: keys that some rows lack read back as No
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from hybridflow.validation import ConfigError, InputFileError, reading_file
 
 FORMATS = (".parquet", ".jsonl", ".json")
 
@@ -48,3 +51,23 @@ def write_rows(rows: list[dict[str, Any]], path: str | Path) -> Path:
     else:
         raise ValueError(f"cannot write {str(path)!r}: the suffix must be .parquet or .jsonl")
     return path
+
+
+def data_files(files: str | Path | Sequence[str | Path], key: str) -> list[Path]:
+    """The files a dataset setting (``key``) names, as paths; ConfigError when it names none."""
+    paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+    if not paths:
+        raise ConfigError(key, "no data files given", "give parquet or jsonl files")
+    return paths
+
+
+def rows_of_files(files: list[Path], key: str, hint: str) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+    """(file, index in the file, row) of every row of ``files``, in order. A file that cannot be read, or that holds
+    no rows, is an InputFileError naming it and the setting ``key``; ``hint`` says what rows to give."""
+    for file in files:
+        with reading_file(file, key=key, fix=f"give parquet or jsonl files of {hint}"):
+            file_rows = read_rows(file)
+        if not file_rows:
+            raise InputFileError(file, "holds no rows", f"give {hint}", key)
+        for index, row in enumerate(file_rows):
+            yield file, index, row

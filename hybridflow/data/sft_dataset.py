@@ -26,9 +26,9 @@ from jinja2.exceptions import TemplateError
 from hybridflow.batch_keys import ATTENTION_MASK, INDEX, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from hybridflow.data.chat_mask import TRAIN_KEY, ChatMaskError, TextSample, conversation_samples, tokenize_sample
 from hybridflow.data.config import SFTDatasetConfig
-from hybridflow.data.io import read_rows
+from hybridflow.data.io import data_files, rows_of_files
 from hybridflow.protocol import DataProto
-from hybridflow.validation import ConfigError, InputFileError, reading_file
+from hybridflow.validation import ConfigError, InputFileError
 
 logger = logging.getLogger(__name__)
 
@@ -78,22 +78,13 @@ class SFTDataset:
         self.tokenizer = tokenizer
         self.config = config
         self.end_texts = end_texts(tokenizer, generation_eos)
-        self.files = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
-        if not self.files:
-            raise ConfigError(key, "no data files given", "give parquet or jsonl files")
+        self.files = data_files(files, key)
         samples: list[tuple[int, TextSample]] = []  # (row number over all files, sample)
-        row_number = 0
-        for file in self.files:
-            with reading_file(file, key=key, fix=f"give parquet or jsonl files of {FORMAT_HINT}"):
-                file_rows = read_rows(file)
-            if not file_rows:
-                raise InputFileError(file, "holds no rows", f"give {FORMAT_HINT}", key)
-            for index, row in enumerate(file_rows):
-                try:
-                    samples += [(row_number, sample) for sample in self._samples(row)]
-                except (ChatMaskError, TemplateError, ValueError) as error:
-                    raise InputFileError(file, f"row {index}: {error}", f"give {FORMAT_HINT}", key) from None
-                row_number += 1
+        for row_number, (file, index, row) in enumerate(rows_of_files(self.files, key, FORMAT_HINT)):
+            try:
+                samples += [(row_number, sample) for sample in self._samples(row)]
+            except (ChatMaskError, TemplateError, ValueError) as error:
+                raise InputFileError(file, f"row {index}: {error}", f"give {FORMAT_HINT}", key) from None
         self.rows = self._tokenize(samples)
 
     # ---- rows -> text samples ----------------------------------------------------------------

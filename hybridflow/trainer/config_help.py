@@ -20,6 +20,7 @@ import sys
 import textwrap
 import tokenize
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -117,6 +118,23 @@ def keys_usage(section: str, root: type = HybridFlowConfig, defaults: Path = DEF
     if not lines:
         raise ConfigError(section, "no such key or section", "--help lists the sections")
     return "\n".join(lines)
+
+
+def config_command_args(
+    args: list[str], command: str, usage: Callable[[], str], root: type, defaults: Path
+) -> tuple[list[str], str | None] | None:
+    """A config command's arguments (``hybridflow train`` / ``sft [--config FILE] key=value ...``): None after
+    printing its help (``--help``, or every key of a section with ``--help SECTION``); else the ``key=value``
+    overrides and the ``--config`` file (or None)."""
+    if any(arg in ("-h", "--help") for arg in args):
+        sections = [arg for arg in args if not arg.startswith("-")]
+        print(keys_usage(sections[0], root, defaults) if sections else usage())
+        return None
+    if args and args[0] == "--config":
+        if len(args) < 2:
+            raise ConfigError("--config", "needs a file", f"hybridflow {command} --config FILE [key=value ...]")
+        return args[2:], args[1]
+    return args, None
 
 
 def yaml_with_help(text: str, helps: dict[str, Help | None]) -> str:

@@ -17,8 +17,8 @@ from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, load_custom_reward_fn
 from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
-from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections, load_config
-from hybridflow.trainer.config_help import keys_usage
+from hybridflow.trainer.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
+from hybridflow.trainer.config_help import config_command_args
 from hybridflow.trainer.fully_async import FullyAsyncTrainer
 from hybridflow.trainer.one_step_off import OneStepOffTrainer
 from hybridflow.trainer.placement import build_groups
@@ -171,16 +171,9 @@ config sections:
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow train [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(arg in ("-h", "--help") for arg in args):
-        sections = [arg for arg in args if not arg.startswith("-")]
-        print(keys_usage(sections[0]) if sections else train_usage())
-        return 0
-    config_file = None
-    if args and args[0] == "--config":
-        if len(args) < 2:
-            raise ConfigError("--config", "needs a file", "hybridflow train --config FILE [key=value ...]")
-        config_file, args = args[1], args[2:]
-    run(load_config(args, config_file))
+    parsed = config_command_args(args, "train", train_usage, HybridFlowConfig, DEFAULT_CONFIG)
+    if parsed is not None:
+        run(load_config(*parsed))
     return 0
 
 

@@ -29,7 +29,7 @@ from hybridflow.trainer.check_config import (
     local_cluster_cpus,
 )
 from hybridflow.trainer.config import ConfigError, config_sections, to_yaml
-from hybridflow.trainer.config_help import keys_usage
+from hybridflow.trainer.config_help import config_command_args
 from hybridflow.trainer.placement import Placement
 from hybridflow.trainer.run_dir import changed_keys, prepare_run_directory
 from hybridflow.trainer.run_plan import check_splits_evenly, resolve_model_dir, total_training_steps
@@ -194,16 +194,9 @@ config sections:
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow sft [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if any(arg in ("-h", "--help") for arg in args):
-        sections = [arg for arg in args if not arg.startswith("-")]
-        print(keys_usage(sections[0], SFTConfig, SFT_DEFAULT_CONFIG) if sections else sft_usage())
-        return 0
-    config_file = None
-    if args and args[0] == "--config":
-        if len(args) < 2:
-            raise ConfigError("--config", "needs a file", "hybridflow sft --config FILE [key=value ...]")
-        config_file, args = args[1], args[2:]
-    run(load_sft_config(args, config_file))
+    parsed = config_command_args(args, "sft", sft_usage, SFTConfig, SFT_DEFAULT_CONFIG)
+    if parsed is not None:
+        run(load_sft_config(*parsed))
     return 0
 
 
