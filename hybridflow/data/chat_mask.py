@@ -40,10 +40,6 @@ class TextSample:
 
     segments: list[tuple[str, bool]] = field(default_factory=list)
 
-    @property
-    def text(self) -> str:
-        return "".join(text for text, _ in self.segments)
-
 
 def _trained_end(turn: str, start: int, end_texts: Sequence[str]) -> int | None:
     """The index just after the last end token's text in ``turn[start:]`` (None: no end token there)."""

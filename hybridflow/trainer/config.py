@@ -283,5 +283,6 @@ def default_config() -> HybridFlowConfig:
     return load_config()
 
 
-def to_yaml(config: HybridFlowConfig) -> str:
+def to_yaml(config: object) -> str:
+    """A composed config (RL's or the SFT trainer's) as YAML, as the run directory keeps it."""
     return OmegaConf.to_yaml(OmegaConf.structured(config))

@@ -118,11 +118,9 @@ def run(config: SFTConfig) -> dict[str, float]:
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
     total_steps = total_training_steps(trainer, steps_per_epoch=len(train_loader))
+    config_yaml = to_yaml(config)
     checkpoint = prepare_run_directory(
-        plan.run_dir,
-        trainer,
-        to_yaml(config),
-        lambda saved, _: changed_keys(saved, to_yaml(config), STATE_KEYS),
+        plan.run_dir, trainer, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, STATE_KEYS)
     )
     print(
         f"hybridflow: sft for {total_steps} steps ({len(train_dataset)} samples, {train_dataset.trained_tokens()} "

@@ -40,9 +40,8 @@ def make_task_rows(task: str, count: int, split: str, seed: int) -> list[dict[st
 def write_task(
     task: str, out: str | Path, train: int, test: int, seed: int = 0, *, gold: bool = False
 ) -> dict[str, Path]:
-    """Write OUT/train.parquet and OUT/test.parquet; returns their paths by split. ``gold``: the rows' correct
-    conversations instead (a ``messages`` column beside the row's columns, for ``hybridflow sft``), the same
-    questions as the prompts of the same seed."""
+    """Write OUT/train.parquet and OUT/test.parquet; returns their paths by split. ``gold``: each row also holds its
+    correct conversation (a ``messages`` column, for ``hybridflow sft``), so one file serves SFT and RL."""
     if gold and task not in GOLD:
         raise ValueError(f"task {task!r} has no gold trajectories; tasks that have: {sorted(GOLD)}")
     out = Path(out)
