@@ -1,8 +1,8 @@
 """Supervised fine-tuning: hybridflow's `hybridflow sft` against TRL's `SFTTrainer`, tokens per second on the same
 data and model (run by hand, not a test).
 
-    .venv/bin/python bench/sft_trl.py                      # every setting: ~15 min of runs on 2 cores
-    .venv/bin/python bench/sft_trl.py --steps 4 --layouts 2x1 --trl-precision bf16   # quicker
+    .venv/bin/python bench/sft_trl.py                      # every setting: ~20 min on 2 cores
+    .venv/bin/python bench/sft_trl.py --steps 4 --layouts 1x2 --trl-settings bf16+alloc   # quicker
 
 The workload: `smollm2-135m-instruct`, the calculator task's gold trajectories (`python -m hybridflow.data.tasks
 calculator --gold`: a system prompt with a worked example, the question, the tool call, the tool's message, the
@@ -10,8 +10,11 @@ answer; ~210 tokens a sample), 16 samples per optimizer step in micro-batches of
 grad-norm clip 1. Each side runs `--steps` steps; the first is warm-up, the rest are counted: tokens per second
 is the real (non-padding) tokens of the counted steps over their seconds. hybridflow runs `hybridflow sft` (its
 defaults: packed, bf16 compute where the CPU has it) on W Ray workers of T threads (`--layouts WxT`); TRL runs
-in bench/.trl-venv (bench/sft_trl/trl_sft.py), one process of 2 threads, in bf16 autocast or fp32, its rows in
-TRL's prompt-completion format (the loss on the completion: the call, the tool's message and the answer).
+in bench/.trl-venv (bench/sft_trl/trl_sft.py), one process of 2 threads, in bf16 autocast or fp32, with glibc's
+default allocator settings or (`+alloc`) those of hybridflow's workers (freed memory kept for reuse), its rows
+in TRL's prompt-completion format (the loss on the completion: the call, the tool's message and the answer;
+the loss mask does not change the work, every token runs forward and backward on both sides). TRL pads each
+micro-batch to its longest row (its padding-free mode needs flash attention, which the CPU has not).
 
 The machine is shared: each run waits (up to `--wait` s) for the 1-minute load to fall below `--max-load`, and
 the loads at its start and end are printed. Results go to --out/results.json.
@@ -90,17 +93,23 @@ def run_hybridflow(args, data: Path, layout: str) -> dict:
     }
 
 
-def run_trl(args, python: Path, data: Path, precision: str) -> dict:
-    out = args.out / f"trl-{precision}.json"
+def run_trl(args, python: Path, data: Path, setting: str) -> dict:
+    """One TRL run; ``setting`` is a precision (bf16 | fp32), with ``+alloc`` for hybridflow's allocator settings."""
+    from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
+
+    precision, _, option = setting.partition("+")
+    out = args.out / f"trl-{setting}.json"
     cmd = [
         str(python), str(TRL_SCRIPT), "--model", str(resolve_model_path(MODEL)), "--data", str(data),
         "--steps", str(args.steps), "--batch", str(args.batch), "--micro-batch", str(args.micro_batch),
         "--lr", str(args.lr), "--precision", precision, "--threads", "2", "--out", str(out),
     ]  # fmt: skip
     load = wait_for_idle(args.max_load, args.wait)
-    print(f"TRL SFTTrainer {precision}: {args.steps} steps (load {load:.2f}) ...", flush=True)
+    print(f"TRL SFTTrainer {setting}: {args.steps} steps (load {load:.2f}) ...", flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = args.out / f"trl-{precision}.log"
+    if option == "alloc":
+        env.update(ALLOCATOR_ENV)
+    log = args.out / f"trl-{setting}.log"
     with log.open("w") as handle:
         done = subprocess.run(cmd, env=env, stdout=handle, stderr=subprocess.STDOUT)
     if done.returncode != 0:
@@ -108,7 +117,9 @@ def run_trl(args, python: Path, data: Path, precision: str) -> dict:
     result = json.loads(out.read_text())
     return {
         "system": "TRL",
-        "setting": f"1 process x {result['threads']} threads, {precision}, TRL {result['versions']['trl']}",
+        "setting": f"1 process x {result['threads']} threads, {precision}"
+        + (", allocator keeps freed memory (as hybridflow's workers)" if option == "alloc" else "")
+        + f", TRL {result['versions']['trl']}",
         "tokens_per_second": tokens_per_second(result["step_tokens"], result["step_seconds"]),
         "step_s": statistics.median(result["step_seconds"][1:]),
         "losses": result["losses"],
@@ -141,7 +152,13 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per forward/backward (per rank)")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--layouts", nargs="+", default=["2x1", "1x2"], help="hybridflow's WORKERSxTHREADS")
-    parser.add_argument("--trl-precision", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"])
+    parser.add_argument(
+        "--trl-settings",
+        nargs="+",
+        default=["bf16+alloc", "bf16", "fp32"],
+        choices=["bf16+alloc", "bf16", "fp32"],
+        help="precision, +alloc: glibc's allocator keeps freed memory, as in hybridflow's workers",
+    )
     parser.add_argument("--max-load", type=float, default=0.5)
     parser.add_argument("--wait", type=float, default=600)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sft_trl")
@@ -150,7 +167,7 @@ def main() -> None:
     gold, trl_rows = make_data(args.out / "data", args.batch * args.steps)
     results = [run_hybridflow(args, gold, layout) for layout in args.layouts]
     python = ensure_trl_venv()
-    results += [run_trl(args, python, trl_rows, precision) for precision in args.trl_precision]
+    results += [run_trl(args, python, trl_rows, setting) for setting in args.trl_settings]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
     print(report(results))
 
