@@ -114,9 +114,25 @@ def is_lora(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
-    """The base model's forward inside the block: the reference policy of a LoRA actor."""
-    with model.disable_adapter():
+    """The base model's forward inside the block: the reference policy of a LoRA actor.
+
+    Only each adapted layer's switch is flipped. peft's own ``disable_adapter()`` also marks the adapters as not
+    requiring gradients while they are off, and FSDP2 fixes a parameter group's gradient dtype at the model's
+    first forward from the parameters that require gradients then: a first forward with the adapters off (the
+    reference before any update) left only the frozen bf16 base, and the adapters' fp32 gradients were then
+    cast to bf16 and refused.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    switches = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+    try:
         yield
+    finally:
+        for layer, switch in zip(layers, switches, strict=True):
+            layer._disable_adapters = switch
 
 
 def base_name(name: str) -> str:

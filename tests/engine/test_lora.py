@@ -3,8 +3,12 @@ weights against peft's own forward (fp32, tight tolerance)."""
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from lora_helpers import randomise_adapters
 
+from hybridflow.engine.config import FSDPConfig
+from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.lora import (
     ALL_LINEAR,
     LoraConfig,
@@ -78,6 +82,30 @@ def test_adapters_off_is_the_base_model_exactly(tiny_path):
     assert torch.equal(off, expected)
     assert (adapted - expected).abs().max() > 1e-2  # the adapters change the output
     assert torch.equal(again, adapted)  # and come back on after the block
+
+
+def _reference_first_then_train(rank: int, tiny_path: str, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), lora(), frozen_dtype=torch.bfloat16)
+        model = shard_model(
+            model, data_parallel_mesh(torch.device("cpu")), FSDPConfig(param_dtype="bf16", reduce_dtype="fp32")
+        )
+        ids = inputs(model.config.vocab_size)
+        with torch.no_grad(), adapters_off(model):  # FSDP2's first forward: the reference, adapters off
+            model(input_ids=ids)
+        model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        results.put(sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_adapters_train_after_a_first_forward_with_them_off(tiny_path, tmp_path):
+    """The reference pass may be a sharded LoRA actor's first forward (FSDP2 fixes its gradient dtypes then):
+    the adapters must still get their fp32 gradients, which peft's own disable_adapter() prevented."""
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_reference_first_then_train, args=(tiny_path, str(tmp_path / "init"), results), nprocs=1)
+    assert results.get() == ["torch.float32"]
 
 
 def test_merged_weights_give_peft_s_forward(tiny_path):

@@ -34,6 +34,10 @@ def overrides(arithmetic_files, tmp_path, *extra: str) -> list[str]:
         "actor_rollout_ref.rollout.response_length=6",
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "algorithm.rollout_correction.rollout_is=token",
+        # fp32: the rollout engine's and the trainer's log-probs of the same weights agree to rounding (in bf16
+        # the two engines' products round differently: weights up to ~1.002 on the same policy)
+        "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+        "actor_rollout_ref.rollout.dtype=fp32",
         "trainer.total_training_steps=2",
         "trainer.n_workers_per_node=1",
         "trainer.logger=[jsonl]",
