@@ -26,7 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SFT_CONFIG = REPO / "examples" / "sft_calculator_smollm2.yaml"
 GRPO_CONFIG = REPO / "examples" / "grpo_calculator_smollm2.yaml"
-VAL_KEY = "val/score/mean"
+VAL_KEY = "val/score/mean"  # greedy, the 60 held-out questions
+TRAIN_KEY = "critic/score/mean"  # the step's 128 sampled conversations (temperature 1)
 
 
 def run(command: list[str]) -> None:
@@ -40,8 +41,8 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def accuracy(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r[VAL_KEY] for r in records(run_dir) if VAL_KEY in r}
+def by_step(run_dir: Path, key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in records(run_dir) if key in r}
 
 
 def plot(results: dict, path: Path) -> None:
@@ -50,17 +51,25 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    figure, axes = plt.subplots(1, 2, figsize=(10.0, 4.0), dpi=110)
     lines = (("grpo_from_base", "GRPO from the base model", "o--"), ("grpo_from_sft", "GRPO from the SFT model", "s-"))
-    for name, label, style in lines:
-        steps = sorted(results[name], key=int)
-        ax.plot([int(s) for s in steps], [results[name][s] for s in steps], style, label=label)
-    ax.set_xlabel("GRPO step")
-    ax.set_ylabel("held-out accuracy (60 questions)")
-    ax.set_title(f"Calculator task, SmolLM2-135M-Instruct: SFT ({results['sft_steps']} steps) as the warm start")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    panels = (
+        ("accuracy", "held-out accuracy (60 questions, greedy)"),
+        ("reward", "training reward (128 samples, T=1)"),
+    )
+    for ax, (kind, ylabel) in zip(axes, panels, strict=True):
+        for name, label, style in lines:
+            values = results[name][kind]
+            steps = sorted(values, key=int)
+            # a step's reward scores its own samples, drawn before its update: the policy after step - 1 updates
+            done = [int(s) - (kind == "reward") for s in steps]
+            ax.plot(done, [values[s] for s in steps], style, label=label)
+        ax.set_xlabel("GRPO updates done")
+        ax.set_ylabel(ylabel)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    figure.suptitle(f"Calculator task, SmolLM2-135M-Instruct: SFT ({results['sft_steps']} steps) as the warm start")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path)
@@ -101,18 +110,27 @@ def main() -> None:
     results = {
         "sft_steps": args.sft_steps,
         "sft_val_loss": {r["step"]: r["val/loss"] for r in sft_losses},
-        "grpo_from_base": accuracy(runs["grpo_from_base"]),
-        "grpo_from_sft": accuracy(runs["grpo_from_sft"]),
     }
+    for name in ("grpo_from_base", "grpo_from_sft"):
+        results[name] = {"accuracy": by_step(runs[name], VAL_KEY), "reward": by_step(runs[name], TRAIN_KEY)}
     (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    base, warm = results["grpo_from_base"], results["grpo_from_sft"]
+    base, warm = results["grpo_from_base"]["accuracy"], results["grpo_from_sft"]["accuracy"]
     last = max(base)
     print("| model | held-out accuracy |\n| --- | --- |")
     print(f"| SmolLM2-135M-Instruct (before SFT) | {base[0]:.2f} |")
     print(f"| after SFT ({args.sft_steps} steps) | {warm[0]:.2f} |")
     print(f"| GRPO from the base model, {last} steps | {base[last]:.2f} |")
     print(f"| GRPO from the SFT model, {last} steps | {warm[last]:.2f} |")
-    print("steps:", " ".join(f"{s}: base {base[s]:.2f} / sft {warm.get(s, float('nan')):.2f}" for s in sorted(base)))
+    for name in ("grpo_from_base", "grpo_from_sft"):
+        row = results[name]
+        print(f"{name}: step, held-out accuracy, training reward:")
+        print(
+            "  "
+            + "  ".join(
+                f"{s}: {row['accuracy'].get(s, float('nan')):.2f} / {row['reward'].get(s, float('nan')):.2f}"
+                for s in sorted(row["accuracy"])
+            )
+        )
     plot(results, args.plot)
     print(f"plot: {args.plot}")
 
