@@ -17,6 +17,9 @@ class NativeEngineConfig:
     # a LoRA policy's adapters: served (applied at each matmul, the base never rewritten) | merged (W + s·BA
     # written into the engine's weights from a kept copy of the base)
     adapters: str
+    # while generating, use as many torch threads as cores other processes leave free (at most the worker's
+    # threads): a thread sharing its core with a busy process stalls every op (rollout/native/cpu_share.py)
+    follow_free_cores: bool
 
     def __post_init__(self) -> None:
         require_positive(self.max_num_seqs, "max_num_seqs")

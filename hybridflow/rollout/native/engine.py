@@ -24,6 +24,7 @@ import torch
 
 from hybridflow.rollout.native import model
 from hybridflow.rollout.native.config import NativeEngineConfig
+from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.native.weights import Weights
@@ -72,6 +73,7 @@ class Engine:
         self.max_num_seqs = config.max_num_seqs
         self.max_prefill_tokens = config.max_prefill_tokens
         self.min_shared_prefix = config.min_shared_prefix  # shorter common prefixes are not worth a separate forward
+        self.follow_free_cores = config.follow_free_cores
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()
@@ -171,20 +173,25 @@ class Engine:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.finished = torch.ones(len(run.tokens_out), dtype=torch.bool)
         self.lengths = torch.zeros(len(run.tokens_out), dtype=torch.long)
-        while run.waiting or run.running:
-            run.compact()
-            run.admit()
-            run.compact()
-            if run.running:
-                run.decode()
-            if should_stop is not None and (run.waiting or run.running) and should_stop():
-                run.mark_unfinished()
-                if keep_on_stop:
-                    self.paused = run
-                else:
-                    run.waiting.clear()
-                    run.running, run.finished = 0, set()
-                break
+        threads = ThreadGovernor(enabled=self.follow_free_cores)  # threads follow the free cores
+        try:
+            while run.waiting or run.running:
+                threads.tick()
+                run.compact()
+                run.admit()
+                run.compact()
+                if run.running:
+                    run.decode()
+                if should_stop is not None and (run.waiting or run.running) and should_stop():
+                    run.mark_unfinished()
+                    if keep_on_stop:
+                        self.paused = run
+                    else:
+                        run.waiting.clear()
+                        run.running, run.finished = 0, set()
+                    break
+        finally:
+            threads.restore()
         return run.tokens_out, run.log_probs_out
 
 
