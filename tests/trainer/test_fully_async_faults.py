@@ -37,7 +37,12 @@ class ActorDiesAtStep2(FullyAsyncTrainer):
 
 @pytest.mark.parametrize(
     ("loop", "group", "method"),
-    [(RolloutDiesAtChunk3, "rollout", "generate_sequences"), (ActorDiesAtStep2, "actor_rollout", "compute_log_prob")],
+    [
+        (RolloutDiesAtChunk3, "rollout", {"generate_sequences"}),
+        # ray.kill returns before the process is gone: the step's first call (the log-probs) usually finds it dead,
+        # but on an idle machine it can still answer, and then the update is the call that fails
+        (ActorDiesAtStep2, "actor_rollout", {"compute_log_prob", "update_actor"}),
+    ],
 )
 def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
     arithmetic_files, tmp_path, monkeypatch, loop, group, method
@@ -57,7 +62,7 @@ def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
     with pytest.raises(WorkerError) as raised:
         train_main.run(config)
     error = raised.value
-    assert (error.group, error.method, error.rank) == (group, method, 0)
+    assert (error.group, error.rank) == (group, 0) and error.method in method
     assert "died" in str(error) or "ActorDiedError" in str(error) or "RayActorError" in str(error)
     assert worker_processes(tag) == set()  # both pools' processes are gone
     time.sleep(1)
