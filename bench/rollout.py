@@ -36,6 +36,7 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
+from hybridflow.procfs import machine_busy_s, own_cpu_s
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
@@ -69,12 +70,7 @@ def matmul_peak(dtype: torch.dtype, size: int = 4096, repeats: int = 3) -> tuple
 
 def _busy_seconds() -> tuple[float, float]:
     """(CPU seconds all processes have been busy, CPU seconds of this process), from /proc."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    busy = sum(fields) - fields[3] - fields[4]  # all but idle and iowait
-    mine = os.times()
-    return busy / ticks, mine.user + mine.system
+    return machine_busy_s() or 0.0, own_cpu_s()
 
 
 def timed(fn) -> tuple[float, float]:

@@ -16,29 +16,10 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import torch
 
-PROC_STAT = Path("/proc/stat")
-TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def machine_busy_s() -> float | None:
-    """CPU seconds all processes have been busy since boot (every CPU: all but idle and iowait); None without
-    /proc."""
-    try:
-        fields = PROC_STAT.read_text().split("\n", 1)[0].split()[1:]
-    except OSError:
-        return None
-    values = [int(v) for v in fields]
-    return (sum(values) - values[3] - values[4]) / TICKS_PER_S
-
-
-def own_cpu_s() -> float:
-    """CPU seconds of this process, all its threads."""
-    times = os.times()
-    return times.user + times.system
+from hybridflow.procfs import machine_busy_s, own_cpu_s
 
 
 def threads_for(others_cores: float, cores: int, max_threads: int) -> int:
