@@ -59,6 +59,10 @@ class UpdateConfig:
     # | seq-mean-token-sum-norm
     loss_agg_mode: str
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
+    # FSDP2 in the update: free each layer's gathered weights after its forward and gather them again for its backward
+    # (true), or keep them until the backward (false: half the all-gathers and casts; the whole model is held in
+    # param_dtype while a micro-batch trains)
+    reshard_after_forward: bool
     optim: OptimConfig  # AdamW and its learning-rate schedule
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 
@@ -149,6 +153,9 @@ class SFTEngineConfig:
     max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
     tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the rest
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
+    # FSDP2: free each layer's gathered weights after its forward (true) or keep them for its backward (false: half the
+    # all-gathers and casts; the whole model is held in param_dtype while a micro-batch trains)
+    reshard_after_forward: bool
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 
     def __post_init__(self) -> None:
@@ -169,6 +176,7 @@ class SFTEngineConfig:
             ppo_max_token_len_per_gpu=self.max_token_len_per_gpu,
             loss_agg_mode="token-mean",
             grad_clip=self.grad_clip,
+            reshard_after_forward=self.reshard_after_forward,
             optim=optim,
             fsdp=self.fsdp,
         )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import FSDPConfig
@@ -41,6 +42,25 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mo
     return model
 
 
+@contextmanager
+def gathered_through_backward(model: nn.Module, keep: bool) -> Iterator[None]:
+    """With ``keep``: each FSDP2 unit keeps its gathered weights from its forward to its backward (the backward
+    then gathers nothing), and everything is resharded on exit; without: FSDP2's default, gather again."""
+    # the root unit (first) keeps its weights gathered after forward already (FSDP2's choice for the root)
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)][1:]
+    if not keep or not units:
+        yield
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
+            unit.reshard()
+
+
 def full_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for each parameter and buffer, gathered one at a time on every rank (a LoRA
     model's weights merged, under the plain model's names)."""
@@ -52,9 +72,14 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
     """The global gradient norm, after scaling the gradients down to ``max_norm`` when above it."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     meshes = {g.device_mesh for g in grads if isinstance(g, DTensor)}
-    if len(meshes) <= 1:  # one layout (FSDP2 alone): torch's own clipping
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(meshes) <= 1:  # one layout (FSDP2 alone): torch's own norm and clipping
+        norm = torch.nn.utils.get_total_norm(grads)
+        local = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        # torch's clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1): skip its pass over every
+        # gradient when that factor is 1 (nothing changes) or not finite (the step is skipped anyway)
+        if bool(max_norm / (local + 1e-6) < 1.0):
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        return float(local)
     # tensor-parallel layers live on the (dp, tp) mesh, the rest on dp alone: torch cannot stack their
     # norms, so each parameter's norm is reduced on its own mesh (a scalar each) and then combined
     squares = []

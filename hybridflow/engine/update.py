@@ -25,7 +25,7 @@ from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import pass_work
-from hybridflow.engine.fsdp import grad_norm_and_clip
+from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
@@ -89,8 +89,9 @@ def run_updates(
         groups = micro_batch_groups(row_lengths(mini_batch), config.ppo_micro_batch_size_per_gpu, max_token_len)
         shares: dict[str, float] = defaultdict(float)
         for micro_batch in split_by_groups(mini_batch, groups):
-            loss, metrics = micro_loss(micro_batch, agg)
-            (loss * world_size).backward()
+            with gathered_through_backward(model, keep=not config.reshard_after_forward):
+                loss, metrics = micro_loss(micro_batch, agg)
+                (loss * world_size).backward()
             for key, value in metrics.items():
                 if key in loss_share_keys:
                     shares[key] += _to_float(value) * world_size

@@ -1,0 +1,233 @@
+"""Where the actor update's time goes, op by op (run by hand, not a test).
+
+    .venv/bin/python bench/update_profile.py                 # the GRPO-step update: 32 samples, 1 rank, 2 threads
+    .venv/bin/python bench/update_profile.py --samples 64 --micro 16 --repeats 5
+
+The actor is built as the trainer builds it (``smollm2-135m-instruct``, FSDP2 on one gloo rank,
+bf16 compute, fp32 masters, fused AdamW) with the workers' allocator settings (the script
+re-executes itself with them), on the GRPO-shaped batch of ``bench/train_passes.py`` (prompts of
+38-47 tokens, 4 samples each, responses of 5-32 tokens). It times ``--repeats`` updates without
+the profiler (median after a warm-up; the update's MFU is the engine's own ``perf/mfu_update``
+against the bf16 matmul peak measured in this process), then profiles one more with
+``torch.profiler`` and charges each op's self time to one item:
+
+- forward or backward (an op under an autograd ``evaluate_function`` is backward), and within it
+- the LM head's matmul (a matmul with the vocabulary as a dimension), the log-prob and entropy
+  math on its logits, attention (the packed attention's own ops), the layers' other matmuls,
+  and everything else (norms, activations, rotary, copies, the allocator's page faults);
+- the optimizer step, gradient-norm clipping, FSDP's collectives (all-gather, reduce-scatter,
+  all-reduce over gloo) and its copies in and out of the flat buffers.
+
+The table's seconds are scaled so that they add up to the unprofiled median (the profiler's own
+overhead spread in proportion); the raw profiled total is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybridflow.controller.ray_runtime import ALLOCATOR_ENV  # noqa: E402
+
+VOCAB_MARKER = "LM head"
+
+
+def reexec_with_allocator_settings() -> None:
+    if all(os.environ.get(key) == value for key, value in ALLOCATOR_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
+
+
+def label(fn, name: str):
+    """``fn`` wrapped in a profiler range called ``name``."""
+    import functools
+
+    import torch
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.profiler.record_function(name):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+def install_labels() -> None:
+    """Profiler ranges around the packed attention and the log-prob / entropy math."""
+    from transformers import AttentionInterface
+
+    import hybridflow.engine.forward as forward
+    import hybridflow.engine.packing as packing
+    import hybridflow.engine.update as update
+
+    AttentionInterface.register(packing.PACKED_ATTENTION, label(packing.packed_sdpa_attention, "hf::attention"))
+    forward.log_probs_from_logits = label(forward.log_probs_from_logits, "hf::log_prob")
+    forward.entropy_from_logits = label(forward.entropy_from_logits, "hf::entropy")
+    update.grad_norm_and_clip = label(update.grad_norm_and_clip, "hf::grad_norm_and_clip")
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
+# backward nodes of the packed attention's ops (gather into rows, scores, mask, softmax, scatter back)
+ATTENTION_BACKWARD = (
+    "BmmBackward",
+    "SoftmaxBackward",
+    "MaskedFillBackward",
+    "IndexSelectBackward",
+    "UnflattenBackward",
+)
+NORM_BACKWARD = ("PowBackward", "MeanBackward", "RsqrtBackward", "ToCopyBackward", "MulBackward", "NegBackward")
+
+
+def item_of(event, vocab: int) -> str:
+    """The breakdown item an op's self time belongs to, from its name, shapes and enclosing ranges."""
+    names = []
+    node = event
+    while node is not None:
+        names.append(node.name)
+        node = node.cpu_parent
+    joined = " | ".join(names)
+    if "Optimizer.step" in joined:
+        return "optimizer step (fused AdamW)"
+    if "hf::grad_norm_and_clip" in joined:
+        return "gradient norm and clipping"
+    if any(tag in joined for tag in ("c10d::", "record_param_comms", "gloo:")):
+        return "FSDP collectives (gloo)"
+    if "FSDP::" in joined and any(tag in joined for tag in ("all_gather", "post_backward", "copy_in", "copy_out")):
+        return "FSDP: copies into and out of the gathered / reduced buffers, casts to bf16"
+    node_name = next((name.split(": ", 1)[1] for name in names if name.startswith("autograd::engine::evaluate")), "")
+    side = "backward" if node_name else "forward"
+    if "hf::log_prob" in joined or "hf::entropy" in joined or "ChunkedLogProb" in node_name:
+        return f"{side}: log-prob and entropy on the logits"
+    if event.name in MATMULS and any(vocab in shape for shape in event.input_shapes or [] if shape):
+        return f"{side}: LM head matmul"
+    if "hf::attention" in joined or node_name.startswith(ATTENTION_BACKWARD):
+        return f"{side}: attention (gather into rows, scores, softmax, scatter back)"
+    if event.name in MATMULS:
+        return f"{side}: the layers' other matmuls (q, k, v, o, MLP)"
+    if node_name.startswith("EmbeddingBackward") or event.name == "aten::embedding":
+        return f"{side}: embedding"
+    if node_name.startswith(NORM_BACKWARD) or (not node_name and event.name in NORM_OPS):
+        return f"{side}: RMSNorm, rotary, SiLU x up, casts (elementwise)"
+    return f"{side}: other (residual adds, views, copies, allocation)"
+
+
+NORM_OPS = (
+    "aten::mul",
+    "aten::pow",
+    "aten::mean",
+    "aten::rsqrt",
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::add",
+    "aten::silu",
+    "aten::neg",
+    "aten::cat",
+)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--micro", type=int, default=None, help="micro-batch rows (default: all samples)")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--override", action="append", default=[], help="a config key=value, e.g. reshard_after_forward"
+    )
+    parser.add_argument("--detail", type=int, default=0, help="also list the N largest (item, op, parent) entries")
+    parser.add_argument("--trace", help="also write a Chrome trace of the profiled update here")
+    args = parser.parse_args()
+    reexec_with_allocator_settings()
+
+    import torch
+    import torch.distributed as dist
+    from train_passes import grpo_batch
+
+    from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
+    from hybridflow.engine.policy import PolicyEngine
+    from hybridflow.models import load_causal_lm
+    from hybridflow.trainer.config import load_config
+    from hybridflow.workers.sharded_model import build_trainable
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29571")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(args.threads)
+    micro = args.micro or args.samples
+    arr = load_config(
+        [
+            "actor_rollout_ref.model.path=smollm2-135m-instruct",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={micro}",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            *args.override,
+        ]
+    ).actor_rollout_ref
+    trained = build_trainable(
+        load_causal_lm, arr.model.path, arr.model, arr.actor.fsdp, arr.actor.optim, torch.device("cpu"), 0, 100
+    )
+    engine = PolicyEngine(trained, arr.actor)
+    vocab = trained.model.config.vocab_size
+    data = grpo_batch(args.samples, 4)
+    data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples in micro-batches of {micro}, "
+        f"{args.threads} threads, {' '.join(args.override) or 'defaults'}, "
+        f"peak {engine.meter.peak / 1e12:.3f} TFLOP/s (bf16 matmul, measured now)",
+        flush=True,
+    )
+
+    seconds, mfus = [], []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        out = engine.update_policy(data, len(data), 1.0, seed=0)
+        seconds.append(time.perf_counter() - start)
+        mfus.append(out.meta_info[METRICS]["perf/mfu_update"])
+    median = statistics.median(seconds[1:])
+    print(
+        f"update: median {median:.3f} s over {args.repeats} (after a warm-up of {seconds[0]:.2f} s); "
+        f"MFU {statistics.median(mfus[1:]):.3f} (each: {', '.join(f'{m:.3f}' for m in mfus[1:])})",
+        flush=True,
+    )
+
+    install_labels()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        start = time.perf_counter()
+        engine.update_policy(data, len(data), 1.0, seed=0)
+        profiled = time.perf_counter() - start
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.self_cpu_time_total > 0:
+            totals[item_of(event, vocab)] += event.self_cpu_time_total / 1e6
+    counted = sum(totals.values())
+    untraced = max(profiled - counted, 0.0)
+    totals["outside any op (Python, scheduling)"] += untraced
+    scale = median / (counted + untraced)
+    print(f"profiled update {profiled:.3f} s (ops {counted:.3f} s); shares scaled to the unprofiled {median:.3f} s\n")
+    print("| item | seconds | share |")
+    print("| --- | ---: | ---: |")
+    for name, value in sorted(totals.items(), key=lambda kv: -kv[1]):
+        print(f"| {name} | {value * scale:.3f} | {value / (counted + untraced):.1%} |")
+    if args.detail:
+        by_op: dict[tuple[str, str, str], float] = defaultdict(float)
+        for event in prof.events():
+            if event.self_cpu_time_total > 0:
+                parent = event.cpu_parent.name if event.cpu_parent is not None else "-"
+                by_op[(item_of(event, vocab), event.name, parent)] += event.self_cpu_time_total / 1e6
+        print("\n| item | op | its parent | seconds (profiled) |\n| --- | --- | --- | ---: |")
+        for (item, op, parent), value in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.detail]:
+            print(f"| {item} | {op} | {parent} | {value:.3f} |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

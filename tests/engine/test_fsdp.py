@@ -1,0 +1,105 @@
+"""engine/fsdp.py on real gloo ranks: ``reshard_after_forward=false`` (the update's backward gathers no weights,
+the step is bitwise the same) and the gradient-norm clipping."""
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import fp32_actor_config
+
+from hybridflow.engine.config import FSDPConfig
+from hybridflow.engine.fsdp import data_parallel_mesh, decoder_layers, full_parameters, grad_norm_and_clip, shard_model
+from hybridflow.engine.policy import PolicyEngine
+from hybridflow.models import load_causal_lm
+from hybridflow.workers.sharded_model import build_trainable
+
+WORLD = 2
+
+
+def _update(rank: int, tiny_path: str, init_file: str, reshard: bool, batch, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        config = fp32_actor_config(
+            tiny_path,
+            1e-2,
+            "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
+            f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
+        )
+        actor = config.actor
+        trained = build_trainable(
+            load_causal_lm, tiny_path, config.model, actor.fsdp, actor.optim, torch.device("cpu"), 0, 10
+        )
+        engine = PolicyEngine(trained, actor)
+        share = batch.chunk(WORLD)[rank]  # 3 rows each, micro-batches of 2: two forward/backward passes per rank
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            engine.update_policy(share, len(share), 1.0, seed=0)
+        gathers = sum(
+            1
+            for event in prof.events()
+            if event.name == "FSDP::all_gather" or event.name.startswith("FSDP::all_gather (")
+        )
+        state = {name: tensor.detach().clone() for name, tensor in full_parameters(trained.model)}
+        if rank == 0:  # tensors through a file: a queue's shared memory is gone once this process exits
+            torch.save(state, f"{init_file}.pt")
+            results.put((gathers, len(decoder_layers(trained.model))))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(tiny_path: str, directory, reshard: bool, batch):
+    results = mp.get_context("spawn").SimpleQueue()
+    init = directory / f"init-{reshard}"
+    mp.spawn(_update, args=(tiny_path, str(init), reshard, batch, results), nprocs=WORLD)
+    gathers, layers = results.get()
+    return gathers, layers, torch.load(f"{init}.pt")
+
+
+def test_keeping_weights_gathered_halves_the_gathers_and_changes_no_bit(tiny_path, tmp_path, rollout_batch):
+    batch = rollout_batch.select(deepcopy=True)
+    batch.batch["old_log_probs"] = torch.zeros_like(batch.batch["advantages"])  # ratio != 1 is fine: same both ways
+    default_gathers, layers, default_state = _run(tiny_path, tmp_path, True, batch)
+    kept_gathers, _, kept_state = _run(tiny_path, tmp_path, False, batch)
+    micro_batches = 2
+    # each micro-batch: every layer and the root gather in forward; by default the layers gather again in backward
+    assert default_gathers == micro_batches * (2 * layers + 1)
+    assert kept_gathers == micro_batches * (layers + 1)
+    assert set(kept_state) == set(default_state)
+    initial = load_causal_lm(tiny_path, dtype=torch.float32).state_dict()
+    for name, tensor in default_state.items():
+        assert torch.equal(kept_state[name], tensor), name
+    assert any(not torch.equal(tensor, initial[name]) for name, tensor in default_state.items() if name in initial)
+
+
+def _clip(rank: int, tiny_path: str, init_file: str, results) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = shard_model(
+            load_causal_lm(tiny_path, dtype=torch.float32),
+            data_parallel_mesh(torch.device("cpu")),
+            FSDPConfig(param_dtype="fp32", reduce_dtype="fp32"),
+        )
+        ids = torch.randint(0, model.config.vocab_size, (2, 12))
+        model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+        full = [p.grad.full_tensor().clone() for p in model.parameters()]
+        expected_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full])).item()
+        unclipped = grad_norm_and_clip(model, max_norm=10 * expected_norm)  # below the limit: no change
+        same = all(torch.equal(p.grad.full_tensor(), g) for p, g in zip(model.parameters(), full))
+        norm = grad_norm_and_clip(model, max_norm=expected_norm / 4)  # scaled down to a quarter
+        scale = (expected_norm / 4) / (expected_norm + 1e-6)
+        quartered = max((p.grad.full_tensor() - g * scale).abs().max().item() for p, g in zip(model.parameters(), full))
+        if rank == 0:
+            results.put((expected_norm, unclipped, same, norm, quartered))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gradient_norm_is_the_global_one_and_clips_only_above_the_limit(tiny_path, tmp_path):
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_clip, args=(tiny_path, str(tmp_path / "init"), results), nprocs=WORLD)
+    expected_norm, unclipped, same, norm, quartered = results.get()
+    assert expected_norm > 0
+    assert abs(unclipped - expected_norm) < 1e-5 * expected_norm
+    assert same  # below the limit every gradient is left as it was, bit for bit
+    assert abs(norm - expected_norm) < 1e-5 * expected_norm  # the norm before clipping is returned
+    assert quartered < 1e-6
