@@ -74,6 +74,7 @@ class Engine:
         self.max_prefill_tokens = config.max_prefill_tokens
         self.min_shared_prefix = config.min_shared_prefix  # shorter common prefixes are not worth a separate forward
         self.follow_free_cores = config.follow_free_cores
+        self.ragged_decode = config.ragged_decode  # read by the multi-turn request engine (sessions.py)
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hybridflow.rollout.native import ragged_attention
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.spec import ModelSpec
 from hybridflow.rollout.native.weights import LayerWeights, Weights
@@ -111,7 +112,12 @@ def prefill(
 
 
 def decode(
-    weights: Weights, rope: RotaryTables, cache: KVCache, tokens: torch.Tensor, positions: torch.Tensor
+    weights: Weights,
+    rope: RotaryTables,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    ragged: bool = False,
 ) -> torch.Tensor:
     """One new token for each of the sequences in slots 0..B-1.
 
@@ -120,7 +126,9 @@ def decode(
     Attention is written out as two batched matmuls around a softmax, over the slots' whole
     (contiguous) cache rows with the unused positions masked: with one query per sequence
     this is several times faster on CPU than the fused kernel, and than slicing the rows
-    (a slice would be copied).
+    (a slice would be copied). ``ragged``: the kernel of ragged_attention.py instead, which
+    reads positions 0..positions[b] of each slot only (float32 scores and softmax; for slots
+    much longer than the sequences in them, as in multi-turn rollout).
     """
     spec = weights.spec
     b = tokens.shape[0]
@@ -128,20 +136,27 @@ def decode(
     t = cache.max_len
     cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
     index = cache.decode_index(positions)
-    hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
-    bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
-    bias = bias.masked_fill_(hidden[:, None], float("-inf")).repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T)
+    if ragged:
+        lengths = (positions + 1).to(torch.int64)
+    else:
+        hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
+        bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
+        bias = bias.masked_fill_(hidden[:, None], float("-inf")).repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T)
     scale = d**-0.5
     x = weights.embed[tokens]  # (B, H)
     for i, layer in enumerate(weights.layers):
         qkv = _qkv(layer, x, spec)
         qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)
         cache.write_token(i, index, qk[:, hq:], qkv[:, spec.q_size + spec.kv_size :].view(b, hkv, d))
-        keys, values = cache.rows(i, b)  # (B*Hkv, T, D)
-        q = qk[:, :hq].reshape(b * hkv, g, d)
-        scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
-        attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
-        x = _output_and_mlp(weights, layer, x, attn.view(b, spec.q_size))
+        if ragged:
+            q = qk[:, :hq].reshape(b, hkv, g, d)
+            attn = ragged_attention.decode_attention(q, cache.k[i], cache.v[i], lengths, scale)  # (B, Hkv, G, D)
+        else:
+            keys, values = cache.rows(i, b)  # (B*Hkv, T, D)
+            q = qk[:, :hq].reshape(b * hkv, g, d)
+            scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
+            attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
+        x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size))
     return _logits(weights, x)
 
 

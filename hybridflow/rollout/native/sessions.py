@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.rollout.native import model
+from hybridflow.rollout.native import model, ragged_attention
 from hybridflow.rollout.native.engine import Engine
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
@@ -73,6 +73,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         self.active: list[_Request] = []  # the requests in slots 0..B-1, in slot order
         self.waiting: list[_Request] = []  # turns whose tokens wait to be admitted
         self.requests: dict[int, _Request] = {}
+        # slots are sized for the longest conversation the budgets allow: decode reads only what each one holds
+        self.ragged = self.engine.ragged_decode and self.engine.device.type == "cpu" and ragged_attention.available()
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         self.require_serving()
@@ -242,7 +244,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         device = self.engine.device
         last = torch.tensor([req.tokens[-1] for req in self.active], device=device)
         positions = torch.tensor([req.length for req in self.active], device=device)
-        logits = model.decode(self.engine.weights, self.engine.rope, self.engine.cache, last, positions)
+        engine = self.engine
+        logits = model.decode(engine.weights, engine.rope, engine.cache, last, positions, ragged=self.ragged)
         for req in self.active:
             req.length += 1
         self._stats.decode_steps += 1

@@ -95,6 +95,7 @@ def test_turns_continue_from_the_cache_as_transformers_on_the_whole_context(tiny
             context += turn.tokens
         log_probs = torch.tensor([lp for turn in turns for lp in turn.log_probs])
         torch.testing.assert_close(log_probs, _hf_log_probs(model, context, generated_at), rtol=1e-4, atol=1e-4)
+    assert engine.ragged  # decode read each conversation's real length (rollout/native/ragged_attention.py)
     stats = engine.stats
     assert stats.turns == 3 * len(prompts)
     if max_num_seqs == 2:

@@ -1,0 +1,255 @@
+// Decode attention over each sequence's real length (rollout/native/ragged_attention.py).
+//
+// One query token per sequence b, its G query heads per kv head h, against positions 0..lengths[b]-1 of
+// cache slot b, kv head h: keys and values are read in place from the (S, Hkv, T, D) cache layer, whatever
+// T (the slot's preallocated length) is. Two passes with torch's softmax between them:
+//   scores[b, h, g, t] = scale * <q[b, h, g], k[b, h, t]>       (t < lengths[b]; -inf beyond)
+//   out[b, h, g]       = sum_t probs[b, h, g, t] * v[b, h, t]    (t < lengths[b])
+// Products are summed in float32; each task (b, h) reads its rows once, for all G heads.
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+namespace {
+
+// float32 of a stored value; bfloat16 is the upper half of a float32, widened by a shift (vectorises)
+inline float widen(float x) { return x; }
+inline float widen(double x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+// r[j] = sum of the 16 lanes of a[j], j = 0..15, as one vector: a tree of in-lane unpacks and 128-bit shuffles
+// (about 3 instructions per sum instead of a horizontal reduction each).
+inline __m512 sum_lanes_16(const __m512* a) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(c[2], c[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d01, d23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// <q, k> of one query head against one key row, as a 16-lane vector of partial sums
+template <typename scalar_t>
+inline __m512 dot_lanes(const scalar_t* q, const scalar_t* k, int64_t dim);
+
+template <>
+inline __m512 dot_lanes<float>(const float* q, const float* k, int64_t dim) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+  return acc;
+}
+
+template <>
+inline __m512 dot_lanes<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* k, int64_t dim) {
+  __m512 acc = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+  for (int64_t d = 0; d < dim; d += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+#else
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 qf = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(q + d))), 16));
+    const __m512 kf = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(k + d))), 16));
+    acc = _mm512_fmadd_ps(qf, kf, acc);
+  }
+#endif
+  return acc;
+}
+
+// scores of one task (a sequence's kv head): 16 key rows at a time, their 16 dot products summed as one vector
+template <typename scalar_t>
+void scores_task_avx512(const scalar_t* q, const scalar_t* k, int64_t n, int64_t groups, int64_t dim, float* out,
+                        int64_t width, float scale) {
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  __m512 acc[16];
+  for (int64_t g = 0; g < groups; ++g) {
+    const scalar_t* qg = q + g * dim;
+    float* og = out + g * width;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+      for (int j = 0; j < 16; ++j) acc[j] = dot_lanes<scalar_t>(qg, k + (t + j) * dim, dim);
+      _mm512_storeu_ps(og + t, _mm512_mul_ps(sum_lanes_16(acc), scale_v));
+    }
+    for (; t < n; ++t) og[t] = _mm512_reduce_add_ps(dot_lanes<scalar_t>(qg, k + t * dim, dim)) * scale;
+  }
+}
+
+template <typename scalar_t>
+constexpr bool has_avx512_scores(int64_t dim) {
+  return std::is_same<scalar_t, c10::BFloat16>::value ? dim % 32 == 0 : std::is_same<scalar_t, float>::value && dim % 16 == 0;
+}
+#endif
+
+// GROUPS and DIM: compile-time sizes for the common shapes (accumulators stay in registers); 0 = read at run time
+template <typename scalar_t, int64_t GROUPS, int64_t DIM>
+void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths, float* scores, int64_t batch,
+                   int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
+                   int64_t width, float scale) {
+  const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> query_store(GROUPS && DIM ? 0 : groups * dim);
+    std::vector<float> row_store(DIM ? 0 : dim);
+    alignas(64) float query_fixed[GROUPS && DIM ? GROUPS * DIM : 1];
+    alignas(64) float row_fixed[DIM ? DIM : 1];
+    float* query = GROUPS && DIM ? query_fixed : query_store.data();
+    float* row = DIM ? row_fixed : row_store.data();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t n = lengths[b];
+      const scalar_t* qp = q + task * groups * dim;
+#if defined(__AVX512F__)
+      if (has_avx512_scores<scalar_t>(dim)) {
+        float* out = scores + task * groups * width;
+        scores_task_avx512<scalar_t>(qp, k + b * slot_stride + h * head_stride, n, groups, dim, out, width, scale);
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
+      const scalar_t* kp = k + b * slot_stride + h * head_stride;
+      float* out = scores + task * groups * width;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* kr = kp + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] = widen(kr[d]);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = query + g * dim;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
+          out[g * width + t] = sum;
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
+    }
+  });
+}
+
+template <typename scalar_t, int64_t GROUPS, int64_t DIM>
+void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths, scalar_t* out, int64_t batch,
+                   int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
+                   int64_t width) {
+  const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc_store(GROUPS && DIM ? 0 : groups * dim);
+    std::vector<float> row_store(DIM ? 0 : dim);
+    alignas(64) float acc_fixed[GROUPS && DIM ? GROUPS * DIM : 1];
+    alignas(64) float row_fixed[DIM ? DIM : 1];
+    float* acc = GROUPS && DIM ? acc_fixed : acc_store.data();
+    float* row = DIM ? row_fixed : row_store.data();
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      const int64_t n = lengths[b];
+      for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
+      const scalar_t* vp = v + b * slot_stride + h * head_stride;
+      const float* p = probs + task * groups * width;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* vr = vp + t * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) row[d] = widen(vr[d]);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float w = p[g * width + t];
+          float* ag = acc + g * dim;
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) ag[d] += w * row[d];
+        }
+      }
+      scalar_t* op = out + task * groups * dim;
+      for (int64_t i = 0; i < groups * dim; ++i) op[i] = static_cast<scalar_t>(acc[i]);
+    }
+  });
+}
+
+void check_layer(const torch::Tensor& cache, const torch::Tensor& q, const torch::Tensor& lengths) {
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
+              "a cache layer must be (S, Hkv, T, D) with contiguous rows");
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == cache.scalar_type(),
+              "queries must be a contiguous (B, Hkv, G, D) tensor of the cache's dtype");
+  TORCH_CHECK(q.size(1) == cache.size(1) && q.size(3) == cache.size(3) && q.size(0) <= cache.size(0),
+              "queries and cache disagree on kv heads, head dim or slots");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == torch::kLong &&
+                  lengths.is_contiguous(),
+              "lengths must be a contiguous int64 (B,) tensor");
+}
+
+void check_lengths(const torch::Tensor& lengths, int64_t width, int64_t positions) {
+  TORCH_CHECK(width <= positions, "width exceeds the cache's positions");
+  TORCH_CHECK(lengths.size(0) == 0 || (lengths.min().item<int64_t>() >= 1 && lengths.max().item<int64_t>() <= width),
+              "every length must be in 1..width");
+}
+
+// q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths).
+torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengths, int64_t width, double scale) {
+  check_layer(k_layer, q, lengths);
+  check_lengths(lengths, width, k_layer.size(2));
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2), width}, q.options().dtype(torch::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "ragged_scores", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<scalar_t>(), k_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<float>(),
+             q.size(0), q.size(1), q.size(2), q.size(3), k_layer.stride(0), k_layer.stride(1), width,
+             static_cast<float>(scale));
+    };
+    const int64_t groups = q.size(2), dim = q.size(3);
+    if (dim == 64 && groups == 3) run(scores_kernel<scalar_t, 3, 64>);
+    else if (dim == 64 && groups == 1) run(scores_kernel<scalar_t, 1, 64>);
+    else if (dim == 64 && groups == 4) run(scores_kernel<scalar_t, 4, 64>);
+    else if (dim == 128 && groups == 1) run(scores_kernel<scalar_t, 1, 128>);
+    else if (dim == 128 && groups == 4) run(scores_kernel<scalar_t, 4, 128>);
+    else if (dim == 128 && groups == 7) run(scores_kernel<scalar_t, 7, 128>);
+    else run(scores_kernel<scalar_t, 0, 0>);
+  });
+  return out;
+}
+
+// probs (B, Hkv, G, width) float32; v_layer (S, Hkv, T, D); returns (B, Hkv, G, D) in the cache's dtype.
+torch::Tensor values(torch::Tensor probs, torch::Tensor v_layer, torch::Tensor lengths) {
+  TORCH_CHECK(probs.dim() == 4 && probs.is_contiguous() && probs.scalar_type() == torch::kFloat,
+              "probs must be a contiguous float32 (B, Hkv, G, width) tensor");
+  auto out = torch::empty({probs.size(0), probs.size(1), probs.size(2), v_layer.size(3)}, v_layer.options());
+  check_layer(v_layer, out, lengths);
+  check_lengths(lengths, probs.size(3), v_layer.size(2));
+  AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, v_layer.scalar_type(), "ragged_values", [&] {
+    auto run = [&](auto kernel) {
+      kernel(probs.data_ptr<float>(), v_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
+             out.data_ptr<scalar_t>(), probs.size(0), probs.size(1), probs.size(2), v_layer.size(3),
+             v_layer.stride(0), v_layer.stride(1), probs.size(3));
+    };
+    const int64_t groups = probs.size(2), dim = v_layer.size(3);
+    if (dim == 64 && groups == 3) run(values_kernel<scalar_t, 3, 64>);
+    else if (dim == 64 && groups == 1) run(values_kernel<scalar_t, 1, 64>);
+    else if (dim == 64 && groups == 4) run(values_kernel<scalar_t, 4, 64>);
+    else if (dim == 128 && groups == 1) run(values_kernel<scalar_t, 1, 128>);
+    else if (dim == 128 && groups == 4) run(values_kernel<scalar_t, 4, 128>);
+    else if (dim == 128 && groups == 7) run(values_kernel<scalar_t, 7, 128>);
+    else run(values_kernel<scalar_t, 0, 0>);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("scores", &scores, "scale * q.k over each sequence's real length; -inf beyond");
+  m.def("values", &values, "probs-weighted sum of each sequence's real value rows");
+}

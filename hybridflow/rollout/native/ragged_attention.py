@@ -1,0 +1,82 @@
+"""Decode attention that reads each sequence's real length of the KV cache, not its whole preallocated row.
+
+In multi-turn rollout a slot is allocated for the longest conversation the turn budget allows, while the
+conversations decoding at any moment are much shorter; torch's batched matmuls over whole rows read
+(and multiply) every preallocated position, and over a slice of the rows they copy it first
+(docs/performance.md §11). A small C++ kernel (csrc/ragged_decode.cpp, compiled on first use with
+torch's extension builder, then cached) reads keys and values in place, position 0..length-1 of each
+slot, and sums products in float32; torch's softmax runs between its two passes.
+
+The build needs a C++ compiler; where there is none (or it fails), ``available()`` is False with the
+reason in ``unavailable_reason()``, and the engine attends over whole rows as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "ragged_decode.cpp"
+logger = logging.getLogger(__name__)
+
+_module: ModuleType | None = None
+_failure: str | None = None
+
+
+def _cpu_tag() -> str:
+    """A short tag of this CPU's instruction-set flags: a build with -march=native is only loaded on its kind."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    return load(
+        name=f"hybridflow_ragged_decode_{_cpu_tag()}",
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (building it on the first call, about a minute)."""
+    global _module, _failure
+    if _module is None and _failure is None:
+        try:
+            _module = _build()
+        except Exception as error:  # no compiler, no ninja, a build error: attend over whole rows instead
+            _failure = f"{type(error).__name__}: {error}".splitlines()[0]
+            logger.warning("ragged decode attention unavailable (%s); attending over whole cache rows", _failure)
+    return _module is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel could not be built (None when it is available or not tried yet)."""
+    return _failure
+
+
+def decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """softmax(scale * q.k) v over positions 0..lengths[b]-1 of slot b.
+
+    q (B, Hkv, G, D); keys/values one cache layer (S, Hkv, T, D) with S >= B (slot b = sequence b);
+    lengths (B,) int64 in 1..T. Returns (B, Hkv, G, D) in q's dtype.
+    """
+    if not available():
+        raise RuntimeError(f"the ragged decode kernel is unavailable: {_failure}")
+    width = int(lengths.max())
+    scores = _module.scores(q.contiguous(), keys, lengths, width, scale)  # (B, Hkv, G, width) float32
+    return _module.values(torch.softmax(scores, dim=-1), values, lengths)
