@@ -109,6 +109,7 @@ class SteppedRequestEngine(RequestEngine):
                 await server
             finally:
                 self._serving = False
+                self._close()
 
     def require_serving(self) -> None:
         if not self._serving:
@@ -148,6 +149,9 @@ class SteppedRequestEngine(RequestEngine):
     @abstractmethod
     def _open(self, max_requests: int) -> None:
         """Prepare a session for up to ``max_requests`` requests (``self.params``, ``self.max_len`` are set)."""
+
+    def _close(self) -> None:
+        """The session ended (after its last step): undo what ``_open`` set up beyond the requests."""
 
     @abstractmethod
     def _has_work(self) -> bool:

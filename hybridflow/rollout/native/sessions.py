@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.rollout.native import model, ragged_attention
+from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.engine import Engine
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
@@ -73,6 +74,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         self.active: list[_Request] = []  # the requests in slots 0..B-1, in slot order
         self.waiting: list[_Request] = []  # turns whose tokens wait to be admitted
         self.requests: dict[int, _Request] = {}
+        # while serving, torch's threads follow the cores other processes (the tools' included) leave free
+        self.governor = ThreadGovernor(enabled=self.engine.follow_free_cores)
         # slots are sized for the longest conversation the budgets allow: decode reads only what each one holds
         self.ragged = self.engine.ragged_decode and self.engine.device.type == "cpu" and ragged_attention.available()
 
@@ -123,8 +126,12 @@ class NativeRequestEngine(SteppedRequestEngine):
         holders = sum(owner is not None for owner in self.owner)
         return any(req.slot is not None or holders < self.capacity for req in self.waiting)
 
+    def _close(self) -> None:
+        self.governor.restore()
+
     @torch.no_grad()
     def _step(self) -> None:
+        self.governor.tick()
         admitted = self._admit()
         if admitted:
             self._prefill(admitted)
