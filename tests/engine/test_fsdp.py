@@ -4,7 +4,6 @@ the step is bitwise the same) and the gradient-norm clipping."""
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import fp32_actor_config
 
 from hybridflow.engine.config import FSDPConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, decoder_layers, full_parameters, grad_norm_and_clip, shard_model
@@ -15,16 +14,10 @@ from hybridflow.workers.sharded_model import build_trainable
 WORLD = 2
 
 
-def _update(rank: int, tiny_path: str, init_file: str, reshard: bool, batch, results) -> None:
+def _update(rank: int, tiny_path: str, init_file: str, config, batch, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
-        config = fp32_actor_config(
-            tiny_path,
-            1e-2,
-            "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
-            f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
-        )
         actor = config.actor
         trained = build_trainable(
             load_causal_lm, tiny_path, config.model, actor.fsdp, actor.optim, torch.device("cpu"), 0, 10
@@ -46,19 +39,28 @@ def _update(rank: int, tiny_path: str, init_file: str, reshard: bool, batch, res
         dist.destroy_process_group()
 
 
-def _run(tiny_path: str, directory, reshard: bool, batch):
+def _run(tiny_path: str, directory, reshard: bool, batch, actor_config_factory):
+    # the config is built here and sent: the spawned ranks import this module, not the tests' conftest
+    config = actor_config_factory(
+        tiny_path,
+        1e-2,
+        "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
+        f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
+    )
     results = mp.get_context("spawn").SimpleQueue()
     init = directory / f"init-{reshard}"
-    mp.spawn(_update, args=(tiny_path, str(init), reshard, batch, results), nprocs=WORLD)
+    mp.spawn(_update, args=(tiny_path, str(init), config, batch, results), nprocs=WORLD)
     gathers, layers = results.get()
     return gathers, layers, torch.load(f"{init}.pt")
 
 
-def test_keeping_weights_gathered_halves_the_gathers_and_changes_no_bit(tiny_path, tmp_path, rollout_batch):
+def test_keeping_weights_gathered_halves_the_gathers_and_changes_no_bit(
+    tiny_path, tmp_path, rollout_batch, actor_config_factory
+):
     batch = rollout_batch.select(deepcopy=True)
     batch.batch["old_log_probs"] = torch.zeros_like(batch.batch["advantages"])  # ratio != 1 is fine: same both ways
-    default_gathers, layers, default_state = _run(tiny_path, tmp_path, True, batch)
-    kept_gathers, _, kept_state = _run(tiny_path, tmp_path, False, batch)
+    default_gathers, layers, default_state = _run(tiny_path, tmp_path, True, batch, actor_config_factory)
+    kept_gathers, _, kept_state = _run(tiny_path, tmp_path, False, batch, actor_config_factory)
     micro_batches = 2
     # each micro-batch: every layer and the root gather in forward; by default the layers gather again in backward
     assert default_gathers == micro_batches * (2 * layers + 1)
