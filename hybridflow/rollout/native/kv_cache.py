@@ -37,11 +37,14 @@ class KVCache:
         self.k[layer, slots, :, start:end] = k
         self.v[layer, slots, :, start:end] = v
 
-    def decode_index(self, positions: torch.Tensor) -> torch.Tensor:
-        """Flat row indices into a layer's (S*Hkv*T, D) view for one new token per slot 0..B-1: (B*Hkv,)."""
+    def decode_index(self, positions: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Flat row indices into a layer's (S*Hkv*T, D) view for one new token per slot (``slots``, default
+        0..B-1): (B*Hkv,)."""
         hkv, max_len = self.k.shape[2], self.k.shape[3]
         batch = positions.shape[0]
-        slot_head = torch.arange(batch * hkv, device=positions.device).view(batch, hkv)
+        if slots is None:
+            slots = torch.arange(batch, device=positions.device)
+        slot_head = slots.view(batch, 1) * hkv + torch.arange(hkv, device=positions.device).view(1, hkv)
         return (slot_head * max_len + positions.view(batch, 1)).view(-1)
 
     def write_token(self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -118,8 +118,9 @@ def decode(
     tokens: torch.Tensor,
     positions: torch.Tensor,
     ragged: bool = False,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One new token for each of the sequences in slots 0..B-1.
+    """One new token for each of the sequences in slots 0..B-1 (``ragged``: in cache slots ``slots``, any order).
 
     tokens (B,) the latest token of each sequence, positions (B,) its position (= the number
     of tokens already cached). Stores its keys/values and returns next-token logits (B, V).
@@ -135,7 +136,9 @@ def decode(
     hq, hkv, g, d = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
     t = cache.max_len
     cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
-    index = cache.decode_index(positions)
+    if slots is not None and not ragged:
+        raise ValueError("decode over chosen slots needs ragged=True (whole rows are read as slots 0..B-1)")
+    index = cache.decode_index(positions, slots)
     if ragged:
         lengths = (positions + 1).to(torch.int64)
     else:
@@ -150,7 +153,7 @@ def decode(
         cache.write_token(i, index, qk[:, hq:], qkv[:, spec.q_size + spec.kv_size :].view(b, hkv, d))
         if ragged:
             q = qk[:, :hq].reshape(b, hkv, g, d)
-            attn = ragged_attention.decode_attention(q, cache.k[i], cache.v[i], lengths, scale)  # (B, Hkv, G, D)
+            attn = ragged_attention.decode_attention(q, cache.k[i], cache.v[i], lengths, scale, slots)  # (B,Hkv,G,D)
         else:
             keys, values = cache.rows(i, b)  # (B*Hkv, T, D)
             q = qk[:, :hq].reshape(b * hkv, g, d)

@@ -4,11 +4,14 @@ A request keeps its cache slot from its first turn to its release, so a later tu
 tokens to what is cached and computes only those (`model.extend`). Between turns, while the agent
 loop runs its tools, the request's slot is *parked*: it holds its keys/values but is not decoded.
 
-Slots: decode reads slots 0..B-1 as contiguous views (model.decode), so the B requests decoding now
-always sit there; parked and free slots lie above. A request whose turn ends inside 0..B-1 is moved
-above (its keys/values copied to a free slot) and the last decoding request moves down into the hole;
-a request that resumes is copied to slot B. There is always one free slot beyond the holders for
-these moves, and one scratch slot for the shared prompt prefix and the pad positions of `extend`.
+Slots: with ragged decode (rollout.native.ragged_decode, the default on CPU) decode reads each request's
+own slot and length wherever it is, so a request keeps its slot from its first turn to its release and
+nothing is ever moved. Over whole rows (the fallback) decode reads slots 0..B-1 as contiguous views
+(model.decode), so the B requests decoding now always sit there; parked and free slots lie above. A
+request whose turn ends inside 0..B-1 is then moved above (its keys/values copied to a free slot) and
+the last decoding request moves down into the hole; a request that resumes is copied to slot B. There is
+always one free slot beyond the holders for these moves, and one scratch slot for the shared prompt
+prefix and the pad positions of `extend`.
 
 Each engine step (run between the event loop's other work, so tools progress while it decodes):
   1. admit waiting turns: resumed requests (their slot is kept) and new ones while slots are free,
@@ -158,7 +161,13 @@ class NativeRequestEngine(SteppedRequestEngine):
         return admitted
 
     def _place(self, req: _Request, target: int) -> None:
-        """Put ``req`` in slot ``target`` (just above the decoding ones), moving a parked request out of the way."""
+        """Put ``req`` in slot ``target`` (just above the decoding ones), moving a parked request out of the way.
+        Ragged decode reads any slots: a resumed request stays where it is, a new one takes any free slot."""
+        if self.ragged:
+            if req.slot is None:
+                req.slot = self._free_slot()
+                self.owner[req.slot] = req
+            return
         parked = self.owner[target]
         if parked is req:
             return
@@ -170,7 +179,8 @@ class NativeRequestEngine(SteppedRequestEngine):
             req.slot, self.owner[target] = target, req
 
     def _free_slot(self) -> int:
-        for slot in range(len(self.owner) - 1, len(self.active) - 1, -1):
+        lowest = 0 if self.ragged else len(self.active)  # whole-row decode keeps 0..B-1 for the decoding ones
+        for slot in range(len(self.owner) - 1, lowest - 1, -1):
             if self.owner[slot] is None:
                 return slot
         raise RuntimeError("no free KV-cache slot (the engine's slot accounting is broken)")
@@ -252,7 +262,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         last = torch.tensor([req.tokens[-1] for req in self.active], device=device)
         positions = torch.tensor([req.length for req in self.active], device=device)
         engine = self.engine
-        logits = model.decode(engine.weights, engine.rope, engine.cache, last, positions, ragged=self.ragged)
+        slots = torch.tensor([req.slot for req in self.active], device=device) if self.ragged else None
+        logits = model.decode(engine.weights, engine.rope, engine.cache, last, positions, self.ragged, slots)
         for req in self.active:
             req.length += 1
         self._stats.decode_steps += 1
@@ -283,9 +294,17 @@ class NativeRequestEngine(SteppedRequestEngine):
             future.set_result(TurnOutput(list(req.tokens), list(req.log_probs), stopped))
 
     def _compact(self) -> None:
-        """Park the requests whose turn ended: slots 0..B'-1 hold exactly the ones still decoding."""
+        """Park the requests whose turn ended: slots 0..B'-1 hold exactly the ones still decoding (ragged
+        decode: they only leave the decoding list, their keys/values stay where they are)."""
         done = [slot for slot, req in enumerate(self.active) if not req.decoding]
         if not done:
+            return
+        if self.ragged:
+            finished = [req for req in self.active if not req.decoding]
+            self.active = [req for req in self.active if req.decoding]
+            for req in finished:
+                if req.index not in self.requests:  # released meanwhile
+                    self.owner[req.slot], req.slot = None, None
             return
         keep = len(self.active) - len(done)
         holes = [slot for slot in done if slot < keep]

@@ -38,6 +38,11 @@ def test_attention_over_each_slot_s_own_length(dtype, tolerance, groups, dim):
     assert (out.double() - expected).abs().max() < tolerance
     # a one-position slot attends to that position only: its value row, exactly (up to the dtype)
     assert torch.allclose(out[0].double(), values[0, :, :1].double().expand(heads, groups, dim), atol=tolerance)
+    # sequences in any slots, in any order (multi-turn requests keep theirs)
+    slots = torch.tensor([8, 0, 3, 7, 1, 6, 2])
+    moved = ragged_attention.decode_attention(q, keys, values, lengths, dim**-0.5, slots)
+    expected = reference(q, keys[slots], values[slots], lengths, dim**-0.5)
+    assert (moved.double() - expected).abs().max() < tolerance
 
 
 def test_bad_lengths_are_refused():
@@ -47,6 +52,8 @@ def test_bad_lengths_are_refused():
         ragged_attention.decode_attention(q, keys, keys, torch.tensor([0, 3]), 1.0)
     with pytest.raises(RuntimeError, match="width exceeds the cache"):
         ragged_attention.decode_attention(q, keys, keys, torch.tensor([9, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="every slot must be one of the cache's"):
+        ragged_attention.decode_attention(q, keys, keys, torch.tensor([2, 3]), 1.0, torch.tensor([0, 4]))
 
 
 def test_a_decode_step_equals_the_whole_row_path(tiny):

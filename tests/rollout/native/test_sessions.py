@@ -71,7 +71,8 @@ def test_one_turn_per_request_equals_the_batch_engine(tiny, params):
 
 
 @pytest.mark.parametrize("max_num_seqs", [2, 16])
-def test_turns_continue_from_the_cache_as_transformers_on_the_whole_context(tiny, max_num_seqs):
+@pytest.mark.parametrize("ragged", [True, False], ids=["ragged", "whole_rows"])
+def test_turns_continue_from_the_cache_as_transformers_on_the_whole_context(tiny, max_num_seqs, ragged):
     """Three-turn conversations with inserted tokens between turns, tools of different durations, and (with 2
     slots) requests waiting for a slot: every turn is transformers' greedy continuation of the whole context,
     and the log-probs are those of one forward over the whole conversation."""
@@ -83,8 +84,8 @@ def test_turns_continue_from_the_cache_as_transformers_on_the_whole_context(tiny
         r: [(prompt, 6, 0.0), (inserted[r % 3], 5, 0.002 * r), (inserted[(r + 1) % 3], 4, 0.001)]
         for r, prompt in enumerate(prompts)
     }
-    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(max_num_seqs=max_num_seqs))
-    engine = rollout.request_engine()
+    config = engine_config(max_num_seqs=max_num_seqs, ragged_decode=ragged)
+    engine = NativeRollout(model, tokenizer, engine_config=config).request_engine()
     results = asyncio.run(_serve(engine, greedy(), conversations, max_len=96))
     for r, turns in enumerate(results):
         context, generated_at = [], []
@@ -95,10 +96,13 @@ def test_turns_continue_from_the_cache_as_transformers_on_the_whole_context(tiny
             context += turn.tokens
         log_probs = torch.tensor([lp for turn in turns for lp in turn.log_probs])
         torch.testing.assert_close(log_probs, _hf_log_probs(model, context, generated_at), rtol=1e-4, atol=1e-4)
-    assert engine.ragged  # decode read each conversation's real length (rollout/native/ragged_attention.py)
+    # ragged: decode read each conversation's real length in its own slot (rollout/native/ragged_attention.py)
+    assert engine.ragged == ragged
     stats = engine.stats
     assert stats.turns == 3 * len(prompts)
-    if max_num_seqs == 2:
+    if ragged:
+        assert stats.slot_moves == 0  # a request keeps its slot from its first turn to its release
+    elif max_num_seqs == 2:
         assert stats.slot_moves > 0  # turns ended inside the decoding slots and were parked above
 
 

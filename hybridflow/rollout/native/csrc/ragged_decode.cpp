@@ -1,7 +1,7 @@
 // Decode attention over each sequence's real length (rollout/native/ragged_attention.py).
 //
 // One query token per sequence b, its G query heads per kv head h, against positions 0..lengths[b]-1 of
-// cache slot b, kv head h: keys and values are read in place from the (S, Hkv, T, D) cache layer, whatever
+// cache slot slots[b], kv head h: keys and values are read in place from the (S, Hkv, T, D) cache layer, whatever
 // T (the slot's preallocated length) is. Two passes with torch's softmax between them:
 //   scores[b, h, g, t] = scale * <q[b, h, g], k[b, h, t]>       (t < lengths[b]; -inf beyond)
 //   out[b, h, g]       = sum_t probs[b, h, g, t] * v[b, h, t]    (t < lengths[b])
@@ -101,7 +101,8 @@ constexpr bool has_avx512_scores(int64_t dim) {
 
 // GROUPS and DIM: compile-time sizes for the common shapes (accumulators stay in registers); 0 = read at run time
 template <typename scalar_t, int64_t GROUPS, int64_t DIM>
-void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths, float* scores, int64_t batch,
+void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths, const int64_t* slots, float* scores,
+                   int64_t batch,
                    int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
                    int64_t width, float scale) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
@@ -119,14 +120,14 @@ void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths,
 #if defined(__AVX512F__)
       if (has_avx512_scores<scalar_t>(dim)) {
         float* out = scores + task * groups * width;
-        scores_task_avx512<scalar_t>(qp, k + b * slot_stride + h * head_stride, n, groups, dim, out, width, scale);
+        scores_task_avx512<scalar_t>(qp, k + slots[b] * slot_stride + h * head_stride, n, groups, dim, out, width, scale);
         for (int64_t g = 0; g < groups; ++g)
           for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
         continue;
       }
 #endif
       for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
-      const scalar_t* kp = k + b * slot_stride + h * head_stride;
+      const scalar_t* kp = k + slots[b] * slot_stride + h * head_stride;
       float* out = scores + task * groups * width;
       for (int64_t t = 0; t < n; ++t) {
         const scalar_t* kr = kp + t * dim;
@@ -147,7 +148,8 @@ void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths,
 }
 
 template <typename scalar_t, int64_t GROUPS, int64_t DIM>
-void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths, scalar_t* out, int64_t batch,
+void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths, const int64_t* slots, scalar_t* out,
+                   int64_t batch,
                    int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
                    int64_t width) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
@@ -162,7 +164,7 @@ void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t n = lengths[b];
       for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
-      const scalar_t* vp = v + b * slot_stride + h * head_stride;
+      const scalar_t* vp = v + slots[b] * slot_stride + h * head_stride;
       const float* p = probs + task * groups * width;
       for (int64_t t = 0; t < n; ++t) {
         const scalar_t* vr = vp + t * dim;
@@ -193,20 +195,31 @@ void check_layer(const torch::Tensor& cache, const torch::Tensor& q, const torch
               "lengths must be a contiguous int64 (B,) tensor");
 }
 
+void check_slots(const torch::Tensor& slots, int64_t batch, int64_t num_slots) {
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be a contiguous int64 (B,) tensor");
+  TORCH_CHECK(batch == 0 || (slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < num_slots),
+              "every slot must be one of the cache's");
+}
+
 void check_lengths(const torch::Tensor& lengths, int64_t width, int64_t positions) {
   TORCH_CHECK(width <= positions, "width exceeds the cache's positions");
   TORCH_CHECK(lengths.size(0) == 0 || (lengths.min().item<int64_t>() >= 1 && lengths.max().item<int64_t>() <= width),
               "every length must be in 1..width");
 }
 
-// q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths).
-torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengths, int64_t width, double scale) {
+// q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
+// slots (B,): the cache slot of each sequence.
+torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengths, torch::Tensor slots, int64_t width,
+                     double scale) {
   check_layer(k_layer, q, lengths);
+  check_slots(slots, q.size(0), k_layer.size(0));
   check_lengths(lengths, width, k_layer.size(2));
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), width}, q.options().dtype(torch::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "ragged_scores", [&] {
     auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(), out.data_ptr<float>(),
+      kernel(q.data_ptr<scalar_t>(), k_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
+             slots.data_ptr<int64_t>(), out.data_ptr<float>(),
              q.size(0), q.size(1), q.size(2), q.size(3), k_layer.stride(0), k_layer.stride(1), width,
              static_cast<float>(scale));
     };
@@ -223,16 +236,17 @@ torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengt
 }
 
 // probs (B, Hkv, G, width) float32; v_layer (S, Hkv, T, D); returns (B, Hkv, G, D) in the cache's dtype.
-torch::Tensor values(torch::Tensor probs, torch::Tensor v_layer, torch::Tensor lengths) {
+torch::Tensor values(torch::Tensor probs, torch::Tensor v_layer, torch::Tensor lengths, torch::Tensor slots) {
   TORCH_CHECK(probs.dim() == 4 && probs.is_contiguous() && probs.scalar_type() == torch::kFloat,
               "probs must be a contiguous float32 (B, Hkv, G, width) tensor");
   auto out = torch::empty({probs.size(0), probs.size(1), probs.size(2), v_layer.size(3)}, v_layer.options());
   check_layer(v_layer, out, lengths);
   check_lengths(lengths, probs.size(3), v_layer.size(2));
+  check_slots(slots, probs.size(0), v_layer.size(0));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, v_layer.scalar_type(), "ragged_values", [&] {
     auto run = [&](auto kernel) {
       kernel(probs.data_ptr<float>(), v_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
-             out.data_ptr<scalar_t>(), probs.size(0), probs.size(1), probs.size(2), v_layer.size(3),
+             slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), probs.size(0), probs.size(1), probs.size(2), v_layer.size(3),
              v_layer.stride(0), v_layer.stride(1), probs.size(3));
     };
     const int64_t groups = probs.size(2), dim = v_layer.size(3);
