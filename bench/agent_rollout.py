@@ -3,6 +3,7 @@ from scratch at every turn (run by hand, not a test).
 
     .venv/bin/python bench/agent_rollout.py                        # both workloads, native engine, smollm2
     .venv/bin/python bench/agent_rollout.py --backends native,vllm --repeats 3
+    .venv/bin/python bench/agent_rollout.py --whole-rows --breakdown   # ragged decode against whole rows
 
 Workloads (greedy; in bf16 the two modes round differently, so their conversations can part after a while):
   scripted    the calculator task's prompts (system message and a worked example, ~150 tokens); --turns turns
@@ -14,8 +15,10 @@ Workloads (greedy; in bf16 the two modes round differently, so their conversatio
               tokens per second, since a few conversations may differ
 Modes: `reuse` (a later turn computes only the tokens appended since the last one: the default), `scratch`
 (every turn recomputes the whole conversation: the native engine's `reuse_cache=False`; vLLM with prefix
-caching off). vLLM's prefix cache is emptied before each timed run, as a weight load empties it in
-training, so no run finds the conversations of the last one. The modes take turns within each repeat, so
+caching off); with --whole-rows the native engine also runs `reuse, whole rows`, decode attending over each
+slot's whole preallocated row instead of its real length (rollout.native.ragged_decode=false). vLLM's prefix
+cache is emptied before each timed run, as a weight load empties it in training, so no run finds the
+conversations of the last one. The modes take turns within each repeat, so
 load from other processes spreads over both; the best repeat of each is reported, with the tokens each
 mode computed in prefill (vLLM: the prompt tokens it did not find cached) and the load average.
 """
@@ -78,8 +81,9 @@ def calculator_prompts(tokenizer, count: int, agent: str):
     return batch.select(batch_keys=list(PROMPT_TENSORS), non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO])
 
 
-def agent_rollouts(backend: str, model, tokenizer, scripted: bool) -> dict[str, AgentRollout]:
-    """{"reuse": ..., "scratch": ...} agent rollouts over one backend."""
+def agent_rollouts(backend: str, model, tokenizer, scripted: bool, whole_rows: bool) -> dict[str, AgentRollout]:
+    """{"reuse": ..., "scratch": ...} agent rollouts over one backend (native with ``whole_rows``: and
+    "reuse, whole rows", decode attending over the slots' whole preallocated rows)."""
     stop = [] if scripted else None
     multi_turn = dataclasses.replace(default_config().actor_rollout_ref.rollout.multi_turn, enable=True)
     tools = ToolSet([CalculatorTool()])
@@ -90,7 +94,12 @@ def agent_rollouts(backend: str, model, tokenizer, scripted: bool) -> dict[str, 
         reuse = AgentRollout(native, tokenizer, multi_turn, tools)
         scratch = AgentRollout(native, tokenizer, multi_turn, tools)
         scratch.engine = NativeRequestEngine(native.engine, native.stop_token_ids, reuse_cache=False)
-        return {"reuse": reuse, "scratch": scratch}
+        rollouts = {"reuse": reuse, "scratch": scratch}
+        if whole_rows:  # decode over the slots' whole rows, as before the ragged kernel
+            config = dataclasses.replace(default_config().actor_rollout_ref.rollout.native, ragged_decode=False)
+            rows = NativeRollout(model, tokenizer, engine_config=config, stop_token_ids=stop)
+            rollouts["reuse, whole rows"] = AgentRollout(rows, tokenizer, multi_turn, tools)
+        return rollouts
     from hybridflow.rollout.vllm.rollout import VllmRollout
 
     rollouts = {}
@@ -103,9 +112,10 @@ def agent_rollouts(backend: str, model, tokenizer, scripted: bool) -> dict[str, 
     return rollouts
 
 
-def race(rollouts: dict[str, AgentRollout], prompts, params, repeats: int) -> tuple[dict, dict, dict]:
-    """The modes in turn, ``repeats`` times: each one's best (seconds, others' CPU share), last output and stats."""
-    best, outputs, stats = {}, {}, {}
+def race(rollouts: dict[str, AgentRollout], prompts, params, repeats: int) -> tuple[dict, dict, dict, dict]:
+    """The modes in turn, ``repeats`` times: each one's best (seconds, others' CPU share), last output, stats and
+    the native engine's calls in its best run (with --breakdown)."""
+    best, outputs, stats, calls = {}, {}, {}, {}
     for _ in range(repeats):
         for mode, rollout in rollouts.items():
 
@@ -113,10 +123,38 @@ def race(rollouts: dict[str, AgentRollout], prompts, params, repeats: int) -> tu
                 outputs[mode] = rollout.generate_sequences(prompts.select(deepcopy=True), params)
 
             forget_prompts(rollout.backend)
-
-            best[mode] = min(best.get(mode, (float("inf"), 0.0)), timed(run))
+            ENGINE_CALLS.clear()
+            result = timed(run)
+            if result < best.get(mode, (float("inf"), 0.0)):
+                best[mode], calls[mode] = result, dict(ENGINE_CALLS)
             stats[mode] = dataclasses.replace(rollout.engine.stats)
-    return best, outputs, stats
+    return best, outputs, stats, calls
+
+
+ENGINE_CALLS: dict[str, list[float]] = {}  # native engine function -> [seconds, calls] during the current run
+
+
+def time_native_engine_calls() -> None:
+    """Count the seconds of the native engine's forwards and cache copies (--breakdown)."""
+    from hybridflow.rollout.native import kv_cache, model
+
+    def timed_call(owner, name: str) -> None:
+        function = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                entry = ENGINE_CALLS.setdefault(name, [0.0, 0])
+                entry[0] += time.perf_counter() - start
+                entry[1] += 1
+
+        setattr(owner, name, wrapper)
+
+    for name in ("decode", "extend", "prefill"):
+        timed_call(model, name)
+    timed_call(kv_cache.KVCache, "copy_slots")
 
 
 def main() -> None:
@@ -132,7 +170,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--whole-rows", action="store_true", help="native: also reuse mode with decode over whole cache rows"
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="native: seconds in decode, extend, prefill and slot copies"
+    )
     args = parser.parse_args()
+    if args.breakdown:
+        time_native_engine_calls()
     TURNS, TURN_TOKENS = args.turns, args.turn_tokens
     torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
@@ -149,10 +195,14 @@ def main() -> None:
         budget = TURNS * (TURN_TOKENS + args.tool_tokens + 16) if scripted else 128
         params = SamplingParams.greedy(max_new_tokens=budget, seed=0)
         for backend in args.backends.split(","):
-            rollouts = agent_rollouts(backend, model, tokenizer, scripted)
+            rollouts = agent_rollouts(backend, model, tokenizer, scripted, args.whole_rows)
             for rollout in rollouts.values():  # warm-up
                 rollout.generate_sequences(prompts[:4].select(deepcopy=True), params)
-            best, outputs, stats = race(rollouts, prompts, params, args.repeats)
+            best, outputs, stats, calls = race(rollouts, prompts, params, args.repeats)
+            for mode, spent in calls.items():
+                if spent:
+                    parts = ", ".join(f"{name} {sec:.2f} s ({count} calls)" for name, (sec, count) in spent.items())
+                    print(f"{workload}/{backend}/{mode} (best run): {parts}", flush=True)
             reuse, scratch = (outputs[m].batch for m in ("reuse", "scratch"))
             same_lengths = torch.equal(reuse[ATTENTION_MASK], scratch[ATTENTION_MASK])
             if scripted and not same_lengths:  # fixed-length turns: the same work by construction
