@@ -134,24 +134,27 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         if joined:
             check_cluster(config.trainer, placement)
         groups = build_role_groups(config, plan, total_steps)
-        tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
-        loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
-            config.trainer.async_training.mode, RayPPOTrainer
-        )
-        trainer = loop(
-            config,
-            plan,
-            groups,
-            reward_fn,
-            train_loader,
-            (lambda: iter(val_loader)) if val_loader else None,
-            tracking,
-            total_steps,
-        )
         try:
-            return trainer.fit(resume_from=checkpoint)
-        finally:
-            tracking.finish()
+            tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
+            loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
+                config.trainer.async_training.mode, RayPPOTrainer
+            )
+            trainer = loop(
+                config,
+                plan,
+                groups,
+                reward_fn,
+                train_loader,
+                (lambda: iter(val_loader)) if val_loader else None,
+                tracking,
+                total_steps,
+            )
+            try:
+                return trainer.fit(resume_from=checkpoint)
+            finally:
+                tracking.finish()
+        finally:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
+            groups.release()
 
 
 def train_usage() -> str:

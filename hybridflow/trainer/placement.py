@@ -134,21 +134,31 @@ def _custom_plan(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement
 
 
 def build_groups(config: HybridFlowConfig, placement: Placement, specs: dict[Role, RoleSpec]) -> RoleGroups:
-    """One Ray worker group per pool, its roles fused into one process per rank; a view per role."""
+    """One Ray worker group per pool, its roles fused into one process per rank; a view per role. The caller
+    releases them (``RoleGroups.release``) when the run ends."""
     trainer = config.trainer
     groups: dict[Role, RayWorkerGroup] = {}
-    for pool_name, nodes in placement.pools.items():
-        pool = RayResourcePool(
-            nodes,
-            use_gpu=trainer.device == "cuda",
-            max_colocate_count=trainer.max_colocate_count,
-            cpus_per_worker=trainer.cpus_per_worker,
-            threads_per_worker=trainer.threads_per_worker or None,
-            ready_timeout_s=trainer.placement_timeout_s,
-            name=pool_name,
-        )
-        pool_specs = {role.value: specs[role] for role in placement.roles_on(pool_name)}
-        views = RayWorkerGroup.colocated(pool, pool_specs, name=pool_name)
-        groups.update({Role(name): view for name, view in views.items()})
+    pools: list[RayResourcePool] = []
+    try:
+        for pool_name, nodes in placement.pools.items():
+            pool = RayResourcePool(
+                nodes,
+                use_gpu=trainer.device == "cuda",
+                max_colocate_count=trainer.max_colocate_count,
+                cpus_per_worker=trainer.cpus_per_worker,
+                threads_per_worker=trainer.threads_per_worker or None,
+                ready_timeout_s=trainer.placement_timeout_s,
+                name=pool_name,
+            )
+            pools.append(pool)
+            pool_specs = {role.value: specs[role] for role in placement.roles_on(pool_name)}
+            views = RayWorkerGroup.colocated(pool, pool_specs, name=pool_name)
+            groups.update({Role(name): view for name, view in views.items()})
+    except BaseException:  # a pool that did not place or start: give back the ones that did
+        for pool in pools:
+            pool.release()
+        raise
     reference_on_actor = needs_reference(config) and config.actor_rollout_ref.model.lora.enabled
-    return RoleGroups.from_roles(groups, pool_of=placement.role_pool, reference_on_actor=reference_on_actor)
+    return RoleGroups.from_roles(
+        groups, pool_of=placement.role_pool, reference_on_actor=reference_on_actor, resource_pools=pools
+    )

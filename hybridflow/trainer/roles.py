@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from hybridflow.algorithms.advantage import AdvantageEstimator
-from hybridflow.controller import RayWorkerGroup, Role
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role
 from hybridflow.trainer.config import HybridFlowConfig
 
 
@@ -42,10 +42,16 @@ class RoleGroups:
     reward_model: RayWorkerGroup | None
     rollout: RayWorkerGroup | None  # generation apart from the actor (async modes); None: the actor generates
     pool_of: dict[Role, str]
+    resource_pools: list[RayResourcePool] = field(default_factory=list)  # what the groups were placed in
 
     @classmethod
     def from_roles(
-        cls, groups: Mapping[Role, RayWorkerGroup], pool_of: Mapping[Role, str], *, reference_on_actor: bool = False
+        cls,
+        groups: Mapping[Role, RayWorkerGroup],
+        pool_of: Mapping[Role, str],
+        *,
+        reference_on_actor: bool = False,
+        resource_pools: Sequence[RayResourcePool] = (),
     ) -> RoleGroups:
         """``reference_on_actor``: the actor computes the reference log-probs (LoRA, adapters off)."""
         return cls(
@@ -55,7 +61,16 @@ class RoleGroups:
             reward_model=groups.get(Role.RewardModel),
             rollout=groups.get(Role.Rollout),
             pool_of=dict(pool_of),
+            resource_pools=list(resource_pools),
         )
+
+    def release(self) -> None:
+        """Give the resource pools back to the Ray cluster; Ray ends the worker processes placed in them. A run
+        on a cluster it did not start (one the program or a notebook had started, or several runs in one
+        process) leaves it as it found it."""
+        for pool in self.resource_pools:
+            pool.release()
+        self.resource_pools = []
 
     @property
     def generator(self) -> RayWorkerGroup:

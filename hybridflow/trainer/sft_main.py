@@ -154,22 +154,25 @@ def run(config: SFTConfig) -> dict[str, float]:
                 seed=trainer.seed,
             ),
         )
-        group = RayWorkerGroup(pool, spec, name=POOL)
-        tracking = Tracking(trainer.logger, plan.run_dir, dataclasses.asdict(config))
-        loop = SFTTrainer(
-            config,
-            group,
-            plan.layout.dp,
-            train_loader,
-            (lambda: iter(val_loader)) if val_loader else None,
-            tracking,
-            total_steps,
-            plan.run_dir,
-        )
-        try:
-            return loop.fit(resume_from=checkpoint)
+        try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
+            group = RayWorkerGroup(pool, spec, name=POOL)
+            tracking = Tracking(trainer.logger, plan.run_dir, dataclasses.asdict(config))
+            loop = SFTTrainer(
+                config,
+                group,
+                plan.layout.dp,
+                train_loader,
+                (lambda: iter(val_loader)) if val_loader else None,
+                tracking,
+                total_steps,
+                plan.run_dir,
+            )
+            try:
+                return loop.fit(resume_from=checkpoint)
+            finally:
+                tracking.finish()
         finally:
-            tracking.finish()
+            pool.release()
 
 
 def sft_usage() -> str:
