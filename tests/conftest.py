@@ -6,13 +6,14 @@ import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.controller import RoleSpec, start_ray
+from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.config import default_config, load_config
 from hybridflow.workers import ActorRolloutWorker
 
 
@@ -108,10 +109,22 @@ def rollout_batch(tiny_path) -> DataProto:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A local Ray cluster for a module's worker groups (shut down after it, unless one was running)."""
-    started = start_ray(num_cpus=8)
+    """A local Ray cluster for a module's worker groups and whole runs (shut down after it, unless one was
+    running). A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers
+    on it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU
+    each on a small machine. Its workers get the environment a run's own cluster gives them."""
+    capacity = default_config().trainer.cpu_kernel_cache_capacity
+    started = start_ray(num_cpus=8, worker_env=kernel_cache_env(capacity))
     yield
     if started:
+        ray.shutdown()
+
+
+@pytest.fixture
+def no_ray():
+    """No Ray cluster running when the test starts (a module's shared one is shut down): for a test whose run
+    must start and end its own, or that checks that nothing started Ray."""
+    if ray.is_initialized():
         ray.shutdown()
 
 

@@ -1,9 +1,12 @@
-"""Whole runs through real Ray worker groups of 2 ranks on tiny-llama."""
+"""Whole runs through real Ray worker groups of 2 ranks on tiny-llama, on one Ray cluster that every run of the
+module finds started (tests/conftest.py: local_ray) and leaves as it found it."""
 
 import json
 import math
+import time
 
 import pytest
+import ray
 
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.main import run
@@ -29,10 +32,23 @@ def short_run(arithmetic_files, tmp_path, *extra: str) -> list[dict]:
             *extra,
         ]
     )
+    shared = ray.is_initialized()
     run(config)
+    if shared:
+        assert_cluster_left_as_found()
     run_dir = tmp_path
     assert (run_dir / "config.yaml").is_file()
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_cluster_left_as_found() -> None:
+    """A run on a Ray cluster it did not start gives back every placement group, and with them its workers' CPUs."""
+    placed = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    assert placed == [], placed
+    deadline = time.monotonic() + 10  # the cluster's resource view follows the removal within moments
+    while ray.available_resources().get("CPU") != ray.cluster_resources()["CPU"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]
 
 
 def assert_all_finite(records: list[dict]) -> None:
@@ -41,7 +57,7 @@ def assert_all_finite(records: list[dict]) -> None:
             assert isinstance(value, (int, float)) and math.isfinite(value), (record["step"], key, value)
 
 
-def test_grpo_run_every_stage_and_metric(arithmetic_files, tmp_path):
+def test_grpo_run_every_stage_and_metric(local_ray, arithmetic_files, tmp_path):
     records = short_run(
         arithmetic_files,
         tmp_path,
@@ -66,7 +82,7 @@ def test_grpo_run_every_stage_and_metric(arithmetic_files, tmp_path):
     assert all(r["rollout/log_prob_diff_mean"] < 0.02 for r in records[1:])
 
 
-def test_ppo_run_with_critic_and_kl(arithmetic_files, tmp_path):
+def test_ppo_run_with_critic_and_kl(local_ray, arithmetic_files, tmp_path):
     records = short_run(
         arithmetic_files,
         tmp_path,
@@ -99,7 +115,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def test_grpo_learns_to_emit_digits(arithmetic_files, tmp_path):
+def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
     """A random tiny model rarely writes digits (about 1% of characters); rewarded for them, it learns to."""
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
@@ -127,7 +143,7 @@ def test_grpo_learns_to_emit_digits(arithmetic_files, tmp_path):
     assert first < 0.1 and last > first + 0.5, scores
 
 
-def test_on_policy_update_supplies_the_old_log_probs_exactly(arithmetic_files, tmp_path):
+def test_on_policy_update_supplies_the_old_log_probs_exactly(local_ray, arithmetic_files, tmp_path):
     """One optimizer step per batch: the update's own pre-step log-probs replace the separate pass (fp32: same run)."""
     on_policy = [
         "data.train_batch_size=4",
@@ -158,7 +174,7 @@ def test_on_policy_update_supplies_the_old_log_probs_exactly(arithmetic_files, t
             assert reused[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
 
 
-def test_overlong_penalty_shapes_training_rewards_not_validation(arithmetic_files, tmp_path):
+def test_overlong_penalty_shapes_training_rewards_not_validation(local_ray, arithmetic_files, tmp_path):
     factor = 0.5
     records = short_run(
         arithmetic_files,
