@@ -6,7 +6,9 @@ from a whole copy gathered within the TP group. t=2, tg=2: the 2 ranks also gene
 holding half of every layer and of the KV cache, and the switch moves nothing (the training shard is
 the generation shard). Samples are seeded per generation group, so t=2, tg=2 (one group) draws what
 one rank alone draws, and t=2, tg=1 what t=1 on 2 ranks draws; in fp32 each pair agrees on every loss
-to rounding."""
+to rounding. The runs share the module's Ray cluster; the data-parallel run (t=1) is also the on-policy update's."""
+
+from pathlib import Path
 
 import pytest
 from test_train_e2e import assert_all_finite, short_run
@@ -33,20 +35,33 @@ LORA = [
 ]
 
 
+@pytest.fixture(scope="module")
+def layout_runs(local_ray, arithmetic_files, tmp_path_factory):
+    """``get(model, name)``: the records and run directory of the GRPO run in layout ``name``, made once."""
+    made = {}
+
+    def get(model: str, name: str) -> tuple[list[dict], Path]:
+        if (model, name) not in made:
+            ranks, t, tg = LAYOUTS[name]
+            run_dir = tmp_path_factory.mktemp(f"{model}_{name}")
+            records = short_run(
+                arithmetic_files,
+                run_dir,
+                *FP32,
+                *(LORA if model == "lora" else []),
+                f"trainer.n_workers_per_node={ranks}",
+                f"actor_rollout_ref.actor.tensor_model_parallel_size={t}",
+                f"actor_rollout_ref.rollout.tensor_model_parallel_size={tg}",
+            )
+            made[model, name] = records, run_dir
+        return made[model, name]
+
+    return get
+
+
 @pytest.mark.parametrize("model", ["full", "lora"])
-def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_files, tmp_path, model):
-    runs = {
-        name: short_run(
-            arithmetic_files,
-            tmp_path / name,
-            *FP32,
-            *(LORA if model == "lora" else []),
-            f"trainer.n_workers_per_node={ranks}",
-            f"actor_rollout_ref.actor.tensor_model_parallel_size={t}",
-            f"actor_rollout_ref.rollout.tensor_model_parallel_size={tg}",
-        )
-        for name, (ranks, t, tg) in LAYOUTS.items()
-    }
+def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(layout_runs, model):
+    runs = {name: layout_runs(model, name)[0] for name in LAYOUTS}
     for name, reference in SAME_SAMPLES.items():
         assert_all_finite(runs[name])
         for layout, data_parallel in zip(runs[name], runs[reference]):
@@ -64,10 +79,35 @@ def test_grpo_in_the_hybrid_engine_layouts_matches_data_parallel(arithmetic_file
         # generation weights: the decoder layers halved, embeddings / norms / head whole
         assert split["switch/generation_weights_mb"] < whole["switch/generation_weights_mb"]
         assert whole["switch/generation_weights_mb"] == pytest.approx(runs["t1"][step]["switch/generation_weights_mb"])
-    assert (tmp_path / "t2_tg2" / "global_step_2" / "actor").is_dir()  # the 2-D sharded state saves
+    assert (layout_runs(model, "t2_tg2")[1] / "global_step_2" / "actor").is_dir()  # the 2-D sharded state saves
 
 
-def test_ppo_with_a_tensor_parallel_reference_and_critic_matches_data_parallel(arithmetic_files, tmp_path):
+def test_on_policy_update_supplies_the_old_log_probs_exactly(layout_runs, arithmetic_files, tmp_path):
+    """One optimizer step per batch (mini-batch = batch): the update's own pre-step log-probs replace the separate
+    pass (fp32: the same run). The data-parallel layout's run reuses them (reuse_update_log_probs, the default)."""
+    reused = layout_runs("full", "t1")[0]
+    separate = short_run(
+        arithmetic_files,
+        tmp_path,
+        *FP32,
+        "trainer.n_workers_per_node=2",
+        "actor_rollout_ref.actor.reuse_update_log_probs=false",
+    )
+    assert "perf/mfu_log_prob" in separate[0] and "perf/mfu_log_prob" not in reused[0]  # no separate pass
+    assert len(separate) == len(reused) == 2
+    for separate_step, reused_step in zip(separate, reused):
+        assert separate_step["response_length/mean"] == reused_step["response_length/mean"]  # the same samples
+        for key in [
+            "actor/entropy",
+            "rollout/log_prob_diff_mean",
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/pg_clipfrac",
+        ]:
+            assert reused_step[key] == pytest.approx(separate_step[key], rel=1e-4, abs=1e-6), key
+
+
+def test_ppo_with_a_tensor_parallel_reference_and_critic_matches_data_parallel(local_ray, arithmetic_files, tmp_path):
     """GAE with a critic and the KL loss against the reference: the reference and the critic split their
     layers over the 2 ranks (their own tensor_model_parallel_size) and agree with t=1 to rounding."""
     ppo = [

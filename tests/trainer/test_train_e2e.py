@@ -57,7 +57,9 @@ def assert_all_finite(records: list[dict]) -> None:
             assert isinstance(value, (int, float)) and math.isfinite(value), (record["step"], key, value)
 
 
-def test_grpo_run_every_stage_and_metric(local_ray, arithmetic_files, tmp_path):
+def test_grpo_run_every_stage_and_metric_and_overlong_penalty(local_ray, arithmetic_files, tmp_path):
+    """Every stage and metric of a GRPO run; the overlong penalty shapes its training rewards, not validation's."""
+    factor = 0.5
     records = short_run(
         arithmetic_files,
         tmp_path,
@@ -65,6 +67,9 @@ def test_grpo_run_every_stage_and_metric(local_ray, arithmetic_files, tmp_path):
         "actor_rollout_ref.rollout.name=native",
         "actor_rollout_ref.rollout.old_log_prob_source=auto",
         "actor_rollout_ref.rollout.log_prob_check_every=3",
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=6",  # the whole budget (response_length=6): each token costs factor / 6
+        f"reward.overlong_buffer.penalty_factor={factor}",
     )
     assert [r["step"] for r in records] == [0, 1, 2, 3]  # validation before training, then three steps
     assert "val/arithmetic/score_mean" in records[0] and "val/score/mean" in records[3]
@@ -80,6 +85,12 @@ def test_grpo_run_every_stage_and_metric(local_ray, arithmetic_files, tmp_path):
     assert [r["rollout/used_rollout_log_probs"] for r in records[1:]] == [0.0, 1.0, 0.0]
     assert ["perf/mfu_log_prob" in r for r in records[1:]] == [True, False, True]
     assert all(r["rollout/log_prob_diff_mean"] < 0.02 for r in records[1:])
+
+    assert "reward/overlong_penalty/mean" not in records[0]  # validation before training: unshaped
+    for record in records[1:]:
+        penalty = record["reward/overlong_penalty/mean"]
+        assert penalty == pytest.approx(-factor * record["response_length/mean"] / 6, rel=1e-5)
+        assert record["critic/score/mean"] == pytest.approx(record["reward/arithmetic/mean"] + penalty, abs=1e-6)
 
 
 def test_ppo_run_with_critic_and_kl(local_ray, arithmetic_files, tmp_path):
@@ -141,50 +152,3 @@ def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
     assert len(scores) == 10
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.1 and last > first + 0.5, scores
-
-
-def test_on_policy_update_supplies_the_old_log_probs_exactly(local_ray, arithmetic_files, tmp_path):
-    """One optimizer step per batch: the update's own pre-step log-probs replace the separate pass (fp32: same run)."""
-    on_policy = [
-        "data.train_batch_size=4",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
-        "actor_rollout_ref.rollout.dtype=fp32",
-        "trainer.val_before_train=false",
-    ]
-    runs = {
-        reuse: short_run(
-            arithmetic_files,
-            tmp_path / str(reuse),
-            *on_policy,
-            f"actor_rollout_ref.actor.reuse_update_log_probs={reuse}",
-        )
-        for reuse in (False, True)
-    }
-    assert "perf/mfu_log_prob" in runs[False][0] and "perf/mfu_log_prob" not in runs[True][0]  # no separate pass
-    for separate, reused in zip(runs[False], runs[True]):
-        assert separate["response_length/mean"] == reused["response_length/mean"]  # the same samples
-        for key in [
-            "actor/entropy",
-            "rollout/log_prob_diff_mean",
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "actor/pg_clipfrac",
-        ]:
-            assert reused[key] == pytest.approx(separate[key], rel=1e-4, abs=1e-6), key
-
-
-def test_overlong_penalty_shapes_training_rewards_not_validation(local_ray, arithmetic_files, tmp_path):
-    factor = 0.5
-    records = short_run(
-        arithmetic_files,
-        tmp_path,
-        "reward.overlong_buffer.enable=true",
-        "reward.overlong_buffer.len=6",  # the whole budget (response_length=6): each token costs factor / 6
-        f"reward.overlong_buffer.penalty_factor={factor}",
-    )
-    assert "reward/overlong_penalty/mean" not in records[0]  # validation before training: unshaped
-    for record in records[1:]:
-        penalty = record["reward/overlong_penalty/mean"]
-        assert penalty == pytest.approx(-factor * record["response_length/mean"] / 6, rel=1e-5)
-        assert record["critic/score/mean"] == pytest.approx(record["reward/arithmetic/mean"] + penalty, abs=1e-6)
