@@ -23,7 +23,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 FP32 = ["actor_rollout_ref.actor.fsdp.param_dtype=fp32", "actor_rollout_ref.rollout.dtype=fp32"]
 
 
-def test_dynamic_sampling_refills_the_batch_with_informative_groups(arithmetic_files, tmp_path):
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(local_ray, arithmetic_files, tmp_path):
     reward_file = tmp_path / "half.py"
     reward_file.write_text(HALF_INFORMATIVE_REWARD)
     records = short_run(
@@ -52,7 +52,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(arithmetic_f
     assert state["data_loader"]["position"] == total_rounds
 
 
-def test_rollout_correction_weights_and_rejection_reach_the_loss(arithmetic_files, tmp_path):
+def test_rollout_correction_weights_and_rejection_reach_the_loss(local_ray, arithmetic_files, tmp_path):
     """fp32 trainer and generator agree (ρ ≈ 1): nothing leaves the band [0.5, 2], and masked importance
     weights with a cap of 0.5 zero every token's weight, so the policy loss and its gradient are 0."""
     records = short_run(
@@ -78,7 +78,7 @@ def test_rollout_correction_weights_and_rejection_reach_the_loss(arithmetic_file
         assert record["actor/grad_norm"] == 0.0
 
 
-def test_bypass_mode_reports_the_mismatch_and_masks_truncated_responses(arithmetic_files, tmp_path):
+def test_bypass_mode_reports_the_mismatch_and_masks_truncated_responses(local_ray, arithmetic_files, tmp_path):
     """old_log_prob_source=rollout: no separate old-log-prob pass; the update's first forward is the
     trainer's view for the rollout_corr diagnostics. Truncated responses leave the loss."""
     records = short_run(

@@ -55,7 +55,7 @@ def adapter_mb(config) -> float:
 
 
 @pytest.mark.parametrize("model", ["full", "lora"])
-def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path, model):
+def test_no_staleness_reproduces_sync(local_ray, arithmetic_files, tmp_path, model):
     async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
     async_dir.mkdir(), sync_dir.mkdir()
     extra = LORA if model == "lora" else ()
@@ -91,7 +91,7 @@ def test_no_staleness_reproduces_sync(arithmetic_files, tmp_path, model):
     assert [lineage[s]["version"] for s in (1, 2, 3)] == [[0] * 4, [1] * 4, [2] * 4]
 
 
-def test_staleness_one_runs_ahead_within_the_bound(arithmetic_files, tmp_path):
+def test_staleness_one_runs_ahead_within_the_bound(local_ray, arithmetic_files, tmp_path):
     train_main.run(
         load_config(
             overrides(
@@ -131,7 +131,9 @@ class PushMidGeneration(FullyAsyncTrainer):
         super().push_weights(metrics)
 
 
-def test_partial_rollout_continues_samples_across_pushes_within_the_bound(arithmetic_files, tmp_path, monkeypatch):
+def test_partial_rollout_continues_samples_across_pushes_within_the_bound(
+    local_ray, arithmetic_files, tmp_path, monkeypatch
+):
     monkeypatch.setattr(train_main, "FullyAsyncTrainer", PushMidGeneration)
     train_main.run(
         load_config(

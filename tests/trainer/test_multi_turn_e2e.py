@@ -75,7 +75,7 @@ BACKENDS = {
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(arithmetic_files, tmp_path, backend):
+def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(local_ray, arithmetic_files, tmp_path, backend):
     (tmp_path / "loop.py").write_text(LOOP)
     (tmp_path / "reward.py").write_text(REWARD)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")

@@ -26,7 +26,9 @@ def run_three_steps(arithmetic_files, tmp_path, reward_source: str, *extra: str)
     return records(tmp_path)
 
 
-def test_dynamic_sampling_generates_its_rounds_ahead_and_the_checkpoint_counts_them(arithmetic_files, tmp_path):
+def test_dynamic_sampling_generates_its_rounds_ahead_and_the_checkpoint_counts_them(
+    local_ray, arithmetic_files, tmp_path
+):
     steps = run_three_steps(
         arithmetic_files,
         tmp_path,
@@ -54,7 +56,7 @@ def test_dynamic_sampling_generates_its_rounds_ahead_and_the_checkpoint_counts_t
     assert read_trainer_state(checkpoint)["data_loader"]["position"] == sum(rounds)
 
 
-def test_a_reward_model_on_its_own_pool_gives_the_rewards(arithmetic_files, tmp_path, reward_model_dir):
+def test_a_reward_model_on_its_own_pool_gives_the_rewards(local_ray, arithmetic_files, tmp_path, reward_model_dir):
     steps = run_three_steps(
         arithmetic_files,
         tmp_path,

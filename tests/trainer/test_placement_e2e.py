@@ -42,7 +42,7 @@ def timeline(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / TIMELINE_FILE).read_text().splitlines()]
 
 
-def test_the_three_placements_give_the_same_run(arithmetic_files, tmp_path):
+def test_the_three_placements_give_the_same_run(local_ray, arithmetic_files, tmp_path):
     runs = {
         placement: ppo_run(
             arithmetic_files, tmp_path / placement, f"trainer.placement={placement}", "trainer.n_workers_per_node=1"
@@ -83,7 +83,7 @@ def overlapping(spans: list[dict], a: tuple[str, str], b: tuple[str, str]) -> bo
     return any(x["start"] < y["end"] and y["start"] < x["end"] for x in first for y in second)
 
 
-def test_pools_of_different_sizes_and_overlapping_stages(arithmetic_files, tmp_path):
+def test_pools_of_different_sizes_and_overlapping_stages(local_ray, arithmetic_files, tmp_path):
     """The actor and reference on 2 ranks, the critic and the reward model on 1: the batch collected from one
     pool is split by the other's dispatch; the critic's stages run while the actor's do."""
     pools = [
@@ -145,7 +145,7 @@ def worker_processes(tag: str) -> set[int]:
 TAG_VARIABLE = "HYBRIDFLOW_TEST_RUN"
 
 
-def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(arithmetic_files, tmp_path, monkeypatch):
+def test_a_failing_pool_stops_the_run_with_its_role_rank_and_traceback(no_ray, arithmetic_files, tmp_path, monkeypatch):
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)
     stand_in = subprocess.Popen(["bash", "-c", "exec -a ray::WorkerHost sleep 60"])  # the count sees a tagged one
