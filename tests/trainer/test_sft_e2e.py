@@ -1,6 +1,8 @@
 """``hybridflow sft`` end to end on a local Ray cluster (2 workers, the tiny model): the held-out loss falls; a run
 killed with SIGKILL in the middle of an epoch resumes to the losses of a run that never stopped; the checkpoint
-exports to a model directory that ``hybridflow train`` starts from; config errors come before Ray."""
+exports to a model directory that ``hybridflow train`` starts from; config errors come before Ray. The runs that
+are not killed share the module's Ray cluster, in this process; the killed run and its resumption are commands
+of their own."""
 
 import json
 import os
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import write_task
 from hybridflow.trainer.checkpoint import is_complete
@@ -79,10 +82,9 @@ def records(run_dir) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(files, tmp_path_factory):
+def reference(local_ray, files, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("sft_reference") / "run"
-    process = sft(arguments(files, run_dir))
-    assert process.wait(timeout=300) == 0, process.stderr.read().decode()[-3000:]
+    assert cli(["sft", *arguments(files, run_dir)]) == 0
     return run_dir
 
 
@@ -132,8 +134,7 @@ def test_lora_adapters_under_tensor_parallelism_start_from_the_same_loss_and_che
         "model.lora.alpha=8",
         "trainer.total_training_steps=2",
     ]
-    process = sft(args)
-    assert process.wait(timeout=300) == 0, process.stderr.read().decode()[-3000:]
+    assert cli(["sft", *args]) == 0
     expected, got = records(reference), records(run_dir)
     assert got[0]["val/loss"] == pytest.approx(expected[0]["val/loss"], rel=1e-5)
     assert got[1]["sft/loss"] == pytest.approx(expected[1]["sft/loss"], rel=1e-5)
@@ -144,32 +145,20 @@ def test_lora_adapters_under_tensor_parallelism_start_from_the_same_loss_and_che
         return sum(f.stat().st_size for f in (run / "global_step_2" / "actor" / "dcp").rglob("*") if f.is_file())
 
     assert state_bytes(run_dir) < state_bytes(reference) / 4  # tiny layers: rank-4 adapters are an eighth of each
-    export = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "export", str(run_dir), str(tmp_path / "adapter")],
-        capture_output=True,
-        text=True,
-    )
-    assert export.returncode == 0, export.stderr[-3000:]
+    assert cli(["export", str(run_dir), str(tmp_path / "adapter")]) == 0
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_path):
     model_dir = tmp_path / "sft_model"
-    export = subprocess.run(
-        [sys.executable, "-m", "hybridflow.cli", "export", str(reference), str(model_dir)],
-        capture_output=True,
-        text=True,
-    )
-    assert export.returncode == 0, export.stderr[-3000:]
+    assert cli(["export", str(reference), str(model_dir)]) == 0
     assert (model_dir / "model.safetensors").is_file() and (model_dir / "tokenizer.json").is_file()
     data = tmp_path / "data"
     write_task("arithmetic", data, train=8, test=4, seed=0)
-    train = subprocess.run(
+    code = cli(
         [
-            sys.executable,
-            "-m",
-            "hybridflow.trainer.main",
+            "train",
             f"actor_rollout_ref.model.path={model_dir}",
             f"data.train_files=[{data / 'train.parquet'}]",
             "data.val_files=[]",
@@ -180,11 +169,9 @@ def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_
             "trainer.total_training_steps=1",
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={tmp_path / 'grpo'}",
-        ],
-        capture_output=True,
-        text=True,
+        ]
     )
-    assert train.returncode == 0, train.stderr[-3000:]
+    assert code == 0
     (step,) = records(tmp_path / "grpo").values()
     assert step["step"] == 1 and "actor/pg_loss" in step
 
@@ -198,7 +185,7 @@ def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_
         ("model.path=/nonexistent", "model.path"),
     ],
 )
-def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, override, key):
+def test_config_errors_come_before_ray_naming_the_key(no_ray, files, tmp_path, override, key):
     args = [*arguments(files, tmp_path / "run"), override]
     if key is None:
         args += ["model.lora.target_modules=[no_such_proj]"]
