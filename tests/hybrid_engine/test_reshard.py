@@ -3,9 +3,13 @@
 
 After the switch every rank holds exactly its generation slice of the trained weights, received
 exactly the bytes the paper's formula predicts, and its generation group generates what one process
-with the whole trained model generates."""
+with the whole trained model generates.
+
+One group of 4 ranks runs every 4-rank layout in turn and one of 2 ranks the rest (each call builds its layouts,
+model and engine anew): starting a rank's process is most of this file's time."""
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -52,30 +56,31 @@ def prompts() -> DataProto:
 
 
 class ActorSwitch(Worker):
-    def __init__(self, *, path: str, t: int, tg: int):
+    def __init__(self):
         super().__init__()
         torch.set_num_threads(1)
-        self.shape = LayoutShape(dp=self.world_size // t, t=t, tg=tg)
-        self.layouts = ActorLayouts.build(self.device, self.shape)
-        model = trained_model(path)
-        apply_tensor_parallel(model, self.layouts.training["tp"])
-        self.model = shard_model(model, self.layouts.training["dp"], FP32)
-        original = load_causal_lm(path, dtype=torch.float32)
-        tokenizer = load_tokenizer(path)
-        self.rollout = NativeRollout(original, tokenizer, engine_config=ENGINE, tp_group=self.layouts.generation_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def switch_and_generate(self) -> dict:
+    def switch_and_generate(self, path: str, t: int, tg: int) -> dict:
+        """Train-layout (world / t, t) shards of the trained model and a generation engine of tg ranks holding the
+        original; switch the engine to the trained weights and generate."""
+        shape = LayoutShape(dp=self.world_size // t, t=t, tg=tg)
+        layouts = ActorLayouts.build(self.device, shape)
+        model = trained_model(path)
+        apply_tensor_parallel(model, layouts.training["tp"])
+        model = shard_model(model, layouts.training["dp"], FP32)
+        original = load_causal_lm(path, dtype=torch.float32)
+        rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
         report = SwitchReport()
-        self.rollout.load_weights(generation_weights(self.model, torch.float32, self.layouts.gather_group, report))
-        generation = self.layouts.generation
+        rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+        generation = layouts.generation
         batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
-        responses = self.rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
-        layer = self.rollout.engine.weights.layers[0]
+        responses = rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
+        layer = rollout.engine.weights.layers[0]
         dist.barrier()
         return {
             "report": report,
-            "predicted": report.predicted(self.shape),
+            "predicted": report.predicted(shape),
             "generation_index": (generation["dp"].get_local_rank(), generation["tp"].get_local_rank()),
             "qkv": layer.qkv.weight.clone(),
             "qkv_bias": layer.qkv.bias.clone(),
@@ -87,6 +92,31 @@ class ActorSwitch(Worker):
 @pytest.fixture(scope="module")
 def path():
     return str(resolve_model_path("tiny-qwen2", num_key_value_heads=4))  # 4 query and 4 key/value heads
+
+
+class RowGather(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def gather(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
+        parts = [distribute_tensor(whole, mesh, [Shard(0)]) for whole in wholes]
+        return gather_rows(parts)
+
+
+class Ranks(ActorSwitch, RowGather):
+    """Both tests' methods, so that one group of each size serves every case."""
+
+
+@pytest.fixture(scope="module")
+def groups(local_ray):
+    """Groups of 2 and of 4 ranks, started side by side."""
+    pools = {size: RayResourcePool([size]) for size in (2, 4)}
+    with ThreadPoolExecutor(2) as threads:
+        starting = {size: threads.submit(RayWorkerGroup, pool, RoleSpec(Ranks)) for size, pool in pools.items()}
+    made = {size: start.result() for size, start in starting.items()}
+    yield made
+    for size, group in made.items():
+        group.kill()
+        pools[size].release()
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +133,9 @@ def first_layer_slice(weights: dict, name: str, tg: int, index: int) -> torch.Te
 
 
 @pytest.mark.parametrize("dp, t, tg", [(1, 2, 2), (2, 2, 1), (2, 2, 2), (1, 4, 2), (1, 4, 4)])
-def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(local_ray, path, expected, dp, t, tg):
+def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(groups, path, expected, dp, t, tg):
     weights, responses = expected
-    pool = RayResourcePool([dp * t])
-    group = RayWorkerGroup(pool, RoleSpec(ActorSwitch, kwargs={"path": path, "t": t, "tg": tg}))
-    try:
-        outputs = group.switch_and_generate()
-    finally:
-        group.kill()
-        pool.release()
+    outputs = groups[dp * t].switch_and_generate(path, t, tg)
     split = sum(w.numel() * 4 for n, w in weights.items() if SPLIT.shard_dim(n) is not None)
     whole = sum(w.numel() * 4 for n, w in weights.items() if SPLIT.shard_dim(n) is None)
     regrouping = Regrouping(t=t, tg=tg)
@@ -139,25 +163,11 @@ def test_the_switch_builds_each_generation_shard_with_the_predicted_bytes(local_
     assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)
 
 
-class RowGather(Worker):
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def gather(self, wholes: list[torch.Tensor]) -> list[torch.Tensor]:
-        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
-        parts = [distribute_tensor(whole, mesh, [Shard(0)]) for whole in wholes]
-        return gather_rows(parts)
-
-
-def test_adapters_gather_whole_in_one_collective_whatever_their_rows(local_ray):
+def test_adapters_gather_whole_in_one_collective_whatever_their_rows(groups):
     """Rows that 2 ranks split evenly, unevenly, or not at all (one row: the second rank holds none)."""
     generator = torch.Generator().manual_seed(0)
     wholes = [torch.randn(shape, generator=generator) for shape in [(5, 3), (1, 4), (4,), (2, 2, 2), (8, 1)]]
-    pool = RayResourcePool([2])
-    group = RayWorkerGroup(pool, RoleSpec(RowGather))
-    try:
-        for got in group.gather(wholes):
-            assert len(got) == len(wholes)
-            for have, want in zip(got, wholes):
-                assert torch.equal(have, want)
-    finally:
-        group.kill()
-        pool.release()
+    for got in groups[2].gather(wholes):
+        assert len(got) == len(wholes)
+        for have, want in zip(got, wholes):
+            assert torch.equal(have, want)
