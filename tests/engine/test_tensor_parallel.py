@@ -1,6 +1,9 @@
-"""A training step in the (dp, tp) layout against one unsharded process (fp32, gloo, Ray ranks)."""
+"""A training step in the (dp, tp) layout against one unsharded process (fp32, gloo, Ray ranks). One group of 2
+ranks and one of 4 serve every layout in turn (each case builds its mesh and model anew): starting a rank's
+process is most of this file's time."""
 
 import dataclasses
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -42,8 +45,9 @@ def load(path: str, lora: bool) -> torch.nn.Module:
 
 
 class ParallelStep(Worker):
-    def __init__(self, *, path: str, dp: int, tp: int, lora: bool = False):
-        super().__init__()
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def build(self, path: str, dp: int, tp: int, lora: bool) -> None:
+        """The seeded model (with LoRA adapters if ``lora``) in the (dp, tp) layout over this group's ranks."""
         self.mesh = training_mesh(self.device, dp, tp)
         model = load(path, lora)
         apply_tensor_parallel(model, self.mesh["tp"])
@@ -77,35 +81,43 @@ def one_process(path: str, lora: bool):
     return float(loss.detach()), grads, (input_ids, weights)
 
 
+@pytest.fixture(scope="module")
+def groups(local_ray):
+    """Groups of 2 and of 4 ranks, started side by side."""
+    pools = {size: RayResourcePool([size]) for size in (2, 4)}
+    with ThreadPoolExecutor(2) as threads:
+        starting = {size: threads.submit(RayWorkerGroup, pool, RoleSpec(ParallelStep)) for size, pool in pools.items()}
+    made = {size: start.result() for size, start in starting.items()}
+    yield made
+    for size, group in made.items():
+        group.kill()
+        pools[size].release()
+
+
 @pytest.mark.parametrize("dp, tp, lora", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)])
-def test_a_step_in_the_training_layout_matches_one_process(local_ray, tiny_path, dp, tp, lora):
+def test_a_step_in_the_training_layout_matches_one_process(groups, tiny_path, dp, tp, lora):
     """With LoRA: the adapters' gradients (all that trains) split with their layers, as one process's."""
     loss, grads, (input_ids, weights) = one_process(tiny_path, lora)
-    pool = RayResourcePool([dp * tp])
-    kwargs = {"path": tiny_path, "dp": dp, "tp": tp, "lora": lora}
-    group = RayWorkerGroup(pool, RoleSpec(ParallelStep, kwargs=kwargs))
-    try:
-        if lora:  # a column-split layer's B and a row-split layer's A split over both; the other over dp only
-            prefix = "base_model.model.model.layers.0"
-            for name, split in [
-                ("self_attn.q_proj.lora_B", dp * tp),
-                ("self_attn.q_proj.lora_A", dp),
-                ("mlp.down_proj.lora_A", dp * tp),
-                ("mlp.down_proj.lora_B", dp),
-            ]:
-                full = f"{prefix}.{name}.default.weight"
-                assert group.local_numel(full) == [grads[full].numel() // split] * (dp * tp), name
-        else:
-            q_proj = "model.layers.0.self_attn.q_proj.weight"
-            assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
-        for rank_loss, rank_grads in group.loss_and_grads(input_ids, weights):
-            assert rank_loss == pytest.approx(loss, rel=1e-5)
-            assert rank_grads.keys() == grads.keys()
-            for name, grad in grads.items():
-                torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    finally:
-        group.kill()
-        pool.release()
+    group = groups[dp * tp]
+    group.build(tiny_path, dp, tp, lora)
+    if lora:  # a column-split layer's B and a row-split layer's A split over both; the other over dp only
+        prefix = "base_model.model.model.layers.0"
+        for name, split in [
+            ("self_attn.q_proj.lora_B", dp * tp),
+            ("self_attn.q_proj.lora_A", dp),
+            ("mlp.down_proj.lora_A", dp * tp),
+            ("mlp.down_proj.lora_B", dp),
+        ]:
+            full = f"{prefix}.{name}.default.weight"
+            assert group.local_numel(full) == [grads[full].numel() // split] * (dp * tp), name
+    else:
+        q_proj = "model.layers.0.self_attn.q_proj.weight"
+        assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
+    for rank_loss, rank_grads in group.loss_and_grads(input_ids, weights):
+        assert rank_loss == pytest.approx(loss, rel=1e-5)
+        assert rank_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_layout_that_splits_heads_is_refused(tiny_path):
