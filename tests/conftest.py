@@ -109,21 +109,27 @@ def rollout_batch(tiny_path) -> DataProto:
 
 @pytest.fixture(scope="module")
 def local_ray():
-    """A local Ray cluster for a module's worker groups and whole runs (shut down after it, unless one was
-    running). A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers
-    on it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU
-    each on a small machine. Its workers get the environment a run's own cluster gives them."""
-    capacity = default_config().trainer.cpu_kernel_cache_capacity
-    started = start_ray(num_cpus=8, worker_env=kernel_cache_env(capacity))
+    """One local Ray cluster for the worker groups and whole runs of every module that asks for it: started by the
+    first (or by the first after a test that needed none running, see no_ray) and shut down at the end of the
+    session. A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers on
+    it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
+    on a small machine. Its workers get the environment a run's own cluster gives them."""
+    start_ray(num_cpus=8, worker_env=kernel_cache_env(default_config().trainer.cpu_kernel_cache_capacity))
     yield
-    if started:
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_ray_after_the_session():
+    yield
+    if ray.is_initialized():
         ray.shutdown()
 
 
 @pytest.fixture
 def no_ray():
-    """No Ray cluster running when the test starts (a module's shared one is shut down): for a test whose run
-    must start and end its own, or that checks that nothing started Ray."""
+    """No Ray cluster running when the test starts (the shared one is shut down; the next module that asks for
+    local_ray starts it again): for a test whose run must start and end a cluster of its own, or that checks
+    that nothing started Ray. Give it to the tests of a module that come after those that use local_ray."""
     if ray.is_initialized():
         ray.shutdown()
 

@@ -14,6 +14,10 @@ import ray
 from hybridflow.cli import main as cli
 from hybridflow.models import resolve_model_path
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 TOOL_WITHOUT_SCHEMA = """from hybridflow.tools.base import Tool
 
 

@@ -4,7 +4,6 @@ import os
 import time
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -20,18 +19,11 @@ from hybridflow.controller import (
     Worker,
     WorkerError,
     register,
-    start_ray,
 )
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.protocol import DataProto, DataProtoFuture
 
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    started = start_ray(num_cpus=8)
-    yield
-    if started:
-        ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")  # the shared cluster (tests/conftest.py)
 
 
 @pytest.fixture

@@ -4,11 +4,10 @@ paper's formulas, and a real switch on 4 gloo ranks that holds exactly the gener
 from fractions import Fraction
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import (
@@ -103,15 +102,12 @@ class Switcher(Worker):
 
 
 @pytest.fixture(scope="module")
-def switchers():
-    started = start_ray(num_cpus=8)
+def switchers(local_ray):
     pool = RayResourcePool([4])
     group = RayWorkerGroup(pool, RoleSpec(Switcher))
     yield group
     group.kill()
     pool.release()
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("tg", [1, 2, 4])

@@ -14,6 +14,10 @@ from hybridflow.trainer.check_config import check_config
 from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, default_config, load_config
 from hybridflow.trainer.main import run
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 
 def schema_tree(cls: type) -> dict:
     """Field names of a config dataclass, nested sections as dicts (what the YAML must spell out)."""

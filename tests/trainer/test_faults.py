@@ -12,6 +12,10 @@ import ray
 
 from hybridflow.cli import main as cli
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
 CUSTOM_REWARDS = {

@@ -16,6 +16,10 @@ from hybridflow.trainer import main as train_main
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.fully_async import FullyAsyncTrainer
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 
 class RolloutDiesAtChunk3(FullyAsyncTrainer):
     """Kills the rollout pool's process (SIGKILL, through Ray) as the third generation call starts."""

@@ -32,7 +32,7 @@ def sharp_tiny_model(directory):
     return directory
 
 
-def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(arithmetic_files, tmp_path, capsys):
+def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(local_ray, arithmetic_files, tmp_path, capsys):
     model_dir = sharp_tiny_model(tmp_path / "model")
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)

@@ -9,6 +9,10 @@ from hybridflow.trainer.config import ConfigError, load_config
 from hybridflow.trainer.main import run
 from hybridflow.trainer.run_plan import make_run_plan
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
 
 

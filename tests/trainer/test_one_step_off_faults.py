@@ -16,6 +16,10 @@ from hybridflow.trainer import main as train_main
 from hybridflow.trainer.config import load_config
 from hybridflow.trainer.one_step_off import OneStepOffTrainer
 
+# checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
+# is shut down first
+pytestmark = pytest.mark.usefixtures("no_ray")
+
 ONE_STEP_OFF = ["trainer.async_training.mode=one_step_off", "trainer.placement=group_colocate"]
 
 

@@ -12,7 +12,7 @@ from hybridflow.trainer.main import run
 TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
 
 
-def test_grpo_with_vllm_learns_to_emit_digits(arithmetic_files, tmp_path):
+def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
     """The native backend's learning test (test_train_e2e.py) with rollout.name=vllm: a random tiny model
     rarely writes digits; rewarded for them, it learns to, with vLLM's samples and log-probs."""
     reward_file = tmp_path / "digits.py"

@@ -1,11 +1,10 @@
 """The reward-model worker scores each conversation as the model does alone, at the response's last token."""
 
 import pytest
-import ray
 import torch
 
 from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, start_ray
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.models import load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.config import load_config
@@ -18,8 +17,7 @@ def test_last_token_scores_by_hand():
     assert last_token_scores(torch.tensor([2.0, -1.0, 5.0]), mask).tolist() == [[0, 2.0, 0], [0, 0, -1.0], [0, 0, 0]]
 
 
-def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
-    started = start_ray(num_cpus=8)
+def test_worker_scores_match_scoring_each_conversation_alone(local_ray, reward_model_dir):
     policy_path = str(resolve_model_path("tiny-llama"))
     tokenizer = load_tokenizer(policy_path)
     answers = ["4", "The answer is 12", "no idea at all, sorry"]
@@ -45,8 +43,6 @@ def test_worker_scores_match_scoring_each_conversation_alone(reward_model_dir):
     scores = group.compute_rm_score(data).batch[RM_SCORES]
     group.kill()
     pool.release()
-    if started:
-        ray.shutdown()
 
     model = load_reward_model(reward_model_dir).eval()
     for i, (messages, answer) in enumerate(zip(prompts, answers)):

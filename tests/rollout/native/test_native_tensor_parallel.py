@@ -4,13 +4,12 @@ Each rank holds half of every decoder layer and of the KV cache; the tokens must
 the log-probs equal to rounding (the row-parallel sums are added in another order)."""
 
 import pytest
-import ray
 import torch
 import torch.distributed as dist
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSES, ROLLOUT_LOG_PROBS
-from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.tensor_parallel import LLAMA, layer_split
 from hybridflow.rollout.native import NativeRollout
@@ -50,8 +49,7 @@ class TensorParallelGenerator(Worker):
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
-def family(request):
-    started = start_ray(num_cpus=8)
+def family(request, local_ray):
     pool = RayResourcePool([TG])
     group = RayWorkerGroup(pool, RoleSpec(TensorParallelGenerator, kwargs={"name": request.param}))
     model = load_causal_lm(request.param, dtype=torch.float32).eval()
@@ -60,8 +58,6 @@ def family(request):
     yield model, tokenizer, single, group
     group.kill()
     pool.release()
-    if started:
-        ray.shutdown()
 
 
 @pytest.mark.parametrize("params", [greedy(12), sampled(seed=3, max_new_tokens=12, temperature=0.8, top_p=0.9)])
