@@ -80,7 +80,7 @@ def test_a_slow_tool_holds_up_only_its_own_request(tiny_llama, max_num_seqs):
     assert stats.turns == 2 * len(questions)
     if max_num_seqs == 2:
         # with 2 slots, request 0 held one while its tool ran: the others took turns in the other slot
-        assert stats.slot_moves > 0
+        assert stats.slot_moves == 0  # ragged decode (the default): a request keeps its slot between turns
 
     # the conversations are what transformers computes: each turn greedy on the whole context so far
     tool = tokenizer.encode(TOOL_TEXT, add_special_tokens=False)
