@@ -25,6 +25,7 @@ overhead spread in proportion); the raw profiled total is printed beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -36,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV  # noqa: E402
 
-VOCAB_MARKER = "LM head"
-
 
 def reexec_with_allocator_settings() -> None:
     if all(os.environ.get(key) == value for key, value in ALLOCATOR_ENV.items()):
@@ -47,8 +46,6 @@ def reexec_with_allocator_settings() -> None:
 
 def label(fn, name: str):
     """``fn`` wrapped in a profiler range called ``name``."""
-    import functools
-
     import torch
 
     @functools.wraps(fn)
@@ -81,6 +78,18 @@ ATTENTION_BACKWARD = (
     "MaskedFillBackward",
     "IndexSelectBackward",
     "UnflattenBackward",
+)
+NORM_OPS = (
+    "aten::mul",
+    "aten::pow",
+    "aten::mean",
+    "aten::rsqrt",
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::add",
+    "aten::silu",
+    "aten::neg",
+    "aten::cat",
 )
 NORM_BACKWARD = ("PowBackward", "MeanBackward", "RsqrtBackward", "ToCopyBackward", "MulBackward", "NegBackward")
 
@@ -116,20 +125,6 @@ def item_of(event, vocab: int) -> str:
     if node_name.startswith(NORM_BACKWARD) or (not node_name and event.name in NORM_OPS):
         return f"{side}: RMSNorm, rotary, SiLU x up, casts (elementwise)"
     return f"{side}: other (residual adds, views, copies, allocation)"
-
-
-NORM_OPS = (
-    "aten::mul",
-    "aten::pow",
-    "aten::mean",
-    "aten::rsqrt",
-    "aten::copy_",
-    "aten::_to_copy",
-    "aten::add",
-    "aten::silu",
-    "aten::neg",
-    "aten::cat",
-)
 
 
 def main() -> None:

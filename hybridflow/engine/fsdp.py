@@ -46,11 +46,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mo
 def gathered_through_backward(model: nn.Module, keep: bool) -> Iterator[None]:
     """With ``keep``: each FSDP2 unit keeps its gathered weights from its forward to its backward (the backward
     then gathers nothing), and everything is resharded on exit; without: FSDP2's default, gather again."""
-    # the root unit (first) keeps its weights gathered after forward already (FSDP2's choice for the root)
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)][1:]
-    if not keep or not units:
+    if not keep:
         yield
         return
+    # the root unit (first) keeps its weights gathered after forward already (FSDP2's choice for the root)
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)][1:]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
     try:

@@ -139,8 +139,11 @@ def decode(
     if slots is not None and not ragged:
         raise ValueError("decode over chosen slots needs ragged=True (whole rows are read as slots 0..B-1)")
     index = cache.decode_index(positions, slots)
-    if ragged:
+    if ragged:  # what every layer's attention reads, computed once for the step
         lengths = (positions + 1).to(torch.int64)
+        width = int(lengths.max())
+        if slots is None:
+            slots = torch.arange(b, device=tokens.device)
     else:
         hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
         bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
@@ -153,7 +156,9 @@ def decode(
         cache.write_token(i, index, qk[:, hq:], qkv[:, spec.q_size + spec.kv_size :].view(b, hkv, d))
         if ragged:
             q = qk[:, :hq].reshape(b, hkv, g, d)
-            attn = ragged_attention.decode_attention(q, cache.k[i], cache.v[i], lengths, scale, slots)  # (B,Hkv,G,D)
+            attn = ragged_attention.decode_attention(
+                q, cache.k[i], cache.v[i], lengths, scale, slots, width
+            )  # (B,Hkv,G,D)
         else:
             keys, values = cache.rows(i, b)  # (B*Hkv, T, D)
             q = qk[:, :hq].reshape(b * hkv, g, d)

@@ -74,16 +74,19 @@ def decode_attention(
     lengths: torch.Tensor,
     scale: float,
     slots: torch.Tensor | None = None,
+    width: int | None = None,
 ) -> torch.Tensor:
     """softmax(scale * q.k) v over positions 0..lengths[b]-1 of cache slot slots[b] (default: slot b).
 
     q (B, Hkv, G, D); keys/values one cache layer (S, Hkv, T, D); lengths (B,) int64 in 1..T; slots (B,)
-    int64 in 0..S-1. Returns (B, Hkv, G, D) in q's dtype.
+    int64 in 0..S-1; width: max(lengths) (a decode step's layers share it: give it once). Returns
+    (B, Hkv, G, D) in q's dtype.
     """
     if not available():
         raise RuntimeError(f"the ragged decode kernel is unavailable: {_failure}")
     if slots is None:
         slots = torch.arange(q.shape[0], device=q.device)
-    width = int(lengths.max())
+    if width is None:
+        width = int(lengths.max())
     scores = _module.scores(q.contiguous(), keys, lengths, slots, width, scale)  # (B, Hkv, G, width) float32
     return _module.values(torch.softmax(scores, dim=-1), values, lengths, slots)

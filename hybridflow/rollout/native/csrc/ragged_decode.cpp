@@ -99,6 +99,15 @@ constexpr bool has_avx512_scores(int64_t dim) {
 }
 #endif
 
+// A thread's float32 buffer of `count` values: on the stack when its size is known at compile time (FIXED > 0)
+template <int64_t FIXED>
+struct Scratch {
+  alignas(64) float fixed[FIXED ? FIXED : 1];
+  std::vector<float> grown;
+  explicit Scratch(int64_t count) : grown(FIXED ? 0 : count) {}
+  float* data() { return FIXED ? fixed : grown.data(); }
+};
+
 // GROUPS and DIM: compile-time sizes for the common shapes (accumulators stay in registers); 0 = read at run time
 template <typename scalar_t, int64_t GROUPS, int64_t DIM>
 void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths, const int64_t* slots, float* scores,
@@ -107,38 +116,38 @@ void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths,
                    int64_t width, float scale) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query_store(GROUPS && DIM ? 0 : groups * dim);
-    std::vector<float> row_store(DIM ? 0 : dim);
-    alignas(64) float query_fixed[GROUPS && DIM ? GROUPS * DIM : 1];
-    alignas(64) float row_fixed[DIM ? DIM : 1];
-    float* query = GROUPS && DIM ? query_fixed : query_store.data();
-    float* row = DIM ? row_fixed : row_store.data();
+    Scratch<GROUPS && DIM ? GROUPS * DIM : 0> query_buffer(groups * dim);
+    Scratch<DIM> row_buffer(dim);
+    float* query = query_buffer.data();
+    float* row = row_buffer.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t n = lengths[b];
       const scalar_t* qp = q + task * groups * dim;
-#if defined(__AVX512F__)
-      if (has_avx512_scores<scalar_t>(dim)) {
-        float* out = scores + task * groups * width;
-        scores_task_avx512<scalar_t>(qp, k + slots[b] * slot_stride + h * head_stride, n, groups, dim, out, width, scale);
-        for (int64_t g = 0; g < groups; ++g)
-          for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-#endif
-      for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
       const scalar_t* kp = k + slots[b] * slot_stride + h * head_stride;
       float* out = scores + task * groups * width;
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* kr = kp + t * dim;
+#if defined(__AVX512F__)
+      const bool vectorised = has_avx512_scores<scalar_t>(dim);
+#else
+      const bool vectorised = false;
+#endif
+      if (vectorised) {
+#if defined(__AVX512F__)
+        scores_task_avx512<scalar_t>(qp, kp, n, groups, dim, out, width, scale);
+#endif
+      } else {
+        for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
+        for (int64_t t = 0; t < n; ++t) {
+          const scalar_t* kr = kp + t * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) row[d] = widen(kr[d]);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float* qg = query + g * dim;
-          float sum = 0.f;
+          for (int64_t d = 0; d < dim; ++d) row[d] = widen(kr[d]);
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* qg = query + g * dim;
+            float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
-          out[g * width + t] = sum;
+            for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
+            out[g * width + t] = sum;
+          }
         }
       }
       for (int64_t g = 0; g < groups; ++g)
@@ -154,12 +163,10 @@ void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths
                    int64_t width) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc_store(GROUPS && DIM ? 0 : groups * dim);
-    std::vector<float> row_store(DIM ? 0 : dim);
-    alignas(64) float acc_fixed[GROUPS && DIM ? GROUPS * DIM : 1];
-    alignas(64) float row_fixed[DIM ? DIM : 1];
-    float* acc = GROUPS && DIM ? acc_fixed : acc_store.data();
-    float* row = DIM ? row_fixed : row_store.data();
+    Scratch<GROUPS && DIM ? GROUPS * DIM : 0> acc_buffer(groups * dim);
+    Scratch<DIM> row_buffer(dim);
+    float* acc = acc_buffer.data();
+    float* row = row_buffer.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const int64_t n = lengths[b];
@@ -195,17 +202,19 @@ void check_layer(const torch::Tensor& cache, const torch::Tensor& q, const torch
               "lengths must be a contiguous int64 (B,) tensor");
 }
 
-void check_slots(const torch::Tensor& slots, int64_t batch, int64_t num_slots) {
+// every sequence's slot is one of the cache's, and its length in 1..width (width <= the cache's positions):
+// a plain loop over B values, run on each call, since the kernels index memory by them
+void check_slots_and_lengths(const torch::Tensor& slots, const torch::Tensor& lengths, int64_t batch,
+                             int64_t num_slots, int64_t width, int64_t positions) {
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == batch && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
               "slots must be a contiguous int64 (B,) tensor");
-  TORCH_CHECK(batch == 0 || (slots.min().item<int64_t>() >= 0 && slots.max().item<int64_t>() < num_slots),
-              "every slot must be one of the cache's");
-}
-
-void check_lengths(const torch::Tensor& lengths, int64_t width, int64_t positions) {
   TORCH_CHECK(width <= positions, "width exceeds the cache's positions");
-  TORCH_CHECK(lengths.size(0) == 0 || (lengths.min().item<int64_t>() >= 1 && lengths.max().item<int64_t>() <= width),
-              "every length must be in 1..width");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "every slot must be one of the cache's");
+    TORCH_CHECK(length[b] >= 1 && length[b] <= width, "every length must be in 1..width");
+  }
 }
 
 // q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
@@ -213,8 +222,7 @@ void check_lengths(const torch::Tensor& lengths, int64_t width, int64_t position
 torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengths, torch::Tensor slots, int64_t width,
                      double scale) {
   check_layer(k_layer, q, lengths);
-  check_slots(slots, q.size(0), k_layer.size(0));
-  check_lengths(lengths, width, k_layer.size(2));
+  check_slots_and_lengths(slots, lengths, q.size(0), k_layer.size(0), width, k_layer.size(2));
   auto out = torch::empty({q.size(0), q.size(1), q.size(2), width}, q.options().dtype(torch::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, q.scalar_type(), "ragged_scores", [&] {
     auto run = [&](auto kernel) {
@@ -241,8 +249,7 @@ torch::Tensor values(torch::Tensor probs, torch::Tensor v_layer, torch::Tensor l
               "probs must be a contiguous float32 (B, Hkv, G, width) tensor");
   auto out = torch::empty({probs.size(0), probs.size(1), probs.size(2), v_layer.size(3)}, v_layer.options());
   check_layer(v_layer, out, lengths);
-  check_lengths(lengths, probs.size(3), v_layer.size(2));
-  check_slots(slots, probs.size(0), v_layer.size(0));
+  check_slots_and_lengths(slots, lengths, probs.size(0), v_layer.size(0), probs.size(3), v_layer.size(2));
   AT_DISPATCH_FLOATING_TYPES_AND(at::ScalarType::BFloat16, v_layer.scalar_type(), "ragged_values", [&] {
     auto run = [&](auto kernel) {
       kernel(probs.data_ptr<float>(), v_layer.data_ptr<scalar_t>(), lengths.data_ptr<int64_t>(),
