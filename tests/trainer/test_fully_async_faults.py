@@ -9,7 +9,7 @@ import uuid
 import pytest
 import ray
 from test_fully_async_e2e import FULLY_ASYNC, overrides
-from test_placement_e2e import TAG_VARIABLE, worker_processes
+from test_placement_e2e import TAG_VARIABLE, worker_processes_left
 
 from hybridflow.controller import WorkerError
 from hybridflow.trainer import main as train_main
@@ -68,7 +68,7 @@ def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
     error = raised.value
     assert (error.group, error.rank) == (group, 0) and error.method in method
     assert "died" in str(error) or "ActorDiedError" in str(error) or "RayActorError" in str(error)
-    assert worker_processes(tag) == set()  # both pools' processes are gone
+    assert worker_processes_left(tag) == set()  # both pools' processes are gone
     time.sleep(1)
     assert [t.name for t in threading.enumerate() if t.name == "rollouter"] == []
     assert not ray.is_initialized()

@@ -47,7 +47,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
 BACKENDS = {
     "native": [],
+    # the head-32 model learns more slowly: at step 10 its curve still climbs steeply (last two steps 0.32-0.37 and
+    # 0.57-0.66 over five runs; vLLM's batching makes them vary), so two more steps keep it clear of the bound
     "vllm": [
+        "trainer.total_training_steps=12",
         f"actor_rollout_ref.model.path={TINY_HEAD_32}",
         "actor_rollout_ref.rollout.name=vllm",
         "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
@@ -103,7 +106,7 @@ def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(local_ray, 
     run(config)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in records]
-    assert len(scores) == (14 if "async" in backend or "one_step_off" in backend else 10)
+    assert len(scores) == config.trainer.total_training_steps
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.15 and last > first + 0.4, scores
     step = records[-1]

@@ -9,7 +9,7 @@ import uuid
 import pytest
 import ray
 from test_one_step_off_e2e import overrides
-from test_placement_e2e import TAG_VARIABLE, worker_processes
+from test_placement_e2e import TAG_VARIABLE, worker_processes_left
 
 from hybridflow.controller import WorkerError
 from hybridflow.trainer import main as train_main
@@ -57,7 +57,7 @@ def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
     error = raised.value
     assert (error.group, error.method, error.rank) == (group, method, 0)
     assert "died" in str(error) or "ActorDiedError" in str(error) or "RayActorError" in str(error)
-    assert worker_processes(tag) == set()  # both pools' processes are gone
+    assert worker_processes_left(tag) == set()  # both pools' processes are gone
     # and the driver's background generation with them: a thread still inside a Ray call when the session
     # ends makes its next call start a new cluster (Ray's auto-init) whose processes die with that thread,
     # and the next run in this process, finding Ray started, uses it and is ended by Ray 60 s later
