@@ -131,6 +131,21 @@ def decode(
     reads positions 0..positions[b] of each slot only (float32 scores and softmax; for slots
     much longer than the sequences in them, as in multi-turn rollout).
     """
+    return _logits(weights, _decode_hidden(weights, rope, cache, tokens, positions, ragged, slots))
+
+
+def _decode_hidden(
+    weights: Weights,
+    rope: RotaryTables,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    ragged: bool,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """`decode` up to the final norm: the residual stream after the last layer, (B, H). Each layer stores every
+    token's keys/values before any attends, so in ragged mode several tokens may share a slot (consecutive
+    positions of one sequence): each attends to its own position and those before it (`extend`)."""
     spec = weights.spec
     b = tokens.shape[0]
     hq, hkv, g, d = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
@@ -165,7 +180,15 @@ def decode(
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
             attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
         x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size))
-    return _logits(weights, x)
+    return x
+
+
+# Up to this many new tokens per row, `extend` runs packed through the ragged kernel; above, padded rows and SDPA.
+# The kernel computes each query's scores on its own, which pays when a row's new tokens are few against its
+# cached context; SDPA's blocked products pay for long spans. One extend of 64 rows, smollm2 bf16, 2 threads
+# (01:10 UTC, idle): 20 new tokens after 150 cached, 1.26x faster packed (1.70x with lengths varying by
+# row); 60 after 150, 1.21x (1.72x); 100 after 300, 0.77x (1.07x); 400 after none, 0.90x (1.18x).
+RAGGED_EXTEND_MAX_TOKENS = 64
 
 
 def extend(
@@ -177,6 +200,7 @@ def extend(
     starts: torch.Tensor,
     slots: torch.Tensor,
     scratch_slot: int,
+    ragged: bool = False,
 ) -> torch.Tensor:
     """Append right-padded tokens to sequences that each already hold ``starts[b]`` cached positions.
 
@@ -185,7 +209,17 @@ def extend(
     turn computes only its own tokens. tokens (Bp, T), lengths (Bp,) real tokens per row (>= 1),
     starts (Bp,), slots (Bp,). The pad positions' keys/values go to ``scratch_slot`` (a slot no
     sequence holds), never over a real one. Returns the logits after each row's last real token (Bp, V).
+
+    ``ragged``: when no row appends more than RAGGED_EXTEND_MAX_TOKENS tokens (a tool's answer, the next
+    user message), the real tokens only, packed into one sequence of tokens each with its own slot and
+    position, through the ragged decode kernel (each reads its slot's positions 0..its own): no pad
+    computed, no cached keys gathered into padded rows, no mask (float32 scores and softmax, as decode).
     """
+    if ragged and int(lengths.max()) <= RAGGED_EXTEND_MAX_TOKENS:
+        real = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]  # (Bp, T)
+        rows, offsets = real.nonzero(as_tuple=True)  # row-major: each row's tokens in order, rows in order
+        hidden = _decode_hidden(weights, rope, cache, tokens[real], starts[rows] + offsets, True, slots[rows])
+        return _logits(weights, hidden[lengths.cumsum(0) - 1])  # each row's last token
     spec = weights.spec
     b, t = tokens.shape
     hkv, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim

@@ -79,8 +79,8 @@ def decode_attention(
     """softmax(scale * q.k) v over positions 0..lengths[b]-1 of cache slot slots[b] (default: slot b).
 
     q (B, Hkv, G, D); keys/values one cache layer (S, Hkv, T, D); lengths (B,) int64 in 1..T; slots (B,)
-    int64 in 0..S-1; width: max(lengths) (a decode step's layers share it: give it once). Returns
-    (B, Hkv, G, D) in q's dtype.
+    int64 in 0..S-1, several queries may read one slot (the tokens of one sequence in an extend); width:
+    max(lengths) (a step's layers share it: give it once). Returns (B, Hkv, G, D) in q's dtype.
     """
     if not available():
         raise RuntimeError(f"the ragged decode kernel is unavailable: {_failure}")

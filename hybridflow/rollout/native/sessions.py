@@ -217,6 +217,7 @@ class NativeRequestEngine(SteppedRequestEngine):
             torch.tensor(starts, device=device),
             torch.tensor([req.slot for req in rows], device=device),
             self.scratch,
+            self.ragged,
         )
         self._stats.prefill_calls += 1
         self._stats.prefill_tokens += sum(lengths)

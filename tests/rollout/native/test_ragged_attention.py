@@ -76,3 +76,56 @@ def test_a_decode_step_equals_the_whole_row_path(tiny):
     ragged = model.decode(engine.weights, engine.rope, engine.cache, tokens, positions, ragged=True)
     torch.testing.assert_close(ragged, whole, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(engine.cache.k, after_whole, rtol=1e-5, atol=1e-5)  # later layers: rounding
+
+
+def test_an_extend_over_packed_real_tokens_equals_the_padded_one(tiny):
+    """fp32: turns of different lengths appended to histories of different lengths (a slot with none) give the
+    same logits and the same cached keys/values through the kernel as through padded rows and masked SDPA."""
+    _, hf_model, tokenizer = tiny
+    engine = NativeRollout(hf_model, tokenizer, engine_config=engine_config()).engine
+    engine.prepare(6, 64)
+    generator = torch.Generator().manual_seed(1)
+    vocab = hf_model.config.vocab_size
+    histories = {0: 0, 3: 21, 1: 7, 4: 12}  # slot: cached positions
+    for slot, length in histories.items():
+        if length:
+            tokens = torch.randint(0, vocab, (1, length), generator=generator)
+            model.prefill(
+                engine.weights, engine.rope, engine.cache, tokens, torch.tensor([length]), torch.tensor([slot])
+            )
+    slots = torch.tensor(list(histories))
+    starts = torch.tensor(list(histories.values()))
+    lengths = torch.tensor([9, 1, 14, 5])
+    tokens = torch.randint(0, vocab, (4, 14), generator=generator)
+    before_k, before_v = engine.cache.k.clone(), engine.cache.v.clone()
+    padded = model.extend(engine.weights, engine.rope, engine.cache, tokens, lengths, starts, slots, scratch_slot=5)
+    padded_k, padded_v = engine.cache.k.clone(), engine.cache.v.clone()
+    engine.cache.k.copy_(before_k)
+    engine.cache.v.copy_(before_v)
+    packed = model.extend(engine.weights, engine.rope, engine.cache, tokens, lengths, starts, slots, 5, ragged=True)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    for slot, start, length in zip(slots.tolist(), starts.tolist(), lengths.tolist()):
+        end = start + length
+        torch.testing.assert_close(engine.cache.k[:, slot, :, :end], padded_k[:, slot, :, :end], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(engine.cache.v[:, slot, :, :end], padded_v[:, slot, :, :end], rtol=1e-5, atol=1e-5)
+        assert engine.cache.k[:, slot, :, end:].abs().sum() == 0  # nothing written past a row's real tokens
+    assert torch.equal(engine.cache.k[:, 5], before_k[:, 5])  # the packed form writes no pads to the scratch slot
+
+
+def test_extend_packs_only_short_spans(tiny, monkeypatch):
+    """Up to RAGGED_EXTEND_MAX_TOKENS new tokens per row go through the kernel (once per layer); a longer span
+    takes the padded rows and SDPA, whose blocked products are faster there."""
+    _, hf_model, tokenizer = tiny
+    engine = NativeRollout(hf_model, tokenizer, engine_config=engine_config()).engine
+    limit = model.RAGGED_EXTEND_MAX_TOKENS
+    engine.prepare(3, limit + 8)
+    calls = []
+    kernel = ragged_attention.decode_attention
+    monkeypatch.setattr(ragged_attention, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    layers = hf_model.config.num_hidden_layers
+    for span, kernel_calls in ((limit, layers), (limit + 1, 0)):
+        calls.clear()
+        tokens = torch.randint(0, hf_model.config.vocab_size, (2, span), generator=torch.Generator().manual_seed(2))
+        lengths, starts, slots = torch.tensor([span, 3]), torch.tensor([0, 5]), torch.tensor([0, 1])
+        model.extend(engine.weights, engine.rope, engine.cache, tokens, lengths, starts, slots, 2, ragged=True)
+        assert len(calls) == kernel_calls

@@ -195,8 +195,8 @@ void check_layer(const torch::Tensor& cache, const torch::Tensor& q, const torch
               "a cache layer must be (S, Hkv, T, D) with contiguous rows");
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous() && q.scalar_type() == cache.scalar_type(),
               "queries must be a contiguous (B, Hkv, G, D) tensor of the cache's dtype");
-  TORCH_CHECK(q.size(1) == cache.size(1) && q.size(3) == cache.size(3) && q.size(0) <= cache.size(0),
-              "queries and cache disagree on kv heads, head dim or slots");
+  TORCH_CHECK(q.size(1) == cache.size(1) && q.size(3) == cache.size(3),
+              "queries and cache disagree on kv heads or head dim");
   TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == torch::kLong &&
                   lengths.is_contiguous(),
               "lengths must be a contiguous int64 (B,) tensor");
@@ -218,7 +218,7 @@ void check_slots_and_lengths(const torch::Tensor& slots, const torch::Tensor& le
 }
 
 // q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
-// slots (B,): the cache slot of each sequence.
+// slots (B,): the cache slot of each query (several may share one: consecutive tokens of a sequence in an extend).
 torch::Tensor scores(torch::Tensor q, torch::Tensor k_layer, torch::Tensor lengths, torch::Tensor slots, int64_t width,
                      double scale) {
   check_layer(k_layer, q, lengths);
