@@ -37,6 +37,15 @@ def kernel_cache_env(capacity: int) -> dict[str, str]:
     return {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(capacity), "LRU_CACHE_CAPACITY": str(capacity)}
 
 
+def tuning_env(kernel_cache_capacity: int) -> dict[str, str]:
+    """The allocator and kernel-cache settings of a run's worker processes (a value already in the driver's
+    environment wins). A cluster the run starts gives them to every worker, and each worker group's actors ask
+    for them too (``RayResourcePool(worker_env=...)``), so a run on a cluster started elsewhere (``ray.init()``
+    in a notebook, ``ray start``, ``trainer.ray_address``) gets them as well."""
+    settings = {**ALLOCATOR_ENV, **kernel_cache_env(kernel_cache_capacity)}
+    return {key: os.environ.get(key, value) for key, value in settings.items()}
+
+
 def worker_env_vars(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of every worker process: the driver's import path, unbuffered logs, the allocator
     settings and ``extra``. A value already in the driver's environment wins."""

@@ -129,10 +129,12 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
     """One WorkerHost actor per rank of ``pool``, joined into one torch.distributed group."""
     placements = pool.placements()
     resources = pool.actor_resources
+    environment = {"runtime_env": {"env_vars": pool.worker_env}} if pool.worker_env else {}  # merged with the job's
     hosts = [
         _RemoteHost.options(
             num_cpus=resources["num_cpus"],
             num_gpus=resources["num_gpus"],
+            **environment,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=index
             ),

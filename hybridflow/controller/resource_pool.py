@@ -54,9 +54,12 @@ class RayResourcePool(ResourcePool):
         name: str = "pool",
         ready_timeout_s: float = 60.0,
         threads_per_worker: int | None = None,
+        worker_env: dict[str, str] | None = None,
     ):
         super().__init__(process_on_nodes, use_gpu=use_gpu, max_colocate_count=max_colocate_count)
         self.cpus_per_worker = cpus_per_worker
+        # environment variables of this pool's worker processes, on top of those the cluster gives every worker
+        self.worker_env = dict(worker_env or {})
         self.threads_per_worker = threads_per_worker or max(1, int(cpus_per_worker))
         self.name = name
         self.ready_timeout_s = ready_timeout_s

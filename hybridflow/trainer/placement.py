@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
+from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.roles import RoleGroups, needs_reference
 
@@ -149,6 +150,7 @@ def build_groups(config: HybridFlowConfig, placement: Placement, specs: dict[Rol
                 threads_per_worker=trainer.threads_per_worker or None,
                 ready_timeout_s=trainer.placement_timeout_s,
                 name=pool_name,
+                worker_env=tuning_env(trainer.cpu_kernel_cache_capacity),
             )
             pools.append(pool)
             pool_specs = {role.value: specs[role] for role in placement.roles_on(pool_name)}

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
-from hybridflow.controller.ray_runtime import kernel_cache_env
+from hybridflow.controller.ray_runtime import kernel_cache_env, tuning_env
 from hybridflow.data import PromptDataLoader, SFTDataset
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_tokenizer
@@ -141,6 +141,7 @@ def run(config: SFTConfig) -> dict[str, float]:
             threads_per_worker=trainer.threads_per_worker or None,
             ready_timeout_s=trainer.placement_timeout_s,
             name=POOL,
+            worker_env=tuning_env(trainer.cpu_kernel_cache_capacity),
         )
         spec = RoleSpec(
             SFTWorker,

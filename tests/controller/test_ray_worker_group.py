@@ -20,7 +20,7 @@ from hybridflow.controller import (
     WorkerError,
     register,
 )
-from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
+from hybridflow.controller.ray_runtime import ALLOCATOR_ENV, tuning_env
 from hybridflow.protocol import DataProto, DataProtoFuture
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # the shared cluster (tests/conftest.py)
@@ -64,6 +64,10 @@ class SumWorker(Worker):
     def allocator_env(self) -> dict[str, str | None]:
         return {key: os.environ.get(key) for key in ALLOCATOR_ENV}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def environment(self, keys: list[str]) -> dict[str, str | None]:
+        return {key: os.environ.get(key) for key in keys}
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def rank_zero_only(self) -> int:
         return self.rank
@@ -106,6 +110,25 @@ def test_other_dispatch_and_execute_modes_on_real_workers(pool):
     squared = group.apply(_square, DataProto.from_dict({"x": torch.arange(3.0)}))
     assert squared.batch["x"].tolist() == [0.0, 1.0, 4.0]
     group.kill()
+
+
+def test_a_pool_gives_its_workers_its_environment_on_top_of_the_cluster_s(pool):
+    """The shared cluster was started with the default kernel-cache capacity for every worker; a pool's own
+    settings win over it for its workers, and the rest of the cluster's environment stays (a run's tuning
+    reaches its workers on a cluster started without it)."""
+    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7", "HYBRIDFLOW_POOL_ENV_TEST": "pool"}
+    group = RayWorkerGroup(pool([2], worker_env=env), RoleSpec(SumWorker), name="env")
+    seen = group.environment([*env, "PYTHONPATH"])
+    assert [{key: worker[key] for key in env} for worker in seen] == [env, env]
+    assert all(worker["PYTHONPATH"] for worker in seen)  # the cluster's (the driver's import path)
+    group.kill()
+
+
+def test_tuning_env_keeps_what_the_driver_set(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "3")
+    env = tuning_env(16)
+    assert env["LRU_CACHE_CAPACITY"] == "3" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
+    assert {key: env[key] for key in ALLOCATOR_ENV} == {key: os.environ.get(key, v) for key, v in ALLOCATOR_ENV.items()}
 
 
 class MeshWorker(Worker):
