@@ -6,14 +6,13 @@ import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.controller import RoleSpec, start_ray
-from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
-from hybridflow.trainer.config import default_config, load_config
+from hybridflow.trainer.config import load_config
 from hybridflow.workers import ActorRolloutWorker
 
 
@@ -113,8 +112,9 @@ def local_ray():
     first (or by the first after a test that needed none running, see no_ray) and shut down at the end of the
     session. A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers on
     it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
-    on a small machine. Its workers get the environment a run's own cluster gives them."""
-    start_ray(num_cpus=8, worker_env=kernel_cache_env(default_config().trainer.cpu_kernel_cache_capacity))
+    on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools add its
+    tuning settings)."""
+    start_ray(num_cpus=8)
     yield
 
 

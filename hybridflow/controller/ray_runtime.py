@@ -37,21 +37,27 @@ def kernel_cache_env(capacity: int) -> dict[str, str]:
     return {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(capacity), "LRU_CACHE_CAPACITY": str(capacity)}
 
 
+def _driver_first(settings: dict[str, str]) -> dict[str, str]:
+    """``settings``, except where the driver's environment already sets a key: then the driver's value."""
+    return {key: os.environ.get(key, value) for key, value in settings.items()}
+
+
 def tuning_env(kernel_cache_capacity: int) -> dict[str, str]:
     """The allocator and kernel-cache settings of a run's worker processes (a value already in the driver's
-    environment wins). A cluster the run starts gives them to every worker, and each worker group's actors ask
-    for them too (``RayResourcePool(worker_env=...)``), so a run on a cluster started elsewhere (``ray.init()``
-    in a notebook, ``ray start``, ``trainer.ray_address``) gets them as well."""
-    settings = {**ALLOCATOR_ENV, **kernel_cache_env(kernel_cache_capacity)}
-    return {key: os.environ.get(key, value) for key, value in settings.items()}
+    environment wins). Each worker group's actors ask for them (``RayResourcePool(worker_env=...)``, merged with
+    the cluster's environment), so a run gets them on any cluster: one it starts, or one started elsewhere
+    (``ray.init()`` in a notebook, ``ray start``, ``trainer.ray_address``)."""
+    return _driver_first({**ALLOCATOR_ENV, **kernel_cache_env(kernel_cache_capacity)})
 
 
 def worker_env_vars(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of every worker process: the driver's import path, unbuffered logs, the allocator
     settings and ``extra``. A value already in the driver's environment wins."""
-    settings = {**ALLOCATOR_ENV, **(extra or {})}
-    chosen = {key: os.environ.get(key, value) for key, value in settings.items()}
-    return {"PYTHONPATH": _driver_pythonpath(), "RAY_DEDUP_LOGS": "0", **chosen}
+    return {
+        "PYTHONPATH": _driver_pythonpath(),
+        "RAY_DEDUP_LOGS": "0",
+        **_driver_first({**ALLOCATOR_ENV, **(extra or {})}),
+    }
 
 
 def driver_runtime_env(extra_env: dict[str, str] | None = None) -> dict:
@@ -69,7 +75,7 @@ def start_ray(
     ``num_cpus``: the local cluster's logical CPUs (None: Ray's default, the machine's cores). Logical
     CPUs only decide what Ray may place; threads per worker are what bound real CPU use, so a
     small machine may host more workers than it has cores (``trainer.ray_num_cpus``).
-    ``worker_env``: more environment variables for every worker process (e.g. ``kernel_cache_env``).
+    ``worker_env``: more environment variables for every worker process.
     """
     if ray.is_initialized():
         return False

@@ -11,7 +11,6 @@ import sys
 from rich.console import Console
 
 from hybridflow.controller import Role, RoleSpec, ray_session
-from hybridflow.controller.ray_runtime import kernel_cache_env
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, load_custom_reward_fn
@@ -126,11 +125,8 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     )
 
     joined = config.trainer.ray_address
-    with ray_session(
-        joined or None,
-        None if joined else local_cluster_cpus(config.trainer, placement),
-        worker_env=kernel_cache_env(config.trainer.cpu_kernel_cache_capacity),
-    ):
+    # the workers' tuning settings come with their pools (placement.build_groups), on any cluster
+    with ray_session(joined or None, None if joined else local_cluster_cpus(config.trainer, placement)):
         if joined:
             check_cluster(config.trainer, placement)
         groups = build_role_groups(config, plan, total_steps)

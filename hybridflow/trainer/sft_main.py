@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
-from hybridflow.controller.ray_runtime import kernel_cache_env, tuning_env
+from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader, SFTDataset
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_tokenizer
@@ -127,11 +127,8 @@ def run(config: SFTConfig) -> dict[str, float]:
         f"trained tokens) on {trainer.world_size} workers; run dir {plan.run_dir}"
     )
     joined = trainer.ray_address
-    with ray_session(
-        joined or None,
-        None if joined else local_cluster_cpus(trainer, plan.placement),
-        worker_env=kernel_cache_env(trainer.cpu_kernel_cache_capacity),
-    ):
+    # the workers' tuning settings come with their pool (below), on any cluster
+    with ray_session(joined or None, None if joined else local_cluster_cpus(trainer, plan.placement)):
         if joined:
             check_cluster(trainer, plan.placement)
         pool = RayResourcePool(

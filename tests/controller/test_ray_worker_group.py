@@ -112,23 +112,30 @@ def test_other_dispatch_and_execute_modes_on_real_workers(pool):
     group.kill()
 
 
-def test_a_pool_gives_its_workers_its_environment_on_top_of_the_cluster_s(pool):
-    """The shared cluster was started with the default kernel-cache capacity for every worker; a pool's own
-    settings win over it for its workers, and the rest of the cluster's environment stays (a run's tuning
-    reaches its workers on a cluster started without it)."""
-    env = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7", "HYBRIDFLOW_POOL_ENV_TEST": "pool"}
+def test_a_pool_gives_its_workers_its_environment_on_top_of_the_cluster_s(pool, monkeypatch):
+    """The shared cluster gives every worker the allocator settings and the driver's import path; a pool's own
+    variables win over the cluster's for its workers, and the rest of the cluster's environment stays (a run's
+    tuning reaches its workers on a cluster started without it)."""
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    env = {"MALLOC_TRIM_THRESHOLD_": "12345", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "7"}
     group = RayWorkerGroup(pool([2], worker_env=env), RoleSpec(SumWorker), name="env")
-    seen = group.environment([*env, "PYTHONPATH"])
+    seen = group.environment([*env, "MALLOC_MMAP_THRESHOLD_", "PYTHONPATH"])
     assert [{key: worker[key] for key in env} for worker in seen] == [env, env]
-    assert all(worker["PYTHONPATH"] for worker in seen)  # the cluster's (the driver's import path)
+    cluster_value = os.environ.get("MALLOC_MMAP_THRESHOLD_", ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"])
+    assert all(worker["MALLOC_MMAP_THRESHOLD_"] == cluster_value and worker["PYTHONPATH"] for worker in seen)
     group.kill()
 
 
 def test_tuning_env_keeps_what_the_driver_set(monkeypatch):
+    for key in ALLOCATOR_ENV:
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "3")
-    env = tuning_env(16)
-    assert env["LRU_CACHE_CAPACITY"] == "3" and env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "16"
-    assert {key: env[key] for key in ALLOCATOR_ENV} == {key: os.environ.get(key, v) for key, v in ALLOCATOR_ENV.items()}
+    assert tuning_env(16) == {
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 32),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 36),
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16",
+        "LRU_CACHE_CAPACITY": "3",
+    }
 
 
 class MeshWorker(Worker):

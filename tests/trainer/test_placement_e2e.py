@@ -1,6 +1,7 @@
 """PPO with actor, reference, critic and reward model under each placement (tiny-llama, fp32, CPU)."""
 
 import json
+import os
 import subprocess
 import time
 import uuid
@@ -9,9 +10,12 @@ from pathlib import Path
 import pytest
 from test_train_e2e import assert_all_finite, short_run
 
-from hybridflow.controller import WorkerError
+from hybridflow.controller import Dispatch, Role, RoleSpec, Worker, WorkerError, register
+from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.models import resolve_model_path
 from hybridflow.run_files import TIMELINE_FILE
+from hybridflow.trainer.config import load_config
+from hybridflow.trainer.placement import Placement, build_groups
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
@@ -112,6 +116,30 @@ def test_pools_of_different_sizes_and_overlapping_stages(local_ray, arithmetic_f
     # the critic's values and the reward model's scores run beside the actor's old log-probs and reference pass
     after_generation = [("judge", "values"), ("judge", "rm")], [("train", "old_log_prob"), ("train", "ref")]
     assert any(overlapping(spans, a, b) for a in after_generation[0] for b in after_generation[1])
+
+
+class EnvironmentReporter(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def environment(self, keys: list[str]) -> dict[str, str | None]:
+        return {key: os.environ.get(key) for key in keys}
+
+
+def test_a_run_s_pools_give_its_workers_its_tuning_settings(local_ray, monkeypatch):
+    """build_groups asks Ray for the run's allocator and kernel-cache settings with every pool's actors: the
+    shared cluster, started without them, does not give them."""
+    for key in (*ALLOCATOR_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        monkeypatch.delenv(key, raising=False)
+    config = load_config(["trainer.cpu_kernel_cache_capacity=5"])
+    placement = Placement({"global_pool": [2]}, {Role.ActorRollout: "global_pool"})
+    groups = build_groups(config, placement, {Role.ActorRollout: RoleSpec(EnvironmentReporter)})
+    try:
+        seen = groups.actor_rollout.environment(
+            [*ALLOCATOR_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"]
+        )
+    finally:
+        groups.release()
+    expected = {**ALLOCATOR_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "5", "LRU_CACHE_CAPACITY": "5"}
+    assert seen == [expected, expected]
 
 
 def broken_reward_model(tmp_path):
