@@ -49,11 +49,12 @@ format: $(STAMP)
 	$(PY) -m hybridflow.trainer.config_help
 
 # The tests run in TEST_PROCESSES pytest processes (pytest-xdist), each taking whole files: a file's tests share
-# their module's fixtures (one Ray cluster, one set of runs). TEST_PROCESSES=0: one process.
+# their module's fixtures (one Ray cluster, one set of runs), in the order tests/conftest.py gives (the longest files
+# first). TEST_PROCESSES=0: one process.
 TEST_PROCESSES ?= 2
 
 test: lint
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,11 +1,14 @@
 """Fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor config, a rollout batch."""
 
+import json
+import os
+
 import pytest
 import ray
 import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
-from hybridflow.controller import RoleSpec, start_ray
+from hybridflow.controller import RoleSpec, keep_worker_processes, kept_process_counts, start_ray
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
@@ -14,6 +17,8 @@ from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.trainer.config import load_config
 from hybridflow.workers import ActorRolloutWorker
+
+KEPT_WORKER_PROCESSES = 8  # per test process: a few hundred MB each with the tiny models
 
 
 @pytest.fixture(scope="session")
@@ -113,14 +118,19 @@ def local_ray():
     session. A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers on
     it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
     on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools add its
-    tuning settings)."""
+    tuning settings). The session keeps finished runs' worker processes for the next runs of the same shape
+    (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs."""
     start_ray(num_cpus=8)
+    keep_worker_processes(KEPT_WORKER_PROCESSES)
     yield
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_ray_after_the_session():
     yield
+    if counts_file := os.environ.get("HYBRIDFLOW_KEPT_COUNTS_FILE"):  # how often the session reused processes
+        with open(counts_file, "a") as out:
+            out.write(json.dumps(kept_process_counts()) + "\n")
     if ray.is_initialized():
         ray.shutdown()
 
@@ -140,3 +150,22 @@ def arithmetic_files(tmp_path_factory):
     out = tmp_path_factory.mktemp("arithmetic")
     write_task("arithmetic", out, train=64, test=8, seed=0)
     return out / "train.parquet", out / "test.parquet"
+
+
+# The files that take longest (trainer commands that are killed and resumed, each starting a Ray cluster of its
+# own): handed out first, so that the test processes of `make test` finish together instead of one running these
+# alone at the end while the other idles. Then the rest, the files with the most tests first (xdist's own order).
+LONGEST_FILES = (
+    "tests/trainer/test_kill_and_resume.py",
+    "tests/trainer/test_sft_e2e.py",
+    "tests/trainer/test_fully_async_resume.py",
+    "tests/trainer/test_faults.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    files = [item.nodeid.split("::", 1)[0] for item in items]
+    tests_in = {file: files.count(file) for file in set(files)}
+    first = {file: rank for rank, file in enumerate(LONGEST_FILES)}
+    order = sorted(range(len(items)), key=lambda i: (first.get(files[i], len(first)), -tests_in[files[i]], files[i], i))
+    items[:] = [items[i] for i in order]

@@ -15,6 +15,12 @@ from hybridflow.controller.decorator import (
     split_protos,
 )
 from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.kept_processes import (
+    keep_worker_processes,
+    kept_placement_groups,
+    kept_process_counts,
+    stop_keeping_worker_processes,
+)
 from hybridflow.controller.ray_runtime import ray_session, start_ray
 from hybridflow.controller.ray_worker_group import RayWorkerGroup, RoleSpec
 from hybridflow.controller.resource_pool import RayResourcePool, ResourcePool, ResourcePoolManager, Role
@@ -41,10 +47,14 @@ __all__ = [
     "WorkerError",
     "WorkerGroup",
     "get_dispatch_mode",
+    "keep_worker_processes",
+    "kept_placement_groups",
+    "kept_process_counts",
     "mesh_compute_proto",
     "ray_session",
     "register",
     "register_dispatch_mode",
     "split_protos",
     "start_ray",
+    "stop_keeping_worker_processes",
 ]

@@ -22,8 +22,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.decorator import MeshCoord, registered_methods
 from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.fresh_process import FreshProcessState
+from hybridflow.controller.kept_processes import note_started
 from hybridflow.controller.resource_pool import RayResourcePool
-from hybridflow.controller.worker import DistEnv, Worker, free_port, init_distributed
+from hybridflow.controller.worker import DistEnv, Worker, init_distributed, open_store
 from hybridflow.controller.worker_group import WorkerGroup
 from hybridflow.protocol import materialize
 
@@ -58,23 +60,32 @@ class _HostedError(Exception):
 
 
 class WorkerHost:
-    """The process of one rank: the distributed environment plus the role objects it hosts."""
+    """The process of one rank: the distributed environment plus the role objects it hosts. A driver that keeps
+    worker processes (kept_processes.py) resets it after a run and sets it up again for the next one."""
 
-    def __init__(self, specs: dict[str, RoleSpec]):
-        self.specs = specs
+    def __init__(self):
         self.roles: dict[str, Worker] = {}
-        self.methods = {name: set(registered_methods(spec.cls)) for name, spec in specs.items()}
+        self.methods: dict[str, set[str]] = {}
         self.spans: list[tuple[str, str, float, float]] = []  # (role, method, start, end), wall-clock seconds
+        self.store = None  # rank 0's rendezvous store, from open_store until setup
+        self.fresh = FreshProcessState.now()
 
-    def node_address(self) -> tuple[str, int, str]:
-        return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
+    def node_address(self) -> tuple[str, str]:
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
 
-    def setup(self, env: DistEnv, num_threads: int) -> int:
+    def open_store(self, world_size: int) -> int:
+        """As rank 0: open the group's rendezvous store; returns its port."""
+        self.store = open_store(ray.util.get_node_ip_address(), world_size)
+        return self.store.port
+
+    def setup(self, specs: dict[str, RoleSpec], env: DistEnv, num_threads: int) -> int:
         building = None
         try:
+            self.methods = {name: set(registered_methods(spec.cls)) for name, spec in specs.items()}
             torch.set_num_threads(num_threads)
-            init_distributed(env)
-            for building, spec in self.specs.items():
+            store, self.store = self.store, None
+            init_distributed(env, store=store)
+            for building, spec in specs.items():
                 self.roles[building] = spec.cls(*spec.args, **spec.kwargs)
         except BaseException as error:
             where = f"while building role '{building}' of this process:\n" if building else ""
@@ -102,6 +113,12 @@ class WorkerHost:
     def mesh_coord(self, role: str, mesh_name: str) -> MeshCoord:
         return self.roles[role].dispatch_mesh(mesh_name)
 
+    def reset(self) -> str | None:
+        """Drop the roles, leave the process group and restore what a new process starts with, for a next run;
+        returns why this process cannot serve as a new one (None: it can; see ``FreshProcessState.restore``)."""
+        self.roles, self.methods, self.spans = {}, {}, []
+        return self.fresh.restore()
+
 
 _RemoteHost = ray.remote(WorkerHost)
 
@@ -127,24 +144,12 @@ def _wait_all(group: str, method: str, futures: list, ranks: list[int]) -> list:
 
 def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: str) -> list:
     """One WorkerHost actor per rank of ``pool``, joined into one torch.distributed group."""
-    placements = pool.placements()
-    resources = pool.actor_resources
-    environment = {"runtime_env": {"env_vars": pool.worker_env}} if pool.worker_env else {}  # merged with the job's
-    hosts = [
-        _RemoteHost.options(
-            num_cpus=resources["num_cpus"],
-            num_gpus=resources["num_gpus"],
-            **environment,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=index
-            ),
-        ).remote(specs)
-        for pg, index in placements
-    ]
+    hosts = pool.take_spare_hosts() or _start_hosts(pool)
     addresses = ray.get([h.node_address.remote() for h in hosts])
-    master_addr, master_port, _ = addresses[0]
+    master_addr, _ = addresses[0]
+    master_port = ray.get(hosts[0].open_store.remote(len(hosts)))
     local_ranks, seen = [], {}
-    for _, _, node in addresses:
+    for _, node in addresses:
         local_ranks.append(seen.get(node, 0))
         seen[node] = local_ranks[-1] + 1
     device = "cuda" if pool.use_gpu else "cpu"
@@ -160,10 +165,27 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
         for rank in range(len(hosts))
     ]
     ranks = list(range(len(hosts)))
-    _wait_all(
-        group_name, "__init__", [h.setup.remote(env, pool.threads_per_worker) for h, env in zip(hosts, envs)], ranks
-    )
+    setups = [h.setup.remote(specs, env, pool.threads_per_worker) for h, env in zip(hosts, envs)]
+    _wait_all(group_name, "__init__", setups, ranks)
+    pool.host_sets.append(hosts)
     return hosts
+
+
+def _start_hosts(pool: RayResourcePool) -> list:
+    note_started(pool.world_size)
+    resources = pool.actor_resources
+    environment = {"runtime_env": {"env_vars": pool.worker_env}} if pool.worker_env else {}  # merged with the job's
+    return [
+        _RemoteHost.options(
+            num_cpus=resources["num_cpus"],
+            num_gpus=resources["num_gpus"],
+            **environment,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=index
+            ),
+        ).remote()
+        for pg, index in pool.placements()
+    ]
 
 
 class RayWorkerGroup(WorkerGroup):

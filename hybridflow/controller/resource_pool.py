@@ -8,11 +8,16 @@ Several worker groups may share a pool: each actor takes ``1 / max_colocate_coun
 from __future__ import annotations
 
 import enum
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
+
+from hybridflow.controller.kept_processes import KeptPool, end_oldest_kept, make_room, park, take_kept
+
+GIVE_WAY_AFTER_S = 1.0  # a pool not placed by then has kept processes end, one pool at a time, until it is
 
 
 class Role(enum.StrEnum):
@@ -64,6 +69,8 @@ class RayResourcePool(ResourcePool):
         self.name = name
         self.ready_timeout_s = ready_timeout_s
         self._placement_groups: list[PlacementGroup] | None = None
+        self.host_sets: list[list] = []  # the processes of each worker group placed here, in rank order
+        self._spare_host_sets: list[list] = []  # kept processes of an earlier run, waiting for a worker group
 
     @property
     def bundle(self) -> dict[str, float]:
@@ -75,16 +82,35 @@ class RayResourcePool(ResourcePool):
         share = 1.0 / self.max_colocate_count
         return {"num_cpus": self.cpus_per_worker * share, "num_gpus": share if self.use_gpu else 0.0}
 
+    @property
+    def shape(self) -> tuple:
+        """What a kept process must match to serve this pool (kept_processes.py)."""
+        return (
+            tuple(self.process_on_nodes),
+            self.use_gpu,
+            self.cpus_per_worker,
+            self.max_colocate_count,
+            self.threads_per_worker,
+            tuple(sorted(self.worker_env.items())),
+        )
+
+    def take_spare_hosts(self) -> list | None:
+        """Processes of an earlier run kept for this pool's shape (one per rank, already placed), or None."""
+        self.placement_groups()
+        return self._spare_host_sets.pop(0) if self._spare_host_sets else None
+
     def placement_groups(self) -> list[PlacementGroup]:
+        if self._placement_groups is None and (kept := take_kept(self.shape)) is not None:
+            self._placement_groups, self._spare_host_sets = kept.placement_groups, kept.host_sets
         if self._placement_groups is None:
+            make_room(self.cpus_per_worker * self.world_size, float(self.world_size) if self.use_gpu else 0.0)
             groups = [
                 placement_group(
                     [self.bundle] * count, strategy="STRICT_PACK", name=f"{self.name}_{uuid.uuid4().hex[:8]}_node{i}"
                 )
                 for i, count in enumerate(self.process_on_nodes)
             ]
-            ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=self.ready_timeout_s)
-            if len(ready) < len(groups):
+            if not self._wait_placed(groups):
                 for g in groups:
                     ray.util.remove_placement_group(g)
                 raise RuntimeError(
@@ -95,14 +121,44 @@ class RayResourcePool(ResourcePool):
             self._placement_groups = groups
         return self._placement_groups
 
+    def _wait_placed(self, groups: list[PlacementGroup]) -> bool:
+        """Whether ``groups`` are placed within the pool's timeout. Kept processes (kept_processes.py) hold CPUs
+        that the cluster's view of free resources may not show yet: while the groups wait, they end one kept
+        pool at a time."""
+        waiting = [g.ready() for g in groups]
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=min(left, GIVE_WAY_AFTER_S))
+            if len(ready) == len(waiting):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            end_oldest_kept()
+
     def placements(self) -> list[tuple[PlacementGroup, int]]:
         """(placement group, bundle index) for every rank, in rank order."""
         return [(g, i) for g, count in zip(self.placement_groups(), self.process_on_nodes) for i in range(count)]
 
-    def release(self) -> None:
-        for g in self._placement_groups or []:
+    def release(self, keep_processes: bool = True) -> None:
+        """Give the placement groups back to the cluster; Ray ends the processes placed in them. When the driver
+        keeps worker processes (``keep_worker_processes``) and ``keep_processes``, they are reset and kept for
+        the next pool of this shape instead; pass False after a failure."""
+        groups, ran, spare = self._placement_groups, self.host_sets, self._spare_host_sets
+        self._placement_groups, self.host_sets, self._spare_host_sets = None, [], []
+        if groups is None:
+            return
+        kept = KeptPool(
+            self.shape,
+            groups,
+            ran + spare,
+            cpus=self.cpus_per_worker * self.world_size,
+            gpus=float(self.world_size) if self.use_gpu else 0.0,
+        )
+        if keep_processes and park(kept, fresh=ran):
+            return
+        for g in groups:
             ray.util.remove_placement_group(g)
-        self._placement_groups = None
 
 
 @dataclass(kw_only=True)

@@ -54,8 +54,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed(env: DistEnv, timeout_s: float = 600.0) -> None:
-    """Join the process group (gloo for CPU tensors, plus nccl for CUDA tensors on a GPU)."""
+def open_store(host: str, world_size: int, timeout_s: float = 600.0) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on a port the system picks as it binds: a port chosen first and
+    bound later can be taken in between by another process (seen as EADDRINUSE with many runs on one machine)."""
+    return dist.TCPStore(
+        host, 0, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+
+
+def init_distributed(env: DistEnv, timeout_s: float = 600.0, store: dist.Store | None = None) -> None:
+    """Join the process group (gloo for CPU tensors, plus nccl for CUDA tensors on a GPU). ``store``: rank 0's
+    (``open_store``) on rank 0; without it the ranks meet at ``env.master_addr:master_port`` (rank 0 listens)."""
     os.environ.update(env.to_environ())
     if dist.is_initialized():
         return
@@ -64,13 +73,12 @@ def init_distributed(env: DistEnv, timeout_s: float = 600.0) -> None:
         backend = "cpu:gloo,cuda:nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    timeout = timedelta(seconds=timeout_s)
+    if store is None:
+        store = dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0, timeout=timeout
+        )
+    dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 class Worker:

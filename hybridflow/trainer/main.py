@@ -130,6 +130,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         if joined:
             check_cluster(config.trainer, placement)
         groups = build_role_groups(config, plan, total_steps)
+        finished = False
         try:
             tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
             loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
@@ -146,11 +147,13 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
                 total_steps,
             )
             try:
-                return trainer.fit(resume_from=checkpoint)
+                result = trainer.fit(resume_from=checkpoint)
+                finished = True
+                return result
             finally:
                 tracking.finish()
         finally:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
-            groups.release()
+            groups.release(keep_processes=finished)
 
 
 def train_usage() -> str:

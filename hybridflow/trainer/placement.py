@@ -158,7 +158,7 @@ def build_groups(config: HybridFlowConfig, placement: Placement, specs: dict[Rol
             groups.update({Role(name): view for name, view in views.items()})
     except BaseException:  # a pool that did not place or start: give back the ones that did
         for pool in pools:
-            pool.release()
+            pool.release(keep_processes=False)
         raise
     reference_on_actor = needs_reference(config) and config.actor_rollout_ref.model.lora.enabled
     return RoleGroups.from_roles(

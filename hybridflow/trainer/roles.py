@@ -64,12 +64,13 @@ class RoleGroups:
             resource_pools=list(resource_pools),
         )
 
-    def release(self) -> None:
+    def release(self, keep_processes: bool = True) -> None:
         """Give the resource pools back to the Ray cluster; Ray ends the worker processes placed in them. A run
         on a cluster it did not start (one the program or a notebook had started, or several runs in one
-        process) leaves it as it found it."""
+        process) leaves it as it found it, except for the processes a driver that keeps them
+        (``keep_worker_processes``) keeps after a run that ended well (``keep_processes``)."""
         for pool in self.resource_pools:
-            pool.release()
+            pool.release(keep_processes)
         self.resource_pools = []
 
     @property

@@ -152,6 +152,7 @@ def run(config: SFTConfig) -> dict[str, float]:
                 seed=trainer.seed,
             ),
         )
+        finished = False
         try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
             group = RayWorkerGroup(pool, spec, name=POOL)
             tracking = Tracking(trainer.logger, plan.run_dir, dataclasses.asdict(config))
@@ -166,11 +167,13 @@ def run(config: SFTConfig) -> dict[str, float]:
                 plan.run_dir,
             )
             try:
-                return loop.fit(resume_from=checkpoint)
+                result = loop.fit(resume_from=checkpoint)
+                finished = True
+                return result
             finally:
                 tracking.finish()
         finally:
-            pool.release()
+            pool.release(keep_processes=finished)
 
 
 def sft_usage() -> str:

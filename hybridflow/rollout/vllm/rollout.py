@@ -94,9 +94,11 @@ class VllmRollout(Rollout):
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
-        self._config_dir = tempfile.TemporaryDirectory(prefix="hybridflow-vllm-")
-        model.config.save_pretrained(self._config_dir.name)
-        self.llm = _start_engine(self._config_dir.name, dtype, engine_config)
+        # the engine reads the model's config once, as it starts; the directory goes then (a worker process
+        # ends by a kill, which skips the cleanup of anything left for its exit)
+        with tempfile.TemporaryDirectory(prefix="hybridflow-vllm-") as config_dir:
+            model.config.save_pretrained(config_dir)
+            self.llm = _start_engine(config_dir, dtype, engine_config)
         self.cache = CacheMemory(self.llm)
         self._requests: VllmRequestEngine | None = None
         self.load_weights((name, param.detach()) for name, param in model.named_parameters())

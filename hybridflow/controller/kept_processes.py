@@ -1,0 +1,184 @@
+"""Keeping a finished run's worker processes for the next run of the same driver (opt-in).
+
+A worker process spends 4-6 CPU-seconds importing torch, Ray, FSDP2 and transformers before it
+runs anything, several times what a tiny model's run costs. A driver that makes many short runs on
+one Ray cluster (a test suite, a sweep in a notebook) can ask to keep them: when a pool is released
+cleanly, each of its processes drops its roles, leaves its process group and returns to the state
+a new process starts in (``WorkerHost.reset``), and the pool's placement groups wait here with them.
+The next pool of the same shape (processes per node, resources per process, threads, environment)
+takes them instead of starting new ones. A process that cannot be reset (an error, a hung
+collective, vLLM's engine was started in it, a thread it started still runs) is ended as usual.
+
+Kept processes hold their placement groups, and with them the cluster's CPUs: a pool that finds
+none of its shape ends the oldest kept ones until the cluster has room for it. Nothing is kept
+unless the driver calls ``keep_worker_processes``; ``stop_keeping_worker_processes`` ends them all.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup
+
+RESET_TIMEOUT_S = 10.0  # a process that does not answer its reset in this time is ended (a hung collective)
+
+
+@dataclass
+class KeptPool:
+    """A released pool's placement groups and, per worker group it held, that group's reset processes."""
+
+    key: Hashable
+    placement_groups: list[PlacementGroup]
+    host_sets: list[list]
+    cpus: float
+    gpus: float
+
+    @property
+    def processes(self) -> int:
+        return sum(len(hosts) for hosts in self.host_sets)
+
+    def end(self) -> None:
+        """Give the placement groups back; Ray ends the processes placed in them."""
+        for group in self.placement_groups:
+            ray.util.remove_placement_group(group)
+
+
+class _Keeper:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # pools may be placed and released from several threads at once
+        self.max_processes = 0  # 0: keep nothing
+        self.kept: list[KeptPool] = []  # oldest first
+        self.cluster: str | None = None  # the Ray node the kept pools live on; another cluster's are gone
+        # processes reused / kept / ended to make room or stay within the bound, and why others were not kept
+        self.counts: Counter[str] = Counter()
+
+    def _current(self) -> list[KeptPool]:
+        """The kept pools, forgotten (not ended: Ray ended them) when the driver is now on another cluster."""
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+        if node != self.cluster:
+            self.kept, self.cluster = [], node
+        return self.kept
+
+    def take(self, key: Hashable) -> KeptPool | None:
+        if not self.max_processes or not ray.is_initialized():
+            return None
+        with self.lock:
+            kept = self._current()
+            for index, pool in enumerate(kept):
+                if pool.key == key:
+                    self.counts["reused"] += pool.processes
+                    return kept.pop(index)
+        return None
+
+    def make_room(self, cpus: float, gpus: float) -> None:
+        """End the oldest kept pools until the cluster's free resources, with theirs, fit a new pool's."""
+        if not self.kept or not ray.is_initialized():
+            return
+        available = ray.available_resources()  # may lag behind: end_oldest is the fallback
+        free_cpus, free_gpus = available.get("CPU", 0.0), available.get("GPU", 0.0)
+        while free_cpus < cpus or free_gpus < gpus:
+            ended = self.end_oldest()
+            if ended is None:
+                return
+            free_cpus, free_gpus = free_cpus + ended.cpus, free_gpus + ended.gpus
+
+    def end_oldest(self) -> KeptPool | None:
+        """End the kept pool kept longest (None: there is none)."""
+        if not ray.is_initialized():
+            return None
+        with self.lock:
+            kept = self._current()
+            oldest = kept.pop(0) if kept else None
+        if oldest is not None:
+            self.counts["ended to make room"] += oldest.processes
+            oldest.end()
+        return oldest
+
+    def park(self, pool: KeptPool, fresh: list[list]) -> bool:
+        """Reset the processes of ``fresh`` (worker groups that ran) and keep the pool with them and its spare
+        ones; False (nothing kept, the caller ends them) when keeping is off or a process did not reset."""
+        if not 0 < pool.processes <= self.max_processes or not ray.is_initialized():
+            return False
+        hosts = [host for group in fresh for host in group]
+        replies = [host.reset.remote() for host in hosts]
+        ready, _ = ray.wait(replies, num_returns=len(replies), timeout=RESET_TIMEOUT_S)
+        if len(ready) < len(replies):
+            self.counts[f"not kept: no answer to the reset in {RESET_TIMEOUT_S:.0f} s"] += len(hosts)
+            return False
+        try:
+            reasons = [reason for reason in ray.get(replies) if reason]
+        except Exception as error:  # a process that died or raised is not kept
+            reasons = [f"the reset failed ({type(error).__name__})"]
+        if reasons:
+            self.counts[f"not kept: {reasons[0]}"] += len(hosts)
+            return False
+        self.counts["kept"] += pool.processes
+        with self.lock:
+            kept = self._current()
+            ending = []
+            while kept and sum(p.processes for p in kept) + pool.processes > self.max_processes:
+                ending.append(kept.pop(0))
+                self.counts["ended to stay within the bound"] += ending[-1].processes
+            kept.append(pool)
+        for old in ending:
+            old.end()
+        return True
+
+
+_keeper = _Keeper()
+
+
+def keep_worker_processes(max_processes: int = 8) -> None:
+    """From now on, a pool released cleanly keeps up to ``max_processes`` worker processes (all pools together,
+    the newest kept) for the next pools of the same shape in this driver; 0 ends the kept ones and keeps none."""
+    if max_processes < 0:
+        raise ValueError(f"max_processes must be >= 0, got {max_processes}")
+    _keeper.max_processes = max_processes
+    if not max_processes:
+        stop_keeping_worker_processes()
+
+
+def stop_keeping_worker_processes() -> None:
+    """End every kept process (their placement groups go back to the cluster) and keep none from now on."""
+    _keeper.max_processes = 0
+    while _keeper.end_oldest() is not None:
+        pass
+    _keeper.kept = []
+
+
+def kept_placement_groups() -> list[PlacementGroup]:
+    """The placement groups kept processes hold now (a run on a shared cluster leaves only these placed)."""
+    return [group for pool in (_keeper._current() if ray.is_initialized() else []) for group in pool.placement_groups]
+
+
+def kept_process_counts() -> dict[str, int]:
+    """Since the driver started: processes reused, kept, ended to make room or stay within the bound, and
+    those not kept by reason (threads still running, vLLM imported, ...)."""
+    return dict(_keeper.counts)
+
+
+def note_started(processes: int) -> None:
+    """Count processes started anew while keeping is on (beside those reused)."""
+    if _keeper.max_processes:
+        _keeper.counts["started"] += processes
+
+
+def take_kept(key: Hashable) -> KeptPool | None:
+    return _keeper.take(key)
+
+
+def make_room(cpus: float, gpus: float) -> None:
+    _keeper.make_room(cpus, gpus)
+
+
+def end_oldest_kept() -> bool:
+    """End the longest-kept pool's processes, for a pool waiting to be placed; False when none is kept."""
+    return _keeper.end_oldest() is not None
+
+
+def park(pool: KeptPool, fresh: list[list]) -> bool:
+    return _keeper.park(pool, fresh)

@@ -1,0 +1,128 @@
+"""A driver that keeps worker processes: a released pool's processes serve the next pool of its shape as new ones."""
+
+import os
+import threading
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from conftest import KEPT_WORKER_PROCESSES
+
+from hybridflow.controller import (
+    Dispatch,
+    RayResourcePool,
+    RayWorkerGroup,
+    RoleSpec,
+    Worker,
+    keep_worker_processes,
+    kept_placement_groups,
+    kept_process_counts,
+    register,
+    stop_keeping_worker_processes,
+)
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # the shared cluster (tests/conftest.py)
+
+
+@pytest.fixture
+def keeping():
+    """Start the test with nothing kept; afterwards the session's keeping again (what this test kept is ended)."""
+    stop_keeping_worker_processes()
+    yield keep_worker_processes
+    stop_keeping_worker_processes()
+    keep_worker_processes(KEPT_WORKER_PROCESSES)
+
+
+class StateWorker(Worker):
+    """Reports what a run could leave behind in its process, and leaves some of it."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def state(self) -> dict:
+        total = torch.tensor([float(self.rank + 1)])
+        dist.all_reduce(total)
+        return {
+            "pid": os.getpid(),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "sum": total.item(),
+            "left_variable": os.environ.get("LEFT_BY_A_RUN"),
+            "first_draw": torch.rand(3).tolist(),  # from torch's default seed, as in a new process
+            "dtype": str(torch.get_default_dtype()),
+        }
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def leave_state(self, thread: bool = False) -> None:
+        os.environ["LEFT_BY_A_RUN"] = "1"
+        torch.manual_seed(12345)
+        torch.rand(7)
+        torch.set_default_dtype(torch.float64)
+        if thread:  # a run's thread that never ends: its process cannot serve another run
+            self.stop = threading.Event()
+            threading.Thread(target=self.stop.wait, daemon=True).start()
+
+
+def run_group(size: int, *, leave_thread: bool = False, keep: bool = True, cpus: float = 1.0) -> list[dict]:
+    pool = RayResourcePool([size], cpus_per_worker=cpus, name="kept")
+    group = RayWorkerGroup(pool, RoleSpec(StateWorker), name="state")
+    states = group.state()
+    group.leave_state(leave_thread)
+    pool.release(keep_processes=keep)
+    return states
+
+
+def pids(states: list[dict]) -> list[int]:
+    return [s["pid"] for s in states]
+
+
+def test_a_kept_process_serves_the_next_pool_of_its_shape_as_a_new_process(keeping):
+    keeping(4)
+    first = run_group(2)
+    assert len(kept_placement_groups()) == 1
+    second = run_group(2)
+    assert pids(second) == pids(first)  # the same processes, rank for rank
+    for state in second:
+        assert state["world_size"] == 2 and state["sum"] == 3.0  # a new process group, joined by both
+        assert state["left_variable"] is None and state["dtype"] == "torch.float32"
+    assert [s["first_draw"] for s in second] == [s["first_draw"] for s in first]  # the default seed again
+    other = run_group(1)  # another shape: processes of its own
+    assert set(pids(other)).isdisjoint(pids(first))
+
+
+def test_a_process_with_a_running_thread_or_a_failed_run_is_not_kept(keeping):
+    keeping(4)
+    before = kept_process_counts()
+    first = run_group(1, leave_thread=True)
+    assert kept_placement_groups() == []
+    counts = kept_process_counts()
+    reason = "not kept: threads still running: "
+    assert sum(n for k, n in counts.items() if k.startswith(reason)) == 1 + sum(
+        n for k, n in before.items() if k.startswith(reason)
+    )
+    second = run_group(1, keep=False)
+    assert set(pids(second)).isdisjoint(pids(first)) and kept_placement_groups() == []
+    third = run_group(1)
+    assert set(pids(third)).isdisjoint(pids(second))
+
+
+def test_kept_processes_are_bounded_and_give_their_cpus_to_a_pool_that_needs_them(keeping):
+    keeping(2)
+    first = run_group(1)
+    run_group(1, cpus=2.0)  # 2 kept
+    run_group(1, cpus=3.0)  # a third shape: the oldest kept process is ended to stay within 2
+    assert len(kept_placement_groups()) == 2
+    assert set(pids(run_group(1))).isdisjoint(pids(first))
+    free = ray.available_resources().get("CPU", 0.0)
+    total = ray.cluster_resources()["CPU"]
+    kept_cpus = sum(b.get("CPU", 0.0) for g in kept_placement_groups() for b in g.bundle_specs)
+    assert kept_cpus == 4.0 and free <= total - kept_cpus  # the newest two: 3 CPUs and 1
+    states = run_group(1, cpus=total, keep=False)  # only fits once every kept process is ended
+    assert len(states) == 1 and kept_placement_groups() == []
+
+
+def test_nothing_is_kept_unless_the_driver_asks(keeping):
+    first = run_group(1)
+    assert kept_placement_groups() == []
+    assert set(pids(run_group(1))).isdisjoint(pids(first))
+    with pytest.raises(ValueError, match="max_processes"):
+        keeping(-1)
