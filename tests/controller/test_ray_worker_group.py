@@ -97,7 +97,6 @@ def test_all_reduce_driven_by_one_dp_compute_proto_call(world_size, pool):
     assert out.batch["total"].tolist() == [expected] * 7
     per_rank = 8 // world_size
     assert out.batch["rank"].tolist() == [i // per_rank for i in range(7)]
-    group.kill()
 
 
 def test_other_dispatch_and_execute_modes_on_real_workers(pool):
@@ -109,7 +108,6 @@ def test_other_dispatch_and_execute_modes_on_real_workers(pool):
     assert metrics == [{"rank": 0, "rows": [0.0, 1.0]}, {"rank": 1, "rows": [2.0, 3.0]}]
     squared = group.apply(_square, DataProto.from_dict({"x": torch.arange(3.0)}))
     assert squared.batch["x"].tolist() == [0.0, 1.0, 4.0]
-    group.kill()
 
 
 def test_a_pool_gives_its_workers_its_environment_on_top_of_the_cluster_s(pool, monkeypatch):
@@ -123,7 +121,6 @@ def test_a_pool_gives_its_workers_its_environment_on_top_of_the_cluster_s(pool, 
     assert [{key: worker[key] for key in env} for worker in seen] == [env, env]
     cluster_value = os.environ.get("MALLOC_MMAP_THRESHOLD_", ALLOCATOR_ENV["MALLOC_MMAP_THRESHOLD_"])
     assert all(worker["MALLOC_MMAP_THRESHOLD_"] == cluster_value and worker["PYTHONPATH"] for worker in seen)
-    group.kill()
 
 
 def test_tuning_env_keeps_what_the_driver_set(monkeypatch):
@@ -175,7 +172,6 @@ def test_mesh_aware_dispatch_dp2_tp2(pool):
     future = group.forward_async(DataProto.from_dict({"x": torch.arange(4.0)}))
     assert isinstance(future, DataProtoFuture) and len(future.futures) == 2
     assert future.get().batch["seen_by"].tolist() == [0, 0, 2, 2]
-    group.kill()
 
 
 class ActorRole(Worker):
@@ -220,7 +216,6 @@ def test_colocated_roles_share_one_process_per_rank(pool):
     assert groups["actor"].score(data).batch["actor"].tolist() == [3.0, 6.0]
     assert groups["ref"].score(data).batch["ref"].tolist() == [5.0, 10.0]
     assert hasattr(groups["actor"], "weight_address") and not hasattr(groups["ref"], "weight_address")
-    groups["actor"].kill()
 
 
 class GatedProducer(Worker):
@@ -256,8 +251,6 @@ def test_future_passes_from_one_group_to_another_without_the_driver(tmp_path, po
     out = consumed.get()
     assert out.batch["z"].tolist() == [200.0, 202.0, 204.0, 206.0]
     assert out.batch["consumer"].tolist() == [0, 0, 1, 1]
-    producer.kill()
-    consumer.kill()
 
 
 def test_resource_pool_manager_maps_roles_to_shared_pools():

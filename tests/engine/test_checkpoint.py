@@ -30,7 +30,6 @@ def test_save_on_2_ranks_resume_on_1_and_export(
     saved = two.full_state_dict()[0]
     update(two, rollout_batch)  # a second step: depends on the Adam moments saved above
     after_second_step = two.full_state_dict()[0]
-    two.kill()
     pool.release()
 
     pool, one = spawn(1, config, actor_worker_factory)
@@ -40,7 +39,6 @@ def test_save_on_2_ranks_resume_on_1_and_export(
         assert torch.equal(loaded[name], tensor), name
     update(one, rollout_batch)
     resumed_second_step = one.full_state_dict()[0]
-    one.kill()
     pool.release()
     for name, tensor in after_second_step.items():
         assert torch.allclose(resumed_second_step[name], tensor, rtol=1e-4, atol=1e-6), name

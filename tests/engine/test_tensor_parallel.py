@@ -89,9 +89,8 @@ def groups(local_ray):
         starting = {size: threads.submit(RayWorkerGroup, pool, RoleSpec(ParallelStep)) for size, pool in pools.items()}
     made = {size: start.result() for size, start in starting.items()}
     yield made
-    for size, group in made.items():
-        group.kill()
-        pools[size].release()
+    for pool in pools.values():
+        pool.release()
 
 
 @pytest.mark.parametrize("dp, tp, lora", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)])
