@@ -8,7 +8,13 @@ import ray
 import torch
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
-from hybridflow.controller import RoleSpec, keep_worker_processes, kept_process_counts, start_ray
+from hybridflow.controller import (
+    RoleSpec,
+    keep_worker_processes,
+    kept_process_counts,
+    start_ray,
+    stop_keeping_worker_processes,
+)
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
@@ -123,6 +129,16 @@ def local_ray():
     start_ray(num_cpus=8)
     keep_worker_processes(KEPT_WORKER_PROCESSES)
     yield
+
+
+@pytest.fixture
+def keeping():
+    """Start the test with no worker process kept; afterwards the session's keeping again (what the test kept is
+    ended). Yields ``keep_worker_processes``."""
+    stop_keeping_worker_processes()
+    yield keep_worker_processes
+    stop_keeping_worker_processes()
+    keep_worker_processes(KEPT_WORKER_PROCESSES)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -86,7 +86,7 @@ class _Keeper:
                 return
             free_cpus, free_gpus = free_cpus + ended.cpus, free_gpus + ended.gpus
 
-    def end_oldest(self) -> KeptPool | None:
+    def end_oldest(self, why: str = "ended to make room") -> KeptPool | None:
         """End the kept pool kept longest (None: there is none)."""
         if not ray.is_initialized():
             return None
@@ -94,7 +94,7 @@ class _Keeper:
             kept = self._current()
             oldest = kept.pop(0) if kept else None
         if oldest is not None:
-            self.counts["ended to make room"] += oldest.processes
+            self.counts[why] += oldest.processes
             oldest.end()
         return oldest
 
@@ -145,7 +145,7 @@ def keep_worker_processes(max_processes: int = 8) -> None:
 def stop_keeping_worker_processes() -> None:
     """End every kept process (their placement groups go back to the cluster) and keep none from now on."""
     _keeper.max_processes = 0
-    while _keeper.end_oldest() is not None:
+    while _keeper.end_oldest("ended when keeping stopped") is not None:
         pass
     _keeper.kept = []
 

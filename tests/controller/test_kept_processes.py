@@ -7,7 +7,6 @@ import pytest
 import ray
 import torch
 import torch.distributed as dist
-from conftest import KEPT_WORKER_PROCESSES
 
 from hybridflow.controller import (
     Dispatch,
@@ -15,23 +14,14 @@ from hybridflow.controller import (
     RayWorkerGroup,
     RoleSpec,
     Worker,
-    keep_worker_processes,
     kept_placement_groups,
     kept_process_counts,
     register,
-    stop_keeping_worker_processes,
 )
 
-pytestmark = pytest.mark.usefixtures("local_ray")  # the shared cluster (tests/conftest.py)
-
-
-@pytest.fixture
-def keeping():
-    """Start the test with nothing kept; afterwards the session's keeping again (what this test kept is ended)."""
-    stop_keeping_worker_processes()
-    yield keep_worker_processes
-    stop_keeping_worker_processes()
-    keep_worker_processes(KEPT_WORKER_PROCESSES)
+# the shared cluster, and `keeping` (tests/conftest.py). The workers' module imports no more than they need
+# (not conftest's models and roles): each test starts several processes of its own.
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 class StateWorker(Worker):
