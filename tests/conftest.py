@@ -2,6 +2,7 @@
 
 import json
 import os
+from collections import Counter
 
 import pytest
 import ray
@@ -181,7 +182,7 @@ LONGEST_FILES = (
 
 def pytest_collection_modifyitems(items):
     files = [item.nodeid.split("::", 1)[0] for item in items]
-    tests_in = {file: files.count(file) for file in set(files)}
+    tests_in = Counter(files)
     first = {file: rank for rank, file in enumerate(LONGEST_FILES)}
     order = sorted(range(len(items)), key=lambda i: (first.get(files[i], len(first)), -tests_in[files[i]], files[i], i))
     items[:] = [items[i] for i in order]

@@ -34,12 +34,14 @@ class KeptPool:
     key: Hashable
     placement_groups: list[PlacementGroup]
     host_sets: list[list]
-    cpus: float
-    gpus: float
 
     @property
     def processes(self) -> int:
         return sum(len(hosts) for hosts in self.host_sets)
+
+    def resource(self, name: str) -> float:
+        """How much of ``name`` (CPU, GPU) the placement groups hold."""
+        return sum(bundle.get(name, 0.0) for group in self.placement_groups for bundle in group.bundle_specs)
 
     def end(self) -> None:
         """Give the placement groups back; Ray ends the processes placed in them."""
@@ -47,7 +49,9 @@ class KeptPool:
             ray.util.remove_placement_group(group)
 
 
-class _Keeper:
+class WorkerProcessKeeper:
+    """The driver's kept pools, oldest first, and counts of what happened to its processes."""
+
     def __init__(self) -> None:
         self.lock = threading.Lock()  # pools may be placed and released from several threads at once
         self.max_processes = 0  # 0: keep nothing
@@ -56,7 +60,7 @@ class _Keeper:
         # processes reused / kept / ended to make room or stay within the bound, and why others were not kept
         self.counts: Counter[str] = Counter()
 
-    def _current(self) -> list[KeptPool]:
+    def current(self) -> list[KeptPool]:
         """The kept pools, forgotten (not ended: Ray ended them) when the driver is now on another cluster."""
         node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
         if node != self.cluster:
@@ -67,7 +71,7 @@ class _Keeper:
         if not self.max_processes or not ray.is_initialized():
             return None
         with self.lock:
-            kept = self._current()
+            kept = self.current()
             for index, pool in enumerate(kept):
                 if pool.key == key:
                     self.counts["reused"] += pool.processes
@@ -84,14 +88,14 @@ class _Keeper:
             ended = self.end_oldest()
             if ended is None:
                 return
-            free_cpus, free_gpus = free_cpus + ended.cpus, free_gpus + ended.gpus
+            free_cpus, free_gpus = free_cpus + ended.resource("CPU"), free_gpus + ended.resource("GPU")
 
     def end_oldest(self, why: str = "ended to make room") -> KeptPool | None:
         """End the kept pool kept longest (None: there is none)."""
         if not ray.is_initialized():
             return None
         with self.lock:
-            kept = self._current()
+            kept = self.current()
             oldest = kept.pop(0) if kept else None
         if oldest is not None:
             self.counts[why] += oldest.processes
@@ -118,7 +122,7 @@ class _Keeper:
             return False
         self.counts["kept"] += pool.processes
         with self.lock:
-            kept = self._current()
+            kept = self.current()
             ending = []
             while kept and sum(p.processes for p in kept) + pool.processes > self.max_processes:
                 ending.append(kept.pop(0))
@@ -128,8 +132,13 @@ class _Keeper:
             old.end()
         return True
 
+    def count_started(self, processes: int) -> None:
+        """Count processes started anew while keeping is on (beside those reused)."""
+        if self.max_processes:
+            self.counts["started"] += processes
 
-_keeper = _Keeper()
+
+keeper = WorkerProcessKeeper()
 
 
 def keep_worker_processes(max_processes: int = 8) -> None:
@@ -137,48 +146,25 @@ def keep_worker_processes(max_processes: int = 8) -> None:
     the newest kept) for the next pools of the same shape in this driver; 0 ends the kept ones and keeps none."""
     if max_processes < 0:
         raise ValueError(f"max_processes must be >= 0, got {max_processes}")
-    _keeper.max_processes = max_processes
+    keeper.max_processes = max_processes
     if not max_processes:
         stop_keeping_worker_processes()
 
 
 def stop_keeping_worker_processes() -> None:
     """End every kept process (their placement groups go back to the cluster) and keep none from now on."""
-    _keeper.max_processes = 0
-    while _keeper.end_oldest("ended when keeping stopped") is not None:
+    keeper.max_processes = 0
+    while keeper.end_oldest("ended when keeping stopped") is not None:
         pass
-    _keeper.kept = []
+    keeper.kept = []
 
 
 def kept_placement_groups() -> list[PlacementGroup]:
     """The placement groups kept processes hold now (a run on a shared cluster leaves only these placed)."""
-    return [group for pool in (_keeper._current() if ray.is_initialized() else []) for group in pool.placement_groups]
+    return [group for pool in (keeper.current() if ray.is_initialized() else []) for group in pool.placement_groups]
 
 
 def kept_process_counts() -> dict[str, int]:
     """Since the driver started: processes reused, kept, ended to make room or stay within the bound, and
     those not kept by reason (threads still running, vLLM imported, ...)."""
-    return dict(_keeper.counts)
-
-
-def note_started(processes: int) -> None:
-    """Count processes started anew while keeping is on (beside those reused)."""
-    if _keeper.max_processes:
-        _keeper.counts["started"] += processes
-
-
-def take_kept(key: Hashable) -> KeptPool | None:
-    return _keeper.take(key)
-
-
-def make_room(cpus: float, gpus: float) -> None:
-    _keeper.make_room(cpus, gpus)
-
-
-def end_oldest_kept() -> bool:
-    """End the longest-kept pool's processes, for a pool waiting to be placed; False when none is kept."""
-    return _keeper.end_oldest() is not None
-
-
-def park(pool: KeptPool, fresh: list[list]) -> bool:
-    return _keeper.park(pool, fresh)
+    return dict(keeper.counts)

@@ -23,7 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from hybridflow.controller.decorator import MeshCoord, registered_methods
 from hybridflow.controller.errors import WorkerError
 from hybridflow.controller.fresh_process import FreshProcessState
-from hybridflow.controller.kept_processes import note_started
+from hybridflow.controller.kept_processes import keeper
 from hybridflow.controller.resource_pool import RayResourcePool
 from hybridflow.controller.worker import DistEnv, Worker, init_distributed, open_store
 from hybridflow.controller.worker_group import WorkerGroup
@@ -172,7 +172,7 @@ def spawn_hosts(pool: RayResourcePool, specs: dict[str, RoleSpec], group_name: s
 
 
 def _start_hosts(pool: RayResourcePool) -> list:
-    note_started(pool.world_size)
+    keeper.count_started(pool.world_size)
     resources = pool.actor_resources
     environment = {"runtime_env": {"env_vars": pool.worker_env}} if pool.worker_env else {}  # merged with the job's
     return [

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 
-from hybridflow.controller.kept_processes import KeptPool, end_oldest_kept, make_room, park, take_kept
+from hybridflow.controller.kept_processes import KeptPool, keeper
 
 GIVE_WAY_AFTER_S = 1.0  # a pool not placed by then has kept processes end, one pool at a time, until it is
 
@@ -100,10 +100,10 @@ class RayResourcePool(ResourcePool):
         return self._spare_host_sets.pop(0) if self._spare_host_sets else None
 
     def placement_groups(self) -> list[PlacementGroup]:
-        if self._placement_groups is None and (kept := take_kept(self.shape)) is not None:
+        if self._placement_groups is None and (kept := keeper.take(self.shape)) is not None:
             self._placement_groups, self._spare_host_sets = kept.placement_groups, kept.host_sets
         if self._placement_groups is None:
-            make_room(self.cpus_per_worker * self.world_size, float(self.world_size) if self.use_gpu else 0.0)
+            keeper.make_room(self.cpus_per_worker * self.world_size, float(self.world_size) if self.use_gpu else 0.0)
             groups = [
                 placement_group(
                     [self.bundle] * count, strategy="STRICT_PACK", name=f"{self.name}_{uuid.uuid4().hex[:8]}_node{i}"
@@ -134,7 +134,7 @@ class RayResourcePool(ResourcePool):
                 return True
             if time.monotonic() >= deadline:
                 return False
-            end_oldest_kept()
+            keeper.end_oldest()
 
     def placements(self) -> list[tuple[PlacementGroup, int]]:
         """(placement group, bundle index) for every rank, in rank order."""
@@ -148,14 +148,7 @@ class RayResourcePool(ResourcePool):
         self._placement_groups, self.host_sets, self._spare_host_sets = None, [], []
         if groups is None:
             return
-        kept = KeptPool(
-            self.shape,
-            groups,
-            ran + spare,
-            cpus=self.cpus_per_worker * self.world_size,
-            gpus=float(self.world_size) if self.use_gpu else 0.0,
-        )
-        if keep_processes and park(kept, fresh=ran):
+        if keep_processes and keeper.park(KeptPool(self.shape, groups, ran + spare), fresh=ran):
             return
         for g in groups:
             ray.util.remove_placement_group(g)
