@@ -126,8 +126,10 @@ def local_ray():
     it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
     on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools add its
     tuning settings). The session keeps finished runs' worker processes for the next runs of the same shape
-    (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs."""
-    start_ray(num_cpus=8)
+    (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs. Commands that
+    tests start join it too (``trainer.ray_address``). Its logical CPUs (what Ray may place, not threads) leave
+    room for a command's workers beside every kept process: kept ones give way only to this process's pools."""
+    start_ray(num_cpus=2 * KEPT_WORKER_PROCESSES)
     keep_worker_processes(KEPT_WORKER_PROCESSES)
     yield
 
@@ -169,20 +171,32 @@ def arithmetic_files(tmp_path_factory):
     return out / "train.parquet", out / "test.parquet"
 
 
-# The files that take longest (trainer commands that are killed and resumed, each starting a Ray cluster of its
-# own): handed out first, so that the test processes of `make test` finish together instead of one running these
-# alone at the end while the other idles. Then the rest, the files with the most tests first (xdist's own order).
+# The order of the files, for both `make test` (whose test processes take whole files in this order) and one
+# process. First the files whose tests need no shared Ray cluster running (no_ray: they check that nothing started
+# Ray, or start and end a cluster of their own): run before any file of their test process has started the shared
+# one, they shut nothing down, so that cluster starts once per test process and the worker processes it keeps
+# serve every later file. Then the files that take longest (trainer commands that are killed and resumed), so
+# that the test processes finish together instead of one running these alone at the end while the other idles.
+# Then the rest, the files with the most tests first (xdist's own order).
 LONGEST_FILES = (
     "tests/trainer/test_kill_and_resume.py",
     "tests/trainer/test_sft_e2e.py",
     "tests/trainer/test_fully_async_resume.py",
-    "tests/trainer/test_faults.py",
 )
 
 
 def pytest_collection_modifyitems(items):
     files = [item.nodeid.split("::", 1)[0] for item in items]
     tests_in = Counter(files)
+    own_ray = {file for file, item in zip(files, items) if "no_ray" in item.fixturenames}
+    shared_ray = {file for file, item in zip(files, items) if "local_ray" in item.fixturenames}
+    if mixed := sorted(own_ray & shared_ray):
+        raise pytest.UsageError(f"{mixed}: a file's tests use either local_ray or no_ray, not both (split the file)")
     first = {file: rank for rank, file in enumerate(LONGEST_FILES)}
-    order = sorted(range(len(items)), key=lambda i: (first.get(files[i], len(first)), -tests_in[files[i]], files[i], i))
-    items[:] = [items[i] for i in order]
+
+    def place(i: int) -> tuple:
+        file = files[i]
+        group = 0 if file in own_ray else 1 if file in first else 2
+        return group, first.get(file, 0), -tests_in[file], file, i
+
+    items[:] = [items[i] for i in sorted(range(len(items)), key=place)]

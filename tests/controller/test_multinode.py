@@ -8,6 +8,8 @@ from ray.cluster_utils import Cluster
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 
+pytestmark = pytest.mark.usefixtures("no_ray")  # joins a simulated cluster of its own
+
 
 class NodeReporter(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -19,8 +21,6 @@ class NodeReporter(Worker):
 
 @pytest.fixture
 def two_node_cluster():
-    if ray.is_initialized():
-        ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
     assert start_ray(address=cluster.address)  # joins the existing cluster instead of starting one

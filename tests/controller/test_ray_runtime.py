@@ -1,10 +1,13 @@
 """Starting a local Ray cluster starts our own, even while another cluster on the machine has left its
 address for later `ray.init` calls to join (as `ray start` and ray.cluster_utils.Cluster do)."""
 
+import pytest
 import ray
 from ray.cluster_utils import Cluster
 
 from hybridflow.controller.ray_runtime import start_ray
+
+pytestmark = pytest.mark.usefixtures("no_ray")
 
 
 def test_a_local_start_never_joins_another_cluster_on_the_machine():

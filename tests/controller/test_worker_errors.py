@@ -17,6 +17,8 @@ from hybridflow.controller import (
 )
 from hybridflow.protocol import DataProto
 
+pytestmark = pytest.mark.usefixtures("no_ray")  # each test starts and ends a Ray of its own
+
 
 class FailingWorker(Worker):
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
@@ -36,15 +38,6 @@ class BrokenInit(Worker):
     def __init__(self):
         super().__init__()
         raise KeyError("missing_setting")
-
-
-@pytest.fixture(autouse=True)
-def no_ray_running():
-    if ray.is_initialized():
-        ray.shutdown()
-    yield
-    if ray.is_initialized():
-        ray.shutdown()
 
 
 def test_worker_exception_reaches_the_driver_and_ray_is_shut_down():

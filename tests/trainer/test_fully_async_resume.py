@@ -72,7 +72,7 @@ def lineage(run_dir) -> dict[int, dict]:
     return {r["step"]: r for r in records}
 
 
-def test_kill_minus_9_then_resume_trains_every_prompt_once_per_epoch(tmp_path):
+def test_kill_minus_9_then_resume_trains_every_prompt_once_per_epoch(local_ray, tmp_path):
     data = tmp_path / "data"
     write_task("arithmetic", data, train=8, test=4, seed=0)
     files = (data / "train.parquet", data / "test.parquet")

@@ -1,7 +1,9 @@
 """A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
 synchronous, synchronous with LoRA adapters, and one-step-off (killed after the batch of step 3 was generated,
 while step 3 trains on it and the rollout's pool generates the batch of step 4). The uninterrupted run is made in
-this process, on the module's Ray cluster; the killed run and its resumption are commands of their own."""
+this process, on the module's Ray cluster; the killed run and its resumption are commands of their own that join
+that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends the command, and Ray ends its
+job's worker processes and placement groups."""
 
 import json
 import os
@@ -11,6 +13,7 @@ import sys
 import time
 
 import pytest
+import ray
 
 from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
@@ -79,10 +82,13 @@ def args(files, run_dir, mode: str) -> list[str]:
 
 
 def train(arguments: list[str], pause_dir=None) -> subprocess.Popen:
+    """``hybridflow train`` as a command of its own, on the Ray cluster this process runs (a cluster of its own
+    would cost seconds to start and stop, each time)."""
+    cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.main", *arguments],
+        [sys.executable, "-m", "hybridflow.trainer.main", *arguments, cluster],
         env={**os.environ, "PAUSE_DIR": str(pause_dir or "")},
-        start_new_session=True,  # its own process group: the kill takes Ray's processes too
+        start_new_session=True,  # its own process group: the kill takes whatever the command started
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )

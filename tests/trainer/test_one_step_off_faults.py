@@ -9,7 +9,7 @@ import uuid
 import pytest
 import ray
 from test_one_step_off_e2e import overrides
-from test_placement_e2e import TAG_VARIABLE, worker_processes_left
+from test_placement_failure import TAG_VARIABLE, worker_processes_left
 
 from hybridflow.controller import WorkerError
 from hybridflow.trainer import main as train_main

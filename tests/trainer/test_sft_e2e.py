@@ -1,8 +1,8 @@
 """``hybridflow sft`` end to end on a local Ray cluster (2 workers, the tiny model): the held-out loss falls; a run
 killed with SIGKILL in the middle of an epoch resumes to the losses of a run that never stopped; the checkpoint
-exports to a model directory that ``hybridflow train`` starts from; config errors come before Ray. The runs that
+exports to a model directory that ``hybridflow train`` starts from. The runs that
 are not killed share the module's Ray cluster, in this process; the killed run and its resumption are commands
-of their own."""
+of their own that join it."""
 
 import json
 import os
@@ -20,9 +20,6 @@ from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import write_task
 from hybridflow.trainer.checkpoint import is_complete
-from hybridflow.trainer.sft_config import load_sft_config
-from hybridflow.trainer.sft_main import run
-from hybridflow.validation import ConfigError
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times and memory: not reproducible
 STEPS = 8  # 16 samples in batches of 4: 4 steps an epoch, 2 epochs
@@ -44,10 +41,14 @@ def conversations(count: int, seed: int) -> list[dict]:
     return rows
 
 
+def conversation_files(root) -> tuple:
+    """16 training and 8 held-out conversations as JSONL files under ``root``."""
+    return write_rows(conversations(16, 0), root / "train.jsonl"), write_rows(conversations(8, 1), root / "val.jsonl")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sft_data")
-    return write_rows(conversations(16, 0), root / "train.jsonl"), write_rows(conversations(8, 1), root / "val.jsonl")
+    return conversation_files(tmp_path_factory.mktemp("sft_data"))
 
 
 def arguments(files, run_dir) -> list[str]:
@@ -67,9 +68,12 @@ def arguments(files, run_dir) -> list[str]:
 
 
 def sft(args: list[str]) -> subprocess.Popen:
+    """``hybridflow sft`` as a command of its own, joining this process's Ray cluster (the module's): the kill ends
+    the command, and Ray ends its job's worker processes and placement groups."""
+    cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.sft_main", *args],
-        start_new_session=True,  # its own process group: a kill takes Ray's processes too
+        [sys.executable, "-m", "hybridflow.trainer.sft_main", *args, cluster],
+        start_new_session=True,  # its own process group: the kill takes whatever the command started
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -174,23 +178,3 @@ def test_the_checkpoint_exports_to_a_model_that_grpo_starts_from(reference, tmp_
     assert code == 0
     (step,) = records(tmp_path / "grpo").values()
     assert step["step"] == 1 and "actor/pg_loss" in step
-
-
-@pytest.mark.parametrize(
-    ("override", "key"),
-    [
-        ("data.train_batch_size=3", "data.train_batch_size"),  # 3 samples over 2 data-parallel ranks
-        ("engine.tensor_model_parallel_size=3", "engine.tensor_model_parallel_size"),
-        ("model.lora.rank=4", None),  # fine; with a target the model lacks:
-        ("model.path=/nonexistent", "model.path"),
-    ],
-)
-def test_config_errors_come_before_ray_naming_the_key(no_ray, files, tmp_path, override, key):
-    args = [*arguments(files, tmp_path / "run"), override]
-    if key is None:
-        args += ["model.lora.target_modules=[no_such_proj]"]
-        key = "model.lora.target_modules"
-    with pytest.raises(ConfigError, match=rf"^config key '{key}'"):
-        run(load_sft_config(args))
-    assert not ray.is_initialized()
-    assert not (tmp_path / "run").exists()  # nothing written

@@ -1,0 +1,36 @@
+"""``hybridflow sft``'s config errors come before Ray starts, naming the key, and write nothing."""
+
+import pytest
+import ray
+from test_sft_e2e import arguments, conversation_files
+
+from hybridflow.trainer.sft_config import load_sft_config
+from hybridflow.trainer.sft_main import run
+from hybridflow.validation import ConfigError
+
+pytestmark = pytest.mark.usefixtures("no_ray")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return conversation_files(tmp_path_factory.mktemp("sft_data"))
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.train_batch_size=3", "data.train_batch_size"),  # 3 samples over 2 data-parallel ranks
+        ("engine.tensor_model_parallel_size=3", "engine.tensor_model_parallel_size"),
+        ("model.lora.rank=4", None),  # fine; with a target the model lacks:
+        ("model.path=/nonexistent", "model.path"),
+    ],
+)
+def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, override, key):
+    args = [*arguments(files, tmp_path / "run"), override]
+    if key is None:
+        args += ["model.lora.target_modules=[no_such_proj]"]
+        key = "model.lora.target_modules"
+    with pytest.raises(ConfigError, match=rf"^config key '{key}'"):
+        run(load_sft_config(args))
+    assert not ray.is_initialized()
+    assert not (tmp_path / "run").exists()  # nothing written
