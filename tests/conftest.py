@@ -16,6 +16,7 @@ from hybridflow.controller import (
     start_ray,
     stop_keeping_worker_processes,
 )
+from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer, resolve_model_path
@@ -126,10 +127,13 @@ def local_ray():
     it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
     on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools add its
     tuning settings). The session keeps finished runs' worker processes for the next runs of the same shape
-    (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs. Commands that
-    tests start join it too (``trainer.ray_address``). Its logical CPUs (what Ray may place, not threads) leave
-    room for a command's workers beside every kept process: kept ones give way only to this process's pools."""
-    start_ray(num_cpus=2 * KEPT_WORKER_PROCESSES)
+    (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs. The cluster
+    gives every worker the default run's tuning settings, so that the pools tests build directly and the runs'
+    pools (which ask for those settings) share kept processes. Commands that tests start join it too
+    (``trainer.ray_address``). Its logical CPUs (what Ray may place, not threads) leave room for a command's
+    workers beside every kept process: kept ones give way only to this process's pools."""
+    default_run = load_config([]).trainer
+    start_ray(num_cpus=2 * KEPT_WORKER_PROCESSES, worker_env=tuning_env(default_run.cpu_kernel_cache_capacity))
     keep_worker_processes(KEPT_WORKER_PROCESSES)
     yield
 
@@ -175,10 +179,12 @@ def arithmetic_files(tmp_path_factory):
 # process. First the files whose tests need no shared Ray cluster running (no_ray: they check that nothing started
 # Ray, or start and end a cluster of their own): run before any file of their test process has started the shared
 # one, they shut nothing down, so that cluster starts once per test process and the worker processes it keeps
-# serve every later file. Then the files that take longest (trainer commands that are killed and resumed), so
-# that the test processes finish together instead of one running these alone at the end while the other idles.
+# serve every later file. Then the files that take longest (the kept-processes tests, which end what their test
+# process kept, so best before it has kept much; trainer commands that are killed and resumed), so that the test
+# processes finish together instead of one running these alone at the end while the other idles.
 # Then the rest, the files with the most tests first (xdist's own order).
 LONGEST_FILES = (
+    "tests/controller/test_kept_processes.py",
     "tests/trainer/test_kill_and_resume.py",
     "tests/trainer/test_sft_e2e.py",
     "tests/trainer/test_fully_async_resume.py",

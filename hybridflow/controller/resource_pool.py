@@ -84,14 +84,17 @@ class RayResourcePool(ResourcePool):
 
     @property
     def shape(self) -> tuple:
-        """What a kept process must match to serve this pool (kept_processes.py)."""
+        """What a kept process must match to serve this pool (kept_processes.py). The environment is the one its
+        processes get: the job's variables with the pool's on top, so that a pool asking for values the cluster
+        already gives is served by the processes of one that asks for nothing."""
+        job_env = ray.get_runtime_context().runtime_env.get("env_vars") or {}
         return (
             tuple(self.process_on_nodes),
             self.use_gpu,
             self.cpus_per_worker,
             self.max_colocate_count,
             self.threads_per_worker,
-            tuple(sorted(self.worker_env.items())),
+            tuple(sorted({**job_env, **self.worker_env}.items())),
         )
 
     def take_spare_hosts(self) -> list | None:

@@ -52,8 +52,10 @@ class StateWorker(Worker):
             threading.Thread(target=self.stop.wait, daemon=True).start()
 
 
-def run_group(size: int, *, leave_thread: bool = False, keep: bool = True, cpus: float = 1.0) -> list[dict]:
-    pool = RayResourcePool([size], cpus_per_worker=cpus, name="kept")
+def run_group(
+    size: int, *, leave_thread: bool = False, keep: bool = True, cpus: float = 1.0, env: dict | None = None
+) -> list[dict]:
+    pool = RayResourcePool([size], cpus_per_worker=cpus, name="kept", worker_env=env)
     group = RayWorkerGroup(pool, RoleSpec(StateWorker), name="state")
     states = group.state()
     group.leave_state(leave_thread)
@@ -75,7 +77,10 @@ def test_a_kept_process_serves_the_next_pool_of_its_shape_as_a_new_process(keepi
         assert state["world_size"] == 2 and state["sum"] == 3.0  # a new process group, joined by both
         assert state["left_variable"] is None and state["dtype"] == "torch.float32"
     assert [s["first_draw"] for s in second] == [s["first_draw"] for s in first]  # the default seed again
-    other = run_group(1)  # another shape: processes of its own
+    # the environment is part of the shape: the one the processes get, the cluster's with the pool's on top
+    given = ray.get_runtime_context().runtime_env["env_vars"]["LRU_CACHE_CAPACITY"]  # the shared cluster's
+    assert pids(run_group(2, env={"LRU_CACHE_CAPACITY": given})) == pids(first)  # what the cluster gives anyway
+    other = run_group(2, env={"LRU_CACHE_CAPACITY": str(int(given) + 1)})  # another shape: processes of its own
     assert set(pids(other)).isdisjoint(pids(first))
 
 

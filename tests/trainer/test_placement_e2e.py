@@ -120,8 +120,8 @@ class EnvironmentReporter(Worker):
 
 
 def test_a_run_s_pools_give_its_workers_its_tuning_settings(local_ray, monkeypatch):
-    """build_groups asks Ray for the run's allocator and kernel-cache settings with every pool's actors: the
-    shared cluster, started without them, does not give them."""
+    """build_groups asks Ray for the run's allocator and kernel-cache settings with every pool's actors, on top of
+    what the cluster gives (the shared one gives the default run's kernel-cache capacity, 64)."""
     for key in (*ALLOCATOR_ENV, "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         monkeypatch.delenv(key, raising=False)
     config = load_config(["trainer.cpu_kernel_cache_capacity=5"])
