@@ -42,7 +42,6 @@ def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
     metrics = group.update_actor(batch).meta_info[METRICS]  # each metric's mean over the 2 ranks
     assert metrics["actor/skipped_steps"] == 0.0
     trained = group.full_state_dict()[0]
-    group.kill()
     pool.release()
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)

@@ -104,5 +104,4 @@ def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
         )
         synced = generated.meta_info[METRICS]["switch/generation_weights_mb"]
         assert synced == pytest.approx(adapter_mb if switch else whole_mb + adapter_mb)
-    group.kill()
     pool.release()

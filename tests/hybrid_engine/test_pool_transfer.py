@@ -202,9 +202,7 @@ def pools(local_ray):
         ]
     groups = [start.result() for start in starting]
     yield groups
-    for group in groups:
-        group.kill()
-    for pool in made:
+    for pool in made:  # their processes are kept for later groups (tests/conftest.py)
         pool.release()
 
 

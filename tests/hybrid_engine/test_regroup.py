@@ -106,7 +106,6 @@ def switchers(local_ray):
     pool = RayResourcePool([4])
     group = RayWorkerGroup(pool, RoleSpec(Switcher))
     yield group
-    group.kill()
     pool.release()
 
 

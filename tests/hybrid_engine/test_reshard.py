@@ -114,9 +114,8 @@ def groups(local_ray):
         starting = {size: threads.submit(RayWorkerGroup, pool, RoleSpec(Ranks)) for size, pool in pools.items()}
     made = {size: start.result() for size, start in starting.items()}
     yield made
-    for size, group in made.items():
-        group.kill()
-        pools[size].release()
+    for pool in pools.values():
+        pool.release()
 
 
 @pytest.fixture(scope="module")

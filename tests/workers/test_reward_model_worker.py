@@ -41,7 +41,6 @@ def test_worker_scores_match_scoring_each_conversation_alone(local_ray, reward_m
     worker = RoleSpec(RewardModelWorker, kwargs=kwargs)
     group = RayWorkerGroup(pool, worker)
     scores = group.compute_rm_score(data).batch[RM_SCORES]
-    group.kill()
     pool.release()
 
     model = load_reward_model(reward_model_dir).eval()

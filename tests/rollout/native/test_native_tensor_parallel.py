@@ -56,7 +56,6 @@ def family(request, local_ray):
     tokenizer = load_tokenizer(request.param)
     single = NativeRollout(model, tokenizer, engine_config=engine_config())
     yield model, tokenizer, single, group
-    group.kill()
     pool.release()
 
 
