@@ -225,7 +225,7 @@ void check_slots_and_lengths(const at::Tensor& slots, const at::Tensor& lengths,
 // q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
 // slots (B,): the cache slot of each query (several may share one: consecutive tokens of a sequence in an extend).
 at::Tensor scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tensor slots, int64_t width,
-                     double scale) {
+                  double scale) {
   check_layer(k_layer, q, lengths);
   check_slots_and_lengths(slots, lengths, q.size(0), k_layer.size(0), width, k_layer.size(2));
   auto out = at::empty({q.size(0), q.size(1), q.size(2), width}, q.options().dtype(at::kFloat));
