@@ -67,9 +67,12 @@ class WorkerProcessKeeper:
             self.kept, self.cluster = [], node
         return self.kept
 
+    def keeping(self) -> bool:
+        """Whether pools keep and take processes now (a pool computes its shape only then)."""
+        return self.max_processes > 0 and ray.is_initialized()
+
     def take(self, key: Hashable) -> KeptPool | None:
-        if not self.max_processes or not ray.is_initialized():
-            return None
+        """The oldest kept pool of shape ``key``, no longer kept (None: there is none). Call when ``keeping()``."""
         with self.lock:
             kept = self.current()
             for index, pool in enumerate(kept):
@@ -104,8 +107,9 @@ class WorkerProcessKeeper:
 
     def park(self, pool: KeptPool, fresh: list[list]) -> bool:
         """Reset the processes of ``fresh`` (worker groups that ran) and keep the pool with them and its spare
-        ones; False (nothing kept, the caller ends them) when keeping is off or a process did not reset."""
-        if not 0 < pool.processes <= self.max_processes or not ray.is_initialized():
+        ones; False (nothing kept, the caller ends them) when the pool is over the bound or a process did not reset.
+        Call when ``keeping()``."""
+        if not 0 < pool.processes <= self.max_processes:
             return False
         hosts = [host for group in fresh for host in group]
         replies = [host.reset.remote() for host in hosts]

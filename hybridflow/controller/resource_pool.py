@@ -103,7 +103,7 @@ class RayResourcePool(ResourcePool):
         return self._spare_host_sets.pop(0) if self._spare_host_sets else None
 
     def placement_groups(self) -> list[PlacementGroup]:
-        if self._placement_groups is None and (kept := keeper.take(self.shape)) is not None:
+        if self._placement_groups is None and keeper.keeping() and (kept := keeper.take(self.shape)) is not None:
             self._placement_groups, self._spare_host_sets = kept.placement_groups, kept.host_sets
         if self._placement_groups is None:
             keeper.make_room(self.cpus_per_worker * self.world_size, float(self.world_size) if self.use_gpu else 0.0)
@@ -146,12 +146,13 @@ class RayResourcePool(ResourcePool):
     def release(self, keep_processes: bool = True) -> None:
         """Give the placement groups back to the cluster; Ray ends the processes placed in them. When the driver
         keeps worker processes (``keep_worker_processes``) and ``keep_processes``, they are reset and kept for
-        the next pool of this shape instead; pass False after a failure."""
+        the next pool of this shape instead; pass False after a failure. After ``ray.shutdown()`` there is nothing
+        to give back (the cluster took its placement groups; Ray's call would start a new cluster)."""
         groups, ran, spare = self._placement_groups, self.host_sets, self._spare_host_sets
         self._placement_groups, self.host_sets, self._spare_host_sets = None, [], []
-        if groups is None:
+        if groups is None or not ray.is_initialized():
             return
-        if keep_processes and keeper.park(KeptPool(self.shape, groups, ran + spare), fresh=ran):
+        if keep_processes and keeper.keeping() and keeper.park(KeptPool(self.shape, groups, ran + spare), fresh=ran):
             return
         for g in groups:
             ray.util.remove_placement_group(g)
