@@ -12,6 +12,7 @@ group) once, in the first of them; ``computed_lengths`` counts that.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,6 +52,28 @@ def packed_lengths(data: DataProto) -> list[int]:
     """Tokens per row that a packed pass computes (a prompt shared by several rows once)."""
     tensors = data.batch
     return computed_lengths(tensors[ATTENTION_MASK], tensors[INPUT_IDS], tensors[RESPONSES].shape[1])
+
+
+@dataclass(frozen=True)
+class PromptSharing:
+    """Which rows of a batch share a prompt, which a packed pass computes once per micro-batch.
+
+    Micro-batches that keep such rows together compute fewer tokens (``engine/dynamic_batch.py``).
+    """
+
+    leaders: list[int]  # for each row, the first row with the same prompt (itself if none before it has it)
+    computed: list[int]  # tokens each row adds to a micro-batch that holds its leader (a follower: its response)
+
+
+def prompt_sharing(data: DataProto) -> PromptSharing:
+    """The rows of ``data`` (B, P+R) that share prompts, and what each computes beside its leader."""
+    tensors = data.batch
+    mask = tensors[ATTENTION_MASK].bool()
+    prompt_length = mask.shape[1] - tensors[RESPONSES].shape[1]
+    rows = torch.arange(mask.shape[0])
+    leaders = prompt_leaders(tensors[INPUT_IDS], tensors[ATTENTION_MASK], prompt_length) if len(rows) else rows
+    computed = mask.sum(dim=1) - (leaders != rows) * mask[:, :prompt_length].sum(dim=1)
+    return PromptSharing(leaders=leaders.tolist(), computed=computed.tolist())
 
 
 def balanced_order(lengths: Sequence[int], world_size: int, groups: Sequence[Hashable] | None = None) -> list[int]:

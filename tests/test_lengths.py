@@ -2,7 +2,10 @@
 
 import random
 
-from hybridflow.lengths import balanced_order
+import torch
+
+from hybridflow.lengths import balanced_order, prompt_sharing
+from hybridflow.protocol import DataProto
 
 
 def _chunk_tokens(lengths: list[int], world_size: int) -> list[int]:
@@ -56,3 +59,15 @@ def test_a_group_larger_than_a_rank_is_split_row_by_row():
     order = balanced_order([5, 4, 3, 2], 2, groups=["a", "a", "a", "b"])
     assert sorted(order) == [0, 1, 2, 3]
     assert _chunk_tokens([[5, 4, 3, 2][i] for i in order], 2) in ([7, 7], [8, 6], [6, 8])
+
+
+def test_prompt_sharing_names_each_row_s_leader_and_what_it_computes_beside_it():
+    prompt_a, prompt_b = [0, 5, 6, 7], [0, 0, 8, 9]  # left-padded: 3 and 2 tokens
+    rows = [(prompt_a, [1, 2, 0]), (prompt_b, [3, 0, 0]), (prompt_a, [4, 4, 4]), (prompt_a, [5, 0, 0])]
+    ids = torch.tensor([p + r for p, r in rows])
+    mask = (ids != 0).long()
+    data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, 4:]})
+    sharing = prompt_sharing(data)
+    assert sharing.leaders == [0, 1, 0, 0]
+    # a leader computes its prompt and response, a follower its response only
+    assert sharing.computed == [3 + 2, 2 + 1, 3, 1]

@@ -60,8 +60,9 @@ class UpdateConfig:
     loss_agg_mode: str
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
     # FSDP2 in the update: free each layer's gathered weights after its forward and gather them again for its backward
-    # (true), or keep them until the backward (false: half the all-gathers and casts; the whole model is held in
-    # param_dtype while a micro-batch trains)
+    # and for every micro-batch (true), or gather them once per mini-batch and keep them through its micro-batches
+    # (false: one all-gather and cast per mini-batch instead of two per micro-batch, the same numbers; the whole model
+    # is held in param_dtype while a mini-batch trains)
     reshard_after_forward: bool
     optim: OptimConfig  # AdamW and its learning-rate schedule
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
@@ -153,8 +154,9 @@ class SFTEngineConfig:
     max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
     tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the rest
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
-    # FSDP2: free each layer's gathered weights after its forward (true) or keep them for its backward (false: half the
-    # all-gathers and casts; the whole model is held in param_dtype while a micro-batch trains)
+    # FSDP2: free each layer's gathered weights after its forward (true) or keep them through the micro-batches of a
+    # step (false: one all-gather and cast per step instead of two per micro-batch; the whole model is held in
+    # param_dtype while a step trains)
     reshard_after_forward: bool
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 

@@ -12,35 +12,62 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hybridflow.lengths import PromptSharing
 from hybridflow.protocol import DataProto
 
 
-def group_by_tokens(lengths: Sequence[int], max_tokens: int, min_groups: int = 1) -> list[list[int]]:
+def group_by_tokens(
+    lengths: Sequence[int], max_tokens: int, min_groups: int = 1, sharing: PromptSharing | None = None
+) -> list[list[int]]:
     """Row indices in groups of at most ``max_tokens`` tokens each; a longer row is a group alone.
 
     First-fit decreasing: rows longest first, each into the first group with room. Then, while
     there are fewer than ``min_groups`` groups, the group with the most rows is halved (halves
     stay within the budget). Indices in a group are in decreasing length.
+
+    ``sharing``: rows with one prompt go together, as one item of the tokens a packed pass computes for
+    them (the prompt once); an item over the budget is split into its rows, each with its full length.
+    Halving then alternates items, not rows, while the group has more than one. Any part of an item
+    computes at most what the whole item does, so halves still stay within the budget.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if min_groups > len(lengths):
         raise ValueError(f"cannot make {min_groups} non-empty groups of {len(lengths)} rows")
-    groups: list[list[int]] = []
-    loads: list[int] = []
-    for index in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        slot = next((g for g, load in enumerate(loads) if load + lengths[index] <= max_tokens), None)
-        if slot is None:
-            groups.append([index])
-            loads.append(lengths[index])
+    items: list[tuple[int, list[int]]] = []  # (tokens, rows)
+    for rows in _rows_by_prompt(len(lengths), sharing):
+        tokens = lengths[rows[0]] if sharing is None else sum(sharing.computed[i] for i in rows)
+        if len(rows) > 1 and tokens > max_tokens:
+            items.extend((lengths[i], [i]) for i in rows)
         else:
-            groups[slot].append(index)
-            loads[slot] += lengths[index]
+            items.append((tokens, rows))
+    groups: list[list[list[int]]] = []  # each group: its items' rows
+    loads: list[int] = []
+    for tokens, rows in sorted(items, key=lambda item: -item[0]):  # stable: equal items keep their order
+        slot = next((g for g, load in enumerate(loads) if load + tokens <= max_tokens), None)
+        if slot is None:
+            groups.append([rows])
+            loads.append(tokens)
+        else:
+            groups[slot].append(rows)
+            loads[slot] += tokens
     while len(groups) < min_groups:
-        largest = max(range(len(groups)), key=lambda g: len(groups[g]))
+        largest = max(range(len(groups)), key=lambda g: sum(map(len, groups[g])))
         group = groups.pop(largest)
-        groups[largest:largest] = [group[0::2], group[1::2]]  # alternate: both halves keep long and short rows
-    return groups
+        if len(group) == 1:  # one item: halve its rows
+            group = [[i] for i in group[0]]
+        groups[largest:largest] = [group[0::2], group[1::2]]  # alternate: both halves keep long and short items
+    return [[i for rows in group for i in rows] for group in groups]
+
+
+def _rows_by_prompt(count: int, sharing: PromptSharing | None) -> list[list[int]]:
+    """The rows in items: each alone, or with ``sharing`` the rows of each prompt (in order of first row)."""
+    if sharing is None:
+        return [[i] for i in range(count)]
+    items: dict[int, list[int]] = {}
+    for index, leader in enumerate(sharing.leaders):
+        items.setdefault(leader, []).append(index)
+    return list(items.values())
 
 
 def max_over_ranks(value: int) -> int:
@@ -52,17 +79,25 @@ def max_over_ranks(value: int) -> int:
     return int(tensor.item())
 
 
-def micro_batch_groups(lengths: Sequence[int], micro_batch_size: int, max_tokens: int | None) -> list[list[int]]:
+def micro_batch_groups(
+    lengths: Sequence[int], micro_batch_size: int, max_tokens: int | None, sharing: PromptSharing | None = None
+) -> list[list[int]]:
     """Rows of each micro-batch: consecutive runs of ``micro_batch_size`` rows, or, when ``max_tokens``
-    is set, token-budget groups, as many on this rank as on the busiest one (collective)."""
+    is set, token-budget groups, as many on this rank as on the busiest one (collective).
+
+    ``sharing`` (packed passes): rows with one prompt stay together, so each micro-batch computes a
+    prompt once for all its rows there. Fixed-size micro-batches then take the rows in order of their
+    prompt's first row (the identity when such rows are already consecutive, as rollouts give them; a
+    shuffled mini-batch's n samples of a prompt were spread over its micro-batches, each computing the
+    prompt again). Any partition gives the same update (``engine/update.py``), up to float rounding.
+    """
     if max_tokens is None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
-        return [
-            list(range(s, min(s + micro_batch_size, len(lengths)))) for s in range(0, len(lengths), micro_batch_size)
-        ]
-    count = len(group_by_tokens(lengths, max_tokens))
-    return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count))
+        order = [i for rows in _rows_by_prompt(len(lengths), sharing) for i in rows]
+        return [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+    count = len(group_by_tokens(lengths, max_tokens, sharing=sharing))
+    return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count), sharing=sharing)
 
 
 def split_by_groups(data: DataProto, groups: list[list[int]]) -> list[DataProto]:

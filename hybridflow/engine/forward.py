@@ -23,18 +23,24 @@ from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import pack, packed_forward
-from hybridflow.lengths import packed_lengths, row_lengths
+from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
 from hybridflow.protocol import DataProto
 
 
 def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
     """What a pass computes, for its FLOP count: tokens per row (real tokens; a prompt shared by
-    packed rows once, assuming its rows share a micro-batch, else MFU reads low) and the number of
+    packed rows once, as micro-batches keep its rows together; one that a micro-batch size or token
+    budget splits is computed more than once, and MFU reads a little low) and the number of
     positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
     if not remove_padding:
         return row_lengths(data), None
     response_length = data.batch[RESPONSES].shape[1]
     return packed_lengths(data), int(data.batch[ATTENTION_MASK][:, -response_length:].sum())
+
+
+def _sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
+    """Which rows share a prompt, for micro-batches that keep them together: only a packed pass computes it once."""
+    return prompt_sharing(data) if remove_padding and len(data) else None
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
@@ -118,7 +124,7 @@ def batched_log_probs(
     ``max_token_len``: micro-batches by token count instead of ``micro_batch_size`` rows; a
     collective under data parallelism (every rank runs as many micro-batches).
     """
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, _sharing(data, remove_padding))
     parts = [
         response_log_probs(model, micro, temperature, with_entropy, remove_padding)
         for micro in split_by_groups(data, groups)
@@ -138,6 +144,6 @@ def batched_values(
     max_token_len: int | None = None,
 ) -> torch.Tensor:
     """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, _sharing(data, remove_padding))
     parts = [response_values(model, micro, remove_padding) for micro in split_by_groups(data, groups)]
     return restore_order(parts, groups)

@@ -44,20 +44,28 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mo
 
 @contextmanager
 def gathered_through_backward(model: nn.Module, keep: bool) -> Iterator[None]:
-    """With ``keep``: each FSDP2 unit keeps its gathered weights from its forward to its backward (the backward
-    then gathers nothing), and everything is resharded on exit; without: FSDP2's default, gather again."""
+    """With ``keep``: each FSDP2 unit keeps its gathered weights from its first forward to the end of the block,
+    through its backward and the micro-batches after it (they gather nothing: the weights change only at the
+    optimizer step, after the block), and everything is resharded on exit; without: FSDP2's default, gather in
+    every forward and again in every backward. Gradients are still reduced after each micro-batch's backward, in
+    the reduce dtype, so the update is bitwise the same either way. Peak memory is too: a unit that keeps its
+    weights from forward to backward holds the whole model gathered when the forward ends anyway."""
     if not keep:
         yield
         return
     # the root unit (first) keeps its weights gathered after forward already (FSDP2's choice for the root)
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)][1:]
-    for unit in units:
-        unit.set_reshard_after_forward(False, recurse=False)
+    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+    for index, unit in enumerate(units):
+        if index:
+            unit.set_reshard_after_forward(False, recurse=False)
+        unit.set_reshard_after_backward(False, recurse=False)
     try:
         yield
     finally:
-        for unit in units:
-            unit.set_reshard_after_forward(True, recurse=False)
+        for index, unit in enumerate(units):
+            if index:
+                unit.set_reshard_after_forward(True, recurse=False)
+            unit.set_reshard_after_backward(True, recurse=False)
             unit.reshard()
 
 

@@ -6,8 +6,11 @@ the token and sequence counts of the whole mini-batch over all ranks, so each mi
 is its share of the global mean. FSDP averages gradients over ranks; multiplying the loss by the
 world size turns that average into the sum of shares, i.e. the gradient of the global mean.
 This holds for any partition of the mini-batch into micro-batches, so micro-batches formed by
-token count (``max_token_len``) give the same gradient as fixed-size ones; every loss still sees
-the (B, R) layout, so the response length used by ``seq-mean-token-sum-norm`` is unchanged too.
+token count (``max_token_len``) give the same gradient as fixed-size ones, and so do micro-batches
+that keep the rows of one prompt together after a shuffle (packed passes then compute the prompt
+once per micro-batch: ``dynamic_batch.micro_batch_groups``); every loss still sees the (B, R)
+layout, so the response length used by ``seq-mean-token-sum-norm`` is unchanged too. "The same"
+up to float rounding: a partition changes the order in which gradients are summed.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import pass_work
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.lengths import row_lengths
+from hybridflow.lengths import prompt_sharing, row_lengths
 from hybridflow.protocol import DataProto
 
 MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
@@ -86,17 +89,19 @@ def run_updates(
     for mini_batch in data.make_iterator(mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle, seed=seed):
         agg = global_aggregation(config.loss_agg_mode, mini_batch.batch[RESPONSE_MASK], dp_group)
         optimizer.zero_grad(set_to_none=True)
-        groups = micro_batch_groups(row_lengths(mini_batch), config.ppo_micro_batch_size_per_gpu, max_token_len)
+        sharing = prompt_sharing(mini_batch) if config.use_remove_padding else None  # packed: keep prompts together
+        size = config.ppo_micro_batch_size_per_gpu
+        groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing)
         shares: dict[str, float] = defaultdict(float)
-        for micro_batch in split_by_groups(mini_batch, groups):
-            with gathered_through_backward(model, keep=not config.reshard_after_forward):
+        with gathered_through_backward(model, keep=not config.reshard_after_forward):
+            for micro_batch in split_by_groups(mini_batch, groups):
                 loss, metrics = micro_loss(micro_batch, agg)
                 (loss * world_size).backward()
-            for key, value in metrics.items():
-                if key in loss_share_keys:
-                    shares[key] += _to_float(value) * world_size
-                else:
-                    totals[key].append(_to_float(value))
+                for key, value in metrics.items():
+                    if key in loss_share_keys:
+                        shares[key] += _to_float(value) * world_size
+                    else:
+                        totals[key].append(_to_float(value))
         for key, value in shares.items():
             totals[key].append(value)
         grad_norm = grad_norm_and_clip(model, config.grad_clip)

@@ -11,7 +11,7 @@ from hybridflow.engine.critic import CriticEngine
 from hybridflow.engine.dynamic_batch import group_by_tokens, micro_batch_groups
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.policy import PolicyEngine
-from hybridflow.lengths import row_lengths
+from hybridflow.lengths import PromptSharing, packed_lengths, row_lengths
 from hybridflow.models import load_causal_lm, load_critic
 from hybridflow.trainer.config import load_config
 
@@ -34,6 +34,28 @@ def test_token_groups_cover_every_row_once_within_the_budget():
 
 def test_fixed_groups_are_consecutive_rows():
     assert micro_batch_groups([4, 4, 4, 4, 4], micro_batch_size=2, max_tokens=None) == [[0, 1], [2, 3], [4]]
+
+
+def test_fixed_groups_keep_the_rows_of_a_prompt_together():
+    # a shuffled mini-batch: prompts 0 (rows 0, 2, 5), 1 (rows 1, 4), 3 (rows 3, 6) and 7
+    sharing = PromptSharing(leaders=[0, 1, 0, 3, 1, 0, 3, 7], computed=[9, 9, 2, 9, 2, 2, 2, 9])
+    groups = micro_batch_groups([9] * 8, micro_batch_size=3, max_tokens=None, sharing=sharing)
+    assert groups == [[0, 2, 5], [1, 4, 3], [6, 7]]
+    grouped = PromptSharing(leaders=[0, 0, 2, 2, 4], computed=[9, 2, 9, 2, 9])  # as a rollout gives them
+    assert micro_batch_groups([9] * 5, 2, None, grouped) == micro_batch_groups([9] * 5, 2, None)
+
+
+def test_token_groups_keep_the_rows_of_a_prompt_together():
+    # prompt A (6 tokens) in rows 0, 2, 5; prompt B (8 tokens) in rows 1, 3; row 4 alone
+    lengths = [10, 12, 9, 13, 20, 11]
+    sharing = PromptSharing(leaders=[0, 1, 0, 1, 4, 0], computed=[10, 12, 3, 5, 20, 5])  # A: 18, B: 17 tokens
+    assert group_by_tokens(lengths, 25, sharing=sharing) == [[4], [0, 2, 5], [1, 3]]
+    assert group_by_tokens(lengths, 40, sharing=sharing) == [[4, 0, 2, 5], [1, 3]]  # 20 + 18, then 17
+    # A and B are over a budget of 15: their rows go one by one, at their full lengths (13, 12, 11, 10, 9)
+    assert group_by_tokens(lengths, 15, sharing=sharing) == [[4], [3], [1], [5], [0], [2]]
+    # more groups: the one with most rows is halved by prompts, then a single prompt's by rows
+    assert group_by_tokens(lengths, 40, min_groups=3, sharing=sharing) == [[4], [0, 2, 5], [1, 3]]
+    assert group_by_tokens(lengths, 40, min_groups=4, sharing=sharing) == [[4], [0, 5], [2], [1, 3]]
 
 
 def _count_on_rank(rank: int, init_file: str, results) -> None:
@@ -145,3 +167,38 @@ def test_critic_with_packing_and_token_micro_batches_equals_padded_fixed(tiny_pa
     for name, step in fixed_step.items():
         assert step.abs().max() > 0, name
         assert torch.allclose(dynamic_step[name], step, rtol=1e-3, atol=1e-8), name
+
+
+def _update_counting_tokens(config, batch):
+    """One PPO step of a fresh tiny model without FSDP: its weights, and the tokens each forward computed."""
+    model = load_causal_lm(config.model.path, dtype=torch.float32)
+    engine = PolicyEngine(TrainedModel.build(model, config.actor.optim, 10), config.actor)
+    data = batch.select(deepcopy=True)
+    data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+    tokens: list[int] = []
+    hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: tokens.append(args[0].numel()))
+    engine.update_policy(data, mini_batch_size=len(data), temperature=1.0, seed=0)
+    hook.remove()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, tokens
+
+
+def test_shuffled_micro_batches_compute_each_prompt_once_and_give_the_same_update(
+    tiny_path, rollout_batch, actor_config_factory
+):
+    # three prompts with two samples each (the second one's response shorter), in the order a rollout gives
+    batch = rollout_batch[[0, 0, 1, 1, 3, 3]]
+    batch.batch["response_mask"][1::2, 2:] = 0
+    batch.batch["advantages"] = torch.linspace(-1.0, 1.0, 30).view(6, 5) * batch.batch["response_mask"]
+    computed = sum(packed_lengths(batch))  # each prompt once
+    assert computed < sum(row_lengths(batch))
+    shuffled = "actor_rollout_ref.actor.shuffle=true"
+    whole, whole_tokens = _update_counting_tokens(
+        actor_config_factory(tiny_path, LR, shuffled, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=6"), batch
+    )
+    split, split_tokens = _update_counting_tokens(actor_config_factory(tiny_path, LR, shuffled), batch)  # 2 rows
+    # the update shuffles its rows (seed 0 puts every prompt's two samples apart); its 3 micro-batches
+    # each hold one prompt's two samples, so no prompt is computed twice
+    assert whole_tokens == [computed] and len(split_tokens) == 3 and sum(split_tokens) == computed
+    for name, tensor in whole.items():
+        scale = tensor.abs().max()
+        assert (split[name] - tensor).abs().max() <= 1e-5 * scale, name

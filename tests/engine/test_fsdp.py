@@ -1,5 +1,6 @@
-"""engine/fsdp.py on real gloo ranks: ``reshard_after_forward=false`` (the update's backward gathers no weights,
-the step is bitwise the same) and the gradient-norm clipping."""
+"""engine/fsdp.py on real gloo ranks: ``reshard_after_forward=false`` (a mini-batch gathers the weights once, for
+the first micro-batch's forward; its backward and the micro-batches after it gather none; the step is bitwise the
+same) and the gradient-norm clipping."""
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,7 @@ def _run(tiny_path: str, directory, reshard: bool, batch, actor_config_factory):
     return gathers, layers, torch.load(f"{init}.pt")
 
 
-def test_keeping_weights_gathered_halves_the_gathers_and_changes_no_bit(
+def test_keeping_weights_gathered_gathers_once_per_mini_batch_and_changes_no_bit(
     tiny_path, tmp_path, rollout_batch, actor_config_factory
 ):
     batch = rollout_batch.select(deepcopy=True)
@@ -62,9 +63,10 @@ def test_keeping_weights_gathered_halves_the_gathers_and_changes_no_bit(
     default_gathers, layers, default_state = _run(tiny_path, tmp_path, True, batch, actor_config_factory)
     kept_gathers, _, kept_state = _run(tiny_path, tmp_path, False, batch, actor_config_factory)
     micro_batches = 2
-    # each micro-batch: every layer and the root gather in forward; by default the layers gather again in backward
+    # by default, each micro-batch: every layer and the root gather in forward, and the layers again in backward;
+    # kept: every layer and the root gather once, in the first forward
     assert default_gathers == micro_batches * (2 * layers + 1)
-    assert kept_gathers == micro_batches * (layers + 1)
+    assert kept_gathers == layers + 1
     assert set(kept_state) == set(default_state)
     initial = load_causal_lm(tiny_path, dtype=torch.float32).state_dict()
     for name, tensor in default_state.items():
