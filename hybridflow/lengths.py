@@ -39,13 +39,7 @@ def prompt_leaders(input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt
 
 def computed_lengths(attention_mask: torch.Tensor, input_ids: torch.Tensor, response_length: int) -> list[int]:
     """Tokens per row that a packed pass computes: a shared prompt counts in its first row only."""
-    mask = attention_mask.bool()
-    lengths = mask.sum(dim=1)
-    if len(lengths):
-        prompt_length = mask.shape[1] - response_length
-        follower = prompt_leaders(input_ids, attention_mask, prompt_length) != torch.arange(len(lengths))
-        lengths = lengths - follower * mask[:, :prompt_length].sum(dim=1)
-    return lengths.tolist()
+    return _sharing(attention_mask, input_ids, response_length).computed
 
 
 def packed_lengths(data: DataProto) -> list[int]:
@@ -68,10 +62,14 @@ class PromptSharing:
 def prompt_sharing(data: DataProto) -> PromptSharing:
     """The rows of ``data`` (B, P+R) that share prompts, and what each computes beside its leader."""
     tensors = data.batch
-    mask = tensors[ATTENTION_MASK].bool()
-    prompt_length = mask.shape[1] - tensors[RESPONSES].shape[1]
-    rows = torch.arange(mask.shape[0])
-    leaders = prompt_leaders(tensors[INPUT_IDS], tensors[ATTENTION_MASK], prompt_length) if len(rows) else rows
+    return _sharing(tensors[ATTENTION_MASK], tensors[INPUT_IDS], tensors[RESPONSES].shape[1])
+
+
+def _sharing(attention_mask: torch.Tensor, input_ids: torch.Tensor, response_length: int) -> PromptSharing:
+    mask = attention_mask.bool()
+    prompt_length = mask.shape[1] - response_length
+    rows = torch.arange(mask.shape[0], device=mask.device)
+    leaders = prompt_leaders(input_ids, attention_mask, prompt_length) if len(rows) else rows
     computed = mask.sum(dim=1) - (leaders != rows) * mask[:, :prompt_length].sum(dim=1)
     return PromptSharing(leaders=leaders.tolist(), computed=computed.tolist())
 

@@ -57,7 +57,8 @@ def group_by_tokens(
         if len(group) == 1:  # one item: halve its rows
             group = [[i] for i in group[0]]
         groups[largest:largest] = [group[0::2], group[1::2]]  # alternate: both halves keep long and short items
-    return [[i for rows in group for i in rows] for group in groups]
+    # each group's rows by decreasing length: the order without ``sharing``, whatever the items
+    return [sorted((i for rows in group for i in rows), key=lambda i: -lengths[i]) for group in groups]
 
 
 def _rows_by_prompt(count: int, sharing: PromptSharing | None) -> list[list[int]]:
@@ -87,15 +88,17 @@ def micro_batch_groups(
 
     ``sharing`` (packed passes): rows with one prompt stay together, so each micro-batch computes a
     prompt once for all its rows there. Fixed-size micro-batches then take the rows in order of their
-    prompt's first row (the identity when such rows are already consecutive, as rollouts give them; a
-    shuffled mini-batch's n samples of a prompt were spread over its micro-batches, each computing the
-    prompt again). Any partition gives the same update (``engine/update.py``), up to float rounding.
+    prompt's first row (the same micro-batches when such rows are already consecutive, as rollouts give
+    them; a shuffled mini-batch's n samples of a prompt were spread over its micro-batches, each
+    computing the prompt again). Any partition gives the same update (``engine/update.py``), up to float
+    rounding: the gradients are summed in another order.
     """
     if max_tokens is None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
         order = [i for rows in _rows_by_prompt(len(lengths), sharing) for i in rows]
-        return [order[s : s + micro_batch_size] for s in range(0, len(order), micro_batch_size)]
+        # each micro-batch's rows in batch order: where the partition is as without ``sharing``, so is every bit
+        return [sorted(order[s : s + micro_batch_size]) for s in range(0, len(order), micro_batch_size)]
     count = len(group_by_tokens(lengths, max_tokens, sharing=sharing))
     return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count), sharing=sharing)
 

@@ -40,7 +40,7 @@ def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | N
 
 def _sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
     """Which rows share a prompt, for micro-batches that keep them together: only a packed pass computes it once."""
-    return prompt_sharing(data) if remove_padding and len(data) else None
+    return prompt_sharing(data) if remove_padding else None
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:

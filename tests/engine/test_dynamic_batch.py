@@ -40,22 +40,23 @@ def test_fixed_groups_keep_the_rows_of_a_prompt_together():
     # a shuffled mini-batch: prompts 0 (rows 0, 2, 5), 1 (rows 1, 4), 3 (rows 3, 6) and 7
     sharing = PromptSharing(leaders=[0, 1, 0, 3, 1, 0, 3, 7], computed=[9, 9, 2, 9, 2, 2, 2, 9])
     groups = micro_batch_groups([9] * 8, micro_batch_size=3, max_tokens=None, sharing=sharing)
-    assert groups == [[0, 2, 5], [1, 4, 3], [6, 7]]
+    assert groups == [[0, 2, 5], [1, 3, 4], [6, 7]]  # each in batch order
     grouped = PromptSharing(leaders=[0, 0, 2, 2, 4], computed=[9, 2, 9, 2, 9])  # as a rollout gives them
     assert micro_batch_groups([9] * 5, 2, None, grouped) == micro_batch_groups([9] * 5, 2, None)
+    assert micro_batch_groups([9] * 8, 8, None, sharing) == [list(range(8))]  # one micro-batch: as it was
 
 
 def test_token_groups_keep_the_rows_of_a_prompt_together():
     # prompt A (6 tokens) in rows 0, 2, 5; prompt B (8 tokens) in rows 1, 3; row 4 alone
     lengths = [10, 12, 9, 13, 20, 11]
     sharing = PromptSharing(leaders=[0, 1, 0, 1, 4, 0], computed=[10, 12, 3, 5, 20, 5])  # A: 18, B: 17 tokens
-    assert group_by_tokens(lengths, 25, sharing=sharing) == [[4], [0, 2, 5], [1, 3]]
-    assert group_by_tokens(lengths, 40, sharing=sharing) == [[4, 0, 2, 5], [1, 3]]  # 20 + 18, then 17
+    assert group_by_tokens(lengths, 25, sharing=sharing) == [[4], [5, 0, 2], [3, 1]]  # rows longest first
+    assert group_by_tokens(lengths, 40, sharing=sharing) == [[4, 5, 0, 2], [3, 1]]  # 20 + 18, then 17
     # A and B are over a budget of 15: their rows go one by one, at their full lengths (13, 12, 11, 10, 9)
     assert group_by_tokens(lengths, 15, sharing=sharing) == [[4], [3], [1], [5], [0], [2]]
     # more groups: the one with most rows is halved by prompts, then a single prompt's by rows
-    assert group_by_tokens(lengths, 40, min_groups=3, sharing=sharing) == [[4], [0, 2, 5], [1, 3]]
-    assert group_by_tokens(lengths, 40, min_groups=4, sharing=sharing) == [[4], [0, 5], [2], [1, 3]]
+    assert group_by_tokens(lengths, 40, min_groups=3, sharing=sharing) == [[4], [5, 0, 2], [3, 1]]
+    assert group_by_tokens(lengths, 40, min_groups=4, sharing=sharing) == [[4], [5, 0], [2], [3, 1]]
 
 
 def _count_on_rank(rank: int, init_file: str, results) -> None:
