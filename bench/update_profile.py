@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/update_profile.py                 # the GRPO-step update: 32 samples, 1 rank, 2 threads
     .venv/bin/python bench/update_profile.py --samples 64 --micro 16 --repeats 5
+    .venv/bin/python bench/update_profile.py --samples 64 --micro 16 --ranks 2 --threads 1   # the demo's update
 
-The actor is built as the trainer builds it (``smollm2-135m-instruct``, FSDP2 on one gloo rank,
+The actor is built as the trainer builds it (``smollm2-135m-instruct``, FSDP2 on ``--ranks`` gloo ranks,
 bf16 compute, fp32 masters, fused AdamW) with the workers' allocator settings (the script
 re-executes itself with them), on the GRPO-shaped batch of ``bench/train_passes.py`` (prompts of
 38-47 tokens, 4 samples each, responses of 5-32 tokens). It times ``--repeats`` updates without
@@ -132,7 +133,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--micro", type=int, default=None, help="micro-batch rows (default: all samples)")
     parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per rank")
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="FSDP2 ranks (gloo processes, each with its share of the samples)"
+    )
     parser.add_argument(
         "--override", action="append", default=[], help="a config key=value, e.g. reshard_after_forward"
     )
@@ -140,7 +144,17 @@ def main() -> None:
     parser.add_argument("--trace", help="also write a Chrome trace of the profiled update here")
     args = parser.parse_args()
     reexec_with_allocator_settings()
+    if args.ranks == 1:
+        profile_rank(0, args)
+        return
+    import torch.multiprocessing as mp
 
+    os.environ.setdefault("MASTER_PORT", str(29571 + os.getpid() % 1000))
+    mp.spawn(profile_rank, args=(args,), nprocs=args.ranks)
+
+
+def profile_rank(rank: int, args: argparse.Namespace) -> None:
+    """One rank's updates and profile; rank 0 prints (every rank runs the same passes and collectives)."""
     import torch
     import torch.distributed as dist
     from train_passes import grpo_batch
@@ -153,7 +167,8 @@ def main() -> None:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    say = print if rank == 0 else (lambda *_, **__: None)
     torch.set_num_threads(args.threads)
     micro = args.micro or args.samples
     arr = load_config(
@@ -170,11 +185,11 @@ def main() -> None:
     )
     engine = PolicyEngine(trained, arr.actor)
     vocab = trained.model.config.vocab_size
-    data = grpo_batch(args.samples, 4)
+    data = grpo_batch(args.samples, 4).chunk(args.ranks)[rank]  # whole prompts per rank (samples in groups of 4)
     data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
-    print(
-        f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples in micro-batches of {micro}, "
-        f"{args.threads} threads, {' '.join(args.override) or 'defaults'}, "
+    say(
+        f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples on {args.ranks} rank(s), micro-batches "
+        f"of {micro}, {args.threads} threads per rank, {' '.join(args.override) or 'defaults'}, "
         f"peak {engine.meter.peak / 1e12:.3f} TFLOP/s (bf16 matmul, measured now)",
         flush=True,
     )
@@ -186,7 +201,7 @@ def main() -> None:
         seconds.append(time.perf_counter() - start)
         mfus.append(out.meta_info[METRICS]["perf/mfu_update"])
     median = statistics.median(seconds[1:])
-    print(
+    say(
         f"update: median {median:.3f} s over {args.repeats} (after a warm-up of {seconds[0]:.2f} s); "
         f"MFU {statistics.median(mfus[1:]):.3f} (each: {', '.join(f'{m:.3f}' for m in mfus[1:])})",
         flush=True,
@@ -207,20 +222,20 @@ def main() -> None:
     untraced = max(profiled - counted, 0.0)
     totals["outside any op (Python, scheduling)"] += untraced
     scale = median / (counted + untraced)
-    print(f"profiled update {profiled:.3f} s (ops {counted:.3f} s); shares scaled to the unprofiled {median:.3f} s\n")
-    print("| item | seconds | share |")
-    print("| --- | ---: | ---: |")
+    say(f"profiled update {profiled:.3f} s (ops {counted:.3f} s); shares scaled to the unprofiled {median:.3f} s\n")
+    say("| item | seconds | share |")
+    say("| --- | ---: | ---: |")
     for name, value in sorted(totals.items(), key=lambda kv: -kv[1]):
-        print(f"| {name} | {value * scale:.3f} | {value / (counted + untraced):.1%} |")
+        say(f"| {name} | {value * scale:.3f} | {value / (counted + untraced):.1%} |")
     if args.detail:
         by_op: dict[tuple[str, str, str], float] = defaultdict(float)
         for event in prof.events():
             if event.self_cpu_time_total > 0:
                 parent = event.cpu_parent.name if event.cpu_parent is not None else "-"
                 by_op[(item_of(event, vocab), event.name, parent)] += event.self_cpu_time_total / 1e6
-        print("\n| item | op | its parent | seconds (profiled) |\n| --- | --- | --- | ---: |")
+        say("\n| item | op | its parent | seconds (profiled) |\n| --- | --- | --- | ---: |")
         for (item, op, parent), value in sorted(by_op.items(), key=lambda kv: -kv[1])[: args.detail]:
-            print(f"| {item} | {op} | {parent} | {value:.3f} |")
+            say(f"| {item} | {op} | {parent} | {value:.3f} |")
     dist.destroy_process_group()
 
 
