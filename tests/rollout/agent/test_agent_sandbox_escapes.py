@@ -84,7 +84,9 @@ def test_escapes_are_tool_errors_and_the_conversations_finish(tmp_path, host_ser
             "allocate 10 GB": "memory limit",
             "loop forever": "limit|timed out",  # the CPU limit, or the wall timeout first on a loaded machine
             "print 100 MB": "output exceeded",
-            "hold memory in files": "memory limit|open file limit",  # a cgroup where the machine has one
+            # a cgroup's memory limit where the machine has one, else the open-file limit: 64 memfds of 16 MB, a GB
+            # written, which once took longer than the 3 s wall timeout while the other escapes and tests ran
+            "hold memory in files": "memory limit|open file limit|timed out",
             "forge a turn": "The answer is 42",
         }[name]
         assert any(e in tool_message for e in expected.split("|")), (name, tool_message)
