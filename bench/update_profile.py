@@ -107,8 +107,9 @@ def item_of(event, vocab: int) -> str:
         return "optimizer step (fused AdamW)"
     if "hf::grad_norm_and_clip" in joined:
         return "gradient norm and clipping"
-    if any(tag in joined for tag in ("c10d::", "record_param_comms", "gloo:")):
-        return "FSDP collectives (gloo)"
+    # an FSDP range's own time (in no op under it): its Python, and on several ranks its wait for a collective
+    if any(tag in joined for tag in ("c10d::", "record_param_comms", "gloo:")) or event.name.startswith("FSDP::"):
+        return "FSDP: collectives over gloo (launch and wait) and its hooks' own time"
     if "FSDP::" in joined and any(tag in joined for tag in ("all_gather", "post_backward", "copy_in", "copy_out")):
         return "FSDP: copies into and out of the gathered / reduced buffers, casts to bf16"
     node_name = next((name.split(": ", 1)[1] for name in names if name.startswith("autograd::engine::evaluate")), "")
