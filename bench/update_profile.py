@@ -145,12 +145,13 @@ def main() -> None:
     parser.add_argument("--trace", help="also write a Chrome trace of the profiled update here")
     args = parser.parse_args()
     reexec_with_allocator_settings()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29571 + os.getpid() % 1000))
     if args.ranks == 1:
         profile_rank(0, args)
         return
     import torch.multiprocessing as mp
 
-    os.environ.setdefault("MASTER_PORT", str(29571 + os.getpid() % 1000))
     mp.spawn(profile_rank, args=(args,), nprocs=args.ranks)
 
 
@@ -166,8 +167,6 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
     from hybridflow.trainer.config import load_config
     from hybridflow.workers.sharded_model import build_trainable
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     say = print if rank == 0 else (lambda *_, **__: None)
     torch.set_num_threads(args.threads)

@@ -38,7 +38,7 @@ def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | N
     return packed_lengths(data), int(data.batch[ATTENTION_MASK][:, -response_length:].sum())
 
 
-def _sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
+def packed_prompt_sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
     """Which rows share a prompt, for micro-batches that keep them together: only a packed pass computes it once."""
     return prompt_sharing(data) if remove_padding else None
 
@@ -124,7 +124,8 @@ def batched_log_probs(
     ``max_token_len``: micro-batches by token count instead of ``micro_batch_size`` rows; a
     collective under data parallelism (every rank runs as many micro-batches).
     """
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, _sharing(data, remove_padding))
+    sharing = packed_prompt_sharing(data, remove_padding)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     parts = [
         response_log_probs(model, micro, temperature, with_entropy, remove_padding)
         for micro in split_by_groups(data, groups)
@@ -144,6 +145,7 @@ def batched_values(
     max_token_len: int | None = None,
 ) -> torch.Tensor:
     """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, _sharing(data, remove_padding))
+    sharing = packed_prompt_sharing(data, remove_padding)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     parts = [response_values(model, micro, remove_padding) for micro in split_by_groups(data, groups)]
     return restore_order(parts, groups)

@@ -27,10 +27,10 @@ from hybridflow.batch_keys import RESPONSE_MASK
 from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import pass_work
+from hybridflow.engine.forward import packed_prompt_sharing, pass_work
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.lengths import prompt_sharing, row_lengths
+from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
 MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
@@ -89,7 +89,7 @@ def run_updates(
     for mini_batch in data.make_iterator(mini_batch_size, epochs=config.ppo_epochs, shuffle=config.shuffle, seed=seed):
         agg = global_aggregation(config.loss_agg_mode, mini_batch.batch[RESPONSE_MASK], dp_group)
         optimizer.zero_grad(set_to_none=True)
-        sharing = prompt_sharing(mini_batch) if config.use_remove_padding else None  # packed: keep prompts together
+        sharing = packed_prompt_sharing(mini_batch, config.use_remove_padding)  # packed: keep prompts together
         size = config.ppo_micro_batch_size_per_gpu
         groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing)
         shares: dict[str, float] = defaultdict(float)
