@@ -17,7 +17,9 @@ against the bf16 matmul peak measured in this process), then profiles one more w
   math on its logits, attention (the packed attention's own ops), the layers' other matmuls,
   and everything else (norms, activations, rotary, copies, the allocator's page faults);
 - the optimizer step, gradient-norm clipping, FSDP's collectives (all-gather, reduce-scatter,
-  all-reduce over gloo) and its copies in and out of the flat buffers.
+  all-reduce over gloo; with ``fsdp.host_collectives``, the default, ranks on one host gather and
+  reduce through shared memory: their barriers count as collectives, their sums apart) and its
+  copies in and out of the flat buffers.
 
 The table's seconds are scaled so that they add up to the unprofiled median (the profiler's own
 overhead spread in proportion); the raw profiled total is printed beside it.
@@ -108,8 +110,11 @@ def item_of(event, vocab: int) -> str:
     if "hf::grad_norm_and_clip" in joined:
         return "gradient norm and clipping"
     # an FSDP range's own time (in no op under it): its Python, and on several ranks its wait for a collective
-    if any(tag in joined for tag in ("c10d::", "record_param_comms", "gloo:")) or event.name.startswith("FSDP::"):
-        return "FSDP: collectives over gloo (launch and wait) and its hooks' own time"
+    comms = any(tag in joined for tag in ("c10d::", "record_param_comms", "gloo:"))
+    if comms or event.name.startswith(("FSDP::", "host_collectives::")):
+        return "FSDP: collectives (gloo, or shared memory's barriers; launch and wait) and its hooks' own time"
+    if "host_collectives::reduce_scatter" in joined:
+        return "FSDP: shared-memory reduce-scatter, summing the ranks' chunks"
     if "FSDP::" in joined and any(tag in joined for tag in ("all_gather", "post_backward", "copy_in", "copy_out")):
         return "FSDP: copies into and out of the gathered / reduced buffers, casts to bf16"
     node_name = next((name.split(": ", 1)[1] for name in names if name.startswith("autograd::engine::evaluate")), "")

@@ -36,6 +36,9 @@ class FSDPConfig:
     # fp32); master weights stay fp32
     param_dtype: str
     reduce_dtype: str  # dtype of the gradient reduce-scatter across ranks
+    # CPU ranks on one host all-gather weights and reduce-scatter gradients through shared memory (/dev/shm) instead of
+    # gloo's loopback sockets (2 ranks: bitwise gloo's result); ranks on several hosts, and GPUs, keep the process group
+    host_collectives: bool
 
     def __post_init__(self) -> None:
         require_choice(self.param_dtype, DTYPE_CHOICES, "param_dtype")

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.config import FSDPConfig
+from hybridflow.engine.host_collectives import use_host_collectives
 from hybridflow.engine.lora import policy_buffers, policy_parameters
 from hybridflow.models.dtypes import parse_dtype
 
@@ -36,9 +37,12 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mo
         param_dtype=parse_dtype(config.param_dtype, torch.device(mesh.device_type)),
         reduce_dtype=parse_dtype(config.reduce_dtype),
     )
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
+    if config.host_collectives and mesh.device_type == "cpu":
+        use_host_collectives([*layers, model], mesh.get_group())
     return model
 
 

@@ -1,6 +1,7 @@
 """engine/fsdp.py on real gloo ranks: ``reshard_after_forward=false`` (a mini-batch gathers the weights once, for
 the first micro-batch's forward; its backward and the micro-batches after it gather none; the step is bitwise the
-same) and the gradient-norm clipping."""
+same), ``fsdp.host_collectives`` (the same collectives through shared memory, bitwise gloo's update on 2 ranks) and
+the gradient-norm clipping."""
 
 import torch
 import torch.distributed as dist
@@ -8,6 +9,7 @@ import torch.multiprocessing as mp
 
 from hybridflow.engine.config import FSDPConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, decoder_layers, full_parameters, grad_norm_and_clip, shard_model
+from hybridflow.engine.host_collectives import ALL_GATHER_EVENT, REDUCE_SCATTER_EVENT
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm
 from hybridflow.workers.sharded_model import build_trainable
@@ -27,50 +29,58 @@ def _update(rank: int, tiny_path: str, init_file: str, config, batch, results) -
         share = batch.chunk(WORLD)[rank]  # 3 rows each, micro-batches of 2: two forward/backward passes per rank
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             engine.update_policy(share, len(share), 1.0, seed=0)
-        gathers = sum(
-            1
-            for event in prof.events()
-            if event.name == "FSDP::all_gather" or event.name.startswith("FSDP::all_gather (")
-        )
+        names = [event.name for event in prof.events()]
+        gathers = sum(1 for name in names if name == "FSDP::all_gather" or name.startswith("FSDP::all_gather ("))
+        through_shared_memory = (names.count(ALL_GATHER_EVENT), names.count(REDUCE_SCATTER_EVENT))
         state = {name: tensor.detach().clone() for name, tensor in full_parameters(trained.model)}
         if rank == 0:  # tensors through a file: a queue's shared memory is gone once this process exits
             torch.save(state, f"{init_file}.pt")
-            results.put((gathers, len(decoder_layers(trained.model))))
+            results.put((gathers, through_shared_memory, len(decoder_layers(trained.model))))
     finally:
         dist.destroy_process_group()
 
 
-def _run(tiny_path: str, directory, reshard: bool, batch, actor_config_factory):
+def _run(tiny_path: str, directory, reshard: bool, shared_memory: bool, batch, actor_config_factory):
     # the config is built here and sent: the spawned ranks import this module, not the tests' conftest
     config = actor_config_factory(
         tiny_path,
         1e-2,
         "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
         f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
+        f"actor_rollout_ref.actor.fsdp.host_collectives={str(shared_memory).lower()}",
     )
     results = mp.get_context("spawn").SimpleQueue()
-    init = directory / f"init-{reshard}"
+    init = directory / f"init-{reshard}-{shared_memory}"
     mp.spawn(_update, args=(tiny_path, str(init), config, batch, results), nprocs=WORLD)
-    gathers, layers = results.get()
-    return gathers, layers, torch.load(f"{init}.pt")
+    gathers, through_shared_memory, layers = results.get()
+    return gathers, through_shared_memory, layers, torch.load(f"{init}.pt")
 
 
-def test_keeping_weights_gathered_gathers_once_per_mini_batch_and_changes_no_bit(
+def test_keeping_weights_gathered_and_shared_memory_collectives_change_no_bit(
     tiny_path, tmp_path, rollout_batch, actor_config_factory
 ):
     batch = rollout_batch.select(deepcopy=True)
     batch.batch["old_log_probs"] = torch.zeros_like(batch.batch["advantages"])  # ratio != 1 is fine: same both ways
-    default_gathers, layers, default_state = _run(tiny_path, tmp_path, True, batch, actor_config_factory)
-    kept_gathers, _, kept_state = _run(tiny_path, tmp_path, False, batch, actor_config_factory)
+    default_gathers, default_shared, layers, default_state = _run(
+        tiny_path, tmp_path, True, True, batch, actor_config_factory
+    )
+    kept_gathers, kept_shared, _, kept_state = _run(tiny_path, tmp_path, False, True, batch, actor_config_factory)
+    gloo_gathers, gloo_shared, _, gloo_state = _run(tiny_path, tmp_path, False, False, batch, actor_config_factory)
     micro_batches = 2
     # by default, each micro-batch: every layer and the root gather in forward, and the layers again in backward;
     # kept: every layer and the root gather once, in the first forward
     assert default_gathers == micro_batches * (2 * layers + 1)
-    assert kept_gathers == layers + 1
-    assert set(kept_state) == set(default_state)
+    assert kept_gathers == gloo_gathers == layers + 1
+    # every gather and every reduce-scatter (each unit's, after each micro-batch's backward) went through shared
+    # memory where it is on (the default), none where it is off
+    assert default_shared == (default_gathers, micro_batches * (layers + 1))
+    assert kept_shared == (kept_gathers, micro_batches * (layers + 1))
+    assert gloo_shared == (0, 0)
+    assert set(kept_state) == set(default_state) == set(gloo_state)
     initial = load_causal_lm(tiny_path, dtype=torch.float32).state_dict()
     for name, tensor in default_state.items():
         assert torch.equal(kept_state[name], tensor), name
+        assert torch.equal(gloo_state[name], tensor), name
     assert any(not torch.equal(tensor, initial[name]) for name, tensor in default_state.items() if name in initial)
 
 
@@ -81,7 +91,7 @@ def _clip(rank: int, tiny_path: str, init_file: str, results) -> None:
         model = shard_model(
             load_causal_lm(tiny_path, dtype=torch.float32),
             data_parallel_mesh(torch.device("cpu")),
-            FSDPConfig(param_dtype="fp32", reduce_dtype="fp32"),
+            FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),
         )
         ids = torch.randint(0, model.config.vocab_size, (2, 12))
         model(input_ids=ids).logits.logsumexp(-1).mean().backward()

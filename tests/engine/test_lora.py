@@ -89,7 +89,9 @@ def _reference_first_then_train(rank: int, tiny_path: str, init_file: str, resul
     try:
         model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), lora(), frozen_dtype=torch.bfloat16)
         model = shard_model(
-            model, data_parallel_mesh(torch.device("cpu")), FSDPConfig(param_dtype="bf16", reduce_dtype="fp32")
+            model,
+            data_parallel_mesh(torch.device("cpu")),
+            FSDPConfig(param_dtype="bf16", reduce_dtype="fp32", host_collectives=True),
         )
         ids = inputs(model.config.vocab_size)
         with torch.no_grad(), adapters_off(model):  # FSDP2's first forward: the reference, adapters off

@@ -25,7 +25,7 @@ ENGINE = SFTEngineConfig(
     tensor_model_parallel_size=1,
     grad_clip=1e9,  # no clipping: the gradients compare as computed
     reshard_after_forward=True,
-    fsdp=FSDPConfig(param_dtype="fp32", reduce_dtype="fp32"),
+    fsdp=FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),
 )
 # AdamW's first step with eps=1 is linear in the gradient for gradients far below 1: weights compare like gradients
 OPTIM = OptimConfig(

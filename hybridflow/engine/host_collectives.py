@@ -1,0 +1,237 @@
+"""FSDP2's all-gather and reduce-scatter through shared memory, for CPU ranks on one host.
+
+On CPU, FSDP2 gathers weights and reduce-scatters gradients with gloo, which moves every byte through a TCP
+socket on the loopback device: the demo's update (2 ranks on one host) spent a third of its time there
+(docs/performance.md, §17). Ranks on one host can instead read each other's memory. Each rank maps a file in
+/dev/shm (unlinked once every rank has mapped it, so nothing is left behind when a process dies), and FSDP2
+writes its collective inputs straight into it (``allocate`` hands out views of the mapping):
+
+- reduce-scatter: each rank writes its full gradient buffer into its own file; after a barrier, rank r sums
+  chunk r of every rank's buffer, in rank order. With two ranks that is bitwise gloo's sum (a + b == b + a in
+  IEEE arithmetic); with more, the order of the additions, and so the last bit, may differ from gloo's ring.
+- all-gather: one file for the group; each rank writes its shard into its slot; after a barrier, the whole
+  buffer is every rank's gathered output (FSDP2 copies it out into the layer's parameters).
+
+A barrier (one small gloo all-reduce) orders each collective. Two buffers alternate between calls, so a rank
+that runs ahead writes the next collective's input while a slower rank still reads the last one: a rank can only
+be one collective ahead, since it must pass that collective's barrier first.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+SHARED_MEMORY_DIR = "/dev/shm"
+# profiler ranges around each collective (bench/update_profile.py and the tests find them by name)
+REDUCE_SCATTER_EVENT = "host_collectives::reduce_scatter"
+ALL_GATHER_EVENT = "host_collectives::all_gather"
+_ALIGN = 1 << 20  # buffers grow in whole MiB
+
+
+def _host_identity() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot = file.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+class _MappedBuffers:
+    """Two alternating byte buffers per owner, mapped by every rank of the group. ``owners``: the ranks that own a
+    file (all ranks for the reduce-scatter's inputs, rank 0 alone for the all-gather's shared output)."""
+
+    def __init__(self, group: dist.ProcessGroup, prefix: str, name: str, owners: Sequence[int]) -> None:
+        self.group, self.prefix, self.name, self.owners = group, prefix, name, list(owners)
+        self.rank = dist.get_rank(group)
+        self.nbytes = 0
+        self.generation = 0
+        self.views: list[list[torch.Tensor]] = []  # [slot][owner index] -> uint8 tensor of nbytes
+
+    def _path(self, owner: int, slot: int) -> str:
+        return os.path.join(SHARED_MEMORY_DIR, f"{self.prefix}-{self.name}-{owner}-{self.generation}-{slot}")
+
+    def _map(self, owner: int, slot: int, nbytes: int) -> torch.Tensor:
+        return torch.from_file(self._path(owner, slot), shared=True, size=nbytes, dtype=torch.uint8)
+
+    def ensure(self, nbytes: int) -> None:
+        """Grow to at least ``nbytes`` (collective: every rank asks for the same sizes in the same order)."""
+        if nbytes <= self.nbytes:
+            return
+        nbytes = -(-nbytes // _ALIGN) * _ALIGN
+        self.generation += 1
+        mine = [self._path(self.rank, slot) for slot in range(2)] if self.rank in self.owners else []
+        try:
+            for slot in range(len(mine)):
+                self._map(self.rank, slot, nbytes)
+        except (OSError, RuntimeError) as error:
+            raise RuntimeError(
+                f"could not create {nbytes} bytes of shared memory in {SHARED_MEMORY_DIR} for FSDP's collectives "
+                f"({error}); free space there or set fsdp.host_collectives=false"
+            ) from error
+        dist.barrier(group=self.group)
+        self.views = [[self._map(owner, slot, nbytes) for owner in self.owners] for slot in range(2)]
+        dist.barrier(group=self.group)  # every rank holds every mapping: the names can go
+        for path in mine:
+            os.unlink(path)
+        self.nbytes = nbytes
+
+
+class HostCollectives:
+    """Shared-memory all-gather and reduce-scatter for one data-parallel group whose ranks share a host."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        prefix = [f"hybridflow-fsdp-{uuid.uuid4().hex[:12]}" if self.rank == 0 else None]
+        dist.broadcast_object_list(prefix, group_src=0, group=group)
+        self.gradients = _MappedBuffers(group, prefix[0], "rs", range(self.world))
+        self.weights = _MappedBuffers(group, prefix[0], "ag", [0])
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+
+def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = buffer.data_ptr()
+    return start <= tensor.data_ptr() < start + buffer.numel() and tensor.is_contiguous()
+
+
+class SharedMemoryReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter (``set_custom_reduce_scatter``): sum and, for ``AVG``, divide by the world size."""
+
+    def __init__(self, host: HostCollectives) -> None:
+        self.host = host
+        self.slot = 0
+        self.pending: torch.Tensor | None = None  # the input handed out, not yet reduced
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        numel = int(torch.Size(size).numel())
+        if self.pending is not None or device.type != "cpu":  # the output (FSDP2 asks for the input first)
+            return torch.empty(*size, dtype=dtype, device=device)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.host.gradients.ensure(nbytes)
+        self.pending = self.host.gradients.views[self.slot][self.host.rank][:nbytes].view(dtype).view(*size)
+        return self.pending
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        pending, self.pending = self.pending, None
+        host = self.host
+        if group is not host.group or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or pending is None:
+            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        buffers = host.gradients.views[self.slot]
+        mine = buffers[host.rank]
+        if not _is_view_of(input_tensor, mine):
+            raise RuntimeError("FSDP2 reduce-scatter input is not the shared buffer handed out by allocate")
+        self.slot ^= 1
+        offset = input_tensor.data_ptr() - mine.data_ptr()
+        nbytes = input_tensor.numel() * input_tensor.element_size()
+        chunk = output_tensor.numel()
+        with torch.profiler.record_function(REDUCE_SCATTER_EVENT):
+            host.barrier()  # every rank's gradients are in its buffer
+            for owner, buffer in enumerate(buffers):
+                flat = buffer[offset : offset + nbytes].view(input_tensor.dtype)
+                part = flat[host.rank * chunk : (host.rank + 1) * chunk]
+                if owner == 0:
+                    output_tensor.view(-1).copy_(part)
+                else:
+                    output_tensor.view(-1).add_(part)
+            if op == dist.ReduceOp.AVG:
+                output_tensor.div_(host.world)
+        return None
+
+
+class SharedMemoryAllGather(AllGather):
+    """FSDP2's all-gather (``set_custom_all_gather``): the output is one buffer that every rank maps."""
+
+    def __init__(self, host: HostCollectives) -> None:
+        self.host = host
+        self.slot = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(*size, dtype=dtype, device=device)
+        numel = int(torch.Size(size).numel())
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        self.host.weights.ensure(nbytes)
+        return self.host.weights.views[self.slot][0][:nbytes].view(dtype).view(*size)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        host = self.host
+        shared = host.weights.views[self.slot][0] if host.weights.views else None
+        if group is not host.group or shared is None or not _is_view_of(output_tensor, shared):
+            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+        self.slot ^= 1
+        with torch.profiler.record_function(ALL_GATHER_EVENT):
+            host.barrier()  # every rank's shard is in its slot of the shared output
+        return None
+
+
+def shared_memory_needed(units: Sequence[FSDPModule], world: int) -> int:
+    """Bytes of /dev/shm the collectives map at most, all ranks together: per rank two fp32 reduce-scatter inputs
+    of the largest unit (its own parameters, unsharded), and two gathered outputs of it for the group."""
+    seen: set[int] = set()
+    largest = 0
+    for unit in sorted(units, key=lambda module: sum(1 for _ in module.modules())):  # inner units first
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        largest = max(largest, sum(p.numel() for p in own))
+    return 2 * (world + 1) * (largest * 4 + _ALIGN)
+
+
+def ranks_share_host(group: dist.ProcessGroup, needed_bytes: int) -> bool:
+    """Whether every rank of ``group`` runs on this host, which has ``needed_bytes`` free in /dev/shm."""
+    try:
+        stats = os.statvfs(SHARED_MEMORY_DIR)
+        usable = os.access(SHARED_MEMORY_DIR, os.W_OK) and stats.f_bavail * stats.f_frsize >= needed_bytes
+    except OSError:
+        usable = False
+    identities: list[tuple[str, bool] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(identities, (_host_identity(), usable), group=group)
+    if len({identity for identity, _ in identities}) > 1:
+        return False
+    if not all(ok for _, ok in identities):
+        if dist.get_rank(group) == 0:
+            warnings.warn(
+                f"FSDP's collectives stay on gloo: {SHARED_MEMORY_DIR} lacks {needed_bytes >> 20} MiB free (or is "
+                "not writable) for shared-memory collectives; give it more room (docker run --shm-size) to use them",
+                stacklevel=2,
+            )
+        return False
+    return True
+
+
+def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) -> HostCollectives | None:
+    """Route the FSDP2 units' collectives on ``group`` through shared memory when its ranks share a CPU host with
+    room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not."""
+    world = dist.get_world_size(group)
+    if world < 2 or not ranks_share_host(group, shared_memory_needed(units, world)):
+        return None
+    host = HostCollectives(group)
+    gather, reduce = SharedMemoryAllGather(host), SharedMemoryReduceScatter(host)
+    for unit in units:
+        unit.set_custom_all_gather(gather)
+        unit.set_custom_reduce_scatter(reduce)
+    return host
