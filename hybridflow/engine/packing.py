@@ -167,13 +167,19 @@ def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     hkv = k.shape[1]
     groups = h // hkv
     scores = torch.matmul(q.reshape(b, hkv, groups * length, d), k.transpose(-1, -2))  # (b, Hkv, G*L, L)
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
     scores = scores.view(b, hkv, groups, length, length)
-    if scores.dtype in (torch.bfloat16, torch.float16):
-        scores = scores.float()
-    scores = scores.mul_(scale).masked_fill_(future, float("-inf"))
+    # scale, causal mask and float32 in one pass: bias + scale * scores with a bias of -inf above the diagonal and
+    # 0 elsewhere gives the bits of scores.float() * scale masked to -inf (x + 0 == x; the multiply-add rounds once)
+    scores = torch.add(causal_bias(length, q.device), scores, alpha=scale)
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, groups * length, length)
     return torch.matmul(probs, v).view(b, h, length, d)
+
+
+def causal_bias(length: int, device: torch.device) -> torch.Tensor:
+    """(L, L) float32: -inf where the key comes after the query, 0 elsewhere."""
+    return torch.zeros(length, length, device=device).masked_fill_(
+        torch.ones(length, length, dtype=torch.bool, device=device).triu_(1), float("-inf")
+    )
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

@@ -177,3 +177,31 @@ def test_grouped_causal_attention_equals_sdpa_with_repeated_kv_heads():
     expected_grads = torch.autograd.grad((expected * weights).sum(), (q, k, v))
     for grad, expected_grad in zip(grads, expected_grads):
         torch.testing.assert_close(grad, expected_grad)
+
+
+def test_grouped_causal_attention_in_bf16_has_the_bits_of_a_float32_masked_softmax():
+    """The scale, the causal mask and the cast to float32 run as one bias + scale * scores: the same bits as the
+    plain steps (cast, multiply, fill the future with -inf), forward and backward, for any scale."""
+
+    def stepwise(q, k, v, scale):
+        b, h, length, d = q.shape
+        groups = h // k.shape[1]
+        scores = torch.matmul(q.reshape(b, k.shape[1], groups * length, d), k.transpose(-1, -2))
+        scores = scores.view(b, k.shape[1], groups, length, length).float().mul(scale)
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, k.shape[1], groups * length, length)
+        return torch.matmul(probs, v).view(b, h, length, d)
+
+    generator = torch.Generator().manual_seed(5)
+    for scale in (0.125, 0.3):
+        tensors = [
+            torch.randn(shape, generator=generator).bfloat16() for shape in [(4, 6, 19, 16), *[(4, 2, 19, 16)] * 2]
+        ]
+        weights = torch.randn(4, 6, 19, 16, generator=generator).bfloat16()
+        results = []
+        for attention in (grouped_causal_attention, stepwise):
+            q, k, v = (tensor.clone().requires_grad_() for tensor in tensors)
+            out = attention(q, k, v, scale)
+            results.append((out, *torch.autograd.grad((out.float() * weights.float()).sum(), (q, k, v))))
+        for got, expected in zip(*results):
+            assert torch.equal(got, expected), scale
