@@ -12,9 +12,14 @@ writes its collective inputs straight into it (``allocate`` hands out views of t
 - all-gather: one file for the group; each rank writes its shard into its slot; after a barrier, the whole
   buffer is every rank's gathered output (FSDP2 copies it out into the layer's parameters).
 
-A barrier (one small gloo all-reduce) orders each collective. Two buffers alternate between calls, so a rank
-that runs ahead writes the next collective's input while a slower rank still reads the last one: a rank can only
-be one collective ahead, since it must pass that collective's barrier first.
+The switch to generation gathers the weights through the same buffers (``HostCollectives.all_gather``, used by
+hybrid_engine/reshard.py), found by process group (``host_collectives_for``).
+
+A barrier (one small gloo all-reduce) orders each collective. Two buffers of each kind alternate, so a rank that
+runs ahead writes the next collective's input while a slower rank still reads the last one: a rank can only be
+one collective ahead, since it must pass that collective's barrier first. A gathered output may stay unread while
+the rank runs one more collective (FSDP2 prefetches the next unit's gather before it copies that unit out, then
+reduce-scatters): the other ranks cannot reuse its buffer before this rank starts the gather after that one.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ class _MappedBuffers:
         self.nbytes = 0
         self.generation = 0
         self.views: list[list[torch.Tensor]] = []  # [slot][owner index] -> uint8 tensor of nbytes
+        self.slot = 0  # the buffer the next collective uses; each collective flips it
+
+    def current(self) -> list[torch.Tensor]:
+        return self.views[self.slot]
 
     def _path(self, owner: int, slot: int) -> str:
         return os.path.join(SHARED_MEMORY_DIR, f"{self.prefix}-{self.name}-{owner}-{self.generation}-{slot}")
@@ -100,6 +109,18 @@ class HostCollectives:
     def barrier(self) -> None:
         dist.barrier(group=self.group)
 
+    def all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` (the same size on each), one after the other in rank order, flat: a view of the
+        shared buffer, valid until this rank's next collective on the group (read or copy it before)."""
+        numel, nbytes = local.numel(), local.numel() * local.element_size()
+        self.weights.ensure(nbytes * self.world)
+        shared = self.weights.current()[0][: nbytes * self.world].view(local.dtype)
+        self.weights.slot ^= 1
+        with torch.profiler.record_function(ALL_GATHER_EVENT):
+            shared[self.rank * numel : (self.rank + 1) * numel].copy_(local.reshape(-1))
+            self.barrier()  # every rank's part is in the buffer
+        return shared
+
 
 def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     start = buffer.data_ptr()
@@ -111,7 +132,6 @@ class SharedMemoryReduceScatter(ReduceScatter):
 
     def __init__(self, host: HostCollectives) -> None:
         self.host = host
-        self.slot = 0
         self.pending: torch.Tensor | None = None  # the input handed out, not yet reduced
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -120,7 +140,7 @@ class SharedMemoryReduceScatter(ReduceScatter):
             return torch.empty(*size, dtype=dtype, device=device)
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.host.gradients.ensure(nbytes)
-        self.pending = self.host.gradients.views[self.slot][self.host.rank][:nbytes].view(dtype).view(*size)
+        self.pending = self.host.gradients.current()[self.host.rank][:nbytes].view(dtype).view(*size)
         return self.pending
 
     def __call__(
@@ -135,11 +155,11 @@ class SharedMemoryReduceScatter(ReduceScatter):
         host = self.host
         if group is not host.group or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or pending is None:
             return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-        buffers = host.gradients.views[self.slot]
+        buffers = host.gradients.current()
         mine = buffers[host.rank]
         if not _is_view_of(input_tensor, mine):
             raise RuntimeError("FSDP2 reduce-scatter input is not the shared buffer handed out by allocate")
-        self.slot ^= 1
+        host.gradients.slot ^= 1
         offset = input_tensor.data_ptr() - mine.data_ptr()
         nbytes = input_tensor.numel() * input_tensor.element_size()
         chunk = output_tensor.numel()
@@ -162,7 +182,6 @@ class SharedMemoryAllGather(AllGather):
 
     def __init__(self, host: HostCollectives) -> None:
         self.host = host
-        self.slot = 0
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
@@ -170,7 +189,7 @@ class SharedMemoryAllGather(AllGather):
         numel = int(torch.Size(size).numel())
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         self.host.weights.ensure(nbytes)
-        return self.host.weights.views[self.slot][0][:nbytes].view(dtype).view(*size)
+        return self.host.weights.current()[0][:nbytes].view(dtype).view(*size)
 
     def __call__(
         self,
@@ -180,10 +199,10 @@ class SharedMemoryAllGather(AllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         host = self.host
-        shared = host.weights.views[self.slot][0] if host.weights.views else None
+        shared = host.weights.current()[0] if host.weights.views else None
         if group is not host.group or shared is None or not _is_view_of(output_tensor, shared):
             return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-        self.slot ^= 1
+        host.weights.slot ^= 1
         with torch.profiler.record_function(ALL_GATHER_EVENT):
             host.barrier()  # every rank's shard is in its slot of the shared output
         return None
@@ -223,13 +242,25 @@ def ranks_share_host(group: dist.ProcessGroup, needed_bytes: int) -> bool:
     return True
 
 
+_HOSTS: dict[str, HostCollectives] = {}  # by process-group name (checked against the group itself: names recur)
+
+
+def host_collectives_for(group: dist.ProcessGroup) -> HostCollectives | None:
+    """The shared-memory collectives of ``group`` (its FSDP2 units use them), None where it has none."""
+    host = _HOSTS.get(group.group_name)
+    return host if host is not None and host.group is group else None
+
+
 def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) -> HostCollectives | None:
     """Route the FSDP2 units' collectives on ``group`` through shared memory when its ranks share a CPU host with
-    room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not."""
+    room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not.
+    Models sharded over the same group (the actor, the reference) share one set of buffers."""
     world = dist.get_world_size(group)
-    if world < 2 or not ranks_share_host(group, shared_memory_needed(units, world)):
-        return None
-    host = HostCollectives(group)
+    host = host_collectives_for(group)
+    if host is None:
+        if world < 2 or not ranks_share_host(group, shared_memory_needed(units, world)):
+            return None
+        host = _HOSTS[group.group_name] = HostCollectives(group)
     gather, reduce = SharedMemoryAllGather(host), SharedMemoryReduceScatter(host)
     for unit in units:
         unit.set_custom_all_gather(gather)

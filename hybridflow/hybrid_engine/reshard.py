@@ -3,7 +3,9 @@
 One parameter at a time, each rank
 1. casts its training shard to the generation dtype (so that bf16, not the fp32 masters, travels),
 2. gathers it over the data-parallel ranks (FSDP2's shard → the rank's tensor-parallel shard, or the
-   whole tensor for weights that tensor parallelism does not split),
+   whole tensor for weights that tensor parallelism does not split; weights that FSDP2 alone shards go a
+   few at a time, up to 32 MiB whole, in one all-gather, through shared memory where the ranks share a host:
+   engine/host_collectives.py),
 3. for a tensor-parallel weight, gathers the missing pieces of its generation shard from its gather
    group (layout.py) — nothing, when tg = t.
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from hybridflow.engine.host_collectives import host_collectives_for
 from hybridflow.engine.lora import adapter_tensors, base_parameters, policy_buffers, policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
@@ -122,6 +125,11 @@ def _sharded_by_rows_only(tensor: torch.Tensor) -> bool:
     return len(shards) == 1 and shards[0].is_shard(0) and type(shards[0]) is Shard
 
 
+def _row_shards(tensor: DTensor) -> int:
+    """How many ranks share the rows of a tensor that ``_sharded_by_rows_only`` accepts."""
+    return tensor.device_mesh.size(next(i for i, p in enumerate(tensor.placements) if not isinstance(p, Replicate)))
+
+
 def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
     """The whole tensors of DTensors on one mesh, sharded by rows over one of its dimensions
     (``_sharded_by_rows_only``), with one all-gather of every rank's shards packed together.
@@ -140,8 +148,12 @@ def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
         local = part.to_local().reshape(-1)
         packed[offset : offset + local.numel()].copy_(local)
         offset += size
-    gathered = torch.empty(ranks * total, dtype=packed.dtype, device=packed.device)
-    dist.all_gather_single(gathered, packed, group=group)
+    host = host_collectives_for(group)
+    if host is not None:  # ranks on one host: through shared memory (read below, before the next collective)
+        gathered = host.all_gather(packed)
+    else:
+        gathered = torch.empty(ranks * total, dtype=packed.dtype, device=packed.device)
+        dist.all_gather_single(gathered, packed, group=group)
     wholes, offset = [], 0
     for part, chunk, size in zip(parts, chunks, sizes):
         rows = torch.cat(
@@ -162,8 +174,17 @@ def _generation_slices(
     gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    bucket: list[tuple[str, DTensor]] = []  # FSDP2-only shards waiting to be gathered together
     for name, param in named:
         part = param.detach().to(dtype)
+        if _sharded_by_rows_only(part) and _row_shards(part) > 1:
+            if bucket and (part.device_mesh is not bucket[0][1].device_mesh or _bucket_full(bucket, part)):
+                yield from _gathered_together(bucket, report)
+                bucket = []
+            bucket.append((name, part))
+            continue
+        yield from _gathered_together(bucket, report)
+        bucket = []
         if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
             report.whole += _nbytes(part)
             report.held += _nbytes(part)
@@ -182,6 +203,25 @@ def _generation_slices(
         report.received += _nbytes(piece) - own
         report.held += _nbytes(piece)
         yield name, piece
+    yield from _gathered_together(bucket, report)
+
+
+BUCKET_BYTES = 32 << 20  # whole tensors gathered in one collective: fewer, larger all-gathers, bounded memory
+
+
+def _bucket_full(bucket: list[tuple[str, DTensor]], part: DTensor) -> bool:
+    return sum(_nbytes(tensor) for _, tensor in bucket) + _nbytes(part) > BUCKET_BYTES
+
+
+def _gathered_together(bucket: list[tuple[str, DTensor]], report: SwitchReport) -> Iterator[tuple[str, torch.Tensor]]:
+    """The whole tensors of FSDP2-only shards, gathered in one collective (``gather_rows``)."""
+    if not bucket:
+        return
+    for (name, part), whole in zip(bucket, gather_rows([part for _, part in bucket])):
+        report.whole += _nbytes(whole)
+        report.received += _nbytes(whole) - _nbytes(part.to_local())
+        report.held += _nbytes(whole)
+        yield name, whole
 
 
 def _buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

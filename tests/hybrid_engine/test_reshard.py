@@ -20,7 +20,9 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.host_collectives import ALL_GATHER_EVENT, host_collectives_for
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
+from hybridflow.hybrid_engine import reshard
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
@@ -102,8 +104,24 @@ class RowGather(Worker):
         return gather_rows(parts)
 
 
-class Ranks(ActorSwitch, RowGather):
-    """Both tests' methods, so that one group of each size serves every case."""
+class DataParallelWeights(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def data_parallel_weights(self, path: str, bucket_bytes: int) -> tuple[dict, SwitchReport, int, bool]:
+        """The generation weights of a model that FSDP2 alone shards over every rank (the demo's layout), with
+        the collectives it took through shared memory, and whether its group has them."""
+        torch.set_num_threads(1)
+        mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
+        model = shard_model(trained_model(path), mesh, FP32)
+        report = SwitchReport()
+        reshard.BUCKET_BYTES = bucket_bytes
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            weights = dict(generation_weights(model, torch.float32, None, report))
+        gathers = sum(1 for event in prof.events() if event.name == ALL_GATHER_EVENT)
+        return weights, report, gathers, host_collectives_for(mesh.get_group()) is not None
+
+
+class Ranks(ActorSwitch, RowGather, DataParallelWeights):
+    """The tests' methods, so that one group of each size serves every case."""
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +188,27 @@ def test_adapters_gather_whole_in_one_collective_whatever_their_rows(groups):
         assert len(got) == len(wholes)
         for have, want in zip(got, wholes):
             assert torch.equal(have, want)
+
+
+def test_data_parallel_weights_travel_a_bucket_at_a_time_through_shared_memory(groups, path, expected):
+    """FSDP2 alone over 2 ranks on one host: the weights are gathered a bucket (here 64 KiB) at a time, each in
+    one collective through shared memory, and arrive exact, with the bytes of a whole copy received but a shard."""
+    weights, _ = expected
+    bucket = 64 << 10
+    sizes = [w.numel() * 4 for w in weights.values()]
+    buckets, filled = 0, 0  # the buckets the parameters fill in order (a tensor larger than one has its own)
+    for size in sizes:
+        if not buckets or filled + size > bucket:
+            buckets, filled = buckets + 1, 0
+        filled += size
+    whole = sum(sizes)
+    for rank, (got, report, gathers, shared) in enumerate(groups[2].data_parallel_weights(path, bucket)):
+        assert shared
+        assert 1 < buckets < len(weights) and gathers == buckets
+        for name, want in weights.items():
+            assert torch.equal(got[name], want.detach()), name
+        # rank 0 holds the first ceil(rows / 2) rows of every tensor, rank 1 the rest: it received the others
+        own = [-(-w.shape[0] // 2) if rank == 0 else w.shape[0] - -(-w.shape[0] // 2) for w in weights.values()]
+        held_before = sum(rows * w[0].numel() * 4 for rows, w in zip(own, weights.values()))
+        assert report.whole == report.held == whole
+        assert report.received == whole - held_before
