@@ -208,6 +208,54 @@ class SharedMemoryAllGather(AllGather):
         return None
 
 
+class OneRankReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter on a group of one rank. FSDP2 then skips the collective but still copies the input
+    buffer (the gradients, cast to the reduce dtype) into a second buffer of the same size; handing out the input
+    as the output makes that copy a no-op (``copy_`` of a tensor onto itself), the same values without a pass over
+    every gradient."""
+
+    def __init__(self) -> None:
+        self.pending: torch.Tensor | None = None  # the input handed out; FSDP2 asks for the output next
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.shape == torch.Size(size) and pending.dtype == dtype:
+            return pending
+        self.pending = torch.empty(*size, dtype=dtype, device=device)
+        return self.pending
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        self.pending = None
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+class OneRankAllGather(AllGather):
+    """FSDP2's all-gather on a group of one rank: its copy-in already wrote the input into the output, so there is
+    nothing to gather (gloo would copy it onto itself)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        same = input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel()
+        if dist.get_world_size(group) == 1 and same:
+            return None
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
 def shared_memory_needed(units: Sequence[FSDPModule], world: int) -> int:
     """Bytes of /dev/shm the collectives map at most, all ranks together: per rank two fp32 reduce-scatter inputs
     of the largest unit (its own parameters, unsharded), and two gathered outputs of it for the group."""
@@ -253,12 +301,19 @@ def host_collectives_for(group: dist.ProcessGroup) -> HostCollectives | None:
 
 def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) -> HostCollectives | None:
     """Route the FSDP2 units' collectives on ``group`` through shared memory when its ranks share a CPU host with
-    room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not.
+    room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not;
+    on a group of one rank, where nothing moves, the units skip FSDP2's copies instead (``OneRank*``).
     Models sharded over the same group (the actor, the reference) share one set of buffers."""
     world = dist.get_world_size(group)
+    if world == 1:  # nothing to move between ranks: only FSDP2's copies to skip
+        one_rank_gather, one_rank_reduce = OneRankAllGather(), OneRankReduceScatter()
+        for unit in units:
+            unit.set_custom_all_gather(one_rank_gather)
+            unit.set_custom_reduce_scatter(one_rank_reduce)
+        return None
     host = host_collectives_for(group)
     if host is None:
-        if world < 2 or not ranks_share_host(group, shared_memory_needed(units, world)):
+        if not ranks_share_host(group, shared_memory_needed(units, world)):
             return None
         host = _HOSTS[group.group_name] = HostCollectives(group)
     gather, reduce = SharedMemoryAllGather(host), SharedMemoryReduceScatter(host)
