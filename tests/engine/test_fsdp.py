@@ -3,6 +3,7 @@ the first micro-batch's forward; its backward and the micro-batches after it gat
 same), ``fsdp.host_collectives`` (the same collectives through shared memory, bitwise gloo's update on 2 ranks) and
 the gradient-norm clipping."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -17,10 +18,10 @@ from hybridflow.workers.sharded_model import build_trainable
 WORLD = 2
 
 
-def _update(rank: int, tiny_path: str, init_file: str, config, batch, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        torch.set_num_threads(1)
+def _updates(rank: int, tiny_path: str, configs: dict, batch) -> dict:
+    """One update per config (rank 0's results)."""
+    results = {}
+    for key, config in configs.items():
         actor = config.actor
         trained = build_trainable(
             load_causal_lm, tiny_path, config.model, actor.fsdp, actor.optim, torch.device("cpu"), 0, 10
@@ -33,39 +34,51 @@ def _update(rank: int, tiny_path: str, init_file: str, config, batch, results) -
         gathers = sum(1 for name in names if name == "FSDP::all_gather" or name.startswith("FSDP::all_gather ("))
         through_shared_memory = (names.count(ALL_GATHER_EVENT), names.count(REDUCE_SCATTER_EVENT))
         state = {name: tensor.detach().clone() for name, tensor in full_parameters(trained.model)}
+        results[key] = (gathers, through_shared_memory, len(decoder_layers(trained.model)), state)
+    return results
+
+
+def _ranks(rank: int, tiny_path: str, init_file: str, configs: dict, batch, out: str) -> None:
+    """Every check of this file in one process group: starting the ranks is most of the time."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        results = {"updates": _updates(rank, tiny_path, configs, batch), "clip": _clip(tiny_path)}
         if rank == 0:  # tensors through a file: a queue's shared memory is gone once this process exits
-            torch.save(state, f"{init_file}.pt")
-            results.put((gathers, through_shared_memory, len(decoder_layers(trained.model))))
+            torch.save(results, out)
     finally:
         dist.destroy_process_group()
 
 
-def _run(tiny_path: str, directory, reshard: bool, shared_memory: bool, batch, actor_config_factory):
-    # the config is built here and sent: the spawned ranks import this module, not the tests' conftest
-    config = actor_config_factory(
-        tiny_path,
-        1e-2,
-        "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
-        f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
-        f"actor_rollout_ref.actor.fsdp.host_collectives={str(shared_memory).lower()}",
-    )
-    results = mp.get_context("spawn").SimpleQueue()
-    init = directory / f"init-{reshard}-{shared_memory}"
-    mp.spawn(_update, args=(tiny_path, str(init), config, batch, results), nprocs=WORLD)
-    gathers, through_shared_memory, layers = results.get()
-    return gathers, through_shared_memory, layers, torch.load(f"{init}.pt")
+SETTINGS = [(True, True), (False, True), (False, False)]  # (reshard_after_forward, host_collectives)
 
 
-def test_keeping_weights_gathered_and_shared_memory_collectives_change_no_bit(
-    tiny_path, tmp_path, rollout_batch, actor_config_factory
-):
+@pytest.fixture(scope="module")
+def ranks(tiny_path, tmp_path_factory, rollout_batch, actor_config_factory) -> dict:
     batch = rollout_batch.select(deepcopy=True)
     batch.batch["old_log_probs"] = torch.zeros_like(batch.batch["advantages"])  # ratio != 1 is fine: same both ways
-    default_gathers, default_shared, layers, default_state = _run(
-        tiny_path, tmp_path, True, True, batch, actor_config_factory
-    )
-    kept_gathers, kept_shared, _, kept_state = _run(tiny_path, tmp_path, False, True, batch, actor_config_factory)
-    gloo_gathers, gloo_shared, _, gloo_state = _run(tiny_path, tmp_path, False, False, batch, actor_config_factory)
+    # the configs are built here and sent: the spawned ranks import this module, not the tests' conftest
+    configs = {
+        (reshard, shared): actor_config_factory(
+            tiny_path,
+            1e-2,
+            "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
+            f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
+            f"actor_rollout_ref.actor.fsdp.host_collectives={str(shared).lower()}",
+        )
+        for reshard, shared in SETTINGS
+    }
+    directory = tmp_path_factory.mktemp("fsdp")
+    out = str(directory / "results.pt")
+    mp.spawn(_ranks, args=(tiny_path, str(directory / "init"), configs, batch, out), nprocs=WORLD)
+    return torch.load(out)
+
+
+def test_keeping_weights_gathered_and_shared_memory_collectives_change_no_bit(ranks, tiny_path):
+    runs = ranks["updates"]
+    default_gathers, default_shared, layers, default_state = runs[True, True]
+    kept_gathers, kept_shared, _, kept_state = runs[False, True]
+    gloo_gathers, gloo_shared, _, gloo_state = runs[False, False]
     micro_batches = 2
     # by default, each micro-batch: every layer and the root gather in forward, and the layers again in backward;
     # kept: every layer and the root gather once, in the first forward
@@ -84,34 +97,27 @@ def test_keeping_weights_gathered_and_shared_memory_collectives_change_no_bit(
     assert any(not torch.equal(tensor, initial[name]) for name, tensor in default_state.items() if name in initial)
 
 
-def _clip(rank: int, tiny_path: str, init_file: str, results) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
-    try:
-        torch.manual_seed(0)
-        model = shard_model(
-            load_causal_lm(tiny_path, dtype=torch.float32),
-            data_parallel_mesh(torch.device("cpu")),
-            FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),
-        )
-        ids = torch.randint(0, model.config.vocab_size, (2, 12))
-        model(input_ids=ids).logits.logsumexp(-1).mean().backward()
-        full = [p.grad.full_tensor().clone() for p in model.parameters()]
-        expected_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full])).item()
-        unclipped = grad_norm_and_clip(model, max_norm=10 * expected_norm)  # below the limit: no change
-        same = all(torch.equal(p.grad.full_tensor(), g) for p, g in zip(model.parameters(), full))
-        norm = grad_norm_and_clip(model, max_norm=expected_norm / 4)  # scaled down to a quarter
-        scale = (expected_norm / 4) / (expected_norm + 1e-6)
-        quartered = max((p.grad.full_tensor() - g * scale).abs().max().item() for p, g in zip(model.parameters(), full))
-        if rank == 0:
-            results.put((expected_norm, unclipped, same, norm, quartered))
-    finally:
-        dist.destroy_process_group()
+def _clip(tiny_path: str) -> tuple:
+    torch.manual_seed(0)
+    model = shard_model(
+        load_causal_lm(tiny_path, dtype=torch.float32),
+        data_parallel_mesh(torch.device("cpu")),
+        FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),
+    )
+    ids = torch.randint(0, model.config.vocab_size, (2, 12))
+    model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+    full = [p.grad.full_tensor().clone() for p in model.parameters()]
+    expected_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in full])).item()
+    unclipped = grad_norm_and_clip(model, max_norm=10 * expected_norm)  # below the limit: no change
+    same = all(torch.equal(p.grad.full_tensor(), g) for p, g in zip(model.parameters(), full))
+    norm = grad_norm_and_clip(model, max_norm=expected_norm / 4)  # scaled down to a quarter
+    scale = (expected_norm / 4) / (expected_norm + 1e-6)
+    quartered = max((p.grad.full_tensor() - g * scale).abs().max().item() for p, g in zip(model.parameters(), full))
+    return expected_norm, unclipped, same, norm, quartered
 
 
-def test_gradient_norm_is_the_global_one_and_clips_only_above_the_limit(tiny_path, tmp_path):
-    results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_clip, args=(tiny_path, str(tmp_path / "init"), results), nprocs=WORLD)
-    expected_norm, unclipped, same, norm, quartered = results.get()
+def test_gradient_norm_is_the_global_one_and_clips_only_above_the_limit(ranks):
+    expected_norm, unclipped, same, norm, quartered = ranks["clip"]
     assert expected_norm > 0
     assert abs(unclipped - expected_norm) < 1e-5 * expected_norm
     assert same  # below the limit every gradient is left as it was, bit for bit
