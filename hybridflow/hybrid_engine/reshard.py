@@ -1,10 +1,10 @@
 """The switch's data movement: this rank's generation weights, built from the training shards (§5.3).
 
-One parameter at a time, each rank
+Parameter by parameter (those that FSDP2 alone shards a bucket at a time), each rank
 1. casts its training shard to the generation dtype (so that bf16, not the fp32 masters, travels),
 2. gathers it over the data-parallel ranks (FSDP2's shard → the rank's tensor-parallel shard, or the
-   whole tensor for weights that tensor parallelism does not split; weights that FSDP2 alone shards go a
-   few at a time, up to 32 MiB whole, in one all-gather, through shared memory where the ranks share a host:
+   whole tensor for weights that tensor parallelism does not split; weights that FSDP2 alone shards go
+   up to 32 MiB (whole) together in one all-gather, through shared memory where the ranks share a host:
    engine/host_collectives.py),
 3. for a tensor-parallel weight, gathers the missing pieces of its generation shard from its gather
    group (layout.py) — nothing, when tg = t.
