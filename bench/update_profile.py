@@ -7,7 +7,8 @@
 The actor is built as the trainer builds it (``smollm2-135m-instruct``, FSDP2 on ``--ranks`` gloo ranks,
 bf16 compute, fp32 masters, fused AdamW) with the workers' allocator settings (the script
 re-executes itself with them), on the GRPO-shaped batch of ``bench/train_passes.py`` (prompts of
-38-47 tokens, 4 samples each, responses of 5-32 tokens). It times ``--repeats`` updates without
+38-47 tokens, 4 samples each, responses of 5-32 tokens; on several ranks split as the trainer splits a batch:
+whole prompts per rank, the ranks' tokens balanced). It times ``--repeats`` updates without
 the profiler (median after a warm-up; the update's MFU is the engine's own ``perf/mfu_update``
 against the bf16 matmul peak measured in this process), then profiles one more with
 ``torch.profiler`` and charges each op's self time to one item:
@@ -168,6 +169,7 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
 
     from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
     from hybridflow.engine.policy import PolicyEngine
+    from hybridflow.lengths import balanced_order, packed_lengths
     from hybridflow.models import load_causal_lm
     from hybridflow.trainer.config import load_config
     from hybridflow.workers.sharded_model import build_trainable
@@ -190,7 +192,12 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
     )
     engine = PolicyEngine(trained, arr.actor)
     vocab = trained.model.config.vocab_size
-    data = grpo_batch(args.samples, 4).chunk(args.ranks)[rank]  # whole prompts per rank (samples in groups of 4)
+    batch = grpo_batch(args.samples, 4)
+    # as the trainer splits a batch (PPOTrainer.rank_order): whole prompts per rank, about as many tokens on each
+    batch = batch.reorder(
+        balanced_order(packed_lengths(batch), args.ranks, groups=[row // 4 for row in range(len(batch))])
+    )
+    data = batch.chunk(args.ranks)[rank]
     data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
     say(
         f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples on {args.ranks} rank(s), micro-batches "
