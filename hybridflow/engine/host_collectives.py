@@ -24,6 +24,7 @@ reduce-scatters): the other ranks cannot reuse its buffer before this rank start
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import uuid
@@ -72,6 +73,15 @@ class _MappedBuffers:
     def _map(self, owner: int, slot: int, nbytes: int) -> torch.Tensor:
         return torch.from_file(self._path(owner, slot), shared=True, size=nbytes, dtype=torch.uint8)
 
+    def _create(self, path: str, nbytes: int) -> None:
+        """The file with its pages reserved: a full /dev/shm fails here (ENOSPC), not as a SIGBUS when a page of a
+        sparse mapping is first written."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
     def ensure(self, nbytes: int) -> None:
         """Grow to at least ``nbytes`` (collective: every rank asks for the same sizes in the same order)."""
         if nbytes <= self.nbytes:
@@ -79,15 +89,24 @@ class _MappedBuffers:
         nbytes = -(-nbytes // _ALIGN) * _ALIGN
         self.generation += 1
         mine = [self._path(self.rank, slot) for slot in range(2)] if self.rank in self.owners else []
+        error: OSError | None = None
         try:
-            for slot in range(len(mine)):
-                self._map(self.rank, slot, nbytes)
-        except (OSError, RuntimeError) as error:
+            for path in mine:
+                self._create(path, nbytes)
+        except OSError as failure:
+            error = failure
+        # every rank learns whether all files exist (and waits until they do) before any maps them
+        failed = torch.tensor([int(error is not None)])
+        dist.all_reduce(failed, group=self.group)
+        if int(failed):
+            for path in mine:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            reason = f"{error}" if error is not None else "another rank could not"
             raise RuntimeError(
                 f"could not create {nbytes} bytes of shared memory in {SHARED_MEMORY_DIR} for FSDP's collectives "
-                f"({error}); free space there or set fsdp.host_collectives=false"
+                f"({reason}); free space there or set fsdp.host_collectives=false"
             ) from error
-        dist.barrier(group=self.group)
         self.views = [[self._map(owner, slot, nbytes) for owner in self.owners] for slot in range(2)]
         dist.barrier(group=self.group)  # every rank holds every mapping: the names can go
         for path in mine:

@@ -3,6 +3,7 @@
 in /dev/shm; gloo kept when a rank is on another host or /dev/shm lacks room. On one rank, FSDP2's copies skipped
 with the same result. The FSDP2 update through shared memory: tests/engine/test_fsdp.py."""
 
+import errno
 import glob
 import time
 import warnings
@@ -68,6 +69,10 @@ def _compare(group: dist.ProcessGroup, rank: int) -> list:
     return results
 
 
+def _no_space(path: str, nbytes: int) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
 def _ranks(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -80,11 +85,20 @@ def _ranks(rank: int, init_file: str, out: str) -> None:
             warnings.simplefilter("always")
             no_room = not ranks_share_host(dist.group.WORLD, 1 << 60)
         room_warned = any("lacks" in str(warning.message) for warning in caught) if rank == 0 else True
+        # a rank that cannot create its buffer (a full /dev/shm): every rank raises, naming it and the way out
+        failing = HostCollectives(dist.group.WORLD)
+        if rank == 1:
+            failing.gradients._create = _no_space
+        try:
+            failing.gradients.ensure(1 << 20)
+            refused = ""
+        except RuntimeError as error:
+            refused = str(error)
         if rank == 2:  # this rank reports another machine
             host_collectives._host_identity = lambda: "elsewhere/0"
         model = fully_shard(torch.nn.Linear(4, 4))
         kept_gloo = use_host_collectives([model], dist.group.WORLD) is None
-        torch.save((everyone, paired, kept_gloo and no_room and room_warned), f"{out}-{rank}.pt")
+        torch.save((everyone, paired, kept_gloo and no_room and room_warned, refused), f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -95,8 +109,10 @@ def test_shared_memory_collectives_give_gloo_results(tmp_path):
     mp.spawn(_ranks, args=(str(tmp_path / "init"), out), nprocs=WORLD)
     assert set(glob.glob("/dev/shm/hybridflow-fsdp-*")) <= before  # every mapping was unlinked once mapped
     for rank in range(WORLD):
-        everyone, paired, kept_gloo = torch.load(f"{out}-{rank}.pt")
+        everyone, paired, kept_gloo, refused = torch.load(f"{out}-{rank}.pt")
         assert kept_gloo  # one rank elsewhere, or no room in /dev/shm: every rank keeps gloo
+        assert "could not create" in refused and "fsdp.host_collectives=false" in refused
+        assert ("No space left" if rank == 1 else "another rank could not") in refused
         assert len(everyone) == 2 * len(CALLS) and len(paired) == (2 * len(CALLS) if rank else 0)
         for kind, call, expected, got in paired:  # two addends: a + b == b + a, bit for bit
             assert got.dtype == expected.dtype and torch.equal(got, expected), (kind, call)
