@@ -141,6 +141,13 @@ class HostCollectives:
         return shared
 
 
+def _shared_view(buffers: _MappedBuffers, owner: int, size: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``size`` at the start of ``owner``'s buffer for the next collective (grown to hold it)."""
+    nbytes = torch.Size(size).numel() * dtype.itemsize
+    buffers.ensure(nbytes)
+    return buffers.current()[owner][:nbytes].view(dtype).view(*size)
+
+
 def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     start = buffer.data_ptr()
     return start <= tensor.data_ptr() < start + buffer.numel() and tensor.is_contiguous()
@@ -154,12 +161,9 @@ class SharedMemoryReduceScatter(ReduceScatter):
         self.pending: torch.Tensor | None = None  # the input handed out, not yet reduced
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        numel = int(torch.Size(size).numel())
         if self.pending is not None or device.type != "cpu":  # the output (FSDP2 asks for the input first)
             return torch.empty(*size, dtype=dtype, device=device)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.host.gradients.ensure(nbytes)
-        self.pending = self.host.gradients.current()[self.host.rank][:nbytes].view(dtype).view(*size)
+        self.pending = _shared_view(self.host.gradients, self.host.rank, size, dtype)
         return self.pending
 
     def __call__(
@@ -182,15 +186,16 @@ class SharedMemoryReduceScatter(ReduceScatter):
         offset = input_tensor.data_ptr() - mine.data_ptr()
         nbytes = input_tensor.numel() * input_tensor.element_size()
         chunk = output_tensor.numel()
+        parts = [
+            buffer[offset : offset + nbytes].view(input_tensor.dtype)[host.rank * chunk : (host.rank + 1) * chunk]
+            for buffer in buffers
+        ]
+        out = output_tensor.view(-1)
         with torch.profiler.record_function(REDUCE_SCATTER_EVENT):
             host.barrier()  # every rank's gradients are in its buffer
-            for owner, buffer in enumerate(buffers):
-                flat = buffer[offset : offset + nbytes].view(input_tensor.dtype)
-                part = flat[host.rank * chunk : (host.rank + 1) * chunk]
-                if owner == 0:
-                    output_tensor.view(-1).copy_(part)
-                else:
-                    output_tensor.view(-1).add_(part)
+            torch.add(parts[0], parts[1], out=out)  # in rank order, one pass for the first two
+            for part in parts[2:]:
+                out.add_(part)
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(host.world)
         return None
@@ -205,10 +210,7 @@ class SharedMemoryAllGather(AllGather):
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
             return torch.empty(*size, dtype=dtype, device=device)
-        numel = int(torch.Size(size).numel())
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        self.host.weights.ensure(nbytes)
-        return self.host.weights.current()[0][:nbytes].view(dtype).view(*size)
+        return _shared_view(self.host.weights, 0, size, dtype)
 
     def __call__(
         self,
@@ -269,9 +271,8 @@ class OneRankAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        same = input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel()
-        if dist.get_world_size(group) == 1 and same:
-            return None
+        if input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel():
+            return None  # one rank: the input is the output
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 

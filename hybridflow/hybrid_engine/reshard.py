@@ -4,8 +4,8 @@ Parameter by parameter (those that FSDP2 alone shards a bucket at a time), each 
 1. casts its training shard to the generation dtype (so that bf16, not the fp32 masters, travels),
 2. gathers it over the data-parallel ranks (FSDP2's shard → the rank's tensor-parallel shard, or the
    whole tensor for weights that tensor parallelism does not split; weights that FSDP2 alone shards go
-   up to 32 MiB (whole) together in one all-gather, through shared memory where the ranks share a host:
-   engine/host_collectives.py),
+   together in one all-gather per bucket (64 MiB whole, as between pools), through shared memory where the
+   ranks share a host: engine/host_collectives.py),
 3. for a tensor-parallel weight, gathers the missing pieces of its generation shard from its gather
    group (layout.py) — nothing, when tg = t.
 
@@ -30,6 +30,7 @@ from hybridflow.engine.host_collectives import host_collectives_for
 from hybridflow.engine.lora import adapter_tensors, base_parameters, policy_buffers, policy_parameters
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
+from hybridflow.hybrid_engine.transfer_plan import DEFAULT_BUCKET_BYTES
 from hybridflow.models.tensor_parallel import layer_split
 
 
@@ -79,11 +80,16 @@ def unshard_data_parallel(tensor: DTensor) -> torch.Tensor:
 
 
 def generation_weights(
-    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+    model: nn.Module,
+    dtype: torch.dtype,
+    gather_group: dist.ProcessGroup | None,
+    report: SwitchReport,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
-    one at a time; ``report`` accumulates the bytes. A LoRA model's weights come merged."""
-    yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report)
+    one at a time (those that FSDP2 alone shards gathered ``bucket_bytes`` at a time); ``report`` accumulates
+    the bytes. A LoRA model's weights come merged."""
+    yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report, bucket_bytes)
     yield from _buffers(model)
 
 
@@ -100,21 +106,8 @@ def adapter_generation_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA model's adapters, this rank's generation slices of them, under the names they travel by
     (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
-    that only FSDP2 shards (over dp, by rows) are gathered in one collective, not one each (``gather_rows``)."""
-    together: dict[int, list[tuple[str, DTensor]]] = {}  # by mesh: each group is one all-gather
-    apart = []
-    for name, tensor in adapter_tensors(model):
-        if _sharded_by_rows_only(tensor):
-            together.setdefault(id(tensor.device_mesh), []).append((name, tensor))
-        else:
-            apart.append((name, tensor))
-    for same_mesh in together.values():
-        for (name, tensor), whole in zip(same_mesh, gather_rows([t.to(dtype) for _, t in same_mesh])):
-            report.whole += _nbytes(whole)
-            report.received += _nbytes(whole) - tensor.to_local().numel() * dtype.itemsize
-            report.held += _nbytes(whole)
-            yield name, whole
-    yield from _generation_slices(model, iter(apart), dtype, gather_group, report)
+    that only FSDP2 shards (over dp, by rows) travel together, a bucket per collective (``_generation_slices``)."""
+    yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
 
 
 def _sharded_by_rows_only(tensor: torch.Tensor) -> bool:
@@ -125,9 +118,9 @@ def _sharded_by_rows_only(tensor: torch.Tensor) -> bool:
     return len(shards) == 1 and shards[0].is_shard(0) and type(shards[0]) is Shard
 
 
-def _row_shards(tensor: DTensor) -> int:
-    """How many ranks share the rows of a tensor that ``_sharded_by_rows_only`` accepts."""
-    return tensor.device_mesh.size(next(i for i, p in enumerate(tensor.placements) if not isinstance(p, Replicate)))
+def _row_mesh_dim(tensor: DTensor) -> int:
+    """The mesh dimension whose ranks share the rows of a tensor that ``_sharded_by_rows_only`` accepts."""
+    return next(i for i, p in enumerate(tensor.placements) if not isinstance(p, Replicate))
 
 
 def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
@@ -135,8 +128,7 @@ def gather_rows(parts: list[DTensor]) -> list[torch.Tensor]:
     (``_sharded_by_rows_only``), with one all-gather of every rank's shards packed together.
     Shard(0) splits rows as ``torch.chunk`` does (chunks of ceil(rows / ranks), the last ones shorter or empty),
     so each shard is padded to its chunk size in the packed buffer and cut back after."""
-    mesh = parts[0].device_mesh
-    dim = next(i for i, p in enumerate(parts[0].placements) if not isinstance(p, Replicate))
+    mesh, dim = parts[0].device_mesh, _row_mesh_dim(parts[0])
     group, ranks = mesh.get_group(dim), mesh.size(dim)
     chunks = [-(-p.shape[0] // ranks) for p in parts]
     row_numel = [math.prod(p.shape[1:]) for p in parts]
@@ -173,18 +165,18 @@ def _generation_slices(
     dtype: torch.dtype,
     gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    bucket: list[tuple[str, DTensor]] = []  # FSDP2-only shards waiting to be gathered together
+    buckets: dict[int, list[tuple[str, DTensor]]] = {}  # FSDP2-only shards by mesh, to gather together
     for name, param in named:
         part = param.detach().to(dtype)
-        if _sharded_by_rows_only(part) and _row_shards(part) > 1:
-            if bucket and (part.device_mesh is not bucket[0][1].device_mesh or _bucket_full(bucket, part)):
+        if _sharded_by_rows_only(part) and part.device_mesh.size(_row_mesh_dim(part)) > 1:
+            bucket = buckets.setdefault(id(part.device_mesh), [])
+            if bucket and sum(_nbytes(t) for _, t in bucket) + _nbytes(part) > bucket_bytes:
                 yield from _gathered_together(bucket, report)
-                bucket = []
+                bucket.clear()
             bucket.append((name, part))
             continue
-        yield from _gathered_together(bucket, report)
-        bucket = []
         if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
             report.whole += _nbytes(part)
             report.held += _nbytes(part)
@@ -203,20 +195,12 @@ def _generation_slices(
         report.received += _nbytes(piece) - own
         report.held += _nbytes(piece)
         yield name, piece
-    yield from _gathered_together(bucket, report)
-
-
-BUCKET_BYTES = 32 << 20  # whole tensors gathered in one collective: fewer, larger all-gathers, bounded memory
-
-
-def _bucket_full(bucket: list[tuple[str, DTensor]], part: DTensor) -> bool:
-    return sum(_nbytes(tensor) for _, tensor in bucket) + _nbytes(part) > BUCKET_BYTES
+    for bucket in buckets.values():
+        yield from _gathered_together(bucket, report)
 
 
 def _gathered_together(bucket: list[tuple[str, DTensor]], report: SwitchReport) -> Iterator[tuple[str, torch.Tensor]]:
-    """The whole tensors of FSDP2-only shards, gathered in one collective (``gather_rows``)."""
-    if not bucket:
-        return
+    """The whole tensors of FSDP2-only shards (``DTensor.numel`` counts the whole), gathered in one collective."""
     for (name, part), whole in zip(bucket, gather_rows([part for _, part in bucket])):
         report.whole += _nbytes(whole)
         report.received += _nbytes(whole) - _nbytes(part.to_local())

@@ -22,7 +22,6 @@ from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, Rol
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.host_collectives import ALL_GATHER_EVENT, host_collectives_for
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
-from hybridflow.hybrid_engine import reshard
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
@@ -113,9 +112,8 @@ class DataParallelWeights(Worker):
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
         model = shard_model(trained_model(path), mesh, FP32)
         report = SwitchReport()
-        reshard.BUCKET_BYTES = bucket_bytes
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            weights = dict(generation_weights(model, torch.float32, None, report))
+            weights = dict(generation_weights(model, torch.float32, None, report, bucket_bytes=bucket_bytes))
         gathers = sum(1 for event in prof.events() if event.name == ALL_GATHER_EVENT)
         return weights, report, gathers, host_collectives_for(mesh.get_group()) is not None
 
