@@ -181,14 +181,16 @@ def arithmetic_files(tmp_path_factory):
 # one, they shut nothing down, so that cluster starts once per test process and the worker processes it keeps
 # serve every later file. Then the files that take longest (the kept-processes tests, which end what their test
 # process kept, so best before it has kept much; trainer commands that are killed and resumed), so that the test
-# processes finish together instead of one running these alone at the end while the other idles.
-# Then the rest, the files with the most tests first (xdist's own order).
+# processes finish together instead of one running these alone at the end while the other idles. Then the files
+# that start a vLLM engine (10-20 s for one to five tests: in xdist's order they came last, and one test process ran
+# them alone for 20 s). Then the rest, the files with the most tests first (xdist's own order).
 LONGEST_FILES = (
     "tests/controller/test_kept_processes.py",
     "tests/trainer/test_kill_and_resume.py",
     "tests/trainer/test_sft_e2e.py",
     "tests/trainer/test_fully_async_resume.py",
 )
+VLLM_FILES = ("tests/rollout/vllm/", "tests/trainer/test_vllm_e2e.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -202,7 +204,7 @@ def pytest_collection_modifyitems(items):
 
     def place(i: int) -> tuple:
         file = files[i]
-        group = 0 if file in own_ray else 1 if file in first else 2
+        group = 0 if file in own_ray else 1 if file in first else 2 if file.startswith(VLLM_FILES) else 3
         return group, first.get(file, 0), -tests_in[file], file, i
 
     items[:] = [items[i] for i in sorted(range(len(items)), key=place)]
