@@ -253,6 +253,7 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
     )
 
     install_labels()
+    copy_in.clear()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
