@@ -29,6 +29,7 @@ import os
 import socket
 import uuid
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -131,9 +132,8 @@ class HostCollectives:
     def all_gather(self, local: torch.Tensor) -> torch.Tensor:
         """Every rank's ``local`` (the same size on each), one after the other in rank order, flat: a view of the
         shared buffer, valid until this rank's next collective on the group (read or copy it before)."""
-        numel, nbytes = local.numel(), local.numel() * local.element_size()
-        self.weights.ensure(nbytes * self.world)
-        shared = self.weights.current()[0][: nbytes * self.world].view(local.dtype)
+        numel = local.numel()
+        shared = _shared_view(self.weights, 0, (numel * self.world,), local.dtype)
         self.weights.slot ^= 1
         with torch.profiler.record_function(ALL_GATHER_EVENT):
             shared[self.rank * numel : (self.rank + 1) * numel].copy_(local.reshape(-1))
@@ -310,7 +310,10 @@ def ranks_share_host(group: dist.ProcessGroup, needed_bytes: int) -> bool:
     return True
 
 
-_HOSTS: dict[str, HostCollectives] = {}  # by process-group name (checked against the group itself: names recur)
+# by process-group name (checked against the group itself: names recur). Weak: a group's buffers live as long as
+# the FSDP2 units that use them, so a kept worker process (controller/kept_processes.py) does not hold a finished
+# run's shared memory mapped
+_HOSTS: weakref.WeakValueDictionary[str, HostCollectives] = weakref.WeakValueDictionary()
 
 
 def host_collectives_for(group: dist.ProcessGroup) -> HostCollectives | None:
@@ -335,7 +338,8 @@ def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) 
     if host is None:
         if not ranks_share_host(group, shared_memory_needed(units, world)):
             return None
-        host = _HOSTS[group.group_name] = HostCollectives(group)
+        host = HostCollectives(group)
+        _HOSTS[group.group_name] = host
     gather, reduce = SharedMemoryAllGather(host), SharedMemoryReduceScatter(host)
     for unit in units:
         unit.set_custom_all_gather(gather)

@@ -168,14 +168,18 @@ def _generation_slices(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     buckets: dict[int, list[tuple[str, DTensor]]] = {}  # FSDP2-only shards by mesh, to gather together
+    filled: dict[int, int] = {}  # the whole bytes in each mesh's bucket
     for name, param in named:
         part = param.detach().to(dtype)
         if _sharded_by_rows_only(part) and part.device_mesh.size(_row_mesh_dim(part)) > 1:
-            bucket = buckets.setdefault(id(part.device_mesh), [])
-            if bucket and sum(_nbytes(t) for _, t in bucket) + _nbytes(part) > bucket_bytes:
+            mesh, size = id(part.device_mesh), _nbytes(part)
+            bucket = buckets.setdefault(mesh, [])
+            if bucket and filled[mesh] + size > bucket_bytes:
                 yield from _gathered_together(bucket, report)
                 bucket.clear()
+                filled[mesh] = 0
             bucket.append((name, part))
+            filled[mesh] = filled.get(mesh, 0) + size
             continue
         if not isinstance(part, DTensor):  # an unsharded model: the tensor is already whole here
             report.whole += _nbytes(part)

@@ -9,6 +9,7 @@ One group of 4 ranks runs every 4-rank layout in turn and one of 2 ranks the res
 model and engine anew): starting a rank's process is most of this file's time."""
 
 import dataclasses
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -105,9 +106,10 @@ class RowGather(Worker):
 
 class DataParallelWeights(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def data_parallel_weights(self, path: str, bucket_bytes: int) -> tuple[dict, SwitchReport, int, bool]:
+    def data_parallel_weights(self, path: str, bucket_bytes: int) -> tuple[dict, SwitchReport, int, bool, bool]:
         """The generation weights of a model that FSDP2 alone shards over every rank (the demo's layout), with
-        the collectives it took through shared memory, and whether its group has them."""
+        the collectives it took through shared memory, whether its group has them, and whether they went with the
+        model (a kept process must not hold a finished run's shared memory)."""
         torch.set_num_threads(1)
         mesh = init_device_mesh("cpu", (self.world_size,), mesh_dim_names=("dp",))
         model = shard_model(trained_model(path), mesh, FP32)
@@ -115,7 +117,10 @@ class DataParallelWeights(Worker):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             weights = dict(generation_weights(model, torch.float32, None, report, bucket_bytes=bucket_bytes))
         gathers = sum(1 for event in prof.events() if event.name == ALL_GATHER_EVENT)
-        return weights, report, gathers, host_collectives_for(mesh.get_group()) is not None
+        shared = host_collectives_for(mesh.get_group()) is not None
+        del model, prof
+        gc.collect()
+        return weights, report, gathers, shared, host_collectives_for(mesh.get_group()) is None
 
 
 class Ranks(ActorSwitch, RowGather, DataParallelWeights):
@@ -200,8 +205,8 @@ def test_data_parallel_weights_travel_a_bucket_at_a_time_through_shared_memory(g
             buckets, filled = buckets + 1, 0
         filled += size
     whole = sum(sizes)
-    for rank, (got, report, gathers, shared) in enumerate(groups[2].data_parallel_weights(path, bucket)):
-        assert shared
+    for rank, (got, report, gathers, shared, released) in enumerate(groups[2].data_parallel_weights(path, bucket)):
+        assert shared and released
         assert 1 < buckets < len(weights) and gathers == buckets
         for name, want in weights.items():
             assert torch.equal(got[name], want.detach()), name
