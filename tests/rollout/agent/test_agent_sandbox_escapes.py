@@ -81,7 +81,8 @@ def test_escapes_are_tool_errors_and_the_conversations_finish(tmp_path, host_ser
             "write outside": "Error",
             "open a socket": "Error",
             # the process limit; on a loaded machine the forking children can outlast the 3 s wall timeout first
-            # (the limit bit all the same: the parent's fork failed with EAGAIN), and the sandbox kills them all
+            # (the limit bit all the same: the parent's fork failed with EAGAIN), and the sandbox kills them all;
+            # the limit itself: tests/tools/test_sandbox.py::test_a_fork_bomb_stops_at_the_process_limit_and_...
             "fork bomb": "process|timed out",
             "allocate 10 GB": "memory limit",
             "loop forever": "limit|timed out",  # the CPU limit, or the wall timeout first on a loaded machine
