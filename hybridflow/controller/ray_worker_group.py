@@ -8,6 +8,7 @@ through its own ``RayWorkerGroup`` view.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import time
@@ -27,7 +28,7 @@ from hybridflow.controller.kept_processes import keeper
 from hybridflow.controller.resource_pool import RayResourcePool
 from hybridflow.controller.worker import DistEnv, Worker, init_distributed, open_store
 from hybridflow.controller.worker_group import WorkerGroup
-from hybridflow.protocol import materialize
+from hybridflow.protocol import DataProto, materialize
 
 
 @dataclass
@@ -41,6 +42,19 @@ class RoleSpec:
     def __post_init__(self) -> None:
         if not (isinstance(self.cls, type) and issubclass(self.cls, Worker)):
             raise TypeError(f"a role's class must subclass hybridflow.controller.Worker, got {self.cls!r}")
+
+
+CPU = torch.device("cpu")
+
+
+def on_device(value: Any, device: torch.device) -> Any:
+    """A DataProto with its tensors on ``device`` (a new DataProto, the caller's untouched; its arrays and meta_info
+    shared); any other value as it is."""
+    if not isinstance(value, DataProto) or value.batch is None:
+        return value
+    if all(tensor.device == device for tensor in value.batch.values(include_nested=True, leaves_only=True)):
+        return value
+    return dataclasses.replace(value, batch=value.batch.to(device))
 
 
 class _HostedError(Exception):
@@ -69,6 +83,9 @@ class WorkerHost:
         self.spans: list[tuple[str, str, float, float]] = []  # (role, method, start, end), wall-clock seconds
         self.store = None  # rank 0's rendezvous store, from open_store until setup
         self.fresh = FreshProcessState.now()
+        # the rank's compute device: DataProto arguments arrive there and results leave on the CPU (Ray moves
+        # host memory; a driver need not have a GPU)
+        self.device = CPU
 
     def node_address(self) -> tuple[str, str]:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
@@ -85,6 +102,7 @@ class WorkerHost:
             torch.set_num_threads(num_threads)
             store, self.store = self.store, None
             init_distributed(env, store=store)
+            self.device = torch.device("cuda", torch.cuda.current_device()) if env.device == "cuda" else CPU
             for building, spec in specs.items():
                 self.roles[building] = spec.cls(*spec.args, **spec.kwargs)
         except BaseException as error:
@@ -96,12 +114,13 @@ class WorkerHost:
         if method not in self.methods.get(role, ()):
             raise AttributeError(f"role '{role}' has no @register'ed method '{method}'")
         try:
-            args = tuple(materialize(a) for a in args)  # waiting for another group's output is not this call's work
-            kwargs = {k: materialize(v) for k, v in kwargs.items()}
+            # waiting for another group's output is not this call's work
+            args = tuple(on_device(materialize(a), self.device) for a in args)
+            kwargs = {k: on_device(materialize(v), self.device) for k, v in kwargs.items()}
             start = time.time()
             result = getattr(self.roles[role], method)(*args, **kwargs)
             self.spans.append((role, method, start, time.time()))
-            return result
+            return on_device(result, CPU)
         except BaseException as error:
             raise _HostedError(error, traceback.format_exc()) from error
 

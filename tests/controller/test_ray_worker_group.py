@@ -21,6 +21,7 @@ from hybridflow.controller import (
     register,
 )
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV, tuning_env
+from hybridflow.controller.ray_worker_group import on_device
 from hybridflow.protocol import DataProto, DataProtoFuture
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # the shared cluster (tests/conftest.py)
@@ -305,3 +306,15 @@ def test_workers_report_the_spans_of_their_calls(pool):
         ((role, method, start, end),) = spans
         assert role == "slow" and method == "work" and before <= start and end - start >= 0.2
     assert group.take_spans() == [[], []]  # taken once
+
+
+def test_a_gpu_rank_gets_its_data_proto_arguments_on_its_device_and_the_caller_s_stay():
+    """WorkerHost.call moves DataProto arguments to the rank's device and results back to the CPU (on_device);
+    meta tensors stand in for a GPU's here."""
+    data = DataProto.from_dict({"ids": torch.arange(6).view(3, 2)}, {"uid": ["a", "b", "c"]}, {"step": 4})
+    assert on_device(data, torch.device("cpu")) is data  # already there: the same object, nothing copied
+    moved = on_device(data, torch.device("meta"))
+    assert moved.batch["ids"].device.type == "meta" and moved.batch["ids"].shape == (3, 2)
+    assert data.batch["ids"].device.type == "cpu"
+    assert list(moved.non_tensor_batch["uid"]) == ["a", "b", "c"] and moved.meta_info == {"step": 4}
+    assert on_device("not a DataProto", torch.device("meta")) == "not a DataProto"
