@@ -13,10 +13,11 @@ from hybridflow.workers.sharded_model import build_sharded
 
 
 def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence scores placed at each response's last real token: (B, R)."""
-    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32)
+    """(B,) sequence scores placed at each response's last real token: (B, R), on ``response_mask``'s device."""
+    device = response_mask.device
+    token_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=device)
     last = (response_mask.sum(dim=1) - 1).clamp(min=0)
-    token_scores[torch.arange(len(scores)), last] = scores.float()
+    token_scores[torch.arange(len(scores), device=device), last] = scores.to(device, torch.float32)
     return token_scores * (response_mask.sum(dim=1, keepdim=True) > 0)
 
 

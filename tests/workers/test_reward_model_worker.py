@@ -17,6 +17,13 @@ def test_last_token_scores_by_hand():
     assert last_token_scores(torch.tensor([2.0, -1.0, 5.0]), mask).tolist() == [[0, 2.0, 0], [0, 0, -1.0], [0, 0, 0]]
 
 
+def test_last_token_scores_stay_on_the_mask_s_device():
+    """On a GPU rank the batch arrives on the GPU (WorkerHost.call) while the model's scores come back on the CPU;
+    meta tensors stand in for the GPU's here."""
+    scores = last_token_scores(torch.tensor([2.0, -1.0]), torch.ones(2, 3, dtype=torch.long, device="meta"))
+    assert scores.device.type == "meta" and scores.shape == (2, 3) and scores.dtype == torch.float32
+
+
 def test_worker_scores_match_scoring_each_conversation_alone(local_ray, reward_model_dir):
     policy_path = str(resolve_model_path("tiny-llama"))
     tokenizer = load_tokenizer(policy_path)
