@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
@@ -39,7 +42,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 def make_random_model(config_dir: Path, out: Path, seed: int = 0) -> None:
     """A model directory at ``out``: ``config_dir``'s architecture with random weights, and its tokenizer."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -53,7 +55,6 @@ def make_random_model(config_dir: Path, out: Path, seed: int = 0) -> None:
 
 
 def synchronize(device) -> None:
-    import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -85,9 +86,8 @@ def build_engine(model: str, micro: int, device):
     return trained, PolicyEngine(trained, arr.actor)
 
 
-def reference_log_probs(model: str, data) -> torch.Tensor:  # noqa: F821
+def reference_log_probs(model: str, data) -> torch.Tensor:
     """log p(response token) from an fp32 CPU forward of the padded rows (transformers alone)."""
-    import torch
 
     from hybridflow.models import load_causal_lm
 
@@ -108,7 +108,6 @@ def masked_abs(a, b, mask) -> tuple[float, float]:
 
 def check_actor(model: str, device) -> None:
     """Part 1: the device's actor against the CPU's and an fp32 reference."""
-    import torch
     from train_passes import grpo_batch
 
     from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
@@ -176,7 +175,6 @@ def time_updates(model: str, device, sizes: list[tuple[int, int]], repeats: int,
 def profile_update(engine, data, device, rows: int = 25) -> None:
     """One more update under torch.profiler: the ops with the most device time (self), and how much of the
     update's wall time the device was busy (a device idle between small kernels is waiting on the host)."""
-    import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -200,7 +198,6 @@ def profile_update(engine, data, device, rows: int = 25) -> None:
 
 def check_rollout(model: str, device, sequences: int, new_tokens: int) -> None:
     """Part 3: the native engine's log-prob mismatch against the trainer's (device and CPU), then tokens/s."""
-    import torch
     from rollout import GenerateBaseline, arithmetic_prompts
 
     from hybridflow.batch_keys import OLD_LOG_PROBS, RESPONSE_MASK, ROLLOUT_LOG_PROBS
@@ -265,9 +262,6 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=256, help="part 3's prompts for tokens/s")
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
-
-    import torch
-    import torch.distributed as dist
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
