@@ -60,6 +60,6 @@ class RewardModelWorker(Worker):
                 max_length=self.config.max_length,
                 add_special_tokens=False,
             ).to(self.device)
-            scores.append(self.model(**encoded).logits[:, 0].float().cpu())
+            scores.append(self.model(**encoded).logits[:, 0].float())
         rm_scores = last_token_scores(torch.cat(scores), data.batch[RESPONSE_MASK])
         return DataProto.from_dict({RM_SCORES: rm_scores})

@@ -18,8 +18,8 @@ def test_last_token_scores_by_hand():
 
 
 def test_last_token_scores_stay_on_the_mask_s_device():
-    """On a GPU rank the batch arrives on the GPU (WorkerHost.call) while the model's scores come back on the CPU;
-    meta tensors stand in for the GPU's here."""
+    """On a GPU rank the batch arrives on the GPU (WorkerHost.call): the token scores are built there, wherever the
+    sequence scores were computed; meta tensors stand in for the GPU's here."""
     scores = last_token_scores(torch.tensor([2.0, -1.0]), torch.ones(2, 3, dtype=torch.long, device="meta"))
     assert scores.device.type == "meta" and scores.shape == (2, 3) and scores.dtype == torch.float32
 
