@@ -55,7 +55,6 @@ def make_random_model(config_dir: Path, out: Path, seed: int = 0) -> None:
 
 
 def synchronize(device) -> None:
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -88,7 +87,6 @@ def build_engine(model: str, micro: int, device):
 
 def reference_log_probs(model: str, data) -> torch.Tensor:
     """log p(response token) from an fp32 CPU forward of the padded rows (transformers alone)."""
-
     from hybridflow.models import load_causal_lm
 
     reference = load_causal_lm(model, dtype=torch.float32).eval()
@@ -123,7 +121,7 @@ def check_actor(model: str, device) -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for where in (torch.device("cpu"), device):
         trained, engine = build_engine(model, 32, where)
-        batch = data.to(where)
+        batch = grpo_batch(32, 4).to(where)  # the same rows (seeded), a copy of its own
         log_probs = engine.compute_log_prob(batch, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
         batch.batch[OLD_LOG_PROBS] = log_probs
         metrics = engine.update_policy(batch, len(batch), 1.0, seed=0).meta_info[METRICS]
