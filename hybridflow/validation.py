@@ -24,6 +24,8 @@ import traceback
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
+from hybridflow.library_output import command_output
+
 
 class UserError(Exception):
     """A problem with what the user gave (a config value, a file, a command's arguments): the command
@@ -78,9 +80,11 @@ def split_debug_flag(args: list[str]) -> tuple[bool, list[str]]:
 
 def run_command(command: Callable[[], int], debug: bool) -> int:
     """``command()``'s exit code; a UserError is one message on stderr and exit code 2 (``debug``: with
-    the traceback). Every command-line entry point runs through this."""
+    the traceback). Every command-line entry point runs through this. Other libraries' progress bars and
+    start-up chatter are kept quiet meanwhile, in this process and its workers (``debug``: not)."""
     try:
-        return command()
+        with command_output(debug):
+            return command()
     except UserError as error:
         if debug:
             traceback.print_exc()

@@ -1,12 +1,15 @@
-"""Fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor config, a rollout batch."""
+"""The suite's own caches, and fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor
+config, a rollout batch."""
 
 import json
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import ray
 import torch
+from cache_helpers import SUITE_CACHES
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.controller import (
@@ -27,6 +30,32 @@ from hybridflow.trainer.config import load_config
 from hybridflow.workers import ActorRolloutWorker
 
 KEPT_WORKER_PROCESSES = 8  # per test process: a few hundred MB each with the tiny models
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """The suite builds every cache it uses itself, in a directory of its own run (under pytest's base temp
+    directory, which keeps the last three runs'): a run passes or fails on a fresh machine as on one where earlier
+    runs left converted models, compiled kernels or Ray's files behind (tests/test_fresh_caches.py). The test
+    processes of pytest-xdist inherit this environment from the process that starts them, so each cache is built
+    once per run, by whichever process needs it first (the builders lock: models/cache.py, torch's extension
+    builder)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a test process: the controller set the environment
+        return
+    suite = config._tmp_path_factory.getbasetemp() / "suite"
+    for variable, name in SUITE_CACHES.items():
+        (suite / name).mkdir(parents=True, exist_ok=True)
+        os.environ[variable] = str(suite / name)
+    os.environ["RAY_TMPDIR"] = str(suite)  # Ray's session files under suite/ray (its socket paths stay short)
+
+
+@pytest.fixture
+def empty_model_cache(tmp_path, monkeypatch) -> Path:
+    """An empty model cache for this test (``HYBRIDFLOW_CACHE``), as on a fresh machine: a test that must build no
+    model checks that ``cache_helpers.built_models`` of it stays empty."""
+    cache = tmp_path / "empty-model-cache"
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(cache))
+    return cache
 
 
 @pytest.fixture(scope="session")

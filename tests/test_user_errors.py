@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import ray
+from cache_helpers import built_models
 
 from hybridflow.cli import main as cli
 from hybridflow.models import resolve_model_path
@@ -137,12 +138,20 @@ MULTI_TURN = "actor_rollout_ref.rollout.multi_turn"
         (lambda b: ["measure", "nope"], "hybridflow measure: argument task: invalid choice: 'nope'"),
         (lambda b: ["measure", "arithmetic", "--n", "many"], "argument --n: invalid int value: 'many'"),
         (lambda b: ["measure", "arithmetic", "--model", "/no/model"], "file '/no/model' (--model): does not exist"),
+        (lambda b: ["measure", "arithmetic", "--n", "0"], "--n must be at least 1, got 0"),
+        (lambda b: ["measure", "arithmetic", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
         (lambda b: ["report", "/no/run"], "file '/no/run/metrics.jsonl': not found"),
         (lambda b: ["report"], "hybridflow report: the following arguments are required: run_dir"),
     ],
 )
-def test_a_bad_input_is_one_message_and_exit_2(broken, capsys, make_args, expected):
+def test_a_bad_input_is_one_message_and_exit_2(broken, capsys, empty_model_cache, make_args, expected):
     assert expected in fails_cleanly(make_args(broken), capsys)
+    # found before any model is built, but for what the tokenizer tells: the prompts' lengths, the rows they leave
+    if expected not in NEEDS_THE_TOKENIZER:
+        assert built_models(empty_model_cache) == []
+
+
+NEEDS_THE_TOKENIZER = ("config key 'data.max_prompt_length': every prompt", "config key 'data.train_batch_size'")
 
 
 def test_vllm_limits_are_checked_before_ray(broken, capsys):

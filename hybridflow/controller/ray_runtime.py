@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 from collections.abc import Iterator
 
 import ray
+
+from hybridflow.library_output import quiet_env, verbose
 
 
 def _driver_pythonpath() -> str:
@@ -52,10 +55,12 @@ def tuning_env(kernel_cache_capacity: int) -> dict[str, str]:
 
 def worker_env_vars(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Environment of every worker process: the driver's import path, unbuffered logs, the allocator
-    settings and ``extra``. A value already in the driver's environment wins."""
+    settings, libraries' progress bars and start-up chatter off (library_output.py; not with --debug) and
+    ``extra``. A value already in the driver's environment wins."""
     return {
         "PYTHONPATH": _driver_pythonpath(),
         "RAY_DEDUP_LOGS": "0",
+        **quiet_env(),
         **_driver_first({**ALLOCATOR_ENV, **(extra or {})}),
     }
 
@@ -81,6 +86,7 @@ def start_ray(
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     kwargs: dict = {"runtime_env": driver_runtime_env(worker_env), "include_dashboard": False, "log_to_driver": True}
+    kwargs["logging_level"] = logging.INFO if verbose() else logging.WARNING  # "Started a local Ray instance."
     if address:
         ray.init(address=address, **kwargs)
     else:

@@ -28,6 +28,7 @@ from hybridflow.controller.kept_processes import keeper
 from hybridflow.controller.resource_pool import RayResourcePool
 from hybridflow.controller.worker import DistEnv, Worker, init_distributed, open_store
 from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.library_output import quiet_this_process, verbose
 from hybridflow.protocol import DataProto, materialize
 
 
@@ -78,6 +79,8 @@ class WorkerHost:
     worker processes (kept_processes.py) resets it after a run and sets it up again for the next one."""
 
     def __init__(self):
+        if not verbose():  # the driver's --debug reaches a worker as HYBRIDFLOW_DEBUG (library_output.quiet_env)
+            quiet_this_process()
         self.roles: dict[str, Worker] = {}
         self.methods: dict[str, set[str]] = {}
         self.spans: list[tuple[str, str, float, float]] = []  # (role, method, start, end), wall-clock seconds

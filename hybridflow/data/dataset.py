@@ -67,6 +67,33 @@ def _messages(row: dict, key: str) -> list[dict] | None:
 FORMAT_HINT = "rows as python -m hybridflow.data.tasks writes them (docs: RLHFDataset)"
 
 
+def read_prompt_rows(
+    files: str | Path | Sequence[str | Path], config: DatasetConfig, key: str = "data.train_files"
+) -> tuple[list[dict[str, Any]], list[list[dict[str, str]]]]:
+    """Every row of ``files`` and its chat messages, each row checked for its prompt and reward columns (no
+    tokenizer needed: a run checks its rows with this before it builds a model). InputFileError naming the file,
+    the row and ``key`` for a row without them."""
+    rows, messages = [], []
+    for file, index, row in rows_of_files(data_files(files, key), key, FORMAT_HINT):
+        chat = _messages(row, config.prompt_key)
+        if chat is None:
+            raise InputFileError(
+                file,
+                f"row {index}: column {config.prompt_key!r} (data.prompt_key) is not a non-empty list of "
+                f'{{"role": str, "content": str}} messages: {row.get(config.prompt_key)!r:.120}',
+                f"set data.prompt_key to the column with the chat messages; the columns are {sorted(row)}",
+                key,
+            )
+        for column in (DATA_SOURCE, REWARD_MODEL):
+            if column not in row:
+                raise InputFileError(
+                    file, f"row {index} has no {column!r} column; its columns: {sorted(row)}", FORMAT_HINT, key
+                )
+        rows.append(row)
+        messages.append(chat)
+    return rows, messages
+
+
 class RLHFDataset:
     """Chat prompts with their reward information, ready to collate into DataProto batches."""
 
@@ -87,24 +114,7 @@ class RLHFDataset:
         self.tokenizer = tokenizer
         self.config = config
         self.files = data_files(files, key)
-        rows, messages = [], []
-        for file, index, row in rows_of_files(self.files, key, FORMAT_HINT):
-            chat = _messages(row, config.prompt_key)
-            if chat is None:
-                raise InputFileError(
-                    file,
-                    f"row {index}: column {config.prompt_key!r} (data.prompt_key) is not a non-empty list of "
-                    f'{{"role": str, "content": str}} messages: {row.get(config.prompt_key)!r:.120}',
-                    f"set data.prompt_key to the column with the chat messages; the columns are {sorted(row)}",
-                    key,
-                )
-            for column in (DATA_SOURCE, REWARD_MODEL):
-                if column not in row:
-                    raise InputFileError(
-                        file, f"row {index} has no {column!r} column; its columns: {sorted(row)}", FORMAT_HINT, key
-                    )
-            rows.append(row)
-            messages.append(chat)
+        rows, messages = read_prompt_rows(self.files, config, key)
         tool_kwargs = {"tools": tools} if tools else {}
         texts = [
             tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **tool_kwargs)
@@ -138,14 +148,6 @@ class RLHFDataset:
                     AGENT_NAME: str(row.get(AGENT_NAME) or ""),  # multi-turn: the row's agent loop ("": the default)
                 }
             )
-        dropped = len(rows) - len(kept)
-        if dropped:
-            logger.warning(
-                "dropped %d of %d rows whose templated prompt is longer than data.max_prompt_length=%d tokens",
-                dropped,
-                len(rows),
-                limit,
-            )
         if not kept:
             shortest = min(len(ids) for ids in token_ids)
             raise ConfigError(
@@ -153,6 +155,14 @@ class RLHFDataset:
                 f"every prompt of {[str(f) for f in self.files]} is longer than {limit} tokens once templated "
                 f"(the shortest has {shortest})",
                 f"raise it to at least {shortest}",
+            )
+        dropped = len(rows) - len(kept)
+        if dropped:
+            logger.warning(
+                "dropped %d of %d rows whose templated prompt is longer than data.max_prompt_length=%d tokens",
+                dropped,
+                len(rows),
+                limit,
             )
         return kept
 

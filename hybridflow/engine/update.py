@@ -10,7 +10,12 @@ token count (``max_token_len``) give the same gradient as fixed-size ones, and s
 that keep the rows of one prompt together after a shuffle (packed passes then compute the prompt
 once per micro-batch: ``dynamic_batch.micro_batch_groups``); every loss still sees the (B, R)
 layout, so the response length used by ``seq-mean-token-sum-norm`` is unchanged too. "The same"
-up to float rounding: a partition changes the order in which gradients are summed.
+up to float rounding: a partition changes the order in which gradients are summed. The same holds for
+how the rows split over data-parallel ranks (tests/engine/test_fsdp_actor.py), and for the metrics: each
+is the mini-batch's, a micro-batch's value weighted by its share of the mini-batch's response tokens
+over all ranks (a clip fraction or an approximate KL, token means, come out as the mini-batch's).
+Which rows share a mini-batch is each rank's k-th share of its rows: with several mini-batches per step,
+that depends on the split.
 """
 
 from __future__ import annotations
@@ -73,9 +78,11 @@ def run_updates(
     ``micro_loss`` gives a micro-batch's loss and metrics; ``prefix`` names the step's own metrics
     (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and ``pass_name`` its FLOP/s
     over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
-    Metrics are averaged over micro-batches, except ``loss_share_keys``: those are each
-    micro-batch's share of the global mini-batch loss, so they are summed over the mini-batch
-    (and scaled by the world size, so that the driver's mean over ranks is the global loss).
+    Metrics are the mini-batch's whatever its micro-batches and ranks: a micro-batch's value weighted by its
+    share of the mini-batch's response tokens over all ranks (token means come out exact), except
+    ``loss_share_keys``: those are each micro-batch's share of the global mini-batch loss, so they are
+    summed as they are. Both are scaled by the world size, so that the driver's mean over ranks is the
+    mini-batch's; a step's metric is the mean over its mini-batches (and epochs).
     With ``config.use_dynamic_bsz`` micro-batches hold at most ``config.ppo_max_token_len_per_gpu``
     real tokens (collective: every rank runs as many micro-batches).
     """
@@ -97,11 +104,13 @@ def run_updates(
             for micro_batch in split_by_groups(mini_batch, groups):
                 loss, metrics = micro_loss(micro_batch, agg)
                 (loss * world_size).backward()
+                tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
+                token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
                 for key, value in metrics.items():
                     if key in loss_share_keys:
                         shares[key] += _to_float(value) * world_size
-                    else:
-                        totals[key].append(_to_float(value))
+                    elif tokens:  # a micro-batch without response tokens has no share (and mean metrics of nothing)
+                        shares[key] += _to_float(value) * token_share * world_size
         for key, value in shares.items():
             totals[key].append(value)
         grad_norm = grad_norm_and_clip(model, config.grad_clip)

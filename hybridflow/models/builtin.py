@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import AutoConfig, PretrainedConfig
+
 from hybridflow.models import smollm2, tiny
 
 _BUILTIN_DESCRIPTIONS = {
@@ -23,6 +25,34 @@ _BUILTIN_DESCRIPTIONS = {
 def list_builtin_models() -> dict[str, str]:
     """Built-in model names, each with one line on what it is."""
     return dict(_BUILTIN_DESCRIPTIONS)
+
+
+def model_config(path: str | Path) -> PretrainedConfig:
+    """The Hugging Face config of `path` without building or loading the model, for checks that need only its
+    shape: a tiny model's from its spec, the pretrained built-in's from its GGUF file's header, a directory's
+    `config.json`. FileNotFoundError as `resolve_model_path` gives it."""
+    name = str(path)
+    if name in tiny.TINY_FAMILIES:
+        return tiny.tiny_model_config(name)
+    if name == smollm2.NAME:
+        return smollm2.header_config()
+    return AutoConfig.from_pretrained(_local_model_dir(name), local_files_only=True)
+
+
+def _local_model_dir(name: str) -> Path:
+    """The existing local Hugging Face directory `name`; FileNotFoundError naming what would do instead."""
+    directory = Path(name).expanduser()
+    if directory.is_dir():
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(f"{directory} is a directory but not a Hugging Face model: it has no config.json")
+        return directory.resolve()
+    builtins = ", ".join(sorted(_BUILTIN_DESCRIPTIONS))
+    raise FileNotFoundError(
+        f"model path {name!r} is neither a built-in model ({builtins}) nor an existing local directory. "
+        "Expected a local Hugging Face directory (config.json, weights, tokenizer); hybridflow never "
+        "downloads models, so fetch hub models beforehand (e.g. `huggingface-cli download ORG/NAME "
+        "--local-dir DIR` on a machine with network) and pass DIR."
+    )
 
 
 def resolve_model_path(path: str | Path, **tiny_overrides: int) -> Path:
@@ -40,15 +70,4 @@ def resolve_model_path(path: str | Path, **tiny_overrides: int) -> Path:
         )
     if name == smollm2.NAME:
         return smollm2.materialise_smollm2()
-    directory = Path(name).expanduser()
-    if directory.is_dir():
-        if not (directory / "config.json").is_file():
-            raise FileNotFoundError(f"{directory} is a directory but not a Hugging Face model: it has no config.json")
-        return directory.resolve()
-    builtins = ", ".join(sorted(_BUILTIN_DESCRIPTIONS))
-    raise FileNotFoundError(
-        f"model path {name!r} is neither a built-in model ({builtins}) nor an existing local directory. "
-        "Expected a local Hugging Face directory (config.json, weights, tokenizer); hybridflow never "
-        "downloads models, so fetch hub models beforehand (e.g. `huggingface-cli download ORG/NAME "
-        "--local-dir DIR` on a machine with network) and pass DIR."
-    )
+    return _local_model_dir(name)

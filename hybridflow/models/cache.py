@@ -9,6 +9,9 @@ name at start-up, one builds and the others wait and reuse it.
 Each directory holds `hybridflow_source.json`, the fingerprint of what it was built from;
 a directory whose fingerprint differs from the requested one (a newer GGUF, a changed
 builder) is rebuilt and replaced.
+
+A build says what it does in one line of its own (`announce`), not in transformers' progress
+bars, which are off while it runs (library_output.py).
 """
 
 from __future__ import annotations
@@ -22,13 +25,18 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from hybridflow.library_output import quiet_transformers
+
 FINGERPRINT_FILE = "hybridflow_source.json"
 
 
 def cache_root() -> Path:
-    """`$HYBRIDFLOW_CACHE`, or `~/.cache/hybridflow` when unset."""
+    """`$HYBRIDFLOW_CACHE`, or `hybridflow` in the user's cache directory (`$XDG_CACHE_HOME`, by default
+    `~/.cache`)."""
     root = os.environ.get("HYBRIDFLOW_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "hybridflow"
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "hybridflow"
 
 
 def model_cache_dir(key: str) -> Path:
@@ -53,10 +61,11 @@ def _read_fingerprint(directory: Path) -> dict | None:
         return None
 
 
-def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None]) -> Path:
+def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None], announce: str = "") -> Path:
     """Return `target`, first building it with `build(tmp_dir)` unless it is already there.
 
-    `build` writes a complete Hugging Face directory into the empty folder it is given.
+    `build` writes a complete Hugging Face directory into the empty folder it is given; `announce`, when
+    given, is printed (with the target) as the build starts.
     """
     if _read_fingerprint(target) == fingerprint:
         return target
@@ -66,7 +75,10 @@ def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None]) 
             return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            build(tmp)
+            if announce:
+                print(f"hybridflow: {announce} into {target}", flush=True)
+            with quiet_transformers():
+                build(tmp)
             (tmp / FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
             if target.exists():  # stale: built from something else; move it aside, then drop it
                 stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))

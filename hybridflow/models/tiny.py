@@ -116,6 +116,14 @@ def tiny_config(name: str, spec: TinyModelSpec, pad_token_id: int, eos_token_id:
     return Qwen2Config(**common, tie_word_embeddings=True)
 
 
+def tiny_model_config(name: str, **overrides: int) -> PretrainedConfig:
+    """The config of tiny model `name` at the requested size, without building it (the tokenizer's special
+    tokens come first, in the order of `tiny_tokenizer.SPECIAL_TOKENS`)."""
+    special = tiny_tokenizer.SPECIAL_TOKENS
+    pad, eos = special.index(tiny_tokenizer.PAD_TOKEN), special.index(tiny_tokenizer.EOS_TOKEN)
+    return tiny_config(name, TinyModelSpec.with_overrides(**overrides), pad_token_id=pad, eos_token_id=eos)
+
+
 def build_tiny_model_dir(name: str, spec: TinyModelSpec, out_dir: Path) -> None:
     """Write tokenizer, config, generation config and seeded random weights to `out_dir`."""
     tokenizer = tiny_tokenizer.build_tiny_tokenizer(spec.vocab_size, spec.max_position_embeddings)

@@ -147,10 +147,10 @@ class Workload:
 
 
 def workload_from_config(config) -> Workload:
-    """The workload of a ``HybridFlowConfig``: its needed roles' model shapes and its batch."""
-    from transformers import AutoConfig
-
+    """The workload of a ``HybridFlowConfig``: its needed roles' model shapes (read from their configs; nothing
+    is built or loaded) and its batch."""
     from hybridflow.algorithms import get_adv_estimator
+    from hybridflow.models import model_config
     from hybridflow.trainer.roles import needed_roles
     from hybridflow.trainer.run_plan import RunPaths
 
@@ -158,7 +158,7 @@ def workload_from_config(config) -> Workload:
     arr = config.actor_rollout_ref
     roles = tuple(needed_roles(config, get_adv_estimator(config.algorithm.adv_estimator)))
     paths = RunPaths.resolve(config, roles)
-    names = {  # as the config names them (for the plan's printout), and their directories
+    names = {  # as the config names them (for the plan's printout), and where their configs are
         Role.ActorRollout: (arr.model.path, paths.actor_model),
         Role.RefPolicy: (arr.model.path, paths.actor_model),
         Role.Critic: (config.critic.model.path or arr.model.path, paths.critic_model),
@@ -168,7 +168,7 @@ def workload_from_config(config) -> Workload:
     models = {}
     for role in roles:
         name, directory = names[role]
-        models[role] = shape_from_hf(AutoConfig.from_pretrained(directory), str(name))
+        models[role] = shape_from_hf(model_config(directory), str(name))
     adapters = {}
     for role, lora in ((Role.ActorRollout, arr.model.lora), (Role.Critic, config.critic.model.lora)):
         if role in models and lora.enabled:

@@ -2,11 +2,11 @@
 
     manager = RewardManager(tokenizer, config)                # scorers chosen by data_source
     manager = RewardManager(tokenizer, config, custom_fn=fn)  # fn(data_source, solution_str, ground_truth, extra_info)
-    manager.check_scorable(dataset.rows)              # before training: every row can be scored
+    check_scorable(rows, custom_fn)                   # before training: every row can be scored
     result = manager(batch)                           # batch: a rollout DataProto
     result.token_level_scores                         # (B, R) float32, one nonzero column per row at most
 
-Before training, ``check_scorable`` makes sure that every data source has a scorer and that a
+Before training (before a model is built), ``check_scorable`` makes sure that every data source has a scorer and that a
 custom function returns a score for a real row, so a run cannot "succeed" on zero rewards.
 During training a rare failure (a scorer that raises, or returns something that is not a
 finite number or a dict with one under "score") must not end a run of many hours: that sample
@@ -101,6 +101,50 @@ def _as_score(result: Any) -> tuple[float, dict[str, Any]]:
     return float(result), extras
 
 
+def check_scorable(
+    rows: Iterable[dict[str, Any]], custom_fn: CustomRewardFn | None = None, multi_turn: bool = False
+) -> None:
+    """RewardFailure unless every row's data source has a scorer (without a custom function) and,
+    with one, it returns a score for the first row given that row's ground truth as the answer (in a
+    multi-turn run: as a one-turn conversation's answer, with the conversation facts it will get).
+    Needs no tokenizer: a run calls it before it builds a model."""
+    rows = list(rows)
+    if custom_fn is not None:
+        if rows:
+            _check_custom_fn(custom_fn, rows[0], multi_turn)
+        return
+    counts: dict[str, int] = defaultdict(int)
+    for row in rows:
+        counts[str(row[DATA_SOURCE])] += 1
+    unknown = {}
+    for source, count in counts.items():
+        try:
+            get_scorer(source)
+        except UnknownDataSourceError:
+            unknown[source] = count
+    if unknown:
+        listed = ", ".join(f"{source!r} ({count} rows)" for source, count in sorted(unknown.items()))
+        raise RewardFailure(
+            f"no reward scorer for data_source {listed}; scorers exist for {', '.join(list_scorers())}. "
+            "Register one with hybridflow.reward.register_scorer, or give custom_reward_function.path"
+        )
+
+
+def _check_custom_fn(custom_fn: CustomRewardFn, row: dict[str, Any], multi_turn: bool) -> None:
+    ground_truth = row[REWARD_MODEL]["ground_truth"]
+    extra_info = row.get(EXTRA_INFO)
+    if multi_turn:
+        extra_info = {**(extra_info or {}), **one_turn_facts(str(ground_truth))}
+    try:
+        _as_score(custom_fn(str(row[DATA_SOURCE]), str(ground_truth), ground_truth, extra_info))
+    except Exception as error:  # noqa: BLE001  (whatever it raises, the run must not start)
+        raise RewardFailure(
+            "the custom reward function (custom_reward_function.path / .name) failed on the first row, called as "
+            "fn(data_source, solution_str, ground_truth, extra_info) with the row's ground truth as the answer:\n"
+            + describe_failure(error)
+        ) from error
+
+
 class RewardManager:
     """Scores a rollout batch with rule-based scorers (or one custom function)."""
 
@@ -111,43 +155,8 @@ class RewardManager:
         self._logged_failures: set[tuple[str, str]] = set()
 
     def check_scorable(self, rows: Iterable[dict[str, Any]], multi_turn: bool = False) -> None:
-        """RewardFailure unless every row's data source has a scorer (without a custom function) and,
-        with one, it returns a score for the first row given that row's ground truth as the answer (in a
-        multi-turn run: as a one-turn conversation's answer, with the conversation facts it will get)."""
-        rows = list(rows)
-        if self.custom_fn is not None:
-            if rows:
-                self._check_custom_fn(rows[0], multi_turn)
-            return
-        counts: dict[str, int] = defaultdict(int)
-        for row in rows:
-            counts[str(row[DATA_SOURCE])] += 1
-        unknown = {}
-        for source, count in counts.items():
-            try:
-                get_scorer(source)
-            except UnknownDataSourceError:
-                unknown[source] = count
-        if unknown:
-            listed = ", ".join(f"{source!r} ({count} rows)" for source, count in sorted(unknown.items()))
-            raise RewardFailure(
-                f"no reward scorer for data_source {listed}; scorers exist for {', '.join(list_scorers())}. "
-                "Register one with hybridflow.reward.register_scorer, or give custom_reward_function.path"
-            )
-
-    def _check_custom_fn(self, row: dict[str, Any], multi_turn: bool) -> None:
-        ground_truth = row[REWARD_MODEL]["ground_truth"]
-        extra_info = row.get(EXTRA_INFO)
-        if multi_turn:
-            extra_info = {**(extra_info or {}), **one_turn_facts(str(ground_truth))}
-        try:
-            _as_score(self.custom_fn(str(row[DATA_SOURCE]), str(ground_truth), ground_truth, extra_info))
-        except Exception as error:  # noqa: BLE001  (whatever it raises, the run must not start)
-            raise RewardFailure(
-                "the custom reward function (custom_reward_function.path / .name) failed on the first row, called as "
-                "fn(data_source, solution_str, ground_truth, extra_info) with the row's ground truth as the answer:\n"
-                + describe_failure(error)
-            ) from error
+        """``check_scorable`` with this manager's custom function."""
+        check_scorable(rows, self.custom_fn, multi_turn)
 
     def __call__(self, data: DataProto) -> RewardResult:
         responses = data.batch[RESPONSES]  # (B, R)

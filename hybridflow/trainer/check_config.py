@@ -6,7 +6,8 @@ the group size) or the world outside the config (files, installed packages, a vi
 machine's cores). ``check_config`` returns the run plan (run_plan.py), which it builds on the way:
 what cannot be derived (a model that is not there, a placement or a layout that does not fit) fails
 there, and the checks after it read the plan. A rollout backend's own checks are its descriptor's
-(rollout/backend.py). The checkpoint to resume is verified once, by ``run_dir.prepare_run_dir``.
+(rollout/backend.py). The checkpoint to resume is verified once, by ``run_dir.check_run_dir``. Nothing here
+builds or loads a model: a model's shape comes from its config (a built-in's from its spec or its file's header).
 """
 
 from __future__ import annotations

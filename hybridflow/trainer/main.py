@@ -12,8 +12,10 @@ from rich.console import Console
 
 from hybridflow.controller import Role, RoleSpec, ray_session
 from hybridflow.data import PromptDataLoader, RLHFDataset
+from hybridflow.data.dataset import read_prompt_rows
 from hybridflow.models import load_tokenizer
-from hybridflow.reward import RewardManager, load_custom_reward_fn
+from hybridflow.reward import RewardManager, check_scorable, load_custom_reward_fn
+from hybridflow.reward.manager import CustomRewardFn
 from hybridflow.tools import load_tools
 from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
 from hybridflow.trainer.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
@@ -23,7 +25,7 @@ from hybridflow.trainer.one_step_off import OneStepOffTrainer
 from hybridflow.trainer.placement import build_groups
 from hybridflow.trainer.ppo_trainer import RayPPOTrainer
 from hybridflow.trainer.roles import RoleGroups
-from hybridflow.trainer.run_dir import prepare_run_dir
+from hybridflow.trainer.run_dir import check_run_dir
 from hybridflow.trainer.run_plan import RunPlan, total_training_steps
 from hybridflow.trainer.tracking import Tracking
 from hybridflow.validation import run_command, split_debug_flag
@@ -92,9 +94,25 @@ def build_role_groups(config: HybridFlowConfig, plan: RunPlan, total_steps: int)
     return build_groups(config, plan.placement, role_specs(config, plan, total_steps))
 
 
+def check_rows(config: HybridFlowConfig, custom_fn: CustomRewardFn | None) -> None:
+    """The data's rows, before any model is built: each has its columns, a scorer for its data source (or the
+    custom reward function scores the first), and names agent loops that exist."""
+    data = config.data
+    rows = read_prompt_rows(data.train_files, data)[0]
+    if data.val_files:
+        rows += read_prompt_rows(data.val_files, data, key="data.val_files")[0]
+    check_scorable(rows, custom_fn, multi_turn=config.actor_rollout_ref.rollout.multi_turn.enable)
+    check_agent_names(config, rows)
+
+
 def run(config: HybridFlowConfig) -> dict[str, float]:
     console = Console()
-    plan = check_config(config)
+    plan = check_config(config)  # the config and the models' shapes: nothing is built or loaded yet
+    run_dir = check_run_dir(config, plan)  # a checkpoint to resume verified, another run's refused
+    custom = config.custom_reward_function
+    custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
+    check_rows(config, custom_fn)
+    plan = plan.with_models()  # built-in models into the cache (the first time: a conversion)
     tokenizer = load_tokenizer(plan.paths.actor_model)
     data = config.data
     tool_schemas = run_tool_schemas(config, plan)
@@ -108,20 +126,15 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         val_loader = PromptDataLoader(
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
-    custom = config.custom_reward_function
-    reward_fn = RewardManager(
-        tokenizer, config.reward, load_custom_reward_fn(custom.path, custom.name) if custom.path else None
-    )
-    all_rows = [*train_dataset.rows, *(val_loader.dataset.rows if val_loader else [])]
-    reward_fn.check_scorable(all_rows, multi_turn=config.actor_rollout_ref.rollout.multi_turn.enable)
-    check_agent_names(config, all_rows)
+    reward_fn = RewardManager(tokenizer, config.reward, custom_fn)
     total_steps = total_training_steps(config.trainer, steps_per_epoch=len(train_loader))
-    checkpoint = prepare_run_dir(config, plan)
+    checkpoint = run_dir.prepare()  # every check passed: the run directory changes from here on
     placement = plan.placement
     pools = ", ".join(f"{name} {sum(nodes)}" for name, nodes in placement.pools.items())
     console.print(
         f"[bold]hybridflow[/]: {config.algorithm.adv_estimator} for {total_steps} steps on {placement.processes} "
-        f"workers ({config.trainer.placement}: {pools}); run dir {plan.paths.run_dir}"
+        f"workers ({config.trainer.placement}: {pools}); run dir {plan.paths.run_dir}",
+        soft_wrap=True,  # one line, the path whole, whatever the console's width
     )
 
     joined = config.trainer.ray_address

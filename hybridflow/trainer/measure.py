@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.data import RLHFDataset
     from hybridflow.data.io import write_rows
     from hybridflow.data.tasks import TASKS, make_task_rows
-    from hybridflow.models import load_causal_lm, load_tokenizer
+    from hybridflow.models import load_causal_lm, load_tokenizer, model_config
     from hybridflow.reward import RewardManager
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.rollout.build import build_rollout
@@ -46,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--show", type=int, default=5, help="print this many responses")
     args = parser.parse_args(argv)
+    for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    model_fix = "a built-in name (smollm2-135m-instruct, tiny-llama) or a model folder"
 
     start = time.time()
     config = default_config()
@@ -54,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     if multi_turn and not args.tools:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
     tools = load_tools(args.tools) if multi_turn else None
-    with reading_file(
-        args.model, key="--model", fix="a built-in name (smollm2-135m-instruct, tiny-llama) or a model folder"
-    ):
+    with reading_file(args.model, key="--model", fix=model_fix):
+        model_config(args.model)  # there, before a built-in is built or anything loads
+    with reading_file(args.model, key="--model", fix=model_fix):
         tokenizer = load_tokenizer(args.model)
         model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).eval()
     with tempfile.TemporaryDirectory() as tmp:

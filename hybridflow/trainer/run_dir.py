@@ -3,13 +3,16 @@ already holds, and with metrics that will not repeat steps.
 
 Everything here happens before Ray starts, and nothing in the directory is written or deleted until the
 checks pass (the checkpoint to resume verified, the saved config compatible): a run directory written by
-another model or data refuses to resume, with its old ``config.yaml`` and interrupted saves untouched.
+another model or data refuses to resume, with its old ``config.yaml`` and interrupted saves untouched. The
+checks (``check_run_dir``) come before a run builds its models; the changes (``CheckedRunDir.prepare``)
+once every other check has passed.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -95,9 +98,32 @@ def _check_writable(run_dir: Path) -> None:
         ) from None
 
 
-def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
-    """An RL run's ``prepare_run_directory``: its checkpoints fit if the state keys and the critic match."""
-    return prepare_run_directory(
+@dataclass(frozen=True)
+class CheckedRunDir:
+    """A run directory that passed its checks (``check_run_directory``), not yet changed."""
+
+    run_dir: Path
+    checkpoints: CheckpointManager
+    checkpoint: Path | None  # the verified checkpoint to resume, or None: a fresh run
+    config_yaml: str  # what the run writes as its config.yaml
+
+    def prepare(self) -> Path | None:
+        """Tidy the directory and write the config; returns the checkpoint to resume from (or None). Call it once
+        the run's other checks have passed too: from here on the directory changes."""
+        try:
+            _tidy(self.run_dir, self.checkpoints, self.checkpoint)
+            (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
+        except OSError as error:
+            where = error.filename or self.run_dir
+            raise ConfigError(
+                "trainer.default_local_dir", f"cannot update {where}: {error.strerror or error}"
+            ) from None
+        return self.checkpoint
+
+
+def check_run_dir(config: HybridFlowConfig, plan: RunPlan) -> CheckedRunDir:
+    """An RL run's ``check_run_directory``: its checkpoints fit if the state keys and the critic match."""
+    return check_run_directory(
         plan.paths.run_dir,
         config.trainer,
         to_yaml(config),
@@ -105,18 +131,23 @@ def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
     )
 
 
-def prepare_run_directory(
+def prepare_run_dir(config: HybridFlowConfig, plan: RunPlan) -> Path | None:
+    """``check_run_dir``, then ``prepare``: the checkpoint to resume from (or None)."""
+    return check_run_dir(config, plan).prepare()
+
+
+def check_run_directory(
     run_dir: Path,
     trainer: RunConfig,
     config_yaml: str,
     incompatible: Callable[[Path, Path], list[str]],
-) -> Path | None:
-    """Check and tidy the run directory, write the config; returns the checkpoint to resume from (or None).
+) -> CheckedRunDir:
+    """Check the run directory without changing it (no model needed: a run does this before it builds one).
     ``incompatible(saved config, checkpoint)``: what makes the directory's checkpoints unfit for this config.
 
     ConfigError (naming ``trainer.resume_mode`` or ``trainer.default_local_dir``) when the checkpoint to
     resume is damaged, or the directory holds a run whose checkpoints do not fit this config, or it cannot
-    be written; in each case before anything in it changes."""
+    be written."""
     checkpoints = CheckpointManager(run_dir, trainer.max_ckpt_to_keep)
     try:
         checkpoint = checkpoints.resume_from(trainer.resume_mode)  # verified once, here, before any worker
@@ -134,15 +165,7 @@ def prepare_run_directory(
                 "start over here",
             )
     _check_writable(run_dir)
-    # the checks passed: from here on the directory changes
-    try:
-        _tidy(run_dir, checkpoints, checkpoint)
-        saved_config.write_text(config_yaml)
-    except OSError as error:
-        raise ConfigError(
-            "trainer.default_local_dir", f"cannot update {error.filename or run_dir}: {error.strerror or error}"
-        ) from None
-    return checkpoint
+    return CheckedRunDir(run_dir=run_dir, checkpoints=checkpoints, checkpoint=checkpoint, config_yaml=config_yaml)
 
 
 def _tidy(run_dir: Path, checkpoints: CheckpointManager, checkpoint: Path | None) -> None:

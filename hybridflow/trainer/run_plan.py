@@ -1,28 +1,32 @@
 """The run plan: what a run derives from its config, derived once and read by everything after.
 
 The loaded config is what the user wrote and is never changed. What follows from it (the files it
-names as absolute paths and model directories, the advantage estimator, the roles the run needs,
-their pools, each role's parallel layout, whether the actor update supplies its own old log-probs)
-is computed here, once, by ``make_run_plan``, into a frozen ``RunPlan``: ``check_config`` builds it while
-checking (a placement or layout that cannot work is a ConfigError naming its key), and the driver,
-the placement, the run directory and the worker groups read it instead of deriving anything again.
+names as absolute paths, the advantage estimator, the roles the run needs, their pools, each role's
+parallel layout, whether the actor update supplies its own old log-probs) is computed here, once, by
+``make_run_plan``, into a frozen ``RunPlan``: ``check_config`` builds it while checking (a placement or
+layout that cannot work is a ConfigError naming its key), and the driver, the placement, the run directory
+and the worker groups read it instead of deriving anything again. Making the plan reads the models'
+configs (a built-in's from its spec or its file's header) and builds nothing: ``RunPlan.with_models()``
+builds the built-in models into their cached directories, once the run has passed every check.
 The number of steps is the one thing that also depends on the data: ``total_training_steps``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
 from hybridflow.algorithms import get_adv_estimator
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import list_builtin_models, resolve_model_path
+from hybridflow.models import model_config as read_model_config
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.trainer.config import ConfigError, HybridFlowConfig, TrainerConfig
@@ -32,23 +36,40 @@ from hybridflow.trainer.roles import needed_roles
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
 
+def _missing_model(path: str, key: str, error: FileNotFoundError) -> ConfigError:
+    if path in list_builtin_models():  # a built-in whose source is not installed: the error says how to
+        return ConfigError(key, str(error))
+    return ConfigError(
+        key,
+        f"'{path}' is neither a built-in model nor a Hugging Face model directory (with config.json)",
+        f"use one of {sorted(list_builtin_models())} or a local directory; nothing is downloaded at run time",
+    )
+
+
+def model_dir_or_name(path: str, key: str) -> str:
+    """A built-in name as it is, a local Hugging Face directory as an absolute path (workers may run elsewhere);
+    ConfigError naming ``key`` when it is neither. Nothing is built or loaded: the model's config is read."""
+    try:
+        read_model_config(path)
+    except FileNotFoundError as error:
+        raise _missing_model(path, key, error) from None
+    return path if path in list_builtin_models() else str(Path(path).expanduser().resolve())
+
+
 def resolve_model_dir(path: str, key: str) -> str:
     """The model directory of a built-in name (built on first use) or a local Hugging Face directory."""
     try:
         return str(resolve_model_path(path))
-    except FileNotFoundError:
-        raise ConfigError(
-            key,
-            f"'{path}' is neither a built-in model nor a Hugging Face model directory (with config.json)",
-            f"use one of {sorted(list_builtin_models())} or a local directory; nothing is downloaded at run time",
-        ) from None
+    except FileNotFoundError as error:
+        raise _missing_model(path, key, error) from None
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunPaths:
-    """The files a run reads, as its workers must see them (absolute, whatever their working directory)."""
+    """The files a run reads, as its workers must see them (absolute, whatever their working directory). A
+    built-in model is named until ``with_models()`` builds it: then it is its cached directory."""
 
-    actor_model: str  # the policy's model directory (a built-in name becomes its cached directory)
+    actor_model: str  # the policy's model
     critic_model: str  # the critic's: critic.model.path, or the policy's when that is ""
     reward_model: str  # the reward model's ("" without one)
     tool_config: str  # the multi-turn tools file ("" without one)
@@ -59,13 +80,13 @@ class RunPaths:
     def resolve(cls, config: HybridFlowConfig, roles: tuple[Role, ...]) -> RunPaths:
         """The paths of ``config`` for a run of ``roles``; ConfigError for a model that is not there."""
         arr, multi_turn = config.actor_rollout_ref, config.actor_rollout_ref.rollout.multi_turn
-        actor = resolve_model_dir(arr.model.path, "actor_rollout_ref.model.path")
+        actor = model_dir_or_name(arr.model.path, "actor_rollout_ref.model.path")
         critic = config.critic.model.path if Role.Critic in roles else ""
         file, sep, name = multi_turn.default_agent.rpartition(":")
         return cls(
             actor_model=actor,
-            critic_model=resolve_model_dir(critic, "critic.model.path") if critic else actor,
-            reward_model=resolve_model_dir(config.reward_model.model.path, "reward_model.model.path")
+            critic_model=model_dir_or_name(critic, "critic.model.path") if critic else actor,
+            reward_model=model_dir_or_name(config.reward_model.model.path, "reward_model.model.path")
             if Role.RewardModel in roles
             else "",
             tool_config=str(Path(multi_turn.tool_config_path).resolve()) if multi_turn.tool_config_path else "",
@@ -74,6 +95,16 @@ class RunPaths:
             ),
             run_dir=Path(config.trainer.default_local_dir),
         )
+
+    def with_models(self) -> RunPaths:
+        """The same paths with each built-in model built into its cached directory (the first time: a
+        conversion, seconds to minutes)."""
+        keys = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
+        built = {
+            field: resolve_model_dir(getattr(self, field), key) if getattr(self, field) else ""
+            for field, key in zip(("actor_model", "critic_model", "reward_model"), keys)
+        }
+        return dataclasses.replace(self, **built)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +118,10 @@ class RunPlan:
 
     def needs(self, role: Role) -> bool:
         return role in self.roles
+
+    def with_models(self) -> RunPlan:
+        """The plan with its built-in models built (``RunPaths.with_models``): after every check has passed."""
+        return dataclasses.replace(self, paths=self.paths.with_models())
 
     @property
     def actor_layout(self) -> LayoutShape:
@@ -112,8 +147,8 @@ def on_policy_update(config: HybridFlowConfig) -> bool:
 
 
 def model_config(path: str) -> PretrainedConfig:
-    """The Hugging Face config of the model directory ``path``."""
-    return AutoConfig.from_pretrained(path)
+    """The Hugging Face config of the model ``path`` (a built-in name or a directory), nothing built."""
+    return read_model_config(path)
 
 
 def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
@@ -217,7 +252,7 @@ def role_layouts(
 
 def make_run_plan(config: HybridFlowConfig) -> RunPlan:
     """The run's plan; ConfigError (naming the key) when a model is not there, or the placement or a layout
-    cannot work. Builds built-in models into their cached directories on first use."""
+    cannot work. Reads the models' configs and builds nothing (``RunPlan.with_models``)."""
     estimator = get_adv_estimator(config.algorithm.adv_estimator)
     roles = tuple(needed_roles(config, estimator))
     paths = RunPaths.resolve(config, roles)

@@ -31,8 +31,13 @@ from hybridflow.trainer.check_config import (
 from hybridflow.trainer.config import ConfigError, config_sections, to_yaml
 from hybridflow.trainer.config_help import config_command_args
 from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_dir import changed_keys, prepare_run_directory
-from hybridflow.trainer.run_plan import check_splits_evenly, resolve_model_dir, total_training_steps
+from hybridflow.trainer.run_dir import changed_keys, check_run_directory
+from hybridflow.trainer.run_plan import (
+    check_splits_evenly,
+    model_dir_or_name,
+    resolve_model_dir,
+    total_training_steps,
+)
 from hybridflow.trainer.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
 from hybridflow.trainer.sft_trainer import SFTTrainer
 from hybridflow.trainer.tracking import Tracking, check_loggers
@@ -54,20 +59,25 @@ STATE_KEYS = (
 
 @dataclass(frozen=True)
 class SFTPlan:
-    """What an SFT run derives from its config, once: the model directory, the layout, the pool."""
+    """What an SFT run derives from its config, once: the model, the layout, the pool."""
 
-    model_path: str
+    model_path: str  # a built-in name until with_model() builds it, or an absolute local directory
     layout: LayoutShape
     placement: Placement
     run_dir: Path
 
+    def with_model(self) -> SFTPlan:
+        """The plan with a built-in model built into its cached directory: after every check has passed."""
+        return dataclasses.replace(self, model_path=resolve_model_dir(self.model_path, "model.path"))
+
 
 def check_sft_config(config: SFTConfig) -> SFTPlan:
-    """ConfigError naming the first problem; the run's plan when the config can run."""
+    """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's
+    config and builds nothing."""
     data, engine, trainer = config.data, config.engine, config.trainer
     check_files(data.train_files, "data.train_files", required=True)
     check_files(data.val_files, "data.val_files", required=False)
-    model_path = resolve_model_dir(config.model.path, "model.path")
+    model_path = model_dir_or_name(config.model.path, "model.path")
     world, t = trainer.world_size, engine.tensor_model_parallel_size
     if world % t:
         raise ConfigError(
@@ -107,6 +117,11 @@ def generation_eos(model_path: str) -> int | list[int] | None:
 def run(config: SFTConfig) -> dict[str, float]:
     plan = check_sft_config(config)
     data, trainer = config.data, config.trainer
+    config_yaml = to_yaml(config)
+    run_dir = check_run_directory(
+        plan.run_dir, trainer, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, STATE_KEYS)
+    )
+    plan = plan.with_model()  # the model into the cache (the first time: a conversion) once the checks passed
     tokenizer = load_tokenizer(plan.model_path)
     eos = generation_eos(plan.model_path)
     train_dataset = SFTDataset(data.train_files, tokenizer, data, generation_eos=eos)
@@ -118,10 +133,7 @@ def run(config: SFTConfig) -> dict[str, float]:
             val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
         )
     total_steps = total_training_steps(trainer, steps_per_epoch=len(train_loader))
-    config_yaml = to_yaml(config)
-    checkpoint = prepare_run_directory(
-        plan.run_dir, trainer, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, STATE_KEYS)
-    )
+    checkpoint = run_dir.prepare()
     print(
         f"hybridflow: sft for {total_steps} steps ({len(train_dataset)} samples, {train_dataset.trained_tokens()} "
         f"trained tokens) on {trainer.world_size} workers; run dir {plan.run_dir}"

@@ -1,9 +1,12 @@
-"""The FSDP2 actor over 2 Ray ranks against the same model unsharded in this process."""
+"""The FSDP2 actor over 2 Ray ranks against the same model unsharded in this process, and against itself on 1 rank."""
 
+import pytest
 import torch
 
+from hybridflow.algorithms.aggregation import AGG_MODES
 from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
 from hybridflow.controller import RayResourcePool, RayWorkerGroup
+from hybridflow.lengths import row_lengths
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 
@@ -62,3 +65,56 @@ def test_sharded_log_probs_and_one_update_match_the_unsharded_model(
             step_expected = reference[name].detach() - initial[name]
             assert step_expected.abs().max() > 0, name
             assert torch.allclose(step_taken, step_expected, rtol=1e-3, atol=1e-8), name
+
+
+def _update_on(ranks: int, config, batch: DataProto, actor_worker_factory) -> tuple[dict, dict]:
+    """One update_actor call of a fresh actor on ``ranks`` data-parallel ranks: its metrics and trained weights."""
+    pool = RayResourcePool([ranks])
+    group = RayWorkerGroup(pool, actor_worker_factory(config, ranks))
+    try:
+        metrics = group.update_actor(batch.select(deepcopy=True)).meta_info[METRICS]
+        return metrics, group.full_state_dict()[0]
+    finally:
+        pool.release()
+
+
+@pytest.mark.parametrize(
+    "agg, batching",
+    [(agg, "padded") for agg in AGG_MODES] + [("token-mean", "packed"), ("seq-mean-token-mean", "packed")],
+)
+def test_the_same_samples_on_one_or_two_ranks_give_the_same_loss_gradient_norm_and_weights(
+    local_ray, tiny_path, rollout_batch, actor_config_factory, actor_worker_factory, agg, batching
+):
+    """How the rows of a mini-batch split over data-parallel ranks is not the update's business: 6 rows on one rank
+    (micro-batches of 2, or of at most a token budget) and 3 on each of two (other micro-batches, other sums) give
+    the same loss, gradient norm and weights, in every loss aggregation, over two epochs of shuffled micro-batches."""
+    extra = [
+        f"actor_rollout_ref.actor.loss_agg_mode={agg}",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.shuffle=true",
+    ]
+    if batching == "padded":
+        extra.append("actor_rollout_ref.actor.use_remove_padding=false")
+    else:  # packed rows in micro-batches of at most this many tokens: groups of one or two rows of mixed lengths
+        budget = max(row_lengths(rollout_batch)) + min(row_lengths(rollout_batch))
+        extra += [
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={budget}",
+        ]
+    config = actor_config_factory(tiny_path, LR, *extra)
+    batch = rollout_batch.select(deepcopy=True)
+    with torch.no_grad():
+        batch.batch[OLD_LOG_PROBS] = reference_log_probs(load_causal_lm(tiny_path, dtype=torch.float32), batch)
+
+    one, one_weights = _update_on(1, config, batch, actor_worker_factory)
+    two, two_weights = _update_on(2, config, batch, actor_worker_factory)
+    assert one["actor/grad_norm"] > 0 and one["actor/pg_loss"] != 0
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/pg_clipfrac", "actor/ppo_kl"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5, abs=1e-7), key
+    initial = dict(load_causal_lm(tiny_path).named_parameters())
+    for name, tensor in one_weights.items():
+        if name not in initial:  # a buffer (RoPE's frequencies)
+            continue
+        step_one, step_two = tensor - initial[name], two_weights[name] - initial[name]
+        assert step_one.abs().max() > 0, name
+        assert torch.allclose(step_two, step_one, rtol=1e-4, atol=1e-8), name

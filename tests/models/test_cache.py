@@ -2,6 +2,7 @@
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +19,36 @@ def writer(calls: list, text: str, delay: float = 0.0):
     return build
 
 
-def test_cache_root_follows_the_environment(model_cache, monkeypatch):
+def test_cache_root_follows_the_environment(model_cache, monkeypatch, tmp_path):
     assert cache_root() == model_cache
     assert model_cache_dir("x") == model_cache / "models" / "x"
     monkeypatch.delenv("HYBRIDFLOW_CACHE")
-    assert cache_root().parts[-2:] == (".cache", "hybridflow")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the user's cache directory
+    assert cache_root() == tmp_path / "hybridflow"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_root() == Path.home() / ".cache" / "hybridflow"
+
+
+def test_a_build_says_what_it_does_and_no_library_draws_a_bar(capsys):
+    """transformers' bars are on here (as in a user's own script): the build keeps them off while it runs and
+    prints its own line, then leaves them as they were."""
+    from transformers.utils import logging as transformers_logging
+
+    from hybridflow.models import resolve_model_path
+
+    was_on = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.enable_progress_bar()
+    try:
+        capsys.readouterr()
+        materialise(model_cache_dir("announced"), {"v": 1}, writer([], "a"), announce="building the test model")
+        resolve_model_path("tiny-llama", hidden_size=16)  # a real build: transformers saves a model
+        out, err = capsys.readouterr()
+        assert out == f"hybridflow: building the test model into {model_cache_dir('announced')}\n"
+        assert err == ""  # no "Writing model shards: 100%|..."
+        assert transformers_logging.is_progress_bar_enabled()
+    finally:
+        if not was_on:
+            transformers_logging.disable_progress_bar()
 
 
 def test_builds_once():

@@ -132,3 +132,31 @@ def test_second_resolve_uses_the_cache(converted, monkeypatch):
     model = load_causal_lm(NAME)
     assert model.config.num_hidden_layers == 30
     print(f"\ncached smollm2 resolve + load took {time.perf_counter() - start:.2f} s")
+
+
+def test_the_header_gives_the_converted_config_without_converting(converted, tmp_path, monkeypatch):
+    """The config checks read the model's shape from the GGUF file's header, with nothing built: the same config
+    as the converted directory's, and the same metadata and tensor names as the gguf package's own reader."""
+    from gguf import GGUFReader
+
+    from hybridflow.models import model_config
+    from hybridflow.models.gguf_header import read_gguf_header
+
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path))  # an empty cache: nothing may appear in it
+    from_header = model_config(NAME).to_dict()
+    assert list(tmp_path.iterdir()) == []
+    saved = AutoConfig.from_pretrained(converted).to_dict()
+    differing = {key for key in saved.keys() | from_header.keys() if saved.get(key) != from_header.get(key)}
+    # what the conversion adds: the pad token it chooses, the dtype it saves in, names and versions
+    assert differing <= {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "pad_token_id"}
+    assert {"hidden_size", "num_key_value_heads", "rope_parameters", "tie_word_embeddings"} <= from_header.keys()
+
+    path = smollm2.find_gguf()
+    header, reader = read_gguf_header(path), GGUFReader(path)
+    assert header.tensor_names == tuple(tensor.name for tensor in reader.tensors)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # the reader's own entries (version, counts), not metadata
+            continue
+        theirs = field.contents()
+        ours = header.metadata[key]
+        assert ours == (len(theirs) if isinstance(theirs, list) and len(theirs) > 64 else theirs), key

@@ -167,3 +167,20 @@ def test_cached_model_is_reused_not_rebuilt():
 def test_bad_overrides_are_rejected(overrides, message):
     with pytest.raises(ValueError, match=message):
         resolve_model_path("tiny-llama", **overrides)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_the_config_without_building_is_the_built_directory_s(name, tmp_path, monkeypatch):
+    """model_config reads a tiny model's config from its spec (the checks before a run use it), building nothing."""
+    from transformers import AutoConfig
+
+    from hybridflow.models import model_config
+
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "empty"))
+    unbuilt = model_config(name).to_dict()
+    assert not (tmp_path / "empty").exists()
+    monkeypatch.undo()
+    built = AutoConfig.from_pretrained(resolve_model_path(name)).to_dict()
+    differing = {key for key in built.keys() | unbuilt.keys() if built.get(key) != unbuilt.get(key)}
+    assert differing <= {"_name_or_path", "architectures", "dtype"}  # what saving a model adds
+    assert (unbuilt["pad_token_id"], unbuilt["eos_token_id"]) == (0, 2)

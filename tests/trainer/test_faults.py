@@ -7,10 +7,11 @@ import time
 
 import pytest
 import ray
+from cache_helpers import built_models
 
 from hybridflow.cli import main as cli
 
-# checks that nothing started Ray: the shared cluster (tests/conftest.py) is not running
+# checks that nothing started Ray (the shared cluster of tests/conftest.py is not running) and that no model is built
 pytestmark = pytest.mark.usefixtures("no_ray")
 
 
@@ -38,8 +39,17 @@ def base(files, run_dir) -> list[str]:
     ]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_machine(empty_model_cache):
+    """Each command here starts with an empty model cache, as on a fresh machine, and must leave it empty: its
+    error comes before any model is converted."""
+    yield
+    assert built_models(empty_model_cache) == []
+
+
 def fails_before_ray(args: list[str], capsys) -> str:
-    """Runs ``hybridflow train`` in this process; it must exit with 2 before Ray starts, within 10 s."""
+    """Runs ``hybridflow train`` in this process; it must exit with 2 before Ray starts and before a model is
+    built, within 10 s, printing only its error."""
     start = time.perf_counter()
     code = cli(["train", *args])
     elapsed = time.perf_counter() - start
@@ -47,7 +57,7 @@ def fails_before_ray(args: list[str], capsys) -> str:
     assert code == 2, err
     assert not ray.is_initialized()
     assert elapsed < 10, elapsed
-    assert err.startswith("hybridflow: error: ") and "Traceback" not in err
+    assert err.startswith("hybridflow: error: ") and "Traceback" not in err, err
     return err
 
 

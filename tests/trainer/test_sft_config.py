@@ -1,7 +1,9 @@
-"""``hybridflow sft``'s config errors come before Ray starts, naming the key, and write nothing."""
+"""``hybridflow sft``'s config errors come before Ray starts and before a model is built, naming the key, and write
+nothing."""
 
 import pytest
 import ray
+from cache_helpers import built_models
 from test_sft_e2e import arguments, conversation_files
 
 from hybridflow.trainer.sft_config import load_sft_config
@@ -25,7 +27,7 @@ def files(tmp_path_factory):
         ("model.path=/nonexistent", "model.path"),
     ],
 )
-def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, override, key):
+def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, empty_model_cache, override, key):
     args = [*arguments(files, tmp_path / "run"), override]
     if key is None:
         args += ["model.lora.target_modules=[no_such_proj]"]
@@ -34,3 +36,4 @@ def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, override,
         run(load_sft_config(args))
     assert not ray.is_initialized()
     assert not (tmp_path / "run").exists()  # nothing written
+    assert built_models(empty_model_cache) == []  # and no model built

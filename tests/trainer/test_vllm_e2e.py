@@ -2,6 +2,7 @@
 
 import json
 
+from test_console_output import FOREIGN
 from test_train_e2e import DIGITS_REWARD
 
 from hybridflow.models import resolve_model_path
@@ -12,9 +13,10 @@ from hybridflow.trainer.main import run
 TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
 
 
-def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
+def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path, capfd):
     """The native backend's learning test (test_train_e2e.py) with rollout.name=vllm: a random tiny model
-    rarely writes digits; rewarded for them, it learns to, with vLLM's samples and log-probs."""
+    rarely writes digits; rewarded for them, it learns to, with vLLM's samples and log-probs. vLLM's start-up
+    chatter in each worker (its settings, its advice, torch's notices) stays off the console."""
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
     train, _ = arithmetic_files
@@ -37,7 +39,10 @@ def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_p
             f"custom_reward_function.path={reward_file}",
         ]
     )
+    capfd.readouterr()
     run(config)
+    output = "".join(capfd.readouterr())  # the workers' lines reach this process through Ray's log monitor
+    assert FOREIGN.findall(output) == [], output
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     scores = [r["critic/score/mean"] for r in records]
     assert len(scores) == 10
