@@ -49,6 +49,19 @@ def pytest_configure(config):
     os.environ["RAY_TMPDIR"] = str(suite)  # Ray's session files under suite/ray (its socket paths stay short)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _the_session_s_environment():
+    """Each test module leaves the environment as it found it. Code a module runs in this process may set variables
+    that outlive it: vLLM started in-process sets a score (shared-memory buffer names, its local world size and log
+    level, the address of a tensor torch's compiler hands its kernels), and a Ray cluster or a command this process
+    starts later inherits them (vLLM's workers in test_vllm_e2e.py logged at another engine's level after
+    tests/rollout/vllm/ had run in the same test process)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture
 def empty_model_cache(tmp_path, monkeypatch) -> Path:
     """An empty model cache for this test (``HYBRIDFLOW_CACHE``), as on a fresh machine: a test that must build no

@@ -3,14 +3,24 @@
 On CUDA (and other platforms with vLLM's sleep mode) this is vLLM's own `sleep(level=1)` /
 `wake_up()`: the cache is discarded and the weights wait in CPU memory. vLLM's CPU backend has no
 sleep mode, so there the storage behind every KV-cache tensor is shrunk to nothing and grown back
-to its size before the next generation (the tensors, and vLLM's references to them, stay valid;
-vLLM zeroes the blocks it hands out, so the old contents are not needed). Cached prompt prefixes
-are dropped on release, since their keys and values are gone.
+to its size before the next generation (the tensors, and vLLM's references to them, stay valid), and
+zeroed, as vLLM made it: grown storage holds whatever the allocator's memory held last (the trainer's
+activations and gradients), and vLLM's CPU attention reads a block's unwritten slots with weight 0,
+which gives NaN where the garbage is NaN or infinite (whole samples with NaN log-probs, seen in
+tests/trainer/test_vllm_e2e.py). Cached prompt prefixes are dropped on release, since their keys and
+values are gone.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def regrow_zeroed(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Grow a released storage back to ``nbytes``, zeroed as when vLLM allocated it (grown memory holds what the
+    allocator last held there: in a worker, the trainer's tensors)."""
+    storage.resize_(nbytes)
+    torch.empty(0, dtype=torch.uint8).set_(storage).zero_()
 
 
 def _kv_cache_tensors(worker) -> list[torch.Tensor]:
@@ -67,5 +77,5 @@ class CacheMemory:
             self.llm.wake_up()
         else:
             for storage, size in zip(self.storages, self.sizes):
-                storage.resize_(size)
+                regrow_zeroed(storage, size)
         self.released = False

@@ -35,9 +35,9 @@ from hybridflow.rollout.vllm.kv_cache import CacheMemory
 from hybridflow.rollout.vllm.requests import VllmRequestEngine
 from hybridflow.rollout.vllm.sampling import vllm_sampling
 
-# Set before vLLM starts: the engine core in this process, and its log at warnings (the engine logs
-# a page per start otherwise). A value already in the environment wins.
-ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+# Set before vLLM starts: the engine core in this process. A value already in the environment wins. (Its log
+# level is library_output's: errors only, everything with --debug.)
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 ROTARY_BUFFERS = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # HF buffers vLLM has no place for
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
