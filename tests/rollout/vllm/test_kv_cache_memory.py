@@ -18,14 +18,18 @@ import json
 import torch
 from hybridflow.rollout.vllm.kv_cache import regrow_zeroed
 
-def grown_back(grow):
+def grown_back(grow, steps=4):
     cache = torch.zeros(64 * 2**20, dtype=torch.bfloat16)  # 128 MB, a small KV cache
     storage, nbytes = cache.untyped_storage(), cache.untyped_storage().nbytes()
-    storage.resize_(0)  # released for the update
-    update = [torch.full((64 * 2**20,), float("nan"), dtype=torch.bfloat16) for _ in range(4)]  # its tensors, freed
-    del update
-    grow(storage, nbytes)
-    return [int(cache.isnan().sum()), int(cache.count_nonzero())]
+    nans = nonzero = 0
+    for _ in range(steps):  # released for an update that uses the memory, grown back, written by generation
+        storage.resize_(0)
+        update = [torch.full((n * 2**20,), float("nan"), dtype=torch.bfloat16) for n in (32, 64, 96, 64, 128)]
+        del update
+        grow(storage, nbytes)
+        nans, nonzero = nans + int(cache.isnan().sum()), nonzero + int(cache.count_nonzero())
+        cache.fill_(1.0)
+    return [nans, nonzero]
 
 print(json.dumps([grown_back(lambda storage, nbytes: storage.resize_(nbytes)), grown_back(regrow_zeroed)]))
 """
@@ -35,6 +39,6 @@ def test_the_kv_cache_grows_back_zeroed_where_the_update_left_nan():
     env = {**os.environ, **ALLOCATOR_ENV}  # a worker's: freed memory kept for reuse
     done = subprocess.run([sys.executable, "-c", GROW_BACK], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
-    (plain_nans, _), zeroed = json.loads(done.stdout)  # (NaN elements, non-zero elements) of each cache
+    (plain_nans, _), zeroed = json.loads(done.stdout)  # (NaN elements, non-zero elements) over four regrows
     assert plain_nans > 0  # a plain regrow in a worker: the update's NaN
     assert zeroed == [0, 0]
