@@ -38,7 +38,7 @@ $(DEMO_DATA)/train.parquet: | $(STAMP)
 	$(PY) -m hybridflow.data.tasks arithmetic --out $(DEMO_DATA) --train 2000 --test 100 --seed 0
 
 demo: $(STAMP) $(DEMO_DATA)/train.parquet
-	$(PY) -m hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml
+	$(PY) -m hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml
 
 # ruff (pinned in pyproject.toml's test extra) first: a lint or format error fails the test command; then the
 # layer rules (import-linter's contracts in pyproject.toml) and the default YAML's comments (made from the
@@ -47,12 +47,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m hybridflow.trainer.config_help --check
+	$(PY) -m hybridflow.trainer.setup.config_help --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
-	$(PY) -m hybridflow.trainer.config_help
+	$(PY) -m hybridflow.trainer.setup.config_help
 
 # The tests run in TEST_PROCESSES pytest processes (pytest-xdist), each taking whole files: a file's tests share
 # their module's fixtures (one Ray cluster, one set of runs), in the order tests/conftest.py gives (the longest files

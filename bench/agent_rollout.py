@@ -46,7 +46,7 @@ from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.sessions import NativeRequestEngine
 from hybridflow.tools import ToolSet
 from hybridflow.tools.calculator import CalculatorTool
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 TURNS, TURN_TOKENS, TOOL_TEXT = 4, 32, "x"
 

@@ -78,7 +78,7 @@ MODES = {
         "trainer.placement=group_colocate",
         f"trainer.n_workers_per_node={workers // 2}",
     ],
-    # the rollout generates continuously into a queue, at most η policy versions ahead (trainer/fully_async.py)
+    # the rollout generates continuously into a queue, at most η policy versions ahead (trainer/loop/async_queue.py)
     "fully_async": lambda workers: fully_async(workers, max_staleness=1),
     "fully_async_eta4": lambda workers: fully_async(workers, max_staleness=4),
     # the same with partial rollout: a push cuts the call in flight short, its samples go on under the new weights
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace, base: list[str], mode: str, seed: int, run_dir
     print(f"{mode}, seed {seed}: {run_dir}", flush=True)
     start = time.time()
     if not args.report_only:
-        done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *overrides], cwd=ROOT)
+        done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.commands.train", *overrides], cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"the {mode} run (seed {seed}) failed with exit code {done.returncode}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -268,7 +268,7 @@ def main() -> None:
 
 def samples_per_step(overrides: list[str]) -> int:
     """Prompts x samples per prompt of the runs (the config file's, unless overridden)."""
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
 
     config = load_config(overrides[2:], overrides[1])  # after "--config FILE"
     return config.data.train_batch_size * config.actor_rollout_ref.rollout.n

@@ -60,7 +60,7 @@ def synchronize(device) -> None:
 
 
 def actor_config(model: str, micro: int):
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
 
     return load_config(
         [
@@ -202,7 +202,7 @@ def check_rollout(model: str, device, sequences: int, new_tokens: int) -> None:
     from hybridflow.models import fast_dtype, load_causal_lm, load_tokenizer
     from hybridflow.rollout.native import NativeRollout
     from hybridflow.rollout.sampling import SamplingParams
-    from hybridflow.trainer.config import default_config
+    from hybridflow.trainer.setup.config import default_config
 
     tokenizer = load_tokenizer(model)
     native_config = default_config().actor_rollout_ref.rollout.native

@@ -41,23 +41,23 @@ run() {  # name, seconds allowed, then the module and its arguments
 }
 for what in ${RUNS:-grpo ppo lora agent sft}; do
   case $what in
-    grpo) run grpo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+    grpo) run grpo 150 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=4 trainer.val_before_train=false \
             trainer.default_local_dir=/tmp/cuda_smoke_grpo ;;
-    ppo) run ppo 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+    ppo) run ppo 150 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
             algorithm.adv_estimator=gae algorithm.use_kl_in_reward=true actor_rollout_ref.actor.use_kl_loss=true \
             reward_model.enable=true reward_model.model.path="$MODEL" trainer.default_local_dir=/tmp/cuda_smoke_ppo ;;
-    lora) run lora 150 hybridflow.trainer.main --config examples/grpo_arithmetic_smollm2_lora.yaml $COMMON \
+    lora) run lora 150 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2_lora.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 trainer.val_before_train=false \
             trainer.default_local_dir=/tmp/cuda_smoke_lora ;;
     agent) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_tools --train 64 --test 8 > /dev/null
-           run agent 200 hybridflow.trainer.main --config examples/grpo_calculator_smollm2.yaml $COMMON \
+           run agent 200 hybridflow.trainer.commands.train --config examples/grpo_calculator_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_tools/train.parquet]" \
             "data.val_files=[/tmp/cuda_smoke_tools/test.parquet]" trainer.total_training_steps=2 \
             trainer.val_before_train=false trainer.default_local_dir=/tmp/cuda_smoke_agent ;;
     sft) $PY -m hybridflow.data.tasks calculator --out /tmp/cuda_smoke_calc --train 64 --test 8 --gold > /dev/null
-         run sft 150 hybridflow.trainer.sft_main --config examples/sft_calculator_smollm2.yaml $COMMON \
+         run sft 150 hybridflow.trainer.commands.sft --config examples/sft_calculator_smollm2.yaml $COMMON \
             model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_calc/train.parquet]" \
             "data.val_files=[/tmp/cuda_smoke_calc/test.parquet]" trainer.total_training_steps=3 \
             trainer.default_local_dir=/tmp/cuda_smoke_sft ;;

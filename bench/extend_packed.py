@@ -22,7 +22,7 @@ import torch
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.native import NativeRollout, model
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def extend_ms(engine, tokens, lengths, starts, slots, ragged: bool, repeats: int) -> float:

@@ -12,7 +12,7 @@ step, at most 32 new tokens, temperature 1, lr 1e-5 constant, no KL, one optimiz
 batch. Each side runs `--steps` steps; the first is discarded as warm-up (first calls, lazy
 allocations) and the table shows the mean over the others.
 
-hybridflow runs in this process through `hybridflow.trainer.main.run(load_config([...]))`, once
+hybridflow runs in this process through `hybridflow.trainer.commands.train.run(load_config([...]))`, once
 per rollout backend and worker layout (`WxT`: W Ray workers of T torch threads each); its
 per-stage seconds come from the run's metrics.jsonl. TRL runs in its own virtual environment,
 bench/.trl-venv, created on first use (`torch==2.13.0` first, then `trl==1.16.0` with torch held
@@ -123,9 +123,9 @@ def hybridflow_overrides(args, train_file: Path, run_dir: Path, rollout: str, wo
 
 
 def run_hybridflow(args, train_file: Path, work: Path, rollout: str, layout: str) -> Measurement | None:
-    from hybridflow.trainer.check_config import check_config
-    from hybridflow.trainer.config import ConfigError, load_config
-    from hybridflow.trainer.main import run
+    from hybridflow.trainer.commands.train import run
+    from hybridflow.trainer.setup.check_config import check_config
+    from hybridflow.trainer.setup.config import ConfigError, load_config
 
     workers, threads = (int(x) for x in layout.split("x"))
     name = f"hybridflow rollout={rollout} {workers} worker(s) x {threads} thread(s)"

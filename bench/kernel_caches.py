@@ -40,7 +40,7 @@ def loop(model: str, steps: int, data_dir: str) -> dict:
     from hybridflow.models import load_tokenizer, resolve_model_path
     from hybridflow.procfs import resident_gb
     from hybridflow.reward import RewardManager
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
     from hybridflow.workers import ActorRolloutWorker
 
     torch.set_num_threads(1)
@@ -58,6 +58,7 @@ def loop(model: str, steps: int, data_dir: str) -> dict:
         layout=LayoutShape(dp=1, t=1, tg=1),
         tool_config="",
         default_agent=arr.rollout.multi_turn.default_agent,
+        mini_batch_per_rank=arr.actor.ppo_mini_batch_size * arr.rollout.n,
         total_training_steps=1000,
         seed=0,
     )

@@ -67,7 +67,9 @@ def run(
         *extra,
     ]
     print(f"t={t} tg={tg} {' '.join(extra)}: {args.steps} steps ...", flush=True)
-    subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *overrides], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.commands.train", *overrides], check=True, stdout=subprocess.DEVNULL
+    )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

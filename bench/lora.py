@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, variant: str, seed: int, data: Path, run_dir: 
     ]
     print(f"{variant}, seed {seed}: {run_dir}", flush=True)
     if not args.report_only:
-        done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *overrides], cwd=ROOT)
+        done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.commands.train", *overrides], cwd=ROOT)
         if done.returncode != 0:
             raise SystemExit(f"the {variant} run (seed {seed}) failed with exit code {done.returncode}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

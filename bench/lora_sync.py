@@ -35,7 +35,7 @@ from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def prompts(tokenizer, count: int) -> DataProto:

@@ -40,7 +40,9 @@ def run(model: str, steps: int, data: Path, run_dir: Path, extra: list[str]) -> 
         *extra,
     ]
     print(f"{model}: {steps} steps ...", flush=True)
-    subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *args], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.commands.train", *args], check=True, stdout=subprocess.DEVNULL
+    )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 

@@ -32,7 +32,7 @@ from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.engine import Continuation
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def changed(model, scale: float, seed: int = 0):

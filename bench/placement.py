@@ -69,7 +69,9 @@ def run(placement: str, args: argparse.Namespace, data: Path, run_dir: Path) -> 
         f"trainer.default_local_dir={run_dir}",
     ]
     print(f"{placement}: {args.steps} steps ...", flush=True)
-    subprocess.run([sys.executable, "-m", "hybridflow.trainer.main", *overrides], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "hybridflow.trainer.commands.train", *overrides], check=True, stdout=subprocess.DEVNULL
+    )
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     spans = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
     return metrics, spans

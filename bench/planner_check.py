@@ -31,7 +31,7 @@ from hybridflow.data.tasks import write_task
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner import cluster_preset, workload_from_config
 from hybridflow.planner.search import Plan, evaluate_set, step_plan
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.setup.config import load_config
 
 STAGES = ("gen", "old_log_prob", "values", "update_actor", "update_critic")
 PPO = ("algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=6")

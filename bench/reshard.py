@@ -48,7 +48,7 @@ from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights, tensor_parallel_dim
 from hybridflow.models import load_causal_lm, resolve_model_path
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 from hybridflow.workers.sharded_model import quiet_libraries
 
 METHODS = ("gather_all", "hybridflow_v", "hybridflow")

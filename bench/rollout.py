@@ -41,7 +41,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.spec import ModelSpec
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def arithmetic_prompts(tokenizer, count: int, group: int, seed: int = 0) -> DataProto:

@@ -77,7 +77,7 @@ def run_hybridflow(args, data: Path, layout: str) -> dict:
     ]
     load = wait_for_idle(args.max_load, args.wait)
     print(f"hybridflow sft {layout}: {args.steps} steps (load {load:.2f}) ...", flush=True)
-    done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.sft_main", *overrides], cwd=REPO)
+    done = subprocess.run([sys.executable, "-m", "hybridflow.trainer.commands.sft", *overrides], cwd=REPO)
     if done.returncode != 0:
         raise SystemExit(f"hybridflow's run failed (exit {done.returncode})")
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -44,7 +44,7 @@ def measure(samples: int, repeats: int, remove_padding: bool, group: int) -> dic
     from hybridflow.batch_keys import OLD_LOG_PROBS
     from hybridflow.engine.policy import PolicyEngine
     from hybridflow.models import load_causal_lm
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
     from hybridflow.workers.sharded_model import build_trainable
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -197,7 +197,7 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
     from hybridflow.engine.policy import PolicyEngine
     from hybridflow.lengths import balanced_order, packed_lengths
     from hybridflow.models import load_causal_lm
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
     from hybridflow.workers.sharded_model import build_trainable
 
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)

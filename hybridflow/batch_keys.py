@@ -54,6 +54,8 @@ TURN_ENDS = "turn_ends"  # multi-turn: list per row, the response index of each 
 TOOL_REWARDS = "tool_rewards"  # multi-turn: dict per row, tool name -> its reward for the whole trajectory
 AGENT_FAILURE = "agent_failure"  # multi-turn: why the row's agent loop failed ("" if it did not)
 FINAL_RESPONSE = "final_response"  # multi-turn: the last assistant turn's text, added to extra_info for scorers
+NLL_SUM = "nll_sum"  # SFT evaluation: (B,) a row's summed negative log-likelihood over its trained tokens
+LOSS_TOKENS = "loss_tokens"  # SFT evaluation: (B,) a row's trained tokens
 
 # ---- meta_info keys ---------------------------------------------------------------------------
 GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)
@@ -61,6 +63,7 @@ SAMPLING = "sampling"  # generation settings to use: one of SAMPLING_MODES
 SAMPLING_ROUND = "sampling_round"  # dynamic sampling: the step's generation round (0 first; seeds derive from it)
 OLD_POLICY = "old_policy"  # "rollout": the update uses the rollout's log-probs as the old policy (bypass mode)
 METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
+SFT_LOSS = "sft/loss"  # the SFT metric: a batch's mean negative log-likelihood per trained token
 INTERRUPT_KEY = "interrupt_key"  # partial rollout: the store key whose presence stops the call (rollout/interrupt.py)
 
 SAMPLING_MODES = ("train", "validate", "greedy")

@@ -37,13 +37,13 @@ adapter_config.json naming the base model; peft.PeftModel.from_pretrained loads 
 
 
 def _train(args: list[str]) -> int:
-    from hybridflow.trainer.main import main as train
+    from hybridflow.trainer.commands.train import main as train
 
     return train(args)
 
 
 def _sft(args: list[str]) -> int:
-    from hybridflow.trainer.sft_main import main as sft
+    from hybridflow.trainer.commands.sft import main as sft
 
     return sft(args)
 
@@ -56,7 +56,7 @@ def _export(args: list[str]) -> int:
     paths = [arg for arg in args if arg != "--merged"]
     if len(paths) != 2:
         raise UserError(f"export takes a checkpoint (or run directory) and an output directory\n\n{EXPORT_USAGE}")
-    from hybridflow.trainer.export import export_checkpoint
+    from hybridflow.trainer.commands.export import export_checkpoint
 
     print(f"exported to {export_checkpoint(paths[0], paths[1], merged=merged)}")
     return 0
@@ -69,7 +69,7 @@ def _report(args: list[str]) -> int:
 
 
 def _measure(args: list[str]) -> int:
-    from hybridflow.trainer.measure import main as measure
+    from hybridflow.trainer.commands.measure import main as measure
 
     return measure(args)
 

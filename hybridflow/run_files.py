@@ -1,10 +1,10 @@
 """A run directory's format: its files' names and the records in them, defined once for what writes them
 (the trainer, the workers' checkpoints) and what reads them (``hybridflow report``, ``export``, a resume).
 
-    <run_dir>/config.yaml         the run's whole config (trainer/config.py ``to_yaml``)
+    <run_dir>/config.yaml         the run's whole config (trainer/setup/config.py ``to_yaml``)
     <run_dir>/metrics.jsonl       one JSON object per step: {"step": 3, "<metric>": value, ...}
     <run_dir>/timeline.jsonl      one JSON object per span of work (``Span``)
-    <run_dir>/global_step_N/      a checkpoint (trainer/checkpoint.py): actor/ and critic/ training state,
+    <run_dir>/global_step_N/      a checkpoint (trainer/services/checkpoint.py): actor/ and critic/ training state,
                                   actor/huggingface/ the model's config and tokenizer for export
 
 metrics.jsonl and timeline.jsonl are appended to as the run goes; a resumed run drops the records of

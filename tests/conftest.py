@@ -26,7 +26,7 @@ from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer,
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.setup.config import load_config
 from hybridflow.workers import ActorRolloutWorker
 
 KEPT_WORKER_PROCESSES = 8  # per test process: a few hundred MB each with the tiny models
@@ -122,6 +122,7 @@ def actor_worker(config, world_size: int, total_training_steps: int = 10) -> Rol
         layout=LayoutShape(dp=world_size, t=1, tg=1),
         tool_config="",
         default_agent=config.rollout.multi_turn.default_agent,
+        mini_batch_per_rank=config.actor.ppo_mini_batch_size * config.rollout.n // world_size,
         total_training_steps=total_training_steps,
         seed=0,
     )
@@ -165,10 +166,10 @@ def rollout_batch(tiny_path) -> DataProto:
 def local_ray():
     """One local Ray cluster for the worker groups and whole runs of every module that asks for it: started by the
     first (or by the first after a test that needed none running, see no_ray) and shut down at the end of the
-    session. A run (``hybridflow.trainer.main.run``, ``sft_main.run``) finds Ray started and places its workers on
-    it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds of CPU each
-    on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools add its
-    tuning settings). The session keeps finished runs' worker processes for the next runs of the same shape
+    session. A run (``hybridflow.trainer.commands.train.run``, ``commands.sft.run``) finds Ray started and places
+    its workers on it, releasing them when it ends, instead of starting and stopping a cluster of its own: seconds
+    of CPU each on a small machine. Its workers get the environment a run's own cluster gives them (a run's pools
+    add its tuning settings). The session keeps finished runs' worker processes for the next runs of the same shape
     (``keep_worker_processes``): a new one costs seconds of imports, more than most of these runs. The cluster
     gives every worker the default run's tuning settings, so that the pools tests build directly and the runs'
     pools (which ask for those settings) share kept processes. Commands that tests start join it too

@@ -1,6 +1,6 @@
 """Data: prompt datasets from parquet/jsonl, the batch loader, built-in tasks, preprocessing.
 
-config = hybridflow.trainer.config.default_config()   # or load_config(["data.max_prompt_length=512"])
+config = hybridflow.trainer.setup.config.default_config()   # or load_config(["data.max_prompt_length=512"])
 dataset = RLHFDataset("data/arithmetic/train.parquet", tokenizer, config.data)
 loader = PromptDataLoader(dataset, batch_size=32, seed=0)
 for batch in loader: ...   # DataProto: input_ids, attention_mask, position_ids (B, P), left-padded

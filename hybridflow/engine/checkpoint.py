@@ -130,7 +130,7 @@ def state_problems(directory: Path) -> list[str]:
     without a process group and without reading the shards: DCP's metadata missing or unreadable, or
     holding no model; a shard file it names missing, unreadable or shorter than the bytes it places
     there; rank 0's RNG state missing. Names are relative to ``directory``; empty when it looks whole.
-    The bytes themselves are checked only by the checkpoint's manifest (trainer/checkpoint.py)."""
+    The bytes themselves are checked only by the checkpoint's manifest (trainer/services/checkpoint.py)."""
     metadata = _read_metadata(directory / SHARDS)
     if isinstance(metadata, str):
         return [metadata]

@@ -2,8 +2,8 @@
 ``OptimConfig``, is in optim.py beside the code that reads it).
 
 Fields carry no defaults: hybridflow/config/ppo_trainer.yaml writes every default once, and
-``hybridflow.trainer.config.default_config()`` gives them as these objects. Each class checks
-its own values; checks that need several sections are in ``trainer/check_config.py``.
+``hybridflow.trainer.setup.config.default_config()`` gives them as these objects. Each class checks
+its own values; checks that need several sections are in ``trainer/setup/check_config.py``.
 """
 
 from __future__ import annotations

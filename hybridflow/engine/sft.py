@@ -15,17 +15,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import LossAggregation, agg_loss
-from hybridflow.batch_keys import METRICS, RESPONSE_MASK
+from hybridflow.batch_keys import LOSS_TOKENS, METRICS, NLL_SUM, RESPONSE_MASK, SFT_LOSS
 from hybridflow.engine.config import SFTEngineConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work, response_log_probs
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
-
-LOSS = "sft/loss"  # the batch's mean negative log-likelihood per trained token
-NLL_SUM = "nll_sum"  # (B,) a row's summed negative log-likelihood over its trained tokens (evaluation)
-LOSS_TOKENS = "loss_tokens"  # (B,) a row's trained tokens (evaluation)
 
 
 class SFTEngine:
@@ -51,7 +47,7 @@ class SFTEngine:
     def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
         log_probs, _ = response_log_probs(self.model, micro, remove_padding=self.config.use_remove_padding)
         loss = agg_loss(-log_probs, micro.batch[RESPONSE_MASK], agg)
-        return loss, {LOSS: loss.detach()}
+        return loss, {SFT_LOSS: loss.detach()}
 
     def train_batch(self, data: DataProto, seed: int) -> DataProto:
         """One optimizer step over this rank's rows (their share of the global batch), metrics in the output."""
@@ -65,7 +61,7 @@ class SFTEngine:
             mini_batch_size=len(data),
             seed=seed,
             micro_loss=self._micro_loss,
-            loss_share_keys=(LOSS,),
+            loss_share_keys=(SFT_LOSS,),
             dp_group=self.dp_group,
         )
         return DataProto(meta_info={METRICS: metrics})

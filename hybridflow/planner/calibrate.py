@@ -137,7 +137,7 @@ def calibrate(base: ClusterSpec, repeats: int = 3) -> ClusterSpec:
     from hybridflow.models import load_tokenizer
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.rollout.native import NativeRollout
-    from hybridflow.trainer.config import default_config
+    from hybridflow.trainer.setup.config import default_config
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

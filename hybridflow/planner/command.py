@@ -20,13 +20,14 @@ from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset, sav
 from hybridflow.planner.cost import PHASES
 from hybridflow.planner.search import Plan, plan_run
 from hybridflow.planner.workload import Workload, workload_from_config
+from hybridflow.trainer.setup.modes import ONE_STEP_OFF, SYNC, training_mode
 from hybridflow.validation import UserError
 
 FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", "--out": "FILE"}
 USAGE = __doc__
 
 
-def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = "one_step_off") -> dict:
+def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_OFF) -> dict:
     """The plan as nested config keys: pools per node, each role's pool, each model's layout; a plan with the
     rollout apart keeps ``apart_mode`` (the config's asynchronous mode, one_step_off or fully_async)."""
     pools, role_pool = {}, {}
@@ -56,7 +57,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = "one_step
             "device": "cpu" if cluster.name == "cpu" else "cuda",
             "resource_pool_spec": pools,
             "role_pool": role_pool,
-            "async_training": {"mode": apart_mode if plan.overlapped else "sync"},
+            "async_training": {"mode": apart_mode if plan.overlapped else SYNC},
         },
         "actor_rollout_ref": actor_rollout_ref,
     }
@@ -68,7 +69,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = "one_step
 def mode_comparison(workload: Workload, best: Plan, cluster: ClusterSpec) -> str:
     """Whether training one step off policy (generation on devices of its own, overlapping the rest of the
     step) pays on this cluster: the best plan of the other mode against ``best``."""
-    other_mode = "sync" if workload.rollout_apart else "one_step_off"
+    other_mode = SYNC if workload.rollout_apart else ONE_STEP_OFF
     try:
         other = plan_run(workload.in_mode(other_mode), cluster)[0]
     except ValueError:
@@ -153,7 +154,7 @@ def main(args: list[str]) -> int:
             print(f"  {name:<22} {value:.4g}" if isinstance(value, float) else f"  {name:<22} {value}")
         print(f"wrote {path}")
         return 0
-    from hybridflow.trainer.config import load_config
+    from hybridflow.trainer.setup.config import load_config
 
     flags, overrides = _parse(args)
     name = flags.get("--cluster", "cpu")
@@ -164,7 +165,7 @@ def main(args: list[str]) -> int:
     config = load_config(overrides, config_file)
     workload = workload_from_config(config)
     mode = config.trainer.async_training.mode
-    apart_mode = mode if mode != "sync" else "one_step_off"
+    apart_mode = mode if training_mode(mode).rollout_apart else ONE_STEP_OFF
     try:
         plans = plan_run(workload, cluster)
     except ValueError as error:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from hybridflow.controller import Role
 from hybridflow.models.split_sizes import indivisible_sizes
+from hybridflow.trainer.setup.modes import training_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +134,7 @@ class Workload:
         """The same step under ``trainer.async_training.mode`` ``mode``: sync (the hybrid actor generates) or
         one_step_off (a rollout role with the policy's shape generates)."""
         models = {role: shape for role, shape in self.models.items() if role is not Role.Rollout}
-        if mode != "sync":
+        if training_mode(mode).rollout_apart:
             models[Role.Rollout] = models[Role.ActorRollout]
         return dataclasses.replace(self, models=models)
 
@@ -151,8 +152,8 @@ def workload_from_config(config) -> Workload:
     is built or loaded) and its batch."""
     from hybridflow.algorithms import get_adv_estimator
     from hybridflow.models import model_config
-    from hybridflow.trainer.roles import needed_roles
-    from hybridflow.trainer.run_plan import RunPaths
+    from hybridflow.trainer.setup.roles import needed_roles
+    from hybridflow.trainer.setup.run_plan import RunPaths
 
     # the roles and their model directories, not the config's placement: the planner chooses its own
     arr = config.actor_rollout_ref

@@ -1,6 +1,6 @@
 """A run's step timelines (``<run_dir>/timeline.jsonl``) as a Gantt chart per resource pool.
 
-Each line of the file is one span of work (``run_files.Span``, written by hybridflow/trainer/timeline.py),
+Each line of the file is one span of work (``run_files.Span``, written by hybridflow/trainer/services/timeline.py),
 times in seconds since the step began, lane a pool's name or ``driver``. One row per (lane, rank), bars
 coloured by stage: which pools worked at the same time, and which waited, shows at a glance.
 """

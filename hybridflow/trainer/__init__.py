@@ -1,1 +1,8 @@
-"""The driver side: the run's config and checks, the run plan, placement, the RL fit loop, checkpoints, metrics."""
+"""The driver side, in five parts, each importing only those below it (pyproject.toml's contract):
+
+commands       hybridflow train, sft, export, measure
+loop           the one step loop and its trainers (RL with its training modes' parts, SFT)
+setup          the run's config, checks, run plan, roles, placement, modes, run directory
+asynchronous   the rollouter, staleness, partial rollout
+services       checkpoints, tracking, progress, the step's timeline, metrics
+"""

@@ -42,7 +42,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.run_files import ACTOR_STATE
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.generation import build_generator, call_sampling
-from hybridflow.workers.sharded_model import build_trainable, samples_per_rank, save_policy_state
+from hybridflow.workers.sharded_model import build_trainable, save_policy_state
 
 TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
 GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences splits prompts over its dp
@@ -58,12 +58,14 @@ class ActorWorker(Worker):
         config: ActorRolloutRefConfig,
         model_path: str,
         layout: LayoutShape,
+        mini_batch_per_rank: int,
         total_training_steps: int,
         seed: int,
     ):
         super().__init__()
         self.config = config
         self.seed = seed
+        self.mini_batch_per_rank = mini_batch_per_rank  # samples per optimizer step on this rank (the run plan's)
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
         # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
@@ -167,12 +169,9 @@ class ActorWorker(Worker):
         """The policy update; its metrics in the output. Given a batch without old_log_probs (an
         on-policy step, or the bypass mode: the rollout's log-probs as the old policy), the log-probs
         and entropy of each row's first forward come back too (PolicyEngine.update_policy)."""
-        cfg = self.config
-        mini_batch = samples_per_rank(
-            cfg.actor.ppo_mini_batch_size, cfg.rollout.n, self.dp_size, "actor.ppo_mini_batch_size"
-        )
         step = int(data.meta_info[GLOBAL_STEP])
-        output = self.actor.update_policy(data, mini_batch, cfg.rollout.temperature, seed=self.seed + step)
+        temperature = self.config.rollout.temperature
+        output = self.actor.update_policy(data, self.mini_batch_per_rank, temperature, seed=self.seed + step)
         metrics = output.meta_info[METRICS]
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
         metrics["perf/worker_rss_gb"] = resident_gb()  # what the process holds between steps (mean over ranks)
@@ -191,11 +190,17 @@ class ActorRolloutWorker(ActorWorker):
         layout: LayoutShape,
         tool_config: str,
         default_agent: str,
+        mini_batch_per_rank: int,
         total_training_steps: int,
         seed: int,
     ):
         super().__init__(
-            config=config, model_path=model_path, layout=layout, total_training_steps=total_training_steps, seed=seed
+            config=config,
+            model_path=model_path,
+            layout=layout,
+            mini_batch_per_rank=mini_batch_per_rank,
+            total_training_steps=total_training_steps,
+            seed=seed,
         )
         self.generation_coord = self.register_dispatch_mesh(GENERATE_MESH, self.layouts.generation)
         self.rollout = build_generator(

@@ -15,7 +15,7 @@ from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_critic
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import CRITIC_STATE
-from hybridflow.workers.sharded_model import build_trainable, samples_per_rank
+from hybridflow.workers.sharded_model import build_trainable
 
 CRITIC_MESH = "critic"  # the critic's (dp, tp) layout: compute_values and update_critic split rows over dp
 
@@ -29,13 +29,13 @@ class CriticWorker(Worker):
         config: CriticConfig,
         model_path: str,
         layout: LayoutShape,
-        n_samples: int,
+        mini_batch_per_rank: int,
         total_training_steps: int,
         seed: int,
     ):
         super().__init__()
         self.config = config
-        self.n_samples = n_samples
+        self.mini_batch_per_rank = mini_batch_per_rank  # samples per optimizer step on this rank (the run plan's)
         self.seed = seed
         mesh = training_mesh(self.device, layout.dp, layout.t)
         self.register_dispatch_mesh(CRITIC_MESH, mesh)
@@ -69,8 +69,5 @@ class CriticWorker(Worker):
     @register(dispatch_mode=mesh_compute_proto(CRITIC_MESH))
     def update_critic(self, data: DataProto) -> DataProto:
         """The value update; its metrics in the output (no tensors)."""
-        mini_batch = samples_per_rank(
-            self.config.ppo_mini_batch_size, self.n_samples, self.dp_size, "critic.ppo_mini_batch_size"
-        )
         step = int(data.meta_info[GLOBAL_STEP])
-        return self.critic.update_critic(data, mini_batch, seed=self.seed + step)
+        return self.critic.update_critic(data, self.mini_batch_per_rank, seed=self.seed + step)

@@ -1,4 +1,4 @@
-"""The rollout role: generation on a pool of its own, for asynchronous training (trainer/one_step_off.py).
+"""The rollout role: generation on a pool of its own, for asynchronous training (trainer/setup/modes.py).
 
 Its ranks hold the rollout engine (native or vLLM, with the agent loops of a multi-turn run) in generation
 groups of tg, and nothing of training; ``generate_sequences`` behaves as the hybrid actor's does (the same
@@ -98,7 +98,9 @@ class RolloutWorker(Worker):
         rows that carry a ``prefix_length``."""
         sampling = call_sampling(self.config.rollout, prompts.meta_info, self.generation_coord)
         key = prompts.meta_info.get(INTERRUPT_KEY)
-        if key is not None or PREFIX_LENGTH in prompts.batch.keys():  # partial rollout (trainer/rollouter.py)
+        if (
+            key is not None or PREFIX_LENGTH in prompts.batch.keys()
+        ):  # partial rollout (trainer/asynchronous/rollouter.py)
             should_stop = InterruptPoller(self.transfer.store, key) if key is not None else None
             output = self.rollout.generate_partial(prompts, sampling, should_stop)
         else:

@@ -85,13 +85,6 @@ def build_trainable(
     return TrainedModel.build(sharded, optim, total_steps)
 
 
-def samples_per_rank(prompts: int, n: int, world_size: int, what: str) -> int:
-    samples = prompts * n
-    if samples % world_size:
-        raise ValueError(f"{what}: {prompts} prompts x {n} samples = {samples} does not divide over {world_size} ranks")
-    return samples // world_size
-
-
 def save_policy_state(target: Path, trained: TrainedModel, rank: int, tokenizer: Any, model_path: str) -> None:
     """A trained causal LM's checkpoint under ``target`` (every rank takes part): its training state, and on
     rank 0 its HF config, generation config and tokenizer, and a LoRA model's adapter settings naming its base

@@ -248,7 +248,7 @@ def test_calculator_gold_trajectories_are_the_tokens_the_tool_agent_loop_would_p
     from hybridflow.data import RLHFDataset
     from hybridflow.data.tasks import write_task
     from hybridflow.rollout.agent.chat import ChatFormat
-    from hybridflow.trainer.config import default_config
+    from hybridflow.trainer.setup.config import default_config
 
     paths = write_task("calculator", tmp_path, train=3, test=1, seed=0, gold=True)
     gold = SFTDataset(paths["train"], tiny_tokenizer, CONFIG)

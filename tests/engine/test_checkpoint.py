@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.batch_keys import OLD_LOG_PROBS
 from hybridflow.controller import RayResourcePool, RayWorkerGroup
 from hybridflow.models import load_causal_lm
-from hybridflow.trainer.export import export_checkpoint
+from hybridflow.trainer.commands.export import export_checkpoint
 
 
 def spawn(world_size: int, config, actor_worker):

@@ -13,7 +13,7 @@ from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.lengths import PromptSharing, packed_lengths, row_lengths
 from hybridflow.models import load_causal_lm, load_critic
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.setup.config import load_config
 
 LR = 1e-2
 

@@ -161,7 +161,7 @@ def test_a_checkpoint_of_a_model_with_tied_embeddings_holds_the_adapters_only(tm
 
     from hybridflow.engine.checkpoint import SHARDS, load_training_state, save_training_state
     from hybridflow.engine.optim import TrainedModel
-    from hybridflow.trainer.config import default_config
+    from hybridflow.trainer.setup.config import default_config
 
     def trained() -> TrainedModel:
         torch.manual_seed(0)

@@ -13,7 +13,7 @@ from hybridflow.engine.reference import ReferenceEngine
 from hybridflow.lengths import computed_lengths
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 PROMPT, RESPONSE = 6, 5
 

@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from hybridflow.algorithms import LossAggregation
-from hybridflow.batch_keys import METRICS, RESPONSE_MASK
+from hybridflow.batch_keys import LOSS_TOKENS, METRICS, NLL_SUM, RESPONSE_MASK
+from hybridflow.batch_keys import SFT_LOSS as LOSS
 from hybridflow.data import SFTDataset
 from hybridflow.data.io import write_rows
 from hybridflow.data.sft_dataset import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
 from hybridflow.engine.config import FSDPConfig, SFTEngineConfig
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.sft import LOSS, LOSS_TOKENS, NLL_SUM, SFTEngine
+from hybridflow.engine.sft import SFTEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.trainer.sft_config import load_sft_config
+from hybridflow.trainer.setup.sft_config import load_sft_config
 
 ENGINE = SFTEngineConfig(
     micro_batch_size_per_gpu=2,

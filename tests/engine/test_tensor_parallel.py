@@ -17,7 +17,7 @@ from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_lay
 from hybridflow.models import load_causal_lm
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.models.tensor_parallel import layer_split
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 FP32 = dataclasses.replace(default_config().actor_rollout_ref.actor.fsdp, param_dtype="fp32", reduce_dtype="fp32")
 

@@ -11,7 +11,7 @@ from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
 

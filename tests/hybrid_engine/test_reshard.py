@@ -33,7 +33,7 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.parallel import TensorParallelGroup
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 GREEDY = SamplingParams.greedy(max_new_tokens=6, seed=0)
 ENGINE = default_config().actor_rollout_ref.rollout.native

@@ -11,8 +11,8 @@ from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import cluster_preset
 from hybridflow.planner.cost import generation_seconds, memory_bytes, pass_seconds, switch_seconds
 from hybridflow.planner.workload import ModelShape, Workload
-from hybridflow.trainer.check_config import check_config
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.setup.check_config import check_config
+from hybridflow.trainer.setup.config import load_config
 
 SHAPE = ModelShape(name="m", layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=10, tied_embeddings=True)
 CLUSTER = replace(

@@ -8,7 +8,7 @@ STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
 
 
 def training_metrics(step: int, rng: random.Random) -> dict[str, float]:
-    """What one GRPO step logs (names as in hybridflow/trainer/metrics.py and the workers' updates)."""
+    """What one GRPO step logs (names as in hybridflow/trainer/services/metrics.py and the workers' updates)."""
     progress = 1 - math.exp(-step / 8)
     score = 0.2 + 0.6 * progress + rng.uniform(-0.05, 0.05)
     length = 40 + 30 * progress + rng.uniform(-3, 3)
@@ -40,7 +40,7 @@ def training_metrics(step: int, rng: random.Random) -> dict[str, float]:
         "agent/stop/no_tool_call": 0.8 + 0.15 * progress,
         "agent/stop/length": 0.2 - 0.15 * progress,
         "agent/stop/failed": 0.0,
-        # a fully asynchronous run with partial rollout (trainer/fully_async.py), max_staleness 2
+        # a fully asynchronous run with partial rollout (trainer/loop/async_queue.py), max_staleness 2
         "async/staleness/mean": min(step - 1, 2) * 0.6,
         "async/staleness/min": 0.0,
         "async/staleness/max": float(min(step - 1, 2)),

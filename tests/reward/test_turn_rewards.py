@@ -12,7 +12,7 @@ from hybridflow.algorithms.estimators import compute_gae_advantage
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardManager
 from hybridflow.reward.turns import place_rewards
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def test_place_rewards_by_hand():

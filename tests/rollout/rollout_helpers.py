@@ -11,7 +11,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeEngineConfig
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 QUESTIONS = [
     "Hi",

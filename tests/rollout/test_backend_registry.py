@@ -11,8 +11,8 @@ from hybridflow.rollout.config import RolloutConfig
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeEngineConfig
 from hybridflow.rollout.vllm import VllmEngineConfig
-from hybridflow.trainer.check_config import check_config
-from hybridflow.trainer.config import ConfigError, load_config
+from hybridflow.trainer.setup.check_config import check_config
+from hybridflow.trainer.setup.config import ConfigError, load_config
 from hybridflow.validation import InvalidSetting
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.config import SamplingConfig
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 
 def test_every_step_and_rank_samples_with_its_own_seed():

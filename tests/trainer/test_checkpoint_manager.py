@@ -18,7 +18,7 @@ import torch
 
 from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.trainer.checkpoint import (
+from hybridflow.trainer.services.checkpoint import (
     COMPLETE,
     LATEST,
     MANIFEST,
@@ -378,9 +378,9 @@ def snapshot(directory: Path) -> dict[str, bytes | None]:
 
 
 def test_prepare_run_dir_changes_nothing_when_the_checkpoint_is_damaged(tmp_path):
-    from hybridflow.trainer.config import ConfigError, load_config, to_yaml
-    from hybridflow.trainer.run_dir import prepare_run_dir
-    from hybridflow.trainer.run_plan import make_run_plan
+    from hybridflow.trainer.setup.config import ConfigError, load_config, to_yaml
+    from hybridflow.trainer.setup.run_dir import prepare_run_dir
+    from hybridflow.trainer.setup.run_plan import make_run_plan
 
     config = load_config([f"trainer.default_local_dir={tmp_path}"])
     plan = make_run_plan(config)

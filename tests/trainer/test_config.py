@@ -10,9 +10,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from hybridflow.models import resolve_model_path
-from hybridflow.trainer.check_config import check_config
-from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, default_config, load_config
-from hybridflow.trainer.main import run
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.check_config import check_config
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, default_config, load_config
 
 # checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
 # is shut down first

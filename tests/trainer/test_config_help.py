@@ -6,8 +6,8 @@ import typing
 import yaml
 
 from hybridflow.cli import main
-from hybridflow.trainer.config import DEFAULT_CONFIG, HybridFlowConfig
-from hybridflow.trainer.config_help import Help, key_help, yaml_with_help
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig
+from hybridflow.trainer.setup.config_help import Help, key_help, yaml_with_help
 
 
 def leaf_keys(cls=HybridFlowConfig, prefix=""):
@@ -27,7 +27,7 @@ def test_every_key_has_help():
 
 def test_the_default_yaml_comments_are_the_dataclass_help():
     text = DEFAULT_CONFIG.read_text()
-    assert yaml_with_help(text, key_help()) == text, "run: python -m hybridflow.trainer.config_help"
+    assert yaml_with_help(text, key_help()) == text, "run: python -m hybridflow.trainer.setup.config_help"
 
 
 def test_comments_are_rewritten_and_values_kept():

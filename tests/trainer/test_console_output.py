@@ -21,12 +21,12 @@ FOREIGN = re.compile(
 
 
 def train(args: list[str], cache, *, debug: bool = False) -> subprocess.CompletedProcess:
-    """``python -m hybridflow.trainer.main ARGS`` with the model cache ``cache``; its stdout and stderr. The
+    """``python -m hybridflow.trainer.commands.train ARGS`` with the model cache ``cache``; its stdout and stderr. The
     libraries' switches are left out of its environment (this process has them from the commands its other tests
     ran here): the command sets them itself, or not with --debug."""
     env = {key: value for key, value in os.environ.items() if key not in {"HYBRIDFLOW_DEBUG", *QUIET_ENV}}
     env["HYBRIDFLOW_CACHE"] = str(cache)
-    command = [sys.executable, "-m", "hybridflow.trainer.main", *args, *(["--debug"] if debug else [])]
+    command = [sys.executable, "-m", "hybridflow.trainer.commands.train", *args, *(["--debug"] if debug else [])]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.trainer.config import HybridFlowConfig, load_config
-from hybridflow.trainer.sft_config import SFTConfig, load_sft_config
+from hybridflow.trainer.setup.config import HybridFlowConfig, load_config
+from hybridflow.trainer.setup.sft_config import SFTConfig, load_sft_config
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.yaml"))
 

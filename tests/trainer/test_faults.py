@@ -114,7 +114,7 @@ def test_a_data_source_without_a_scorer_fails_before_ray(tmp_path, capsys):
 
 def test_the_real_command_prints_one_message_and_exits_2(capsys):
     done = subprocess.run(
-        [sys.executable, "-m", "hybridflow.trainer.main", "actor_rollout_ref.rollout.top_k=0"],
+        [sys.executable, "-m", "hybridflow.trainer.commands.train", "actor_rollout_ref.rollout.top_k=0"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -144,9 +144,9 @@ def test_a_joined_cluster_too_small_fails_before_placement():
     from ray.cluster_utils import Cluster
 
     from hybridflow.controller import start_ray
-    from hybridflow.trainer.check_config import check_cluster
-    from hybridflow.trainer.config import ConfigError, load_config
-    from hybridflow.trainer.run_plan import make_run_plan
+    from hybridflow.trainer.setup.check_config import check_cluster
+    from hybridflow.trainer.setup.config import ConfigError, load_config
+    from hybridflow.trainer.setup.run_plan import make_run_plan
 
     def check(overrides: list[str]) -> None:
         config = load_config(overrides)

@@ -14,9 +14,9 @@ from test_one_step_off_e2e import overrides as one_step_off_overrides
 from hybridflow.engine.lora import apply_lora
 from hybridflow.models import load_causal_lm, parse_dtype
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
-from hybridflow.trainer import main as train_main
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.fully_async import FullyAsyncTrainer
+from hybridflow.trainer.commands import train as train_main
+from hybridflow.trainer.loop.weight_sync import PushEvery
+from hybridflow.trainer.setup.config import load_config
 
 FULLY_ASYNC = (
     "trainer.async_training.mode=fully_async",
@@ -121,20 +121,21 @@ def test_staleness_one_runs_ahead_within_the_bound(local_ray, arithmetic_files, 
     assert "val/score/mean" in got[2] and "val/score/mean" in got[4]
 
 
-class PushMidGeneration(FullyAsyncTrainer):
+def push_mid_generation(self, step, timeline, metrics):
     """Pushes only while the rollouter is generating (waiting for it to start), so every push cuts a call short."""
+    deadline = time.time() + 30
+    while self.rollouter.thread is not None and not self.rollouter.busy and time.time() < deadline:
+        time.sleep(0.005)
+    PUSH(self, step, timeline, metrics)
 
-    def push_weights(self, metrics):
-        deadline = time.time() + 30
-        while self.rollouter.thread is not None and not self.rollouter.busy and time.time() < deadline:
-            time.sleep(0.005)
-        super().push_weights(metrics)
+
+PUSH = PushEvery.push
 
 
 def test_partial_rollout_continues_samples_across_pushes_within_the_bound(
     local_ray, arithmetic_files, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(train_main, "FullyAsyncTrainer", PushMidGeneration)
+    monkeypatch.setattr(PushEvery, "push", push_mid_generation)
     train_main.run(
         load_config(
             overrides(

@@ -12,48 +12,55 @@ from test_fully_async_e2e import FULLY_ASYNC, overrides
 from test_placement_failure import TAG_VARIABLE, worker_processes_left
 
 from hybridflow.controller import WorkerError
-from hybridflow.trainer import main as train_main
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.fully_async import FullyAsyncTrainer
+from hybridflow.trainer.commands import train as train_main
+from hybridflow.trainer.loop.async_queue import ChunkGenerator
+from hybridflow.trainer.loop.rl_trainer import RLTrainer
+from hybridflow.trainer.setup.config import load_config
 
 # checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
 # is shut down first
 pytestmark = pytest.mark.usefixtures("no_ray")
 
 
-class RolloutDiesAtChunk3(FullyAsyncTrainer):
+def rollout_dies_at_chunk_3(monkeypatch) -> None:
     """Kills the rollout pool's process (SIGKILL, through Ray) as the third generation call starts."""
+    generate_chunk = ChunkGenerator.generate_chunk
 
-    def generate_chunk(self, prompts, chunk):
+    def dying(self, prompts, chunk):
         if chunk == 3:
             ray.kill(self.groups.rollout.hosts[0])
-        return super().generate_chunk(prompts, chunk)
+        return generate_chunk(self, prompts, chunk)
+
+    monkeypatch.setattr(ChunkGenerator, "generate_chunk", dying)
 
 
-class ActorDiesAtStep2(FullyAsyncTrainer):
+def actor_dies_at_step_2(monkeypatch) -> None:
     """Kills the actor pool's process at step 2, while the rollouter generates ahead."""
+    learn = RLTrainer.learn
 
-    def learn(self, batch, metrics):
-        if self.global_step == 2:
+    def dying(self, batch, step, timeline, metrics):
+        if step == 2:
             ray.kill(self.groups.actor_rollout.hosts[0])
-        super().learn(batch, metrics)
+        learn(self, batch, step, timeline, metrics)
+
+    monkeypatch.setattr(RLTrainer, "learn", dying)
 
 
 @pytest.mark.parametrize(
-    ("loop", "group", "method"),
+    ("kill", "group", "method"),
     [
-        (RolloutDiesAtChunk3, "rollout", {"generate_sequences"}),
+        (rollout_dies_at_chunk_3, "rollout", {"generate_sequences"}),
         # ray.kill returns before the process is gone: the step's first call (the log-probs) usually finds it dead,
         # but on an idle machine it can still answer, and then the update is the call that fails
-        (ActorDiesAtStep2, "actor_rollout", {"compute_log_prob", "update_actor"}),
+        (actor_dies_at_step_2, "actor_rollout", {"compute_log_prob", "update_actor"}),
     ],
 )
 def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
-    arithmetic_files, tmp_path, monkeypatch, loop, group, method
+    arithmetic_files, tmp_path, monkeypatch, kill, group, method
 ):
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)
-    monkeypatch.setattr(train_main, "FullyAsyncTrainer", loop)
+    kill(monkeypatch)
     config = load_config(
         overrides(
             arithmetic_files,

@@ -13,7 +13,7 @@ from test_kill_and_resume import train
 from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
-from hybridflow.trainer.fully_async import ROLLOUTER_STATE
+from hybridflow.trainer.loop.async_queue import ROLLOUTER_STATE
 
 MAX_STALENESS = 2
 

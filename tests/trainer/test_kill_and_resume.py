@@ -86,7 +86,7 @@ def train(arguments: list[str], pause_dir=None) -> subprocess.Popen:
     would cost seconds to start and stop, each time)."""
     cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.main", *arguments, cluster],
+        [sys.executable, "-m", "hybridflow.trainer.commands.train", *arguments, cluster],
         env={**os.environ, "PAUSE_DIR": str(pause_dir or "")},
         start_new_session=True,  # its own process group: the kill takes whatever the command started
         stdout=subprocess.DEVNULL,

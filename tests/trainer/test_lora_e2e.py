@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from hybridflow.cli import main as cli
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.config import load_config
 
 STEPS = 10
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.metrics import agent_metrics, log_prob_mismatch
+from hybridflow.trainer.services.metrics import agent_metrics, log_prob_mismatch
 
 
 def test_log_prob_mismatch_over_generated_tokens_only():

@@ -5,9 +5,9 @@ import ray
 
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import make_task_rows
-from hybridflow.trainer.config import ConfigError, load_config
-from hybridflow.trainer.main import run
-from hybridflow.trainer.run_plan import make_run_plan
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.config import ConfigError, load_config
+from hybridflow.trainer.setup.run_plan import make_run_plan
 
 # checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
 # is shut down first

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from hybridflow.models import resolve_model_path
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.config import load_config
 
 # The tiny random model never writes a tool call, so this loop makes one for it after its first turn (through
 # the same per-trajectory tools the built-in loop uses), appends the answer with the chat template's tokens, and

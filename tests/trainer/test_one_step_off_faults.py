@@ -12,9 +12,10 @@ from test_one_step_off_e2e import overrides
 from test_placement_failure import TAG_VARIABLE, worker_processes_left
 
 from hybridflow.controller import WorkerError
-from hybridflow.trainer import main as train_main
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.one_step_off import OneStepOffTrainer
+from hybridflow.trainer.commands import train as train_main
+from hybridflow.trainer.loop.generate_ahead import GenerateAhead
+from hybridflow.trainer.loop.rl_trainer import RLTrainer
+from hybridflow.trainer.setup.config import load_config
 
 # checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
 # is shut down first
@@ -23,34 +24,43 @@ pytestmark = pytest.mark.usefixtures("no_ray")
 ONE_STEP_OFF = ["trainer.async_training.mode=one_step_off", "trainer.placement=group_colocate"]
 
 
-class RolloutDiesAtStep3(OneStepOffTrainer):
+def rollout_dies_at_step_3(monkeypatch) -> None:
     """Kills the rollout pool's process (SIGKILL, through Ray) just before the batch of step 3 is asked for."""
+    generate = GenerateAhead.generate
 
-    def generate_ahead(self, step):
+    def dying(self, step):
         if step == 3:
             ray.kill(self.groups.rollout.hosts[0])
-        return super().generate_ahead(step)
+        return generate(self, step)
+
+    monkeypatch.setattr(GenerateAhead, "generate", dying)
 
 
-class ActorDiesAtStep2(OneStepOffTrainer):
+def actor_dies_at_step_2(monkeypatch) -> None:
     """Kills the actor pool's process while the rollout generates the batch of step 3."""
+    learn = RLTrainer.learn
 
-    def learn(self, batch, metrics):
-        if self.global_step == 2:
+    def dying(self, batch, step, timeline, metrics):
+        if step == 2:
             ray.kill(self.groups.actor_rollout.hosts[0])
-        super().learn(batch, metrics)
+        learn(self, batch, step, timeline, metrics)
+
+    monkeypatch.setattr(RLTrainer, "learn", dying)
 
 
 @pytest.mark.parametrize(
-    ("loop", "group", "method"),
-    [(RolloutDiesAtStep3, "rollout", "generate_sequences"), (ActorDiesAtStep2, "actor_rollout", "compute_log_prob")],
+    ("kill", "group", "method"),
+    [
+        (rollout_dies_at_step_3, "rollout", "generate_sequences"),
+        (actor_dies_at_step_2, "actor_rollout", "compute_log_prob"),
+    ],
 )
 def test_a_dead_pool_stops_the_run_naming_it_and_leaves_nothing(
-    arithmetic_files, tmp_path, monkeypatch, loop, group, method
+    arithmetic_files, tmp_path, monkeypatch, kill, group, method
 ):
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)
-    monkeypatch.setattr(train_main, "OneStepOffTrainer", loop)
+    kill(monkeypatch)
     config = load_config(overrides(arithmetic_files, tmp_path, *ONE_STEP_OFF, "trainer.total_training_steps=4"))
     with pytest.raises(WorkerError) as raised:
         train_main.run(config)

@@ -5,7 +5,7 @@ import torch
 
 from hybridflow.batch_keys import INTERRUPTED, RESPONSE_MASK, TOKEN_VERSIONS
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.partial_rollout import OpenGroup, continued_versions, oldest_version
+from hybridflow.trainer.asynchronous.partial_rollout import OpenGroup, continued_versions, oldest_version
 
 
 def rows(versions, masks, interrupted):

@@ -3,10 +3,10 @@
 import pytest
 
 from hybridflow.controller import Role
-from hybridflow.trainer.check_config import pool_processes_per_node
-from hybridflow.trainer.config import ConfigError, load_config
-from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_plan import make_run_plan
+from hybridflow.trainer.setup.check_config import pool_processes_per_node
+from hybridflow.trainer.setup.config import ConfigError, load_config
+from hybridflow.trainer.setup.placement import Placement
+from hybridflow.trainer.setup.run_plan import make_run_plan
 
 PPO_ALL_ROLES = [
     "algorithm.adv_estimator=gae",

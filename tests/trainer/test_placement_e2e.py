@@ -9,8 +9,8 @@ from test_train_e2e import assert_all_finite, short_run
 from hybridflow.controller import Dispatch, Role, RoleSpec, Worker, register
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.run_files import TIMELINE_FILE
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.placement import Placement, build_groups
+from hybridflow.trainer.setup.config import load_config
+from hybridflow.trainer.setup.placement import Placement, build_groups
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 

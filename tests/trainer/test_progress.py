@@ -3,8 +3,8 @@ import io
 import pytest
 from rich.console import Console
 
-from hybridflow.trainer import progress as progress_module
-from hybridflow.trainer.progress import RunProgress, format_seconds
+from hybridflow.trainer.services import progress as progress_module
+from hybridflow.trainer.services.progress import RunProgress, format_seconds
 
 
 class Clock:

@@ -3,8 +3,8 @@
 import pytest
 
 from hybridflow.controller import Role
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.run_plan import make_run_plan, on_policy_update
+from hybridflow.trainer.setup.config import load_config
+from hybridflow.trainer.setup.run_plan import make_run_plan, on_policy_update
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@ import torch
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSES, UID
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.rollout_batches import concat_rollouts
+from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
 
 PAD = 0
 

@@ -22,10 +22,10 @@ from hybridflow.batch_keys import (
     UID,
 )
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.partial_rollout import PartialRollout
-from hybridflow.trainer.rollouter import FinishedGroup, Rollouter
-from hybridflow.trainer.staleness import staleness_of
-from hybridflow.trainer.timeline import StepTimeline
+from hybridflow.trainer.asynchronous.partial_rollout import PartialRollout
+from hybridflow.trainer.asynchronous.rollouter import FinishedGroup, Rollouter
+from hybridflow.trainer.asynchronous.staleness import staleness_of
+from hybridflow.trainer.services.timeline import StepTimeline
 
 N = 2  # samples per prompt
 

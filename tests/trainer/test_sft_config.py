@@ -6,8 +6,8 @@ import ray
 from cache_helpers import built_models
 from test_sft_e2e import arguments, conversation_files
 
-from hybridflow.trainer.sft_config import load_sft_config
-from hybridflow.trainer.sft_main import run
+from hybridflow.trainer.commands.sft import run
+from hybridflow.trainer.setup.sft_config import load_sft_config
 from hybridflow.validation import ConfigError
 
 pytestmark = pytest.mark.usefixtures("no_ray")

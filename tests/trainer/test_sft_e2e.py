@@ -19,7 +19,7 @@ import ray
 from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import write_task
-from hybridflow.trainer.checkpoint import is_complete
+from hybridflow.trainer.services.checkpoint import is_complete
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times and memory: not reproducible
 STEPS = 8  # 16 samples in batches of 4: 4 steps an epoch, 2 epochs
@@ -72,7 +72,7 @@ def sft(args: list[str]) -> subprocess.Popen:
     the command, and Ray ends its job's worker processes and placement groups."""
     cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.sft_main", *args, cluster],
+        [sys.executable, "-m", "hybridflow.trainer.commands.sft", *args, cluster],
         start_new_session=True,  # its own process group: the kill takes whatever the command started
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.trainer.staleness import (
+from hybridflow.trainer.asynchronous.staleness import (
     admission_capacity,
     check_push_schedule,
     queue_capacity,

@@ -6,8 +6,8 @@ import types
 import pytest
 from rich.console import Console
 
-from hybridflow.trainer import tracking
-from hybridflow.trainer.tracking import KNOWN_LOGGERS, LoggerNotInstalledError, Tracking, check_loggers
+from hybridflow.trainer.services import tracking
+from hybridflow.trainer.services.tracking import KNOWN_LOGGERS, LoggerNotInstalledError, Tracking, check_loggers
 
 CONFIG = {
     "trainer": {"project_name": "proj", "experiment_name": "exp", "logger": ["console"]},

@@ -9,8 +9,8 @@ import pytest
 import ray
 
 from hybridflow.controller import kept_placement_groups
-from hybridflow.trainer.config import load_config
-from hybridflow.trainer.main import run
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.config import load_config
 
 STAGES_GRPO = ["gen", "reward", "old_log_prob", "adv", "update_actor", "step"]
 STAGES_PPO = STAGES_GRPO + ["ref", "values", "update_critic"]

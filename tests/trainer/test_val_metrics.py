@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from hybridflow.trainer.val_metrics import k_values, pass_at_k, validation_metrics
+from hybridflow.trainer.services.val_metrics import k_values, pass_at_k, validation_metrics
 
 
 def test_pass_at_k_by_hand():

@@ -7,7 +7,7 @@ from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORE
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.models import load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.config import load_config
+from hybridflow.trainer.setup.config import load_config
 from hybridflow.workers import RewardModelWorker
 from hybridflow.workers.reward_model import last_token_scores
 

@@ -8,7 +8,7 @@ import torch
 
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.rollout.vllm.rollout import VllmRollout
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 # vLLM's CPU attention takes head sizes from 32 up; the default tiny models have 16
 HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}

@@ -10,7 +10,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, RESPONSE_MASK, RESPONSES, ROLL
 from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.tools import ToolSet
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 INSERTED = ["tool says 42 and more", "ok then"]
 TURN_TOKENS = 5

@@ -23,7 +23,7 @@ torch.set_num_threads(2)
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.vllm.install import unsupported_head_size
 from hybridflow.rollout.vllm.rollout import VllmRollout
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 assert unsupported_head_size(32, "cpu") is None  # the config check's import of vLLM, before Ray starts
 after_check = {key: os.environ.get(key) for key in LOADER}

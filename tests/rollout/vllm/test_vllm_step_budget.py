@@ -12,7 +12,7 @@ from rollout_helpers import QUESTIONS, prompts_of, sampled
 from hybridflow.batch_keys import ATTENTION_MASK, RESPONSE_MASK
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.vllm.rollout import VllmRollout
-from hybridflow.trainer.config import default_config
+from hybridflow.trainer.setup.config import default_config
 
 STEP_TOKENS = 64  # tokens one engine step may compute (and the longest prompt + response)
 

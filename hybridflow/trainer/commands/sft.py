@@ -3,7 +3,7 @@ worker group, run the loop.
 
 Everything a run can get wrong in what it was given (a key, a file, a row, a layout that does not split the
 model, batch sizes that do not split over the ranks, a run directory of another run) is a ConfigError before
-Ray starts. Also runnable as ``python -m hybridflow.trainer.sft_main``.
+Ray starts. Also runnable as ``python -m hybridflow.trainer.commands.sft``.
 """
 
 from __future__ import annotations
@@ -21,26 +21,27 @@ from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader, SFTDataset
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_tokenizer
-from hybridflow.trainer.check_config import (
+from hybridflow.trainer.loop.sft_trainer import SFTTrainer
+from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
+from hybridflow.trainer.services.tracking import Tracking, check_loggers
+from hybridflow.trainer.setup.check_config import (
     check_cluster,
     check_files,
     check_local_cluster,
     check_lora_targets,
     local_cluster_cpus,
 )
-from hybridflow.trainer.config import ConfigError, config_sections, to_yaml
-from hybridflow.trainer.config_help import config_command_args
-from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_dir import changed_keys, check_run_directory
-from hybridflow.trainer.run_plan import (
+from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
+from hybridflow.trainer.setup.config_help import config_command_args
+from hybridflow.trainer.setup.placement import Placement
+from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
+from hybridflow.trainer.setup.run_plan import (
     check_splits_evenly,
     model_dir_or_name,
     resolve_model_dir,
     total_training_steps,
 )
-from hybridflow.trainer.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
-from hybridflow.trainer.sft_trainer import SFTTrainer
-from hybridflow.trainer.tracking import Tracking, check_loggers
+from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.sft import SFTWorker
 
@@ -168,15 +169,14 @@ def run(config: SFTConfig) -> dict[str, float]:
         try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
             group = RayWorkerGroup(pool, spec, name=POOL)
             tracking = Tracking(trainer.logger, plan.run_dir, dataclasses.asdict(config))
-            loop = SFTTrainer(
-                config,
-                group,
-                plan.layout.dp,
-                train_loader,
-                (lambda: iter(val_loader)) if val_loader else None,
-                tracking,
-                total_steps,
-                plan.run_dir,
+            val_batches = (lambda: iter(val_loader)) if val_loader else None
+            sft = SFTTrainer(group, POOL, plan.layout.dp, train_loader, val_batches, total_epochs=trainer.total_epochs)
+            loop = StepLoop(
+                sft,
+                schedule=run_schedule(trainer, total_steps, has_validation=val_loader is not None),
+                run_dir=plan.run_dir,
+                tracking=tracking,
+                max_ckpt_to_keep=trainer.max_ckpt_to_keep,
             )
             try:
                 result = loop.fit(resume_from=checkpoint)
@@ -214,6 +214,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m hybridflow.trainer.sft_main: the same command as hybridflow sft
+if __name__ == "__main__":  # python -m hybridflow.trainer.commands.sft: the same command as hybridflow sft
     debug, arguments = split_debug_flag(sys.argv[1:])
     sys.exit(run_command(lambda: main(arguments), debug))

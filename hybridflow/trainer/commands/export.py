@@ -1,6 +1,6 @@
 """``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory.
 
-The checkpoint is verified before anything is read from it, as a resume does (trainer/checkpoint.py): a
+The checkpoint is verified before anything is read from it, as a resume does (trainer/services/checkpoint.py): a
 damaged one named directly is one message naming it and what is wrong; a run directory exports its
 newest intact checkpoint, with a warning naming the damaged ones skipped. Nothing is written to
 ``out_dir`` until the model has loaded.
@@ -25,7 +25,7 @@ from hybridflow.engine.checkpoint import SHARDS
 from hybridflow.engine.lora import ADAPTER
 from hybridflow.models import load_causal_lm
 from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
-from hybridflow.trainer.checkpoint import (
+from hybridflow.trainer.services.checkpoint import (
     COMPLETE,
     MANIFEST,
     STEP_DIR,

@@ -2,7 +2,8 @@
 
 The loaded config is what the user wrote and is never changed. What follows from it (the files it
 names as absolute paths, the advantage estimator, the roles the run needs, their pools, each role's
-parallel layout, whether the actor update supplies its own old log-probs) is computed here, once, by
+parallel layout and samples per rank and optimizer step, whether the actor update supplies its own old
+log-probs) is computed here, once, by
 ``make_run_plan``, into a frozen ``RunPlan``: ``check_config`` builds it while checking (a placement or
 layout that cannot work is a ConfigError naming its key), and the driver, the placement, the run directory
 and the worker groups read it instead of deriving anything again. Making the plan reads the models'
@@ -29,9 +30,9 @@ from hybridflow.models import list_builtin_models, resolve_model_path
 from hybridflow.models import model_config as read_model_config
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.rollout.backend import rollout_backend
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, TrainerConfig
-from hybridflow.trainer.placement import Placement, place_roles
-from hybridflow.trainer.roles import needed_roles
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, TrainerConfig
+from hybridflow.trainer.setup.placement import Placement, place_roles
+from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 
@@ -115,6 +116,9 @@ class RunPlan:
     placement: Placement  # the pools and the pool of each role
     layouts: Mapping[Role, LayoutShape]  # each role's (dp, t, tg) over its pool's ranks
     on_policy_update: bool  # the actor update supplies the old log-probs (no separate pass)
+    # the samples each data-parallel rank trains per optimizer step, for each trained role (actor, critic):
+    # ppo_mini_batch_size prompts x rollout.n over the role's dp ranks; the workers are given it
+    mini_batch_per_rank: Mapping[Role, int]
 
     def needs(self, role: Role) -> bool:
         return role in self.roles
@@ -257,14 +261,47 @@ def make_run_plan(config: HybridFlowConfig) -> RunPlan:
     roles = tuple(needed_roles(config, estimator))
     paths = RunPaths.resolve(config, roles)
     placement = place_roles(config, roles)
+    layouts = role_layouts(config, roles, placement, paths)
     return RunPlan(
         paths=paths,
         estimator=estimator,
         roles=roles,
         placement=placement,
-        layouts=MappingProxyType(role_layouts(config, roles, placement, paths)),
+        layouts=MappingProxyType(layouts),
         on_policy_update=on_policy_update(config),
+        mini_batch_per_rank=MappingProxyType(mini_batches_per_rank(config, roles, placement, layouts)),
     )
+
+
+def mini_batches_per_rank(
+    config: HybridFlowConfig, roles: tuple[Role, ...], placement: Placement, layouts: Mapping[Role, LayoutShape]
+) -> dict[Role, int]:
+    """Each trained role's samples per rank and optimizer step; ConfigError when a mini-batch does not divide
+    the train batch or does not split evenly over the role's data-parallel ranks."""
+    n = config.actor_rollout_ref.rollout.n
+    train = config.data.train_batch_size
+    sections = {Role.ActorRollout: ("actor_rollout_ref.actor", config.actor_rollout_ref.actor)}
+    if Role.Critic in roles:
+        sections[Role.Critic] = ("critic", config.critic)
+    per_rank = {}
+    for role, (prefix, section) in sections.items():
+        mini, world = section.ppo_mini_batch_size, layouts[role].dp
+        if train % mini:
+            raise ConfigError(
+                f"{prefix}.ppo_mini_batch_size",
+                f"{mini} does not divide data.train_batch_size={train}",
+                "choose a divisor of the train batch size",
+            )
+        if (mini * n) % world:
+            raise ConfigError(
+                f"{prefix}.ppo_mini_batch_size",
+                f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} data-parallel "
+                f"ranks of pool '{placement.role_pool[role]}' ({role.value})",
+                "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
+                "or its trainer.resource_pool_spec entry)",
+            )
+        per_rank[role] = mini * n // world
+    return per_rank
 
 
 def total_training_steps(trainer: TrainerConfig, steps_per_epoch: int) -> int:

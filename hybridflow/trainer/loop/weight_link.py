@@ -12,9 +12,9 @@ from hybridflow.hybrid_engine.interrupt import Interrupter
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import TransferAddress
 from hybridflow.hybrid_engine.transfer_setup import TransferSetup
-from hybridflow.trainer.config import AsyncTrainingConfig
-from hybridflow.trainer.roles import RoleGroups
-from hybridflow.trainer.run_plan import RunPlan
+from hybridflow.trainer.setup.config import AsyncTrainingConfig
+from hybridflow.trainer.setup.roles import RoleGroups
+from hybridflow.trainer.setup.run_plan import RunPlan
 
 
 class WeightLink:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role
-from hybridflow.trainer.config import HybridFlowConfig
+from hybridflow.trainer.setup.config import HybridFlowConfig
 
 
 def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> list[Role]:
@@ -72,6 +73,13 @@ class RoleGroups:
         for pool in self.resource_pools:
             pool.release(keep_processes)
         self.resource_pools = []
+
+    def kill(self) -> None:
+        """End every pool's processes now (after a failure: a thread's call waiting on them returns with their
+        error); a pool already dead, or Ray already gone, is passed over."""
+        for group in self.by_pool().values():
+            with contextlib.suppress(Exception):
+                group.kill()
 
     @property
     def generator(self) -> RayWorkerGroup:

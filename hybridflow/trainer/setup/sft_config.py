@@ -4,7 +4,7 @@ The sections that are the same thing as in RL are the same dataclasses: ``model`
 (path, gradient checkpointing, LoRA), ``optim`` AdamW's, and ``trainer`` the run's (``RunConfig``: length,
 workers, Ray, loggers, validation, checkpoints, resume); ``data`` and ``engine`` are SFT's own. Defaults are
 written once, in hybridflow/config/sft_trainer.yaml; loading, overrides and errors are RL's
-(trainer/config.py ``load_config``).
+(trainer/setup/config.py ``load_config``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 from hybridflow.data import SFTDataConfig
 from hybridflow.engine.config import SFTEngineConfig, TrainedModelConfig
 from hybridflow.engine.optim import OptimConfig
-from hybridflow.trainer.config import RunConfig, load_config
+from hybridflow.trainer.setup.config import RunConfig, load_config
 from hybridflow.validation import require
 
-SFT_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "sft_trainer.yaml"
+SFT_DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "sft_trainer.yaml"
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,7 @@ import torch
 
 from hybridflow.batch_keys import INTERRUPTED, RESPONSE_MASK, TOKEN_VERSIONS
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.timeline import StepTimeline
+from hybridflow.trainer.services.timeline import StepTimeline
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.rollout.build import build_rollout
     from hybridflow.tools import load_tools
-    from hybridflow.trainer.config import default_config
+    from hybridflow.trainer.setup.config import default_config
 
     parser = ArgumentParser(prog="hybridflow measure", description=__doc__)
     parser.add_argument("task", choices=sorted(TASKS))

@@ -1,6 +1,6 @@
 """``hybridflow train key=value ...``: check the config, start Ray, build the worker groups, run the loop.
 
-Also runnable as ``python -m hybridflow.trainer.main key=value ...`` (the same command, errors included).
+Also runnable as ``python -m hybridflow.trainer.commands.train key=value ...`` (the same command, errors included).
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, check_scorable, load_custom_reward_fn
 from hybridflow.reward.manager import CustomRewardFn
 from hybridflow.tools import load_tools
-from hybridflow.trainer.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
-from hybridflow.trainer.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
-from hybridflow.trainer.config_help import config_command_args
-from hybridflow.trainer.fully_async import FullyAsyncTrainer
-from hybridflow.trainer.one_step_off import OneStepOffTrainer
-from hybridflow.trainer.placement import build_groups
-from hybridflow.trainer.ppo_trainer import RayPPOTrainer
-from hybridflow.trainer.roles import RoleGroups
-from hybridflow.trainer.run_dir import check_run_dir
-from hybridflow.trainer.run_plan import RunPlan, total_training_steps
-from hybridflow.trainer.tracking import Tracking
+from hybridflow.trainer.loop.mode_parts import rl_trainer
+from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
+from hybridflow.trainer.services.tracking import Tracking
+from hybridflow.trainer.setup.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
+from hybridflow.trainer.setup.config_help import config_command_args
+from hybridflow.trainer.setup.placement import build_groups
+from hybridflow.trainer.setup.roles import RoleGroups
+from hybridflow.trainer.setup.run_dir import check_run_dir
+from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers import (
     ActorRolloutWorker,
@@ -44,6 +43,7 @@ def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dic
     section, and from the plan its layout and the files it reads."""
     seed, arr, paths = config.trainer.seed, config.actor_rollout_ref, plan.paths
     actor = dict(config=arr, model_path=paths.actor_model, layout=plan.actor_layout)
+    actor.update(mini_batch_per_rank=plan.mini_batch_per_rank[Role.ActorRollout])
     actor.update(total_training_steps=total_steps, seed=seed)
     files = dict(tool_config=paths.tool_config, default_agent=paths.default_agent)
     if plan.needs(Role.Rollout):  # generation apart: the actor only trains
@@ -64,7 +64,7 @@ def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dic
                 config=config.critic,
                 model_path=paths.critic_model,
                 layout=plan.layouts[Role.Critic],
-                n_samples=arr.rollout.n,
+                mini_batch_per_rank=plan.mini_batch_per_rank[Role.Critic],
                 total_training_steps=total_steps,
                 seed=seed,
             ),
@@ -146,21 +146,17 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         finished = False
         try:
             tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
-            loop = {"one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}.get(
-                config.trainer.async_training.mode, RayPPOTrainer
-            )
-            trainer = loop(
-                config,
-                plan,
-                groups,
-                reward_fn,
-                train_loader,
-                (lambda: iter(val_loader)) if val_loader else None,
-                tracking,
-                total_steps,
+            val_batches = (lambda: iter(val_loader)) if val_loader else None
+            trainer = rl_trainer(config, plan, groups, reward_fn, train_loader, val_batches, total_steps)
+            loop = StepLoop(
+                trainer,
+                schedule=run_schedule(config.trainer, total_steps, has_validation=val_loader is not None),
+                run_dir=plan.paths.run_dir,
+                tracking=tracking,
+                max_ckpt_to_keep=config.trainer.max_ckpt_to_keep,
             )
             try:
-                result = trainer.fit(resume_from=checkpoint)
+                result = loop.fit(resume_from=checkpoint)
                 finished = True
                 return result
             finally:
@@ -192,6 +188,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m hybridflow.trainer.main: the same command as hybridflow train
+if __name__ == "__main__":  # python -m hybridflow.trainer.commands.train: the same command as hybridflow train
     debug, arguments = split_debug_flag(sys.argv[1:])
     sys.exit(run_command(lambda: main(arguments), debug))

@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
+from typing import Protocol
 
+from hybridflow.controller import RayWorkerGroup
 from hybridflow.run_files import Span, append_spans
-from hybridflow.trainer.progress import RunProgress
-from hybridflow.trainer.roles import RoleGroups
+from hybridflow.trainer.services.progress import RunProgress
 
 # the stage a worker method is (the names of the timing_s/* metrics); other methods keep their names
 STAGE_OF_METHOD = {
@@ -41,7 +42,14 @@ STAGE_LABELS = {
     "validate": "validation",
     "save_checkpoint": "checkpoint",
     "weight_transfer": "weight transfer",
+    "train_batch": "training",
 }
+
+
+class PoolGroups(Protocol):
+    """The run's worker groups by pool (``RoleGroups``)."""
+
+    def by_pool(self) -> Mapping[str, RayWorkerGroup]: ...
 
 
 class StepTimeline:
@@ -80,14 +88,17 @@ class StepTimeline:
             self.spans.append(Span(self.step, span.lane, span.stage, span.rank, span.start + shift, span.end + shift))
         other.spans = []
 
-    def collect(self, groups: RoleGroups, pools: Collection[str] | None = None) -> None:
+    def collect(self, groups: PoolGroups, pools: Collection[str] | None = None) -> None:
         """Take the spans every pool's workers (or those of ``pools``) recorded since the last take."""
         for pool, group in groups.by_pool().items():
-            if pools is not None and pool not in pools:
-                continue
-            for rank, spans in enumerate(group.take_spans()):
-                for _role, method, start, end in spans:
-                    self._add(pool, STAGE_OF_METHOD.get(method, method), rank, start, end)
+            if pools is None or pool in pools:
+                self.collect_group(pool, group)
+
+    def collect_group(self, pool: str, group: RayWorkerGroup) -> None:
+        """Take the spans the workers of ``group`` (on ``pool``) recorded since the last take."""
+        for rank, spans in enumerate(group.take_spans()):
+            for _role, method, start, end in spans:
+                self._add(pool, STAGE_OF_METHOD.get(method, method), rank, start, end)
 
     def stage_seconds(self) -> dict[str, float]:
         """Per stage: the busiest rank's (or the driver's) total time in it."""

@@ -26,10 +26,11 @@ from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, RunConfig
-from hybridflow.trainer.placement import Placement
-from hybridflow.trainer.run_plan import RunPlan, make_run_plan, model_config
-from hybridflow.trainer.tracking import check_loggers
+from hybridflow.trainer.services.tracking import check_loggers
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, RunConfig
+from hybridflow.trainer.setup.modes import FULLY_ASYNC, training_mode
+from hybridflow.trainer.setup.placement import Placement
+from hybridflow.trainer.setup.run_plan import RunPlan, make_run_plan, model_config
 from hybridflow.validation import InvalidSetting, UserError
 
 
@@ -50,32 +51,6 @@ def check_files(files: list[str], key: str, required: bool) -> None:
         path = Path(file).expanduser()
         _check(path.is_file(), key, f"file '{file}' does not exist", "give existing parquet or jsonl files")
         _check(path.suffix in (".parquet", ".jsonl", ".json"), key, f"'{file}' is not .parquet or .jsonl")
-
-
-def _check_batch_sizes(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """Mini-batches divide the train batch and split evenly over each trained role's data-parallel ranks."""
-    n = cfg.actor_rollout_ref.rollout.n
-    train = cfg.data.train_batch_size
-    sections = [("actor_rollout_ref.actor", cfg.actor_rollout_ref.actor, Role.ActorRollout)]
-    if plan.needs(Role.Critic):
-        sections.append(("critic", cfg.critic, Role.Critic))
-    for prefix, section, role in sections:
-        mini = section.ppo_mini_batch_size
-        world = plan.layouts[role].dp
-        _check(
-            train % mini == 0,
-            f"{prefix}.ppo_mini_batch_size",
-            f"{mini} does not divide data.train_batch_size={train}",
-            "choose a divisor of the train batch size",
-        )
-        _check(
-            (mini * n) % world == 0,
-            f"{prefix}.ppo_mini_batch_size",
-            f"{mini} prompts x rollout.n={n} = {mini * n} samples do not split over the {world} data-parallel "
-            f"ranks of pool '{plan.placement.role_pool[role]}' ({role.value})",
-            "make ppo_mini_batch_size * rollout.n a multiple of the pool's ranks (trainer.n_workers_per_node, "
-            "or its trainer.resource_pool_spec entry)",
-        )
 
 
 def _check_rollout_backend(cfg: HybridFlowConfig, plan: RunPlan) -> None:
@@ -131,13 +106,13 @@ def _check_async(cfg: HybridFlowConfig) -> None:
     correct for that (the decoupled objective, or the rollout's log-probs as PPO's old policy)."""
     settings = cfg.trainer.async_training
     mode, rollout = settings.mode, cfg.actor_rollout_ref.rollout
-    lags = mode == "one_step_off" or (mode == "fully_async" and settings.max_staleness > 0)
+    lag = training_mode(mode).lag(settings)
     _check(
-        not lags or cfg.algorithm.rollout_correction.enabled or rollout.old_log_prob_source == "rollout",
+        lag == 0 or cfg.algorithm.rollout_correction.enabled or rollout.old_log_prob_source == "rollout",
         "trainer.async_training.mode",
-        f"{mode} trains batches after the policy that generated them changed (one_step_off: one version; "
-        f"fully_async: up to max_staleness={settings.max_staleness}), and nothing corrects for that: the rollout "
-        "correction is off and PPO's old log-probs are the trainer's",
+        f"{mode} trains batches up to {lag} policy version{'s' if lag > 1 else ''} after the one that generated "
+        "them, and nothing corrects for that: the rollout correction is off and PPO's old log-probs are the "
+        "trainer's",
         "set algorithm.rollout_correction.rollout_is=token (the decoupled objective: importance weights between "
         "the trainer's and the rollout's log-probs, truncated) or actor_rollout_ref.rollout.old_log_prob_source="
         "rollout",
@@ -151,7 +126,8 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
     be able to, on one rank per generation group, with samples whose only state is their tokens."""
     rollout, key = cfg.actor_rollout_ref.rollout, "trainer.async_training.partial_rollout"
     no = "set trainer.async_training.partial_rollout=false"
-    _check(cfg.trainer.async_training.mode == "fully_async", key, "only fully_async pushes weights mid-generation", no)
+    mode = cfg.trainer.async_training.mode
+    _check(mode == FULLY_ASYNC, key, f"only {FULLY_ASYNC} pushes weights mid-generation, not {mode}", no)
     _check(
         rollout_backend(rollout.name).partial_rollout,
         key,
@@ -331,8 +307,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     arr, trainer = cfg.actor_rollout_ref, cfg.trainer
     check_files(cfg.data.train_files, "data.train_files", required=True)
     check_files(cfg.data.val_files, "data.val_files", required=False)
-    plan = make_run_plan(cfg)  # models, placement and layouts: ConfigError where they do not fit
-    _check_batch_sizes(cfg, plan)
+    plan = make_run_plan(cfg)  # models, placement, layouts, batch splits: ConfigError where they do not fit
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)

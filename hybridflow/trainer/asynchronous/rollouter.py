@@ -25,10 +25,15 @@ import torch
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, INTERRUPTED, POSITION_IDS, RESPONSES, TOKEN_VERSIONS, UID
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.partial_rollout import OpenGroup, PartialRollout, continued_versions, oldest_version
-from hybridflow.trainer.rollout_batches import concat_rollouts
-from hybridflow.trainer.staleness import admission_capacity, queue_capacity, staleness_of
-from hybridflow.trainer.timeline import StepTimeline
+from hybridflow.trainer.asynchronous.partial_rollout import (
+    OpenGroup,
+    PartialRollout,
+    continued_versions,
+    oldest_version,
+)
+from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
+from hybridflow.trainer.asynchronous.staleness import admission_capacity, queue_capacity, staleness_of
+from hybridflow.trainer.services.timeline import StepTimeline
 
 # generate_chunk(prompts, chunk_index) -> (rollouts with uid "<chunk_index>-<i>" for prompt i, metrics, timeline)
 GenerateChunk = Callable[[DataProto, int], tuple[DataProto, dict[str, float], StepTimeline]]

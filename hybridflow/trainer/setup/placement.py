@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig
-from hybridflow.trainer.roles import RoleGroups, needs_reference
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.setup.roles import RoleGroups, needs_reference
 
 ROLE_NAMES = tuple(role.value for role in Role)
 

@@ -26,8 +26,9 @@ from hybridflow.algorithms import AlgorithmConfig
 from hybridflow.data import DataConfig
 from hybridflow.engine.config import CriticConfig
 from hybridflow.reward import CustomRewardFunctionConfig, RewardConfig
-from hybridflow.trainer.staleness import check_push_schedule
-from hybridflow.trainer.tracking import KNOWN_LOGGERS
+from hybridflow.trainer.asynchronous.staleness import check_push_schedule
+from hybridflow.trainer.services.tracking import KNOWN_LOGGERS
+from hybridflow.trainer.setup.modes import mode_names, training_mode
 from hybridflow.validation import (
     ConfigError,
     InputFileError,
@@ -39,20 +40,20 @@ from hybridflow.validation import (
 )
 from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "config" / "ppo_trainer.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "ppo_trainer.yaml"
 DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
-PLACEMENTS = ("all_colocate", "group_colocate", "separate", "custom")  # see trainer/placement.py
-ASYNC_MODES = ("sync", "one_step_off", "fully_async")  # see trainer/one_step_off.py, trainer/fully_async.py
-STALENESS_POLICIES = ("wait", "drop")  # see trainer/staleness.py
+PLACEMENTS = ("all_colocate", "group_colocate", "separate", "custom")  # see trainer/setup/placement.py
+STALENESS_POLICIES = ("wait", "drop")  # see trainer/asynchronous/staleness.py
 
 
 @dataclass(kw_only=True)
 class AsyncTrainingConfig:
     """Generation on a pool of its own (the rollout role), overlapping the actor's training."""
 
-    # sync (generate, then train, both on the actor's pool) | one_step_off (the rollout role generates the batch of
-    # step k+1 with the weights of step k-1 while the actor trains step k; trainer/one_step_off.py) | fully_async (the
-    # rollout role generates continuously into a queue, at most max_staleness versions ahead; trainer/fully_async.py)
+    # sync (generate, then train, both on the actor's pool) | one_step_off (the rollout role generates the batch
+    # of step k+1 with the weights of step k-1 while the actor trains step k; trainer/loop/generate_ahead.py) |
+    # fully_async (the rollout role generates continuously into a queue, at most max_staleness versions ahead;
+    # trainer/loop/async_queue.py); trainer/setup/modes.py registers them
     mode: str
     transfer_bucket_mb: float  # new weights go from the actor's pool to the rollout's in messages of at most this size
     # a weight transfer (or the start of its group) that does not finish in this time stops the run with an error
@@ -72,7 +73,7 @@ class AsyncTrainingConfig:
     partial_rollout: bool
 
     def __post_init__(self) -> None:
-        require_choice(self.mode, ASYNC_MODES, "mode")
+        require_choice(self.mode, mode_names(), "mode")
         require_positive(self.transfer_bucket_mb, "transfer_bucket_mb")
         require_positive(self.transfer_timeout_s, "transfer_timeout_s")
         require(self.max_staleness >= 0, "max_staleness", f"must be 0 or more, got {self.max_staleness}")
@@ -84,8 +85,8 @@ class AsyncTrainingConfig:
 
     @property
     def rollout_apart(self) -> bool:
-        """Whether generation runs on the rollout role's pool instead of the actor's (every mode but sync)."""
-        return self.mode != "sync"
+        """Whether generation runs on the rollout role's pool instead of the actor's (trainer/setup/modes.py)."""
+        return training_mode(self.mode).rollout_apart
 
 
 @dataclass(kw_only=True)
@@ -258,7 +259,7 @@ def load_config(
     defaults: Path = DEFAULT_CONFIG,
 ):
     """The ``defaults`` YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as the typed dataclasses of
-    ``root`` (RL's config by default; the SFT trainer's: trainer/sft_config.py)."""
+    ``root`` (RL's config by default; the SFT trainer's: trainer/setup/sft_config.py)."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(root), OmegaConf.load(defaults))
         if config_file is not None:

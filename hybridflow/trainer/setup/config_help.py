@@ -4,7 +4,7 @@
 
 is the help of ``actor_rollout_ref.model.path``; a help too long for one line is written as comment
 lines right above the field. The comments of the default YAML (hybridflow/config/ppo_trainer.yaml) are
-made from these, never edited by hand: ``python -m hybridflow.trainer.config_help`` rewrites them (``make
+made from these, never edited by hand: ``python -m hybridflow.trainer.setup.config_help`` rewrites them (``make
 format`` runs it), a test fails when they differ, and ``hybridflow train --help KEY`` prints them with
 the defaults. A backend's section (``rollout.<name>``) is described by its registered summary.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hybridflow.rollout.backend import rollout_backends
-from hybridflow.trainer.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig
 
 WIDTH = 120  # ruff's line length; a help that does not fit after its key goes above it
 
@@ -184,7 +184,7 @@ def _strip_comment(rest: str) -> str:
 
 def default_yamls() -> list[tuple[Path, type]]:
     """Each default YAML with the config dataclass it fills: RL's and the SFT trainer's."""
-    from hybridflow.trainer.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
+    from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
 
     return [(Path(DEFAULT_CONFIG), HybridFlowConfig), (SFT_DEFAULT_CONFIG, SFTConfig)]
 

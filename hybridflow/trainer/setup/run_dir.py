@@ -28,9 +28,14 @@ from hybridflow.run_files import (
     TRAINED_PROMPTS_FILE,
     keep_records_up_to,
 )
-from hybridflow.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound, read_trainer_state
-from hybridflow.trainer.config import ConfigError, HybridFlowConfig, RunConfig, to_yaml
-from hybridflow.trainer.run_plan import RunPlan
+from hybridflow.trainer.services.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    CheckpointNotFound,
+    read_trainer_state,
+)
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, RunConfig, to_yaml
+from hybridflow.trainer.setup.run_plan import RunPlan
 
 # metrics.jsonl and timeline.jsonl hold one record per step (or span): on resume the steps after the
 # checkpoint are dropped (the run redoes them); a fresh run in a used directory sets the old ones aside
