@@ -5,7 +5,7 @@
 The layers come from the import-linter contract in pyproject.toml (the rules `make test` checks) and
 the arrows from the package's real imports (grimp, the graph import-linter reads), so the picture
 shows the code as it is: an arrow from A to B means some module of A imports one of B, with the
-number of such module pairs. The dataflow is the driver's step (trainer/rl_trainer.py) drawn by hand.
+number of such module pairs. The dataflow is the driver's step (trainer/loop/rl_trainer.py) drawn by hand.
 """
 
 from __future__ import annotations
