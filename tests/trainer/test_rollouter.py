@@ -323,3 +323,27 @@ def test_a_snapshot_holds_open_groups_as_prompts_to_generate_again():
     # the 4 prompts were all cut (each group has a sample in flight): all come back as prompts, none queued
     assert state["queue"] == []
     assert sorted(int(p.non_tensor_batch[INDEX][0]) for p in state["backlog"]) == [0, 1, 2, 3]
+
+
+def test_a_rollouter_state_written_before_the_trainer_was_split_still_reads(monkeypatch):
+    """Checkpoints of fully async runs pickled FinishedGroup as hybridflow.trainer.rollouter.FinishedGroup; the
+    module moved to trainer/asynchronous/, and a resume reads the old name through the loop's unpickler."""
+    import pickle
+    import sys
+
+    from hybridflow.trainer.asynchronous import rollouter as new_module
+    from hybridflow.trainer.loop.async_queue import read_rollouter_state
+
+    rows = DataProto.from_dict({RESPONSES: torch.arange(6).reshape(2, 3)})
+    group = FinishedGroup(rows=rows, prompt=rows[:1], version=3, chunk=7)
+    with monkeypatch.context() as old_layout:  # pickle as the old layout did
+        old_layout.setitem(sys.modules, "hybridflow.trainer.rollouter", new_module)
+        old_layout.setattr(FinishedGroup, "__module__", "hybridflow.trainer.rollouter")
+        old = pickle.dumps({"queue": [group], "consumed": 4})
+    assert b"hybridflow.trainer.rollouter" in old and b"asynchronous" not in old
+    with pytest.raises(ModuleNotFoundError):
+        pickle.loads(old)
+    state = read_rollouter_state(old)
+    (restored,) = state["queue"]
+    assert isinstance(restored, FinishedGroup) and (restored.version, restored.chunk) == (3, 7)
+    assert torch.equal(restored.rows.batch[RESPONSES], rows.batch[RESPONSES]) and state["consumed"] == 4

@@ -21,6 +21,7 @@ trained twice.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import pickle
 from collections.abc import Iterator
@@ -55,6 +56,19 @@ from hybridflow.trainer.setup.config import AsyncTrainingConfig
 from hybridflow.trainer.setup.roles import RoleGroups
 
 ROLLOUTER_STATE = "rollouter.pkl"  # in a checkpoint: the queue, the prompts waiting and in flight, the counters
+# where the classes a rollouter state pickles lived before trainer/ was split into its parts
+MOVED_MODULES = {"hybridflow.trainer.rollouter": "hybridflow.trainer.asynchronous.rollouter"}
+
+
+class RollouterStateUnpickler(pickle.Unpickler):
+    """Reads a checkpoint's rollouter state, one written before the trainer's modules moved included."""
+
+    def find_class(self, module: str, name: str):
+        return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+def read_rollouter_state(data: bytes) -> dict:
+    return RollouterStateUnpickler(io.BytesIO(data)).load()
 
 
 class ChunkGenerator:
@@ -187,7 +201,7 @@ class AsyncQueue:
     def restore(self, checkpoint: Path, step: int) -> None:
         state_file = checkpoint / ROLLOUTER_STATE
         if state_file.is_file():
-            state = pickle.loads(state_file.read_bytes())
+            state = read_rollouter_state(state_file.read_bytes())
             self.rollouter.restore(state)
             queued, waiting = len(state["queue"]), len(state["backlog"])
             print(f"resumed the rollouter: {queued} groups queued, {waiting} prompts to generate (again)")
