@@ -6,7 +6,8 @@
     {"name": "calculator", "arguments": {"expression": "482 * 37"}}
     </tool_call>
 
-A call that cannot be read (broken JSON, no name, arguments that are not an object, a tag never
+One tag may hold a JSON list of such objects (SmolLM2 writes several calls that way): each is a call.
+A call that cannot be read (broken JSON, no name, arguments that are not an object, an empty list, a tag never
 closed) becomes a `MalformedCall` whose message goes back to the model as the tool's answer, so it
 can learn from it; it never stops the trajectory.
 """
@@ -38,13 +39,10 @@ ToolCallParser = Callable[[str], list[ParsedCall]]
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def _read_call(body: str) -> ParsedCall:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as error:
-        return MalformedCall(body, f"the tool call is not valid JSON ({error.msg} at character {error.pos})")
+def _call_of(call: Any, text: str) -> ParsedCall:
+    """One call from its decoded JSON (``text``: what the model wrote for it)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        return MalformedCall(body, 'a tool call is a JSON object {"name": ..., "arguments": {...}}')
+        return MalformedCall(text, 'a tool call is a JSON object {"name": ..., "arguments": {...}}')
     arguments = call.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
@@ -52,13 +50,27 @@ def _read_call(body: str) -> ParsedCall:
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        return MalformedCall(body, f"the arguments of {call['name']!r} must be a JSON object")
+        return MalformedCall(text, f"the arguments of {call['name']!r} must be a JSON object")
     return ToolCall(call["name"], arguments)
 
 
+def _read_calls(body: str) -> list[ParsedCall]:
+    """The calls of one tag: a JSON object, or a JSON list of them (SmolLM2 writes several calls so)."""
+    try:
+        value = json.loads(body)
+    except json.JSONDecodeError as error:
+        return [MalformedCall(body, f"the tool call is not valid JSON ({error.msg} at character {error.pos})")]
+    if not isinstance(value, list):
+        return [_call_of(value, body)]
+    if not value:
+        return [MalformedCall(body, "the tool call is an empty list")]
+    return [_call_of(item, json.dumps(item)) for item in value]
+
+
 def parse_hermes(text: str) -> list[ParsedCall]:
-    """Every ``<tool_call>...</tool_call>`` in ``text``, in order; an opening tag never closed is malformed."""
-    calls = [_read_call(body.strip()) for body in _HERMES_CALL.findall(text)]
+    """Every call of every ``<tool_call>...</tool_call>`` in ``text``, in order; an opening tag never closed is
+    malformed."""
+    calls = [call for body in _HERMES_CALL.findall(text) for call in _read_calls(body.strip())]
     unclosed = _HERMES_CALL.sub("", text)
     if "<tool_call>" in unclosed:
         tail = unclosed[unclosed.index("<tool_call>") :]
