@@ -49,6 +49,7 @@ from hybridflow.trainer.asynchronous.partial_rollout import version_range
 from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
 from hybridflow.trainer.asynchronous.rollouter import FinishedGroup, Rollouter, Taken
 from hybridflow.trainer.asynchronous.staleness import staleness_metrics, staleness_of
+from hybridflow.trainer.loop.batch_source import BatchSource
 from hybridflow.trainer.loop.generation import Generation, Metrics, informative_uids, mark_generated, rank_order
 from hybridflow.trainer.loop.weight_sync import PushEvery
 from hybridflow.trainer.services.timeline import StepTimeline
@@ -119,27 +120,20 @@ def informative(batch: DataProto) -> set[str]:
     return {uid for uid, differs in informative_uids(batch).items() if differs}
 
 
-class AsyncQueue:
+class AsyncQueue(BatchSource):
     def __init__(
         self,
         rollouter: Rollouter,
         push: PushEvery,
+        generation: Generation,
         groups: RoleGroups,
         loader: PromptDataLoader,
-        *,
-        settings: AsyncTrainingConfig,
-        pad_token_id: int,
-        actor_ranks: int,
         run_dir: Path,
     ):
+        super().__init__(groups, loader)
         self.rollouter = rollouter
         self.push = push
-        self.groups = groups
-        self.rollout_pool = push.rollout_pool
-        self.loader = loader
-        self.settings = settings
-        self.pad_token_id = pad_token_id
-        self.actor_ranks = actor_ranks
+        self.generation = generation  # its pad token and the actor's ranks order the batches
         self.run_dir = run_dir
         self.taken: Taken | None = None  # the groups of the step being trained
 
@@ -155,12 +149,12 @@ class AsyncQueue:
     def assemble(self, taken: Taken, step: int) -> tuple[DataProto, Metrics]:
         """The step's batch from its groups (in rank order), and what their generation and staleness say."""
         groups = taken.groups
-        batch = concat_rollouts([g.rows for g in groups], self.pad_token_id)
-        batch = batch.reorder(rank_order(batch, self.actor_ranks))
+        batch = concat_rollouts([g.rows for g in groups], self.generation.pad_token_id)
+        batch = batch.reorder(rank_order(batch, self.generation.actor_ranks))
         batch.meta_info = {GLOBAL_STEP: step}
         metrics = self.rollouter.chunk_metrics(groups)
         stalenesses = [staleness_of(step, g.version) for g in groups]
-        metrics.update(staleness_metrics(stalenesses, self.settings.max_staleness))
+        metrics.update(staleness_metrics(stalenesses, self.rollouter.max_staleness))
         metrics["async/policy_version_lag"] = metrics["async/staleness/mean"]
         if TOKEN_VERSIONS in batch.batch.keys():  # partial rollout: the staleness of each token
             mask = batch.batch[RESPONSE_MASK].bool()
@@ -173,9 +167,6 @@ class AsyncQueue:
         metrics["async/queue_groups"] = float(taken.queue_depth)
         metrics["async/dropped_groups"] = float(taken.dropped)
         return batch, metrics
-
-    def after_learn(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
-        pass
 
     def account(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
         """The chunks that finished during this step (their driver spans), the rollouter's counters, and which
@@ -214,7 +205,7 @@ class AsyncQueue:
         if self.rollouter.thread is None or self.rollouter.pauses:
             timeline.collect(self.groups)
         else:
-            pools = [pool for pool in self.groups.by_pool() if pool != self.rollout_pool]
+            pools = [pool for pool in self.groups.by_pool() if pool != self.push.rollout_pool]
             timeline.collect(self.groups, pools=pools)
 
     @contextlib.contextmanager
@@ -227,7 +218,7 @@ class AsyncQueue:
             if self.rollouter.rollout_version != step:
                 self.push.push(step, timeline, {})
             yield
-            timeline.collect(self.groups, pools=[self.rollout_pool])
+            timeline.collect(self.groups, pools=[self.push.rollout_pool])
 
     def end(self, failed: bool) -> None:
         """End the rollouter before the Ray session ends (a thread left inside a Ray call would start a cluster of

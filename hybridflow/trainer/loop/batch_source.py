@@ -15,7 +15,6 @@ import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Protocol
 
 from hybridflow.data import PromptDataLoader
 from hybridflow.protocol import DataProto
@@ -30,9 +29,17 @@ def train_batches(loader: PromptDataLoader, total_epochs: int) -> Iterator[DataP
         yield from loader
 
 
-class BatchSource(Protocol):
+class BatchSource:
+    """What the RL trainer asks of a source. A subclass implements ``next``; the rest defaults to a source that runs
+    nothing beside the step (``GenerateNow``)."""
+
+    def __init__(self, groups: RoleGroups, loader: PromptDataLoader):
+        self.groups = groups
+        self.loader = loader
+
     def next(self, step: int, timeline: StepTimeline) -> tuple[DataProto, Metrics] | None:
         """Step ``step``'s batch and its generation's metrics; None when the data ran out."""
+        raise NotImplementedError
 
     def after_learn(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
         """After the step's updates, before the weights move (one_step_off waits for the next batch here)."""
@@ -42,25 +49,29 @@ class BatchSource(Protocol):
 
     def checkpoint(self) -> tuple[dict, list[tuple[str, bytes]]]:
         """The loader's position and the files a checkpoint holds of this source (name, contents)."""
+        return self.loader.state_dict(), []
 
-    def restore(self, checkpoint: Path, step: int) -> None: ...
+    def restore(self, checkpoint: Path, step: int) -> None:
+        """Take back what ``checkpoint`` (after step ``step``) holds of this source, the loader's position aside."""
 
     def collect_spans(self, timeline: StepTimeline) -> None:
         """The spans of the pools the loop may take from now."""
+        timeline.collect(self.groups)
 
     def validation(self, step: int, timeline: StepTimeline) -> AbstractContextManager[None]:
         """Held while validation generates with the weights after ``step``."""
+        return contextlib.nullcontext()
 
-    def end(self, failed: bool) -> None: ...
+    def end(self, failed: bool) -> None:
+        """After the last step, or when a step failed: stop what runs in the background."""
 
 
-class GenerateNow:
+class GenerateNow(BatchSource):
     """sync: the step's prompts generated at the start of the step, by the weights it then trains."""
 
     def __init__(self, generation: Generation, groups: RoleGroups, loader: PromptDataLoader, total_epochs: int):
+        super().__init__(groups, loader)
         self.generation = generation
-        self.groups = groups
-        self.loader = loader
         self.batches = train_batches(loader, total_epochs)  # one iterator: dynamic sampling draws more prompts from it
 
     def next(self, step: int, timeline: StepTimeline) -> tuple[DataProto, Metrics] | None:
@@ -69,24 +80,3 @@ class GenerateNow:
             return None
         metrics: Metrics = {}
         return self.generation.experience(prompts, self.batches, step, timeline, metrics), metrics
-
-    def after_learn(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
-        pass
-
-    def account(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
-        pass
-
-    def checkpoint(self) -> tuple[dict, list[tuple[str, bytes]]]:
-        return self.loader.state_dict(), []
-
-    def restore(self, checkpoint: Path, step: int) -> None:
-        pass
-
-    def collect_spans(self, timeline: StepTimeline) -> None:
-        timeline.collect(self.groups)
-
-    def validation(self, step: int, timeline: StepTimeline) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def end(self, failed: bool) -> None:
-        pass

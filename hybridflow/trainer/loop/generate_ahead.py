@@ -19,19 +19,17 @@ for it (reward scoring for dynamic sampling, ReMax's baseline) overlap the train
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
 from collections.abc import Iterator
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
 from hybridflow.data import PromptDataLoader
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.loop.batch_source import train_batches
+from hybridflow.trainer.loop.batch_source import BatchSource, train_batches
 from hybridflow.trainer.loop.generation import Generation, Metrics
 from hybridflow.trainer.services.timeline import StepTimeline
 from hybridflow.trainer.setup.roles import RoleGroups
@@ -56,7 +54,7 @@ class Experience:
         return cls(future, StepTimeline(step), metrics)
 
 
-class GenerateAhead:
+class GenerateAhead(BatchSource):
     def __init__(
         self,
         generation: Generation,
@@ -66,9 +64,8 @@ class GenerateAhead:
         total_epochs: int,
         total_steps: int,
     ):
+        super().__init__(groups, loader)
         self.generation = generation
-        self.groups = groups
-        self.loader = loader
         self.total_steps = total_steps
         self.batches: Iterator[DataProto] = train_batches(loader, total_epochs)
         self.generating = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")
@@ -118,9 +115,6 @@ class GenerateAhead:
         busy = timeline.stage_seconds().get("gen", 0.0)
         metrics["async/rollout_idle_s"] = max(0.0, time.time() - timeline.start - busy)
 
-    def account(self, step: int, timeline: StepTimeline, metrics: Metrics) -> None:
-        pass
-
     def checkpoint(self) -> tuple[dict, list[tuple[str, bytes]]]:
         """The loader's position and the already generated batch of the next step with its generation's metrics
         (none after the last step)."""
@@ -136,12 +130,6 @@ class GenerateAhead:
             self.pending = Experience.done(step + 1, record["batch"], record["metrics"])
         elif step < self.total_steps:
             print(f"{checkpoint} holds no generated batch (a synchronous run's): the next one is generated anew")
-
-    def collect_spans(self, timeline: StepTimeline) -> None:
-        timeline.collect(self.groups)
-
-    def validation(self, step: int, timeline: StepTimeline) -> AbstractContextManager[None]:
-        return contextlib.nullcontext()  # the rollout's pool is idle, holding the weights after ``step``
 
     def end(self, failed: bool) -> None:
         """After the last step the thread ends after its last item. After a failure (a worker died, the user

@@ -39,11 +39,11 @@ from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
 from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
+from hybridflow.trainer.loop.step_loop import Metrics
 from hybridflow.trainer.services.timeline import StepTimeline
 from hybridflow.trainer.setup.config import HybridFlowConfig
 
 RewardFn = Callable[[DataProto], RewardResult]
-Metrics = dict[str, float]
 
 
 def take_metrics(output: DataProto, metrics: Metrics) -> DataProto:

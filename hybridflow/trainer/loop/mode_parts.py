@@ -74,16 +74,7 @@ def fully_async_parts(inputs: ModeInputs) -> tuple[BatchSource, WeightSync]:
         else None,
     )
     push = PushEvery(link, rollouter, groups, rollout_pool, settings.weight_push_every)
-    source = AsyncQueue(
-        rollouter,
-        push,
-        groups,
-        inputs.loader,
-        settings=settings,
-        pad_token_id=generation.pad_token_id,
-        actor_ranks=generation.actor_ranks,
-        run_dir=inputs.plan.paths.run_dir,
-    )
+    source = AsyncQueue(rollouter, push, generation, groups, inputs.loader, inputs.plan.paths.run_dir)
     return source, push
 
 
