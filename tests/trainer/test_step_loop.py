@@ -165,3 +165,31 @@ def test_a_trainer_whose_step_only_validates(tmp_path):
     fit(ValidationOnly(), tmp_path, total_steps=3, save_freq=0)
     got = records(tmp_path)
     assert [got[s]["val/clock"] for s in (0, 1, 2, 3)] == [0.0, 1.0, 2.0, 3.0]
+
+
+class KilledAtCommit(BaseException):
+    """Stands for SIGKILL: nothing after it runs."""
+
+
+def test_a_run_killed_as_its_checkpoint_completes_resumes_with_every_record(tmp_path, monkeypatch):
+    """The checkpoint of step 3 becomes complete (renamed into place) and the run dies at once: the step's metrics
+    must already be written, or the resumed run (which starts after step 3) would never write them."""
+    import hybridflow.trainer.services.checkpoint as checkpoint_module
+
+    fit(RunningMean(DATA), tmp_path / "whole")
+    replace = checkpoint_module.os.replace
+
+    def replace_then_die(source, target):
+        replace(source, target)
+        if Path(target).name == "global_step_3":
+            raise KilledAtCommit
+
+    with monkeypatch.context() as dying:
+        dying.setattr(checkpoint_module.os, "replace", replace_then_die)
+        with pytest.raises(KilledAtCommit):
+            fit(RunningMean(DATA), tmp_path / "killed")
+    fit(RunningMean(DATA), tmp_path / "killed", resume_from=tmp_path / "killed" / "global_step_3")
+    whole, killed = records(tmp_path / "whole"), records(tmp_path / "killed")
+    assert sorted(killed) == sorted(whole) == [0, 1, 2, 3, 4, 5]
+    assert [killed[s]["train/value"] for s in range(1, 6)] == [whole[s]["train/value"] for s in range(1, 6)]
+    assert "timing_s/save_checkpoint" in killed[3]

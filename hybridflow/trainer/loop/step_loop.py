@@ -17,6 +17,7 @@ way, the driver's and the workers'), the schedule (``Schedule``) and the run dir
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,21 +169,35 @@ class StepLoop:
             return self.trainer.validate(self.step, timeline)
 
     def end_step(self, metrics: Metrics, timeline: StepTimeline, progress: RunProgress) -> None:
-        """Validate and checkpoint when due, then record the step: its timeline, its metrics, the progress."""
+        """Validate when due; write the step's records (its timeline and metrics); checkpoint when due. A due
+        checkpoint counts only once the records are written: a run killed at any moment and resumed from its
+        newest checkpoint has the records of every step up to it (the resume drops those after it)."""
         if self.schedule.validate_after(self.step):
             metrics.update(self.validate(timeline))
-        if self.schedule.save_after(self.step):
-            with timeline.stage("save_checkpoint", on_driver=True):
-                self.save_checkpoint()
-            metrics["timing_s/save_checkpoint"] = timeline.stage_seconds()["save_checkpoint"]
+        if not self.schedule.save_after(self.step):
+            self.write_records(metrics, timeline)
+        else:
+            start = time.time()
+
+            def records_first() -> None:
+                end = time.time()
+                timeline.driver_span("save_checkpoint", start, end)
+                metrics["timing_s/save_checkpoint"] = end - start
+                self.write_records(metrics, timeline)
+
+            with timeline.stage("save_checkpoint"):  # shown; its span is the one records_first adds
+                self.save_checkpoint(before_commit=records_first)
+        progress.step_done(self.step, metrics)
+
+    def write_records(self, metrics: Metrics, timeline: StepTimeline) -> None:
         self.trainer.collect_spans(timeline)
         timeline.append_to(self.run_dir / TIMELINE_FILE)
         self.tracking.log(metrics, step=self.step)
-        progress.step_done(self.step, metrics)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, before_commit: Callable[[], None] | None = None) -> Path:
         parts = self.trainer.checkpoint(self.step)
-        return self.checkpoints.save(self.step, parts.write, {"global_step": self.step, **parts.state})
+        state = {"global_step": self.step, **parts.state}
+        return self.checkpoints.save(self.step, parts.write, state, before_commit=before_commit)
 
     def resume(self, checkpoint: Path) -> None:
         state = read_trainer_state(checkpoint)  # before the workers load: a bad one fails here, not in them

@@ -262,9 +262,16 @@ class CheckpointManager:
                 "(trainer.max_ckpt_to_keep) or write them elsewhere (trainer.default_local_dir)"
             )
 
-    def save(self, step: int, write_roles: Callable[[Path], None], trainer_state: dict) -> Path:
+    def save(
+        self,
+        step: int,
+        write_roles: Callable[[Path], None],
+        trainer_state: dict,
+        before_commit: Callable[[], None] | None = None,
+    ) -> Path:
         """``write_roles(tmp_dir)`` has the workers write their state; then the driver's state, manifest,
-        marker, rename. A failed save leaves no ``.tmp`` directory and the earlier checkpoints intact."""
+        ``before_commit()`` (what must exist whenever the checkpoint does: the step's records), marker, rename.
+        A failed save leaves no ``.tmp`` directory and the earlier checkpoints intact."""
         self.check_free_space()
         tmp = self.run_dir / f"global_step_{step}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -273,6 +280,8 @@ class CheckpointManager:
             write_roles(tmp)
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1))
             write_manifest(tmp)
+            if before_commit is not None:
+                before_commit()
             (tmp / COMPLETE).write_text("")
         except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -65,6 +65,10 @@ class StepTimeline:
         """A span from wall-clock times."""
         self.spans.append(Span(self.step, lane, stage, rank, start - self.start, end - self.start))
 
+    def driver_span(self, stage: str, start: float, end: float) -> None:
+        """The driver's own work from ``start`` to ``end`` (wall clock), timed by the caller."""
+        self._add("driver", stage, -1, start, end)
+
     @contextlib.contextmanager
     def stage(self, name: str, *, on_driver: bool = False) -> Iterator[None]:
         """One stage of the step, shown on the progress display while it runs. ``on_driver``: the driver does
@@ -78,7 +82,7 @@ class StepTimeline:
                 yield
             finally:
                 if on_driver:
-                    self._add("driver", name, -1, start, time.time())
+                    self.driver_span(name, start, time.time())
 
     def absorb(self, other: StepTimeline) -> None:
         """Take the spans of ``other`` (the driver's work for another step that ran during this one, e.g. the
