@@ -39,6 +39,11 @@ PROMPT_TENSORS = (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)  # what generation re
 NUM_TURNS = "num_turns"  # (B,) assistant (generation) turns
 TOOL_CALLS = "tool_calls"  # (B,) tool calls the model made (malformed ones included)
 TOOL_ERRORS = "tool_errors"  # (B,) calls answered with an error
+# ---- the agent endpoint (rollout/agent_server): per row, what its session did
+AGENT_REQUESTS = "agent_requests"  # (B,) requests the sample's agent made
+AGENT_BRANCHES = "agent_branches"  # (B,) conversations its session started (an edited history starts one)
+AGENT_PARSE_FAILURES = "agent_parse_failures"  # (B,) turns whose tool-call markup did not parse
+AGENT_SERVER_SECONDS = "agent_server_seconds"  # (B,) time in the endpoint's own code for its requests
 
 # ---- per-row objects (DataProto.non_tensor_batch); the dataset's file columns keep these names -
 UID = "uid"  # group id shared by the n samples of one prompt
@@ -53,6 +58,8 @@ TURN_SCORES = "turn_scores"  # multi-turn: list per row, each assistant turn's t
 TURN_ENDS = "turn_ends"  # multi-turn: list per row, the response index of each assistant turn's last token
 TOOL_REWARDS = "tool_rewards"  # multi-turn: dict per row, tool name -> its reward for the whole trajectory
 AGENT_FAILURE = "agent_failure"  # multi-turn: why the row's agent loop failed ("" if it did not)
+AGENT_REWARD = "agent_reward"  # agent endpoint: the reward the row's agent returned (NaN if it failed)
+AGENT_METRICS = "agent_metrics"  # agent endpoint: the other numbers the row's agent returned {name: float}
 FINAL_RESPONSE = "final_response"  # multi-turn: the last assistant turn's text, added to extra_info for scorers
 NLL_SUM = "nll_sum"  # SFT evaluation: (B,) a row's summed negative log-likelihood over its trained tokens
 LOSS_TOKENS = "loss_tokens"  # SFT evaluation: (B,) a row's trained tokens

@@ -7,6 +7,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.rollout.agent import AgentRollout
+from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.rollout.base import Rollout
 from hybridflow.rollout.config import RolloutConfig
@@ -28,6 +29,11 @@ def build_rollout(
     ``multi_turn.default_agent``), which the trainer gives with the run's resolved paths."""
     backend = rollout_backend(config.name)
     generator = backend.build(model, tokenizer, config.backend_settings(), tp_group)
+    if config.agent.enabled:
+        multi_turn = config.multi_turn
+        return AgentFunctionRollout(
+            generator, tokenizer, config.agent, tool_role=multi_turn.tool_role, format=multi_turn.format
+        )
     if not config.multi_turn.enable:
         return generator
     return AgentRollout(generator, tokenizer, config.multi_turn, tools, default_agent=default_agent)

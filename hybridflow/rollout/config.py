@@ -13,6 +13,7 @@ from typing import Any
 
 from hybridflow.models.dtypes import DTYPE_CHOICES
 from hybridflow.rollout.agent.config import MultiTurnConfig
+from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.backend import backend_sections, rollout_backend, rollout_backends
 from hybridflow.rollout.sampling import SamplingConfig
 from hybridflow.validation import require, require_choice, require_positive
@@ -43,6 +44,7 @@ class _RolloutSettings(SamplingConfig):
     log_prob_check_every: int  # auto: recompute (and re-measure the diff) every N steps
     val_kwargs: SamplingConfig  # validation sampling
     multi_turn: MultiTurnConfig  # request-level multi-turn rollout with tools (hybridflow/rollout/agent)
+    agent: AgentServerConfig  # the user's agents through an OpenAI-compatible endpoint (docs/agent_server.md)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -56,6 +58,23 @@ class _RolloutSettings(SamplingConfig):
             "name",
             f"multi-turn rollout drives an engine request by request; {self.name} has no such API",
             f"use one of {[name for name, b in rollout_backends().items() if b.request_api]}",
+        )
+        require(
+            not self.agent.enabled or backend.request_api,
+            "agent.function",
+            f"agents are served by an engine request by request; {self.name} has no such API",
+            f"use one of {[name for name, b in rollout_backends().items() if b.request_api]}",
+        )
+        require(
+            not (self.agent.enabled and self.multi_turn.enable),
+            "agent.function",
+            "a run's samples come from the user's agents (agent.function) or from agent loops (multi_turn.enable)",
+            "set one of them",
+        )
+        require(
+            not self.agent.enabled or self.tensor_model_parallel_size == 1,
+            "agent.function",
+            "agents through the endpoint need tensor_model_parallel_size=1 (each agent talks to one engine)",
         )
         require_choice(self.old_log_prob_source, OLD_LOG_PROB_SOURCES, "old_log_prob_source")
         require_positive(self.log_prob_tolerance, "log_prob_tolerance")

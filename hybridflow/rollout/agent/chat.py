@@ -57,38 +57,60 @@ class ChatFormat:
     def tool_response_ids(self, contents: list[str]) -> list[int]:
         """The ids that follow an assistant turn's end token to add one tool message per content and open the
         next assistant turn. No text of a content becomes a control token."""
-        pieces = self._template_pieces(len(contents))
-        template = self._encode("".join(pieces))[len(self.prefix) :]  # the template's own text, no contents
+        return self.continuation_ids([{"role": self.tool_role, "content": content} for content in contents])
+
+    def continuation_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """The ids that follow an assistant turn's end token to add ``messages`` (tool or user messages, each
+        with a ``content`` string) and open the next assistant turn, as the template renders them after a
+        conversation. No text of a content becomes a control token."""
+        pieces, contents = self._template_pieces(_BASE, messages, template_kwargs)
+        return self._ids_of(pieces, contents, skip=len(self.prefix))
+
+    def conversation_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        """A whole conversation with the next assistant header, as the template renders it (``template_kwargs``:
+        ``tools=...``, say), with every message's content tokenised as plain text: no text a client sent
+        becomes a control token."""
+        pieces, contents = self._template_pieces([], messages, template_kwargs)
+        return self._ids_of(pieces, contents, skip=0)
+
+    def _ids_of(self, pieces: list[str], contents: list[str], skip: int) -> list[int]:
+        """The ids of the template's ``pieces`` with ``contents`` between them, after the first ``skip`` (which
+        must be the base conversation's ``prefix``)."""
+        template = self._encode("".join(pieces))[skip:]  # the template's own text, no contents
         template_controls = Counter(i for i in template if i in self.control_ids)
         for whole in (False, True):  # whole: each content as plain text as a whole, the guard's fallback
             full = self._encode_segments(pieces, contents, whole)
-            if full[: len(self.prefix)] != self.prefix:
+            if skip and full[:skip] != self.prefix:
                 raise ChatTemplateError(
-                    "the chat template renders the assistant turn differently once a tool message follows it, "
-                    "so tool output cannot be appended to the generated tokens; use a template that renders "
+                    "the chat template renders the assistant turn differently once a message follows it, "
+                    "so later messages cannot be appended to the generated tokens; use a template that renders "
                     "earlier turns the same way, or a tool_role it accepts"
                 )
-            delta = full[len(self.prefix) :]
+            delta = full[skip:]
             if Counter(i for i in delta if i in self.control_ids) == template_controls:
                 return delta
-        raise ChatTemplateError("tool text would become control tokens of this tokenizer; this is a bug")
+        raise ChatTemplateError("message text would become control tokens of this tokenizer; this is a bug")
 
-    def _template_pieces(self, n: int) -> list[str]:
-        """The rendered conversation (the base, ``n`` tool messages, the next assistant header) cut at each tool
-        message's content: n + 1 pieces of the template's own text."""
-        marks = [_PLACEHOLDER.format(i) for i in range(n)]
-        messages = _BASE + [{"role": self.tool_role, "content": mark} for mark in marks]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def _template_pieces(
+        self, fixed: list[dict[str, Any]], messages: list[dict[str, Any]], template_kwargs: dict[str, Any]
+    ) -> tuple[list[str], list[str]]:
+        """The rendered conversation (``fixed`` as they are, then ``messages``, then the next assistant header)
+        cut at each of ``messages``' contents: n + 1 pieces of the template's own text, and the n contents."""
+        marks = [_PLACEHOLDER.format(i) for i in range(len(messages))]
+        marked = [{**message, "content": mark} for message, mark in zip(messages, marks)]
+        text = self.tokenizer.apply_chat_template(
+            fixed + marked, tokenize=False, add_generation_prompt=True, **template_kwargs
+        )
         pieces = []
-        for mark in marks:
+        for message, mark in zip(messages, marks):
             if text.count(mark) != 1:
                 raise ChatTemplateError(
-                    f"the chat template does not show a {self.tool_role!r} message's content once, as given; "
-                    "tool output cannot be placed in it"
+                    f"the chat template does not show a {message['role']!r} message's content once, as given; "
+                    "its text cannot be placed in it"
                 )
             piece, text = text.split(mark)
             pieces.append(piece)
-        return [*pieces, text]
+        return [*pieces, text], [str(message.get("content") or "") for message in messages]
 
     def _encode_segments(self, pieces: list[str], contents: list[str], whole: bool) -> list[int]:
         """The template's pieces with the contents between them: runs of text tokenised as usual, and the

@@ -1,0 +1,247 @@
+"""`AgentFunctionRollout`: each sample's agent is the user's own code, run against the endpoint.
+
+For every row of a generation call a session is opened and ``rollout.agent.function`` is called with the session's
+``base_url`` and ``api_key`` and the row (its chat prompt, data source, ground truth, extra_info, index); all of a
+call's agents run at once (a plain function in its own thread, a coroutine function in the event loop), their
+requests decoded together by the engine. What an agent returns is the sample's reward: a number, or a dict with
+"reward" and more numbers (reported as ``agent/<name>``). The sample is the session's latest branch (its earlier
+branches are counted, not trained); an agent that raises, times out or makes no request leaves the update, with
+the reason in ``agent_failure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import math
+import numbers
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridflow.batch_keys import (
+    AGENT_BRANCHES,
+    AGENT_METRICS,
+    AGENT_PARSE_FAILURES,
+    AGENT_REQUESTS,
+    AGENT_REWARD,
+    AGENT_SERVER_SECONDS,
+    DATA_SOURCE,
+    EXTRA_INFO,
+    INDEX,
+    RAW_PROMPT,
+    REWARD_MODEL,
+)
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.agent.chat import ChatFormat
+from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
+from hybridflow.rollout.agent.rollout import assemble_trajectories
+from hybridflow.rollout.agent.state import STOP_LENGTH, STOP_NO_TOOL_CALL, RequestState, Trajectory
+from hybridflow.rollout.agent_server.config import AgentServerConfig
+from hybridflow.rollout.agent_server.rendering import MessageRenderer
+from hybridflow.rollout.agent_server.server import AgentServer, build_app
+from hybridflow.rollout.agent_server.sessions import Session, SessionTable
+from hybridflow.rollout.agent_server.turns import TurnRunner
+from hybridflow.rollout.base import Rollout, SamplingParams
+from hybridflow.user_code import load_object
+
+logger = logging.getLogger(__name__)
+
+ROW_COLUMNS = (RAW_PROMPT, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX)  # what an agent is given of its row
+
+
+class AgentFailure(RuntimeError):
+    pass
+
+
+def agent_result(value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, metrics) from what an agent function returned."""
+    metrics: dict[str, float] = {}
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise AgentFailure(f"the agent returned a dict without 'reward': keys {sorted(value)}")
+        metrics = {str(k): float(v) for k, v in value.items() if k != "reward" and isinstance(v, numbers.Real)}
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise AgentFailure(f"the agent returned {value!r}, not a finite number (or a dict with 'reward')")
+    return float(value), metrics
+
+
+def load_agent_function(spec: str) -> Any:
+    function = load_object(spec, "actor_rollout_ref.rollout.agent.function")
+    if not callable(function):
+        raise TypeError(f"rollout.agent.function {spec!r} names {function!r}, which is not callable")
+    return function
+
+
+class AgentFunctionRollout(Rollout):
+    """Generation by the user's agents through the endpoint, over ``backend``'s request engine."""
+
+    def __init__(self, backend: Rollout, tokenizer: Any, config: AgentServerConfig, *, tool_role: str, format: str):
+        self.backend = backend
+        self.engine = backend.request_engine()
+        self.tokenizer = tokenizer
+        self.config = config
+        self.function = load_agent_function(config.function)
+        self.renderer = MessageRenderer(ChatFormat(tokenizer, backend.eos_token_ids, tool_role))
+        self.parse = TOOL_CALL_FORMATS[format]
+        self.pad_token_id = backend.pad_token_id
+        self._logged: set[str] = set()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.backend.load_weights(named_tensors)
+
+    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.backend.load_base_weights(named_tensors)
+
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        self.backend.load_adapters(adapters, scaling)
+
+    def release_cache(self) -> None:
+        self.backend.release_cache()
+
+    def request_engine(self):
+        return self.engine
+
+    def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
+        """prompts: the row columns of ``ROW_COLUMNS`` (the tensors are not read: the agent renders its own
+        conversation). params.max_new_tokens: each trajectory's response budget."""
+        n = len(prompts)
+        rows = [
+            {key: _plain(prompts.non_tensor_batch[key][i]) for key in ROW_COLUMNS if key in prompts.non_tensor_batch}
+            for i in range(n)
+        ]
+        sessions, outcomes = asyncio.run(self._run_all(rows, params))
+        trajectories = [self._trajectory(i, s, o) for i, (s, o) in enumerate(zip(sessions, outcomes))]
+        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories], self.pad_token_id)
+        tensors, non_tensors = assemble_trajectories(
+            prompt_ids, prompt_mask, trajectories, params.max_new_tokens, self.pad_token_id
+        )
+        tensors |= _session_counts(sessions)
+        non_tensors[AGENT_REWARD] = _objects([o[0] for o in outcomes])
+        non_tensors[AGENT_METRICS] = _objects([o[1] for o in outcomes])
+        return DataProto.from_dict(tensors, non_tensors, meta_info=dict(prompts.meta_info))
+
+    async def _run_all(self, rows: list[dict], params: SamplingParams) -> tuple[list[Session], list[tuple]]:
+        config = self.config
+        max_len = config.max_prompt_tokens + params.max_new_tokens
+        table = SessionTable(config)
+        runner = TurnRunner(
+            self.engine,
+            self.renderer,
+            self.parse,
+            response_length=params.max_new_tokens,
+            max_prompt_tokens=config.max_prompt_tokens,
+        )
+        app = build_app(
+            config, table, runner, temperature=params.temperature, top_p=params.top_p, max_model_len=max_len
+        )
+        server = AgentServer(config, app)
+        max_requests = len(rows) * config.max_branches_per_session
+        sessions = [table.open(i) for i in range(len(rows))]
+        with ThreadPoolExecutor(max_workers=max(1, len(rows)), thread_name_prefix="agent") as threads:
+            async with self.engine.serving(params, max_len=max_len, max_requests=max_requests):
+                async with server.running():
+                    runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
+                    outcomes = list(await asyncio.gather(*runs))
+        return sessions, outcomes
+
+    async def _run_one(
+        self, server: AgentServer, table: SessionTable, session: Session, row: dict, threads: ThreadPoolExecutor
+    ) -> tuple[float, dict, str]:
+        """(reward, metrics, failure: "" if none) of one sample's agent."""
+        base_url = f"{server.base_url}/sessions/{session.id}/v1"
+        started = time.perf_counter()
+        try:
+            if inspect.iscoroutinefunction(self.function):
+                call = self.function(base_url=base_url, api_key=session.key, row=row)
+            else:
+                loop = asyncio.get_running_loop()
+                call = loop.run_in_executor(
+                    threads, lambda: self.function(base_url=base_url, api_key=session.key, row=row)
+                )
+            reward, metrics = agent_result(await asyncio.wait_for(call, self.config.timeout_s))
+            if session.last is None:
+                raise AgentFailure("the agent made no request to the endpoint")
+            return reward, {**metrics, "seconds": time.perf_counter() - started}, ""
+        except Exception as error:  # noqa: BLE001  (one agent's failure must not end the step)
+            if isinstance(error, asyncio.TimeoutError):
+                error = AgentFailure(f"the agent ran over rollout.agent.timeout_s={self.config.timeout_s}")
+            self._log(error)
+            return math.nan, {}, f"{type(error).__name__}: {error}"
+        finally:
+            table.close(session)
+            for k in range(session.engine_requests_used):
+                self.engine.release(session.first_engine_request + k)
+
+    def _trajectory(self, index: int, session: Session, outcome: tuple[float, dict, str]) -> Trajectory:
+        branch = session.last
+        prompt = branch.prompt if branch is not None else [self.pad_token_id]
+        trajectory = Trajectory(request=index, prompt=prompt)
+        failure = outcome[2]
+        if branch is not None:
+            trajectory.tokens, trajectory.mask, trajectory.log_probs = branch.tokens, branch.mask, branch.log_probs
+            trajectory.turn_ends = list(branch.turn_ends)
+            trajectory.turn_scores = [0.0] * len(branch.turn_ends)
+            trajectory.assistant_turns = len(branch.turn_ends)
+            trajectory.user_turns = max(0, len(branch.turn_ends) - 1)
+        trajectory.tool_calls = session.counts.tool_calls
+        if failure:
+            trajectory.fail(failure)
+        else:
+            trajectory.move_to(RequestState.GENERATING)
+            trajectory.finish(STOP_LENGTH if branch.finish_reason == "length" else STOP_NO_TOOL_CALL)
+        return trajectory
+
+    def _log(self, error: Exception) -> None:
+        kind = type(error).__name__
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("rollout.agent.function failed; the sample leaves the update (agent_failure): %r", error)
+
+
+def _plain(value: Any) -> Any:
+    """A row value as plain Python (numpy arrays of a parquet column to lists), for the user's agent."""
+    if isinstance(value, np.ndarray):
+        return [_plain(v) for v in value.tolist()]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):
+        array[i] = value
+    return array
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[i, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def _session_counts(sessions: list[Session]) -> dict[str, torch.Tensor]:
+    def column(values: list[float], dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype)
+
+    return {
+        AGENT_REQUESTS: column([s.counts.requests for s in sessions]),
+        AGENT_BRANCHES: column([len(s.branches) for s in sessions]),
+        AGENT_PARSE_FAILURES: column([s.counts.parse_failures for s in sessions]),
+        AGENT_SERVER_SECONDS: column([s.counts.server_seconds for s in sessions], torch.float32),
+    }

@@ -1,0 +1,173 @@
+"""One request's turn: route it to a branch, render what the engine has not seen, generate, parse tool calls,
+record the tokens. Nothing is recorded for a request that fails before its turn is generated."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Any
+
+from hybridflow.rollout.agent.parsers import MalformedCall, ToolCallParser
+from hybridflow.rollout.agent_server.errors import ApiError, bad_request
+from hybridflow.rollout.agent_server.openai_api import Reply, TurnRequest, normalise_messages
+from hybridflow.rollout.agent_server.rendering import MessageRenderer
+from hybridflow.rollout.agent_server.sessions import Branch, Session
+from hybridflow.rollout.requests import RequestEngine
+
+_CALL_MARKUP = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+class TurnRunner:
+    """Turns of every session of one generation call over ``engine``. response_length: each branch's budget of
+    response tokens (generated and inserted together, as for the in-process agent loops)."""
+
+    def __init__(
+        self,
+        engine: RequestEngine,
+        renderer: MessageRenderer,
+        parse: ToolCallParser,
+        *,
+        response_length: int,
+        max_prompt_tokens: int,
+    ):
+        self.engine = engine
+        self.renderer = renderer
+        self.tokenizer = renderer.chat.tokenizer
+        self.end_token = renderer.chat.prefix[-1]  # the token that ends an assistant turn in the template
+        self.parse = parse
+        self.response_length = response_length
+        self.max_prompt_tokens = max_prompt_tokens
+
+    async def run(self, session: Session, request: TurnRequest) -> Reply:
+        try:
+            return await self._run(session, request)
+        except ApiError:
+            session.counts.refused += 1
+            raise
+
+    async def _run(self, session: Session, request: TurnRequest) -> Reply:
+        started = time.perf_counter()
+        branch, tail = session.route(request.messages, request.tools)
+        new_branch = branch is None
+        if branch is None:
+            prompt = self.renderer.conversation_ids(request.messages, request.tools)
+            if len(prompt) > self.max_prompt_tokens:
+                raise bad_request(
+                    f"the conversation is {len(prompt)} tokens; at most {self.max_prompt_tokens} "
+                    "(rollout.agent.max_prompt_tokens) may start a trajectory",
+                    param="messages",
+                    code="context_length_exceeded",
+                )
+            branch = Branch(prompt=prompt, tools=request.tools, messages=[], engine_request=-1)
+            inserted: list[int] = []
+        else:
+            inserted = ([self.end_token] if branch.open_turn else []) + self.renderer.tail_ids(tail)
+        budget = self.response_length - len(branch.tokens) - len(inserted)
+        if budget < 1:
+            raise bad_request(
+                f"the trajectory's {self.response_length} response tokens (rollout.response_length) are spent: "
+                f"{len(branch.tokens)} held, {len(inserted)} more for the new messages",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        if request.max_tokens is not None and request.max_tokens > budget:
+            raise bad_request(
+                f"max_tokens={request.max_tokens} is more than the {budget} tokens left in this trajectory's budget",
+                param="max_tokens",
+                code="max_tokens_exceeded",
+            )
+        if new_branch or branch.stale:  # a fresh engine request: the whole context
+            engine_request = session.next_engine_request()
+            new_tokens, cached = branch.prompt + branch.tokens + inserted, 0
+        else:
+            engine_request = branch.engine_request
+            new_tokens, cached = inserted, len(branch.prompt) + len(branch.tokens)
+        prompt_tokens = len(branch.prompt) + len(branch.tokens) + len(inserted)
+        session.counts.server_seconds += time.perf_counter() - started
+        try:
+            turn = await self.engine.generate(engine_request, new_tokens, request.max_tokens or budget)
+        except Exception:
+            branch.stale = not new_branch  # the engine may hold tokens that were not recorded
+            raise
+        started = time.perf_counter()
+        if new_branch:
+            session.branches.append(branch)
+        branch.engine_request, branch.stale = engine_request, False
+        tokens, log_probs, stopped = turn.tokens, turn.log_probs, turn.stopped
+        body = tokens[:-1] if stopped else tokens
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        finish = "stop" if stopped else "length"
+        cut = _stop_cut(self.tokenizer, body, request.stop)
+        if cut is not None:
+            kept, text = cut
+            branch.stale = kept < len(tokens)  # the engine went on past the stop string
+            tokens, log_probs, stopped, finish = tokens[:kept], log_probs[:kept], False, "stop"
+        branch.add_inserted(inserted)
+        branch.add_generated(tokens, log_probs)
+        branch.open_turn = not stopped
+        content, calls = text, []
+        if request.parse_tools and stopped:
+            content, calls = self._tool_calls(session, text)
+        reply = Reply(
+            content=content,
+            tool_calls=calls,
+            finish_reason="tool_calls" if calls else finish,
+            tokens=[self.tokenizer.decode([t]) for t in tokens],
+            log_probs=list(log_probs),
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            completion_tokens=len(tokens),
+        )
+        branch.finish_reason = reply.finish_reason
+        branch.messages = [*request.messages, *normalise_messages([reply.message()])]
+        session.last = branch
+        session.counts.requests += 1
+        session.counts.tool_calls += len(calls)
+        session.counts.server_seconds += time.perf_counter() - started
+        return reply
+
+    def _tool_calls(self, session: Session, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """(content, tool calls) of a turn's text; text that does not parse is returned as it is, and counted."""
+        parsed = self.parse(text)
+        if not parsed:
+            return text, []
+        if any(isinstance(call, MalformedCall) for call in parsed):
+            session.counts.parse_failures += 1
+            return text, []
+        calls = [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call.name, "arguments": _json(call.arguments)},
+            }
+            for call in parsed
+        ]
+        content = _CALL_MARKUP.sub("", text).strip()
+        return content or None, calls
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _stop_cut(tokenizer: Any, tokens: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """(tokens kept, text before the stop string) at the first token whose text completes one of ``stops``."""
+    if not stops:
+        return None
+    for kept in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:kept], skip_special_tokens=True)
+        found = [text.index(stop) for stop in stops if stop in text]
+        if found:
+            return kept, text[: min(found)]
+    return None
+
+
+def refuse_unknown_route(path: str) -> ApiError:
+    return ApiError(
+        404,
+        f"no endpoint {path!r}: use /v1/chat/completions, /v1/responses or /v1/models "
+        "(or the same under /sessions/{id})",
+        code="unknown_url",
+    )

@@ -1,0 +1,118 @@
+"""What the agent endpoint's tests share: a request engine that answers with scripted turns, the rollout over it,
+and rows to run agents on."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+
+from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, INDEX, RAW_PROMPT, REWARD_MODEL
+from hybridflow.protocol import DataProto
+from hybridflow.rollout.agent_server.config import AgentServerConfig
+from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
+from hybridflow.rollout.base import Rollout, SamplingParams
+from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
+from hybridflow.trainer.setup.config import default_config
+
+AGENTS = Path(__file__).parent / "agents.py"
+EOS = "<|im_end|>"
+
+
+def agent_config(function: str, **changes) -> AgentServerConfig:
+    """The YAML's rollout.agent settings with ``function`` (a name in agents.py) and ``changes``."""
+    defaults = default_config().actor_rollout_ref.rollout.agent
+    return dataclasses.replace(defaults, function=f"{AGENTS}:{function}", **changes)
+
+
+class ScriptedEngine(RequestEngine):
+    """Each turn of a session answers with the next text of ``scripts[session index]`` (a text ending in EOS
+    stopped). Engine request r belongs to session r // branches. Log-probs are -(k + 1) / 100 for the request's
+    k-th generated token. Records each call's (request, new tokens)."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[str]], branches: int):
+        self.tokenizer = tokenizer
+        self.scripts = {i: list(turns) for i, turns in scripts.items()}
+        self.branches = branches
+        self.calls: list[tuple[int, list[int]]] = []
+        self.contexts: dict[int, list[int]] = {}
+        self.released: set[int] = set()
+        self.generated: dict[int, int] = {}
+
+    @property
+    def stats(self) -> RequestStats:
+        return RequestStats()
+
+    @asynccontextmanager
+    async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int):
+        yield
+
+    async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
+        await asyncio.sleep(0)
+        self.calls.append((request, list(new_tokens)))
+        turns = self.scripts[request // self.branches]
+        text = turns.pop(0) if turns else f"nothing more{EOS}"
+        tokens = self.tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+        start = self.generated.get(request, 0)
+        self.generated[request] = start + len(tokens)
+        self.contexts[request] = self.contexts.get(request, []) + list(new_tokens) + tokens
+        stopped = bool(tokens) and tokens[-1] == self.tokenizer.convert_tokens_to_ids(EOS)
+        return TurnOutput(tokens, [-(start + i + 1) / 100 for i in range(len(tokens))], stopped)
+
+    def release(self, request: int) -> None:
+        self.released.add(request)
+
+
+class ScriptedBackend(Rollout):
+    def __init__(self, tokenizer, scripts, branches: int):
+        self.engine = ScriptedEngine(tokenizer, scripts, branches)
+        self.eos_token_ids = [tokenizer.convert_tokens_to_ids(EOS)]
+        self.pad_token_id = tokenizer.pad_token_id
+
+    def request_engine(self):
+        return self.engine
+
+    def generate_sequences(self, prompts, params):
+        raise AssertionError("the endpoint must use the request engine")
+
+    def load_weights(self, named_tensors):
+        pass
+
+    def release_cache(self):
+        pass
+
+
+def scripted_rollout(tokenizer, function: str, scripts: dict[int, list[str]], **changes) -> AgentFunctionRollout:
+    config = agent_config(function, **changes)
+    backend = ScriptedBackend(tokenizer, scripts, config.max_branches_per_session)
+    return AgentFunctionRollout(backend, tokenizer, config, tool_role="tool", format="hermes")
+
+
+def rows(questions: list[str], answers: list[str] | None = None, extra: list[dict] | None = None) -> DataProto:
+    """Rows as the dataset gives them to generation: the chat prompt, data source, ground truth, extra_info."""
+    n = len(questions)
+    answers = answers or [""] * n
+    extra = extra or [{} for _ in range(n)]
+
+    def column(values) -> np.ndarray:
+        array = np.empty(n, dtype=object)
+        for i, value in enumerate(values):
+            array[i] = value
+        return array
+
+    return DataProto.from_dict(
+        non_tensors={
+            RAW_PROMPT: column([[{"role": "user", "content": q}] for q in questions]),
+            DATA_SOURCE: column(["test"] * n),
+            REWARD_MODEL: column([{"ground_truth": a, "style": "rule"} for a in answers]),
+            EXTRA_INFO: column(extra),
+            INDEX: column(range(n)),
+        }
+    )
+
+
+def params(max_new_tokens: int = 256) -> SamplingParams:
+    return SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=0)

@@ -1,0 +1,167 @@
+"""The endpoint with real clients (the openai SDK, httpx) over a scripted engine: tool calls parsed, streaming,
+token-exact records, branches, and every kind of bad request answered with its status while the run goes on."""
+
+import json
+
+import pytest
+import torch
+from agents import CALCULATOR
+from endpoint_helpers import EOS, params, rows, scripted_rollout
+
+from hybridflow.batch_keys import (
+    AGENT_BRANCHES,
+    AGENT_FAILURE,
+    AGENT_METRICS,
+    AGENT_PARSE_FAILURES,
+    AGENT_REQUESTS,
+    AGENT_REWARD,
+    ATTENTION_MASK,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
+from hybridflow.models import load_tokenizer
+from hybridflow.rollout.agent_server.rendering import tools_text
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "734 * 58"}}</tool_call>'
+LIST_CALL = '<tool_call>[{"name": "calculator", "arguments": {"expression": "734 * 58"}}]</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny-llama")
+
+
+def response_of(batch, row):
+    n = int(batch.batch[ATTENTION_MASK][row, batch.batch[PROMPTS].shape[1] :].sum())
+    return (
+        batch.batch[RESPONSES][row, :n].tolist(),
+        batch.batch[RESPONSE_MASK][row, :n].tolist(),
+        batch.batch[ROLLOUT_LOG_PROBS][row, :n].tolist(),
+    )
+
+
+def test_an_openai_sdk_agent_calls_the_tool_and_is_rewarded(tokenizer):
+    scripts = {
+        0: [f"Let me compute. {CALL}{EOS}", f"The answer is 42572.{EOS}"],
+        1: [f"{LIST_CALL}{EOS}", f"It is 42572{EOS}"],  # SmolLM2's list form
+        2: [f"<tool_call>{{broken{EOS}", f"42572{EOS}"],  # does not parse: returned as text, counted
+        3: [f"It is 40000.{EOS}"],
+    }
+    rollout = scripted_rollout(tokenizer, "calculator_agent", scripts)
+    batch = rollout.generate_sequences(rows(["What is 734 * 58?"] * 4, ["42572"] * 4), params())
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == [""] * 4
+    assert batch.non_tensor_batch[AGENT_REWARD].tolist() == [1.0, 1.0, 0.0, 0.0]
+    assert [m["calls"] for m in batch.non_tensor_batch[AGENT_METRICS]] == [1.0, 1.0, 0.0, 0.0]
+    assert batch.batch[AGENT_REQUESTS].tolist() == [2, 2, 1, 1]
+    assert batch.batch[AGENT_PARSE_FAILURES].tolist() == [0, 0, 1, 0]
+    assert batch.batch[AGENT_BRANCHES].tolist() == [1, 1, 1, 1]
+
+    # row 0, token for token: the prompt the endpoint rendered (the tools in the fallback format), the first turn
+    # as generated, the tool message's tail as the template renders it, the second turn as generated
+    engine = rollout.engine
+    (first_request, prompt), (second_request, tail) = [c for c in engine.calls if c[0] // 4 == 0]
+    assert first_request == second_request == 0  # the same engine request: the cached prefix is reused
+    messages = [
+        {"role": "system", "content": tools_text([CALCULATOR])},
+        {"role": "user", "content": "What is 734 * 58?"},
+    ]
+    assert prompt == rollout.renderer.chat.conversation_ids(messages)
+    assert tail == rollout.renderer.chat.tool_response_ids(["42572"])
+    turn1 = tokenizer.encode(f"Let me compute. {CALL}{EOS}", add_special_tokens=False)
+    turn2 = tokenizer.encode(f"The answer is 42572.{EOS}", add_special_tokens=False)
+    tokens, mask, log_probs = response_of(batch, 0)
+    assert tokens == turn1 + tail + turn2
+    assert mask == [1] * len(turn1) + [0] * len(tail) + [1] * len(turn2)
+    expected = [-(k + 1) / 100 for k in range(len(turn1))] + [0.0] * len(tail)
+    expected += [-(len(turn1) + k + 1) / 100 for k in range(len(turn2))]
+    assert log_probs == pytest.approx(expected)
+    row_prompt = batch.batch[PROMPTS][0][batch.batch[ATTENTION_MASK][0, : batch.batch[PROMPTS].shape[1]].bool()]
+    assert row_prompt.tolist() == prompt
+
+
+def test_streaming_gives_the_same_turn(tokenizer, tmp_path):
+    out = tmp_path / "stream.json"
+    rollout = scripted_rollout(tokenizer, "streaming_agent", {0: [f"Computing {CALL}{EOS}"]})
+    batch = rollout.generate_sequences(rows(["What is 734 * 58?"], extra=[{"out": str(out)}]), params())
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == [""]
+    streamed = json.loads(out.read_text())
+    turn = tokenizer.encode(f"Computing {CALL}{EOS}", add_special_tokens=False)
+    assert streamed == {
+        "text": "Computing",
+        "names": ["calculator"],
+        "finish": "tool_calls",
+        "completion_tokens": len(turn),
+    }
+
+
+def test_an_edited_history_starts_a_new_branch(tokenizer):
+    scripts = {0: [f"{CALL}{EOS}", f"So 42572.{EOS}", f"Checked: 42000 is wrong.{EOS}"]}
+    rollout = scripted_rollout(tokenizer, "edited_history_agent", scripts)
+    batch = rollout.generate_sequences(rows(["What is 734 * 58?"]), params())
+    assert batch.batch[AGENT_BRANCHES].tolist() == [2] and batch.batch[AGENT_REQUESTS].tolist() == [3]
+    requests = [request for request, _ in rollout.engine.calls]
+    assert requests == [0, 0, 1]  # continued on engine request 0; the edit started request 1 from its whole context
+    # the sample is the latest branch: its prompt holds the edited history (never trained), then its one turn
+    edited_prompt = rollout.engine.calls[2][1]
+    assert "I think it is 42000." in tokenizer.decode(edited_prompt)
+    tokens, mask, _ = response_of(batch, 0)
+    assert tokens == tokenizer.encode(f"Checked: 42000 is wrong.{EOS}", add_special_tokens=False)
+    assert mask == [1] * len(tokens)
+    assert rollout.engine.released == {0, 1}
+
+
+def test_bad_requests_get_their_status_and_the_run_goes_on(tokenizer, tmp_path):
+    out = tmp_path / "statuses.json"
+    scripts = {0: [f"fine{EOS}"], 1: [f"fine too{EOS}"]}
+    rollout = scripted_rollout(tokenizer, "bad_requests_agent", scripts, max_prompt_tokens=512)
+    rollout.function.__globals__["SEEN"].clear()  # the agents' file as the rollout loaded it
+    rollout.function.__globals__["DONE"].clear()
+    batch = rollout.generate_sequences(rows(["Hi", "Hello"], extra=[{"out": str(out)}, {}]), params(64))
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == ["", ""]
+    recorded = json.loads(out.read_text())
+    assert recorded["model"] == "policy"
+    assert recorded["statuses"] == {
+        "no key": [401, "missing_api_key"],
+        "wrong key": [401, "invalid_api_key"],
+        "another session's id": [403, "wrong_session"],
+        "another session's key": [403, "wrong_session"],
+        "unknown session": [404, "session_not_found"],
+        "malformed JSON": [400, "invalid_json"],
+        "not an object": [400, "invalid_value"],
+        "unknown model": [404, "model_not_found"],
+        "no model": [400, "missing_required_parameter"],
+        "n > 1": [400, "unsupported_value"],
+        "context too long": [400, "context_length_exceeded"],
+        "max_tokens over the budget": [400, "max_tokens_exceeded"],
+        "unknown parameter": [400, "unknown_parameter"],
+        "invalid tool schema": [400, "invalid_tool"],
+        "tool parameters not an object": [400, "invalid_tool"],
+        "other temperature": [400, "unsupported_value"],
+        "image content": [400, "unsupported_content"],
+        "empty messages": [400, "invalid_value"],
+        "bad role": [400, "invalid_value"],
+        "tool message without id": [400, "invalid_value"],
+        "forced tool choice": [400, "unsupported_value"],
+        "body too large": [413, "body_too_large"],
+        "not JSON content type": [415, "unsupported_media_type"],
+        "unknown route": [404, "unknown_url"],
+        "wrong method": [405, "unknown_url"],
+        "good": [200, "stop"],
+    }
+    # none of the refused requests reached the engine or the record: each session holds its one good turn
+    assert batch.batch[AGENT_REQUESTS].tolist() == [1, 1]
+    assert [tokens for tokens, _, _ in (response_of(batch, 0), response_of(batch, 1))] == [
+        tokenizer.encode(f"fine{EOS}", add_special_tokens=False),
+        tokenizer.encode(f"fine too{EOS}", add_special_tokens=False),
+    ]
+
+
+def test_a_failing_agent_leaves_only_its_sample(tokenizer):
+    rollout = scripted_rollout(tokenizer, "failing_agent", {0: [f"a{EOS}"], 1: [], 2: [f"c{EOS}"]})
+    batch = rollout.generate_sequences(rows(["x", "y", "z"]), params(32))
+    failures = batch.non_tensor_batch[AGENT_FAILURE].tolist()
+    assert failures[0] == failures[2] == "" and "the agent's own bug" in failures[1]
+    assert batch.batch[RESPONSE_MASK][1].sum() == 0 and batch.batch[RESPONSE_MASK][0].sum() > 0
+    assert torch.isnan(torch.tensor(batch.non_tensor_batch[AGENT_REWARD][1]))
