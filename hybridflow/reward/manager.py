@@ -33,6 +33,7 @@ import torch
 
 import hybridflow.reward.scorers  # noqa: F401  (registers the built-in scorers)
 from hybridflow.batch_keys import (
+    AGENT_REWARD,
     ATTENTION_MASK,
     DATA_SOURCE,
     EXTRA_INFO,
@@ -180,8 +181,12 @@ class RewardManager:
         scores = torch.zeros(batch_size, dtype=torch.float32)
         per_sample: list[dict[str, Any]] = []
         failures: list[BaseException] = []
+        agent_rewards = data.non_tensor_batch.get(AGENT_REWARD)  # the user's agents scored their own samples
         for i in range(batch_size):
-            score, extras, error = self._score_one(str(sources[i]), texts[i], reward_models[i], extra_infos[i])
+            if agent_rewards is not None:
+                score, extras, error = _agent_score(agent_rewards[i]), {}, None
+            else:
+                score, extras, error = self._score_one(str(sources[i]), texts[i], reward_models[i], extra_infos[i])
             scores[i] = score
             failures += [error] if error is not None else []
             per_sample.append({**extras, "score": score, "acc": extras.get("acc", score), "failed": error is not None})
@@ -257,6 +262,12 @@ class RewardManager:
                 shown[source] += 1
                 truth = reward_model.get("ground_truth") if isinstance(reward_model, dict) else reward_model
                 print(f"[{source}] score={row['score']:.3f} ground_truth={truth!r}\n{text}\n")
+
+
+def _agent_score(reward: Any) -> float:
+    """An agent's reward as a score: a failed agent's (NaN) is 0, and its sample has left the update."""
+    reward = float(reward)
+    return 0.0 if math.isnan(reward) else reward
 
 
 def one_turn_facts(answer: str) -> dict[str, Any]:

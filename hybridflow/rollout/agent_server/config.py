@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from hybridflow.validation import require, require_positive
 
@@ -16,7 +17,8 @@ class AgentServerConfig:
     port: int  # 0: a free port, chosen per generation call
     model_name: str  # the model id the endpoint serves (what agents pass as `model`)
     timeout_s: float  # an agent still running after this long fails (its sample leaves the update)
-    max_prompt_tokens: int  # the longest rendered conversation a request may bring before generation
+    # the longest rendered conversation a request may bring before generation (also the prompt columns of the batch)
+    max_prompt_tokens: int
     max_body_bytes: int  # a request body larger than this is refused (413)
     max_sessions: int  # sessions open at once; a request for another is refused (429)
     max_requests_per_session: int  # requests one session may make (429 after)
@@ -35,6 +37,9 @@ class AgentServerConfig:
             require_positive(getattr(self, name), name)
         for name in ("max_requests_per_session", "max_requests_per_second", "max_branches_per_session"):
             require_positive(getattr(self, name), name)
+        file, _, name = self.function.rpartition(":")
+        if file.endswith(".py"):  # as the driver sees it: the workers may start elsewhere
+            self.function = f"{Path(file).expanduser().resolve()}:{name}"
 
     @property
     def enabled(self) -> bool:

@@ -118,7 +118,10 @@ class AgentFunctionRollout(Rollout):
         ]
         sessions, outcomes = asyncio.run(self._run_all(rows, params))
         trajectories = [self._trajectory(i, s, o) for i, (s, o) in enumerate(zip(sessions, outcomes))]
-        prompt_ids, prompt_mask = _left_padded([t.prompt for t in trajectories], self.pad_token_id)
+        # every rank's prompts to the same width (max_prompt_tokens), so that the generation groups' batches join
+        prompt_ids, prompt_mask = _left_padded(
+            [t.prompt for t in trajectories], self.pad_token_id, self.config.max_prompt_tokens
+        )
         tensors, non_tensors = assemble_trajectories(
             prompt_ids, prompt_mask, trajectories, params.max_new_tokens, self.pad_token_id
         )
@@ -225,8 +228,7 @@ def _objects(values: list[Any]) -> np.ndarray:
     return array
 
 
-def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
+def _left_padded(prompts: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, prompt in enumerate(prompts):

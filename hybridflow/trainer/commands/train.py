@@ -16,6 +16,7 @@ from hybridflow.data.dataset import read_prompt_rows
 from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, check_scorable, load_custom_reward_fn
 from hybridflow.reward.manager import CustomRewardFn
+from hybridflow.rollout.agent_server.rollout import load_agent_function
 from hybridflow.tools import load_tools
 from hybridflow.trainer.loop.mode_parts import rl_trainer
 from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
@@ -27,7 +28,7 @@ from hybridflow.trainer.setup.placement import build_groups
 from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_dir import check_run_dir
 from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
-from hybridflow.validation import run_command, split_debug_flag
+from hybridflow.validation import ConfigError, run_command, split_debug_flag
 from hybridflow.workers import (
     ActorRolloutWorker,
     ActorWorker,
@@ -101,7 +102,14 @@ def check_rows(config: HybridFlowConfig, custom_fn: CustomRewardFn | None) -> No
     rows = read_prompt_rows(data.train_files, data)[0]
     if data.val_files:
         rows += read_prompt_rows(data.val_files, data, key="data.val_files")[0]
-    check_scorable(rows, custom_fn, multi_turn=config.actor_rollout_ref.rollout.multi_turn.enable)
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.agent.enabled:  # the user's agents return the rewards: their function must load
+        try:
+            load_agent_function(rollout.agent.function)
+        except (ImportError, AttributeError, FileNotFoundError, TypeError) as error:
+            raise ConfigError("actor_rollout_ref.rollout.agent.function", str(error)) from None
+        return
+    check_scorable(rows, custom_fn, multi_turn=rollout.multi_turn.enable)
     check_agent_names(config, rows)
 
 

@@ -38,6 +38,7 @@ from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
+from hybridflow.rollout.agent_server.rollout import ROW_COLUMNS
 from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
 from hybridflow.trainer.loop.step_loop import Metrics
 from hybridflow.trainer.services.timeline import StepTimeline
@@ -208,6 +209,9 @@ class Generation:
         gen_input = prompts.pop(batch_keys=list(PROMPT_TENSORS))
         if rollout_config.multi_turn.enable:  # each row's agent loop and its tools' arguments
             gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO]))
+        if rollout_config.agent.enabled:  # what the user's agent is given of its row
+            present = [key for key in ROW_COLUMNS if key in prompts.non_tensor_batch]
+            gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=present, deepcopy=True))
         request = gen_input.repeat(n, interleave=True)
         generated = self.call(request, step, metrics, sampling=sampling, round_index=round_index, meta=meta)
         return mark_generated(prompts.repeat(n, interleave=True).union(generated), step)

@@ -7,6 +7,11 @@ import torch
 from hybridflow.algorithms import masked_mean, masked_var
 from hybridflow.batch_keys import (
     ADVANTAGES,
+    AGENT_BRANCHES,
+    AGENT_METRICS,
+    AGENT_PARSE_FAILURES,
+    AGENT_REQUESTS,
+    AGENT_SERVER_SECONDS,
     ATTENTION_MASK,
     ENTROPYS,
     GENERATED_MASK,
@@ -111,6 +116,28 @@ def agent_metrics(batch: DataProto) -> dict[str, float]:
     reasons = list(batch.non_tensor_batch[STOP_REASON])
     for reason in sorted(set(reasons) | {"failed"}):
         metrics[f"agent/stop/{reason}"] = reasons.count(reason) / len(reasons)
+    return metrics | endpoint_metrics(batch)
+
+
+def endpoint_metrics(batch: DataProto) -> dict[str, float]:
+    """What the agent endpoint's sessions did (rollout.agent): requests and branches per session, tool-call markup
+    that did not parse per request, the endpoint's own time per request, and the numbers the agents returned."""
+    tensors = batch.batch
+    if AGENT_REQUESTS not in tensors.keys():
+        return {}
+    requests = tensors[AGENT_REQUESTS].float()
+    total = max(requests.sum().item(), 1.0)
+    metrics = {
+        "agent/requests_per_session": requests.mean().item(),
+        "agent/branches_per_session": tensors[AGENT_BRANCHES].float().mean().item(),
+        "agent/parse_failures_per_request": tensors[AGENT_PARSE_FAILURES].float().sum().item() / total,
+        "agent/server_ms_per_request": 1000 * tensors[AGENT_SERVER_SECONDS].float().sum().item() / total,
+    }
+    returned: dict[str, list[float]] = {}
+    for values in batch.non_tensor_batch[AGENT_METRICS]:
+        for name, value in (values or {}).items():
+            returned.setdefault(name, []).append(value)
+    metrics |= {f"agent/returned/{name}": sum(v) / len(v) for name, v in returned.items()}
     return metrics
 
 

@@ -147,6 +147,12 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
         no,
     )
     _check(
+        not rollout.agent.enabled,
+        key,
+        "a user agent's session (rollout.agent.function) cannot be paused between two tokens",
+        no,
+    )
+    _check(
         not cfg.algorithm.filter_groups.enable,
         key,
         "dynamic sampling scores chunks whose samples may be unfinished",

@@ -18,12 +18,12 @@ from hybridflow.rollout.base import Rollout, SamplingParams
 from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
 from hybridflow.trainer.setup.config import default_config
 
-AGENTS = Path(__file__).parent / "agents.py"
+AGENTS = Path(__file__).parent / "user_agents.py"
 EOS = "<|im_end|>"
 
 
 def agent_config(function: str, **changes) -> AgentServerConfig:
-    """The YAML's rollout.agent settings with ``function`` (a name in agents.py) and ``changes``."""
+    """The YAML's rollout.agent settings with ``function`` (a name in user_agents.py) and ``changes``."""
     defaults = default_config().actor_rollout_ref.rollout.agent
     return dataclasses.replace(defaults, function=f"{AGENTS}:{function}", **changes)
 

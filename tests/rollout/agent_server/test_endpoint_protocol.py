@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from agents import CALCULATOR
 from endpoint_helpers import EOS, params, rows, scripted_rollout
+from user_agents import CALCULATOR
 
 from hybridflow.batch_keys import (
     AGENT_BRANCHES,
@@ -165,3 +165,16 @@ def test_a_failing_agent_leaves_only_its_sample(tokenizer):
     assert failures[0] == failures[2] == "" and "the agent's own bug" in failures[1]
     assert batch.batch[RESPONSE_MASK][1].sum() == 0 and batch.batch[RESPONSE_MASK][0].sum() > 0
     assert torch.isnan(torch.tensor(batch.non_tensor_batch[AGENT_REWARD][1]))
+
+
+def test_an_agents_sdk_agent_runs_its_tool_through_the_responses_api(tokenizer):
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "734 * 58"}}</tool_call>'
+    scripts = {0: [f"{call}{EOS}", f"The answer is 42572.{EOS}"], 1: [f"Maybe 40000.{EOS}"]}
+    rollout = scripted_rollout(tokenizer, "agents_sdk_agent", scripts)
+    batch = rollout.generate_sequences(rows(["What is 734 * 58?"] * 2, ["42572"] * 2), params())
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == ["", ""]
+    assert batch.non_tensor_batch[AGENT_REWARD].tolist() == [1.0, 0.0]
+    assert batch.batch[AGENT_REQUESTS].tolist() == [2, 1] and batch.batch[AGENT_BRANCHES].tolist() == [1, 1]
+    # the tool's answer went back as a function_call_output: the second turn continued the first branch
+    (first, _), (second, tail) = [c for c in rollout.engine.calls if c[0] < 4]
+    assert first == second == 0 and "42572" in tokenizer.decode(tail)

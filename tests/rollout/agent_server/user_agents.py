@@ -164,3 +164,39 @@ def failing_agent(base_url: str, api_key: str, row: dict) -> float:
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     client.chat.completions.create(model="policy", messages=row["raw_prompt"])
     return 1.0
+
+
+async def agents_sdk_agent(base_url: str, api_key: str, row: dict) -> float:
+    """An OpenAI Agents SDK `Agent` with a function tool, on its default API (Responses), run as a coroutine."""
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression of integers."""
+        return str(evaluate(expression))
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    agent = Agent(
+        name="calculator agent",
+        instructions="Use the calculator for arithmetic.",
+        tools=[calculator],
+        model=OpenAIResponsesModel(model="policy", openai_client=client),
+    )
+    result = await Runner.run(agent, row["raw_prompt"][-1]["content"], max_turns=4)
+    return float(row["reward_model"]["ground_truth"] in str(result.final_output))
+
+
+def three_turn_agent(base_url: str, api_key: str, row: dict) -> float:
+    """Three turns of 8 tokens: the first answered by a tool message, the second by a user message."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(row["raw_prompt"])
+    for follow_up in (
+        {"role": "tool", "tool_call_id": "call_0", "content": "42572"},
+        {"role": "user", "content": "Sure?"},
+    ):
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
+        messages += [reply.choices[0].message.model_dump(exclude_none=True), follow_up]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    return 1.0

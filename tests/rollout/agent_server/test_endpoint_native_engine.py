@@ -1,0 +1,57 @@
+"""The endpoint over the native engine (fp32 tiny model): a three-turn conversation's sample is token for token what
+the engine generated plus the rendered tool and user tails, and its behaviour log-probs are the trainer's."""
+
+import torch
+from endpoint_helpers import agent_config, params, rows
+from rollout_helpers import engine_config
+
+from hybridflow.batch_keys import (
+    AGENT_BRANCHES,
+    AGENT_FAILURE,
+    ATTENTION_MASK,
+    PROMPTS,
+    RESPONSE_MASK,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+)
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
+from hybridflow.rollout.native import NativeRollout
+
+
+def test_a_three_turn_sample_is_what_the_engine_produced_with_the_trainers_log_probs():
+    model = load_causal_lm("tiny-llama", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer("tiny-llama")
+    native = NativeRollout(model, tokenizer, engine_config=engine_config(), stop_token_ids=[])
+    rollout = AgentFunctionRollout(native, tokenizer, agent_config("three_turn_agent", max_prompt_tokens=64),
+                                   tool_role="tool", format="hermes")  # fmt: skip
+    batch = rollout.generate_sequences(rows(["Hi", "What is 734 * 58?"]), params(96))
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == ["", ""]
+    assert batch.batch[AGENT_BRANCHES].tolist() == [1, 1]
+    chat = rollout.renderer.chat
+    end = chat.prefix[-1]
+    width = batch.batch[PROMPTS].shape[1]
+    for row in range(2):
+        prompt_mask = batch.batch[ATTENTION_MASK][row, :width].bool()
+        prompt = batch.batch[PROMPTS][row][prompt_mask].tolist()
+        n = int(batch.batch[ATTENTION_MASK][row, width:].sum())
+        tokens = batch.batch[RESPONSES][row, :n].tolist()
+        mask = batch.batch[RESPONSE_MASK][row, :n].tolist()
+        # three generated turns; between them, exactly the rendered tails (an end token first where a turn was cut)
+        runs, start = [], 0
+        for i in range(1, n + 1):
+            if i == n or mask[i] != mask[start]:
+                runs.append((mask[start], tokens[start:i]))
+                start = i
+        assert [kind for kind, _ in runs] == [1, 0, 1, 0, 1]
+        for _, turn in runs[::2]:
+            assert 1 <= len(turn) <= 8
+        tool_tail = chat.continuation_ids([{"role": "tool", "content": "42572", "tool_call_id": "call_0"}])
+        user_tail = chat.continuation_ids([{"role": "user", "content": "Sure?"}])
+        for (_, turn), (_, inserted), tail in ((runs[0], runs[1], tool_tail), (runs[2], runs[3], user_tail)):
+            assert inserted == ([] if turn[-1] == end else [end]) + tail
+        # the behaviour log-probs are the trainer's: one forward over the whole sample, fp32
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0] * torch.tensor(mask)
+        torch.testing.assert_close(batch.batch[ROLLOUT_LOG_PROBS][row, :n], expected, rtol=0, atol=1e-5)

@@ -1,0 +1,81 @@
+"""GRPO through the agent endpoint on real Ray worker groups: the user's agent, written with the openai SDK, talks
+to the run's endpoint; its two-turn conversations are trained (the inserted user turn masked out) and the reward
+it returns rises, in each training mode."""
+
+import json
+
+import pytest
+
+from hybridflow.trainer.commands.train import run
+from hybridflow.trainer.setup.config import load_config
+
+# The tiny random model cannot call tools; the agent asks twice, as a user would: a first short turn, a user message
+# with the tool's result, then the answer, scored by the fraction of digits in it.
+AGENT = """
+import openai
+
+
+def digits_agent(base_url, api_key, row):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(row["raw_prompt"])
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    messages.append({"role": "assistant", "content": first.choices[0].message.content})
+    messages.append({"role": "user", "content": "The calculator says 42."})
+    second = client.chat.completions.create(model="policy", messages=messages, max_tokens=6)
+    text = (second.choices[0].message.content or "").replace(" ", "")
+    return {"reward": sum(c.isdigit() for c in text) / max(1, len(text)), "first_tokens": first.usage.completion_tokens}
+"""
+
+MODES = {
+    "sync": [],
+    "one_step_off": [
+        "trainer.total_training_steps=14",
+        "trainer.async_training.mode=one_step_off",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=1",
+    ],
+    "fully_async": [
+        "trainer.total_training_steps=14",
+        "trainer.async_training.mode=fully_async",
+        "trainer.async_training.max_staleness=1",
+        "trainer.async_training.partial_rollout=false",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=1",
+    ],
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_an_openai_sdk_agent_trains_through_the_endpoint(local_ray, arithmetic_files, tmp_path, mode):
+    (tmp_path / "agent.py").write_text(AGENT)
+    train, _ = arithmetic_files
+    run_dir = tmp_path / "run"
+    config = load_config(
+        [
+            f"data.train_files=[{train}]",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.rollout.n=8",
+            "actor_rollout_ref.rollout.response_length=48",
+            "actor_rollout_ref.rollout.agent.max_prompt_tokens=128",
+            f"actor_rollout_ref.rollout.agent.function={tmp_path / 'agent.py'}:digits_agent",
+            "actor_rollout_ref.actor.optim.lr=2e-2",
+            "trainer.total_training_steps=10",
+            "trainer.total_epochs=2",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={run_dir}",
+            *MODES[mode],
+        ]
+    )
+    run(config)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["critic/score/mean"] for r in records]
+    assert len(scores) == config.trainer.total_training_steps
+    first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
+    assert first < 0.15 and last > first + 0.4, scores
+    step = records[-1]
+    assert step["agent/requests_per_session"] == 2.0 and step["agent/branches_per_session"] == 1.0
+    assert step["agent/stop/failed"] == 0.0 and step["agent/returned/first_tokens"] == 4.0
+    assert step["agent/num_turns/mean"] == 2.0
