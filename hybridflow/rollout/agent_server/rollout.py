@@ -13,16 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import logging
 import math
 import numbers
+import os
+import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from hybridflow.batch_keys import (
     AGENT_BRANCHES,
@@ -87,7 +93,8 @@ class AgentFunctionRollout(Rollout):
         self.engine = backend.request_engine()
         self.tokenizer = tokenizer
         self.config = config
-        self.function = load_agent_function(config.function)
+        self.function = load_agent_function(config.function) if config.function else None  # None: external agents
+        self.run_key = f"hf-run-{secrets.token_urlsafe(24)}"  # the run's secret (external agents claim with it)
         self.renderer = MessageRenderer(ChatFormat(tokenizer, backend.eos_token_ids, tool_role))
         self.parse = TOOL_CALL_FORMATS[format]
         self.pad_token_id = backend.pad_token_id
@@ -133,7 +140,7 @@ class AgentFunctionRollout(Rollout):
     async def _run_all(self, rows: list[dict], params: SamplingParams) -> tuple[list[Session], list[tuple]]:
         config = self.config
         max_len = config.max_prompt_tokens + params.max_new_tokens
-        table = SessionTable(config)
+        table = SessionTable(config, self.run_key)
         runner = TurnRunner(
             self.engine,
             self.renderer,
@@ -146,12 +153,13 @@ class AgentFunctionRollout(Rollout):
         )
         server = AgentServer(config, app)
         max_requests = len(rows) * config.max_branches_per_session
-        sessions = [table.open(i) for i in range(len(rows))]
+        sessions = [table.open(i, row, external=config.external) for i, row in enumerate(rows)]
         with ThreadPoolExecutor(max_workers=max(1, len(rows)), thread_name_prefix="agent") as threads:
             async with self.engine.serving(params, max_len=max_len, max_requests=max_requests):
                 async with server.running():
-                    runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
-                    outcomes = list(await asyncio.gather(*runs))
+                    with endpoint_file(config.endpoint_dir, server.base_url, self.run_key):
+                        runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
+                        outcomes = list(await asyncio.gather(*runs))
         return sessions, outcomes
 
     async def _run_one(
@@ -161,14 +169,19 @@ class AgentFunctionRollout(Rollout):
         base_url = f"{server.base_url}/sessions/{session.id}/v1"
         started = time.perf_counter()
         try:
-            if inspect.iscoroutinefunction(self.function):
+            if self.function is None:  # an external agent claims the session and posts the reward
+                call = asyncio.shield(session.result)
+            elif inspect.iscoroutinefunction(self.function):
                 call = self.function(base_url=base_url, api_key=session.key, row=row)
             else:
                 loop = asyncio.get_running_loop()
                 call = loop.run_in_executor(
                     threads, lambda: self.function(base_url=base_url, api_key=session.key, row=row)
                 )
-            reward, metrics = agent_result(await asyncio.wait_for(call, self.config.timeout_s))
+            result = await asyncio.wait_for(call, self.config.timeout_s)
+            if isinstance(result, Exception):
+                raise result
+            reward, metrics = agent_result(result)
             if session.last is None:
                 raise AgentFailure("the agent made no request to the endpoint")
             return reward, {**metrics, "seconds": time.perf_counter() - started}, ""
@@ -206,6 +219,27 @@ class AgentFunctionRollout(Rollout):
         if kind not in self._logged:
             self._logged.add(kind)
             logger.warning("rollout.agent.function failed; the sample leaves the update (agent_failure): %r", error)
+
+
+@contextmanager
+def endpoint_file(directory: str, base_url: str, run_key: str) -> Iterator[None]:
+    """While the endpoint serves, ``directory/rank<r>.json`` holds its address and the run's key (mode 0600), for
+    external agents; removed when it stops."""
+    if not directory:
+        yield
+        return
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    path = Path(directory) / f"rank{rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as file:
+        json.dump({"base_url": base_url, "run_key": run_key}, file)
+    os.replace(temporary, path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _plain(value: Any) -> Any:

@@ -4,6 +4,8 @@ are answered between the engine's steps, and turns of many sessions are decoded 
     GET  /v1/models                          /sessions/{id}/v1/models
     POST /v1/chat/completions                /sessions/{id}/v1/chat/completions
     POST /v1/responses                       /sessions/{id}/v1/responses
+    POST /v1/sessions/claim                  (external agents, with the run's key) a waiting session and its row
+    POST /sessions/{id}/reward               (external agents) the session's reward, which ends it
 
 Every request carries a key (``Authorization: Bearer <key>``): a session's own key, which names the session on
 the ``/v1`` routes and must match it on ``/sessions/{id}/v1`` routes. Every refusal is an OpenAI-style error body
@@ -23,7 +25,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridflow.rollout.agent_server.config import AgentServerConfig
@@ -142,6 +144,23 @@ def build_app(
             raise ApiError(401, "a valid API key is required ('Authorization: Bearer <key>')", code="invalid_api_key")
         return JSONResponse(models_list(model, max_model_len))
 
+    async def claim(request: Request):
+        session = sessions.claim(_bearer(request))
+        if session is None:
+            return Response(status_code=204)  # none waits now: ask again
+        base_url = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"
+        return JSONResponse(
+            {"session_id": session.id, "base_url": base_url, "api_key": session.key, "row": session.row}
+        )
+
+    async def reward(request: Request, session_id: str):
+        key = _bearer(request)
+        sessions.authorise(key, session_id)
+        sessions.finish(key, session_id, await _json_body(request, config.max_body_bytes))
+        return JSONResponse({"session_id": session_id, "status": "closed"})
+
+    app.add_api_route("/v1/sessions/claim", claim, methods=["POST"])
+    app.add_api_route("/sessions/{session_id}/reward", reward, methods=["POST"])
     for prefix in ("/v1", "/sessions/{session_id}/v1"):
         app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])

@@ -15,6 +15,7 @@ import asyncio
 import hmac
 import secrets
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class Session:
     counts: SessionCounts = field(default_factory=SessionCounts)
     closed: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one request at a time: turns of a branch are ordered
+    row: dict[str, Any] = field(default_factory=dict)  # the sample's data row, for an external agent
+    result: asyncio.Future | None = None  # an external agent's (reward, metrics), or its giving up
     allowance: float = 0.0  # the rate limit's token bucket
     refilled: float = field(default_factory=time.monotonic)
 
@@ -109,14 +112,27 @@ class Session:
 class SessionTable:
     """The sessions of one generation call, their keys, and the bounds on what each may ask."""
 
-    def __init__(self, config: AgentServerConfig):
+    def __init__(self, config: AgentServerConfig, run_key: str):
         self.config = config
-        self.run_key = f"hf-run-{secrets.token_urlsafe(24)}"  # the endpoint's own secret: opens sessions
+        self.run_key = run_key  # the run's own secret: external agents claim sessions with it
         self.by_id: dict[str, Session] = {}
         self.by_key: dict[str, Session] = {}
+        self.waiting: deque[Session] = deque()  # sessions no external agent has claimed yet
         self.opened = 0
 
-    def open(self, index: int) -> Session:
+    def claim(self, key: str | None) -> Session | None:
+        """The next session waiting for an external agent (None: none waits now); the run's key is required."""
+        if not key or not hmac.compare_digest(key, self.run_key):
+            raise ApiError(401, "claiming a session needs the run's key (endpoint_dir/rank<r>.json)",
+                           code="invalid_api_key")  # fmt: skip
+        while self.waiting:
+            session = self.waiting.popleft()
+            if not session.closed:
+                return session
+        return None
+
+    def open(self, index: int, row: dict[str, Any] | None = None, *, external: bool = False) -> Session:
+        """A session for sample ``index`` (``external``: waiting for an agent to claim it)."""
         open_now = sum(not s.closed for s in self.by_id.values())
         if open_now >= self.config.max_sessions:
             raise ApiError(
@@ -136,11 +152,41 @@ class SessionTable:
         self.opened += 1
         self.by_id[session.id] = session
         self.by_key[session.key] = session
+        session.row = row or {}
+        if external:
+            session.result = asyncio.get_running_loop().create_future()
+            self.waiting.append(session)
         return session
 
     def close(self, session: Session) -> None:
         session.closed = True
         self.by_key.pop(session.key, None)
+
+    def finish(self, key: str | None, session_id: str, body: Any) -> None:
+        """An external agent's reward for its session ({"reward": number, "metrics": {name: number}}), or its giving
+        up ({"abandon": true}); the session ends either way."""
+        session = self.authorise(key, session_id)
+        if session.result is None:
+            raise ApiError(409, "this session's agent is a function of the run; only external sessions take rewards",
+                           code="not_external")  # fmt: skip
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body is an object: {'reward': number, 'metrics': {...}} or {'abandon': true}",
+                           code="invalid_value")  # fmt: skip
+        if body.get("abandon") is True:
+            outcome: Any = RuntimeError("the external agent abandoned the session")
+        else:
+            reward, metrics = body.get("reward"), body.get("metrics") or {}
+            if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+                raise ApiError(400, f"'reward' must be a finite number, got {reward!r}", param="reward",
+                               code="invalid_value")  # fmt: skip
+            if not isinstance(metrics, dict) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
+            ):
+                raise ApiError(400, "'metrics' must map names to numbers", param="metrics", code="invalid_value")
+            outcome = {"reward": float(reward), **{str(k): float(v) for k, v in metrics.items()}}
+        if not session.result.done():
+            session.result.set_result(outcome)
+        self.close(session)
 
     def authorise(self, key: str | None, session_id: str | None) -> Session:
         """The session a request belongs to: named by its URL (and then its key must be that session's), or by its

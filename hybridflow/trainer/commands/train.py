@@ -105,7 +105,8 @@ def check_rows(config: HybridFlowConfig, custom_fn: CustomRewardFn | None) -> No
     rollout = config.actor_rollout_ref.rollout
     if rollout.agent.enabled:  # the user's agents return the rewards: their function must load
         try:
-            load_agent_function(rollout.agent.function)
+            if rollout.agent.function:
+                load_agent_function(rollout.agent.function)
         except (ImportError, AttributeError, FileNotFoundError, TypeError) as error:
             raise ConfigError("actor_rollout_ref.rollout.agent.function", str(error)) from None
         return

@@ -25,7 +25,7 @@ EOS = "<|im_end|>"
 def agent_config(function: str, **changes) -> AgentServerConfig:
     """The YAML's rollout.agent settings with ``function`` (a name in user_agents.py) and ``changes``."""
     defaults = default_config().actor_rollout_ref.rollout.agent
-    return dataclasses.replace(defaults, function=f"{AGENTS}:{function}", **changes)
+    return dataclasses.replace(defaults, function=f"{AGENTS}:{function}" if function else "", **changes)
 
 
 class ScriptedEngine(RequestEngine):

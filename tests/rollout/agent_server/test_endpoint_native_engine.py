@@ -3,7 +3,7 @@ the engine generated plus the rendered tool and user tails, and its behaviour lo
 
 import torch
 from endpoint_helpers import agent_config, params, rows
-from rollout_helpers import engine_config
+from rollout_helpers import engine_config, perturbed
 
 from hybridflow.batch_keys import (
     AGENT_BRANCHES,
@@ -54,4 +54,28 @@ def test_a_three_turn_sample_is_what_the_engine_produced_with_the_trainers_log_p
         with torch.no_grad():
             logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0] * torch.tensor(mask)
+        torch.testing.assert_close(batch.batch[ROLLOUT_LOG_PROBS][row, :n], expected, rtol=0, atol=1e-5)
+
+
+def test_after_a_weight_update_no_turn_uses_the_old_weights_cache():
+    """Two generation calls with a weight load between them: the second call's samples (same agent, same prompts)
+    have the new weights' log-probs on every token, its first turns and the turns continued from the cache alike."""
+    model = load_causal_lm("tiny-llama", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer("tiny-llama")
+    native = NativeRollout(model, tokenizer, engine_config=engine_config(), stop_token_ids=[])
+    config = agent_config("three_turn_agent", max_prompt_tokens=64)
+    rollout = AgentFunctionRollout(native, tokenizer, config, tool_role="tool", format="hermes")
+    rollout.generate_sequences(rows(["Hi", "What is 734 * 58?"]), params(96))
+    updated = perturbed(model)
+    rollout.load_weights(updated.state_dict().items())
+    batch = rollout.generate_sequences(rows(["Hi", "What is 734 * 58?"]), params(96))
+    width = batch.batch[PROMPTS].shape[1]
+    for row in range(2):
+        prompt = batch.batch[PROMPTS][row][batch.batch[ATTENTION_MASK][row, :width].bool()].tolist()
+        n = int(batch.batch[ATTENTION_MASK][row, width:].sum())
+        tokens = batch.batch[RESPONSES][row, :n].tolist()
+        mask = torch.tensor(batch.batch[RESPONSE_MASK][row, :n].tolist())
+        with torch.no_grad():
+            logits = updated(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0] * mask
         torch.testing.assert_close(batch.batch[ROLLOUT_LOG_PROBS][row, :n], expected, rtol=0, atol=1e-5)

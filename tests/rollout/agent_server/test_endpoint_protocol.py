@@ -2,6 +2,10 @@
 token-exact records, branches, and every kind of bad request answered with its status while the run goes on."""
 
 import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,6 +91,7 @@ def test_streaming_gives_the_same_turn(tokenizer, tmp_path):
     batch = rollout.generate_sequences(rows(["What is 734 * 58?"], extra=[{"out": str(out)}]), params())
     assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == [""]
     streamed = json.loads(out.read_text())
+    url = streamed.pop("url")
     turn = tokenizer.encode(f"Computing {CALL}{EOS}", add_special_tokens=False)
     assert streamed == {
         "text": "Computing",
@@ -94,6 +99,11 @@ def test_streaming_gives_the_same_turn(tokenizer, tmp_path):
         "finish": "tool_calls",
         "completion_tokens": len(turn),
     }
+    # the endpoint listened on loopback and stopped with the call: its port is closed
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    assert host == "127.0.0.1"
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, int(port)), timeout=5)
 
 
 def test_an_edited_history_starts_a_new_branch(tokenizer):
@@ -178,3 +188,28 @@ def test_an_agents_sdk_agent_runs_its_tool_through_the_responses_api(tokenizer):
     # the tool's answer went back as a function_call_output: the second turn continued the first branch
     (first, _), (second, tail) = [c for c in rollout.engine.calls if c[0] < 4]
     assert first == second == 0 and "42572" in tokenizer.decode(tail)
+
+
+def test_external_agents_in_another_process_claim_sessions_and_post_rewards(tokenizer, tmp_path):
+    endpoint_dir, out = tmp_path / "endpoint", tmp_path / "external.json"
+    scripts = {0: [f"a{EOS}"], 1: [f"bb{EOS}"], 2: [f"ccc{EOS}"]}
+    rollout = scripted_rollout(tokenizer, "", scripts, external=True, endpoint_dir=str(endpoint_dir))
+    agent = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "external_agent.py"), str(endpoint_dir), "3", str(out)]
+    )
+    try:
+        batch = rollout.generate_sequences(rows(["x", "y", "z"]), params(32))
+    finally:
+        agent.wait(timeout=120)
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == ["", "", ""]
+    assert batch.non_tensor_batch[AGENT_REWARD].tolist() == [0.01, 0.02, 0.03]
+    assert [m["chars"] for m in batch.non_tensor_batch[AGENT_METRICS]] == [1.0, 2.0, 3.0]
+    recorded = json.loads(out.read_text())
+    assert sorted(d["row"] for d in recorded["done"]) == [0, 1, 2] and {d["status"] for d in recorded["done"]} == {200}
+    assert recorded["checks"] == {
+        "claim with a session key": 401,
+        "reward not a number": 400,
+        "reward without a key": 401,
+        "reward after close": 410,
+    }
+    assert not list(endpoint_dir.glob("*.json"))  # the address went with the endpoint

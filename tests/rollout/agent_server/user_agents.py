@@ -66,7 +66,16 @@ def streaming_agent(base_url: str, api_key: str, row: dict) -> dict:
             names += [call.function.name for call in choice.delta.tool_calls or []]
             finish = choice.finish_reason or finish
     with open(row["extra_info"]["out"], "w") as file:
-        json.dump({"text": text, "names": names, "finish": finish, "completion_tokens": usage.completion_tokens}, file)
+        json.dump(
+            {
+                "text": text,
+                "names": names,
+                "finish": finish,
+                "completion_tokens": usage.completion_tokens,
+                "url": base_url,
+            },
+            file,
+        )
     return 1.0
 
 
