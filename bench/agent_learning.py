@@ -58,16 +58,22 @@ def make_data(out: Path) -> dict[str, Path]:
 
 
 def train(side: str, data: Path, seed: int, steps: int, test_freq: int, run_dir: Path) -> list[dict]:
-    if not (run_dir / "metrics.jsonl").exists() or len((run_dir / "metrics.jsonl").read_text().splitlines()) < steps:
-        subprocess.run(
-            [sys.executable, "-m", "hybridflow.trainer.commands.train", "--config", str(SIDES[side]),
-             f"data.train_files=[{data / 'train.parquet'}]", f"data.val_files=[{data / 'test.parquet'}]",
-             f"trainer.total_training_steps={steps}", f"trainer.test_freq={test_freq}", f"trainer.seed={seed}",
-             "trainer.logger=[jsonl]", f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable"],
-            check=True,
-            cwd=ROOT,
-        )  # fmt: skip
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.exists() or len(metrics.read_text().splitlines()) < steps:
+        overrides = [
+            f"data.train_files=[{data / 'train.parquet'}]",
+            f"data.val_files=[{data / 'test.parquet'}]",
+            "data.max_prompt_length=512",
+            f"trainer.total_training_steps={steps}",
+            f"trainer.test_freq={test_freq}",
+            f"trainer.seed={seed}",
+            "trainer.logger=[jsonl]",
+            f"trainer.default_local_dir={run_dir}",
+            "trainer.resume_mode=disable",
+        ]
+        command = [sys.executable, "-m", "hybridflow.trainer.commands.train", "--config", str(SIDES[side])]
+        subprocess.run([*command, *overrides], check=True, cwd=ROOT)
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def held_out(records: list[dict]) -> dict[int, float]:

@@ -59,14 +59,15 @@ class RequestEngine(ABC):
 
         params: the sampling of every request (``params.max_new_tokens`` is ignored: each turn gives its
         own); max_len: the longest context + response any request reaches; max_requests: how many
-        requests the block will make (the engine may size its cache by it)."""
+        requests the block will run at once, unreleased (the engine may size its cache by it)."""
 
     @abstractmethod
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         """Append ``new_tokens`` to request ``request``'s context and generate one turn.
 
-        request: a number in [0, max_requests), the same for every turn of one conversation; it
-        names the request's sampling stream. The first call's tokens are the whole prompt."""
+        request: a number, the same for every turn of one conversation and distinct from every other
+        conversation's in the session; it names the request's sampling stream. The first call's tokens are
+        the whole prompt."""
 
     @abstractmethod
     def release(self, request: int) -> None:
@@ -82,6 +83,10 @@ class SteppedRequestEngine(RequestEngine):
     """A request engine over a synchronous one: a server task runs one engine step at a time while any turn is
     in progress, and yields to the event loop between steps (so tools run and new turns arrive while the others
     decode). Subclasses say how to open a session, whether there is work, how to step, and which futures wait."""
+
+    # event-loop passes between two steps: 1 lets the agent loops' coroutines run; a server in the same loop (the
+    # agent endpoint) needs a few, since a request takes several passes (read, parse, reply) to reach the engine
+    io_passes = 1
 
     def __init__(self) -> None:
         self._stats = RequestStats()
@@ -134,7 +139,8 @@ class SteppedRequestEngine(RequestEngine):
             while True:
                 if self._has_work():
                     self._step()
-                    await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
+                    for _ in range(self.io_passes):
+                        await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
                 elif self._closing:
                     return
                 else:

@@ -30,6 +30,9 @@ class AgentServerConfig:
     max_requests_per_session: int  # requests one session may make (429 after)
     max_requests_per_second: float  # per session, averaged over a burst of that many requests (429 above)
     max_branches_per_session: int  # conversations a session may start (a history the client edited starts one)
+    # the sessions' first turns wait for each other until all are in or none arrives for this long, so that the
+    # engine prefills them together
+    first_turn_window_s: float
 
     def __post_init__(self) -> None:
         require(
@@ -45,6 +48,7 @@ class AgentServerConfig:
         require(bool(self.model_name), "model_name", "must not be empty")
         for name in ("timeout_s", "max_prompt_tokens", "max_body_bytes", "max_sessions"):
             require_positive(getattr(self, name), name)
+        require(self.first_turn_window_s >= 0, "first_turn_window_s", "must be >= 0")
         for name in ("max_requests_per_session", "max_requests_per_second", "max_branches_per_session"):
             require_positive(getattr(self, name), name)
         file, _, name = self.function.rpartition(":")

@@ -52,12 +52,13 @@ from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.server import AgentServer, build_app
 from hybridflow.rollout.agent_server.sessions import Session, SessionTable
-from hybridflow.rollout.agent_server.turns import TurnRunner
+from hybridflow.rollout.agent_server.turns import ArrivalGate, TurnRunner
 from hybridflow.rollout.base import Rollout, SamplingParams
 from hybridflow.user_code import load_object
 
 logger = logging.getLogger(__name__)
 
+IO_PASSES = 8  # event-loop passes between two engine steps while the endpoint serves (bench/agent_server.py)
 ROW_COLUMNS = (RAW_PROMPT, DATA_SOURCE, REWARD_MODEL, EXTRA_INFO, INDEX)  # what an agent is given of its row
 
 
@@ -141,25 +142,34 @@ class AgentFunctionRollout(Rollout):
         config = self.config
         max_len = config.max_prompt_tokens + params.max_new_tokens
         table = SessionTable(config, self.run_key)
+        self.gate = ArrivalGate(len(rows), config.first_turn_window_s)
         runner = TurnRunner(
             self.engine,
             self.renderer,
             self.parse,
             response_length=params.max_new_tokens,
             max_prompt_tokens=config.max_prompt_tokens,
+            gate=self.gate,
         )
         app = build_app(
             config, table, runner, temperature=params.temperature, top_p=params.top_p, max_model_len=max_len
         )
         server = AgentServer(config, app)
-        max_requests = len(rows) * config.max_branches_per_session
+        max_requests = len(rows)  # at once: a session holds one engine request at a time (turns.py)
         sessions = [table.open(i, row, external=config.external) for i, row in enumerate(rows)]
-        with ThreadPoolExecutor(max_workers=max(1, len(rows)), thread_name_prefix="agent") as threads:
-            async with self.engine.serving(params, max_len=max_len, max_requests=max_requests):
-                async with server.running():
-                    with endpoint_file(config.endpoint_dir, server.base_url, self.run_key):
-                        runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
-                        outcomes = list(await asyncio.gather(*runs))
+        io_passes = getattr(self.engine, "io_passes", None)
+        if io_passes is not None:
+            self.engine.io_passes = IO_PASSES  # the server reads and answers requests between the engine's steps
+        try:
+            with ThreadPoolExecutor(max_workers=max(1, len(rows)), thread_name_prefix="agent") as threads:
+                async with self.engine.serving(params, max_len=max_len, max_requests=max_requests):
+                    async with server.running():
+                        with endpoint_file(config.endpoint_dir, server.base_url, self.run_key):
+                            runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
+                            outcomes = list(await asyncio.gather(*runs))
+        finally:
+            if io_passes is not None:
+                self.engine.io_passes = io_passes
         return sessions, outcomes
 
     async def _run_one(
@@ -191,6 +201,8 @@ class AgentFunctionRollout(Rollout):
             self._log(error)
             return math.nan, {}, f"{type(error).__name__}: {error}"
         finally:
+            if session.counts.requests == 0 and session.engine_requests_used == 0:
+                self.gate.leave()
             table.close(session)
             for k in range(session.engine_requests_used):
                 self.engine.release(session.first_engine_request + k)

@@ -3,6 +3,7 @@ record the tokens. Nothing is recorded for a request that fails before its turn 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -19,6 +20,39 @@ from hybridflow.rollout.requests import RequestEngine
 _CALL_MARKUP = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
 
+class ArrivalGate:
+    """Holds the first turns of a call's sessions until every session's has arrived, or none has for ``window_s``,
+    then lets them all go at once: the engine prefills them together, as it does the in-process loops' first turns,
+    instead of one by one as the agents' requests trickle in."""
+
+    def __init__(self, expected: int, window_s: float):
+        self.expected = expected
+        self.window_s = window_s
+        self.arrived = 0
+        self.released = asyncio.Event()
+        self.last_arrival = time.monotonic()
+
+    def leave(self) -> None:
+        """A session ended without a first turn (its agent failed): wait for one fewer."""
+        self.expected -= 1
+        if self.arrived >= self.expected:
+            self.released.set()
+
+    async def arrive(self) -> None:
+        if self.released.is_set():
+            return
+        self.arrived += 1
+        self.last_arrival = time.monotonic()
+        if self.arrived >= self.expected:
+            self.released.set()
+        while not self.released.is_set():
+            try:
+                await asyncio.wait_for(self.released.wait(), timeout=self.window_s)
+            except TimeoutError:
+                if time.monotonic() - self.last_arrival >= self.window_s:
+                    self.released.set()
+
+
 class TurnRunner:
     """Turns of every session of one generation call over ``engine``. response_length: each branch's budget of
     response tokens (generated and inserted together, as for the in-process agent loops)."""
@@ -31,6 +65,7 @@ class TurnRunner:
         *,
         response_length: int,
         max_prompt_tokens: int,
+        gate: ArrivalGate | None = None,
     ):
         self.engine = engine
         self.renderer = renderer
@@ -39,6 +74,7 @@ class TurnRunner:
         self.parse = parse
         self.response_length = response_length
         self.max_prompt_tokens = max_prompt_tokens
+        self.gate = gate
 
     async def run(self, session: Session, request: TurnRequest) -> Reply:
         try:
@@ -81,11 +117,17 @@ class TurnRunner:
         if new_branch or branch.stale:  # a fresh engine request: the whole context
             engine_request = session.next_engine_request()
             new_tokens, cached = branch.prompt + branch.tokens + inserted, 0
+            for other in session.branches:  # a session holds one engine request (its cache) at a time
+                if other is not branch and not other.stale:
+                    self.engine.release(other.engine_request)
+                    other.stale = True
         else:
             engine_request = branch.engine_request
             new_tokens, cached = inserted, len(branch.prompt) + len(branch.tokens)
         prompt_tokens = len(branch.prompt) + len(branch.tokens) + len(inserted)
         session.counts.server_seconds += time.perf_counter() - started
+        if self.gate is not None and session.counts.requests == 0:
+            await self.gate.arrive()
         try:
             turn = await self.engine.generate(engine_request, new_tokens, request.max_tokens or budget)
         except Exception:
