@@ -5,14 +5,15 @@ hand, not a test).
     .venv/bin/python bench/agent_server.py                   # smollm2, native engine, 32 samples, 3 repeats
     .venv/bin/python bench/agent_server.py --requests 64 --repeats 5
 
-Both sides see the same conversations: the prompt is the calculator task's system message and question with the
-calculator described in the endpoint's fallback tools format (rendered once, given to the in-process loop as
-its prompt tokens), greedy decoding, the same calculator answering each first call of a turn (later calls of a turn
-get the in-process loop's error text), at most 4 assistant turns. A turn whose tool-call markup does not parse ends
-the conversation through the endpoint (the agent reads text) but is answered in-process (the loop sends the
-problem back), so a few conversations may differ: the sides are compared by generated tokens per second. They take
-turns within each repeat; the best repeat of each is reported with the load average and the endpoint's own time
-per request (rendering, parsing and writing, without generation).
+Both sides see the same conversations: the prompt is the calculator task's chat (system message, worked example,
+question) with the calculator described in the endpoint's fallback tools format (rendered once, given to the
+in-process loop as its prompt tokens), greedy decoding, the same calculator answering each first call of a turn
+(later calls of a turn get the in-process loop's error text), at most 4 assistant turns. A turn whose tool-call
+markup does not parse ends the conversation through the endpoint (the agent reads text) but is answered in-process
+(the loop sends the problem back), so a few conversations may differ: the sides are compared by generated tokens per
+second. They take turns within each repeat; the best repeat of each is reported with the load average, the engine's
+prefill and decode calls, and the endpoint's own time per request (rendering, parsing and writing, without
+generation).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import os
 import sys
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "agents"))
+from calculator_openai import CALCULATOR, HTTP  # noqa: E402
 from rollout import timed  # noqa: E402
 
 from hybridflow.batch_keys import (  # noqa: E402
@@ -53,23 +55,15 @@ from hybridflow.tools import ToolSet  # noqa: E402
 from hybridflow.tools.calculator import CalculatorTool, calculate  # noqa: E402
 from hybridflow.trainer.setup.config import default_config  # noqa: E402
 
-HTTP = httpx.Client(timeout=600)  # one connection pool for every agent: a client per agent costs ~50 ms of CPU
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
-    },
-}
 MAX_TURNS = 4
 SKIPPED = "Error: at most 1 tool call(s) per turn; this one was not run"  # the in-process loop's text
 
 
 def conversation(row: dict) -> list[dict]:
-    """The system message and the question (a task row's ``prompt``, the agent's row's ``raw_prompt``)."""
+    """The task's chat (a task row's ``prompt``, the agent's row's ``raw_prompt``): the system message, the worked
+    example (its tool message given the id the API asks for) and the question."""
     chat = row["raw_prompt"] if "raw_prompt" in row else row["prompt"]
-    return [dict(chat[0]), dict(chat[-1])]
+    return [{**m, "tool_call_id": "example"} if m["role"] == "tool" else dict(m) for m in chat]
 
 
 def agent(base_url: str, api_key: str, row: dict) -> float:

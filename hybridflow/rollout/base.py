@@ -25,7 +25,15 @@ from hybridflow.rollout.sampling import SamplingParams
 if TYPE_CHECKING:
     from hybridflow.rollout.requests import RequestEngine
 
-__all__ = ["Rollout", "SamplingParams", "assemble_batch", "response_mask_from", "stop_and_pad_ids", "truncated_rows"]
+__all__ = [
+    "BackendWrapper",
+    "Rollout",
+    "SamplingParams",
+    "assemble_batch",
+    "response_mask_from",
+    "stop_and_pad_ids",
+    "truncated_rows",
+]
 
 
 class Rollout(ABC):
@@ -76,6 +84,31 @@ class Rollout(ABC):
         raise NotImplementedError(
             f"{type(self).__name__} has no request API for multi-turn rollout; use a backend that has one"
         )
+
+
+class BackendWrapper(Rollout):
+    """A rollout that generates through another backend's request engine (the agent loops, the agent endpoint): the
+    weights, the adapters and the cache are the backend's."""
+
+    def __init__(self, backend: Rollout):
+        self.backend = backend
+        self.engine = backend.request_engine()
+        self.pad_token_id = backend.pad_token_id
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.backend.load_weights(named_tensors)
+
+    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.backend.load_base_weights(named_tensors)
+
+    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
+        self.backend.load_adapters(adapters, scaling)
+
+    def release_cache(self) -> None:
+        self.backend.release_cache()
+
+    def request_engine(self) -> RequestEngine:
+        return self.engine
 
 
 def stop_and_pad_ids(generation_eos: int | list[int] | None, tokenizer) -> tuple[list[int], int]:

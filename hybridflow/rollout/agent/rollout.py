@@ -45,13 +45,13 @@ from hybridflow.rollout.agent.loops import AgentContext, agent_loop_class
 from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
 from hybridflow.rollout.agent.state import STOP_NO_TOOL_CALL, RequestState, Trajectory
 from hybridflow.rollout.agent.tool_calls import TrajectoryTools
-from hybridflow.rollout.base import Rollout, SamplingParams
+from hybridflow.rollout.base import BackendWrapper, Rollout, SamplingParams
 from hybridflow.tools import ToolSet, load_tools
 
 logger = logging.getLogger(__name__)
 
 
-class AgentRollout(Rollout):
+class AgentRollout(BackendWrapper):
     """Multi-turn generation with tools. backend: a rollout with a request engine (native, vllm); its
     weights and cache are the ones used. tools: the run's tools (default: those of
     ``config.tool_config_path``). default_agent: the loop of rows that name none (default:
@@ -66,8 +66,7 @@ class AgentRollout(Rollout):
         *,
         default_agent: str | None = None,
     ):
-        self.backend = backend
-        self.engine = backend.request_engine()
+        super().__init__(backend)
         self.tokenizer = tokenizer
         self.config = config
         if tools is None:
@@ -75,24 +74,8 @@ class AgentRollout(Rollout):
         self.tools = tools
         self.default_agent = default_agent or config.default_agent
         self.parse = TOOL_CALL_FORMATS[config.format]
-        self.pad_token_id = backend.pad_token_id
         self.chat = ChatFormat(tokenizer, backend.eos_token_ids, config.tool_role)
         self._logged_failures: set[str] = set()
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.backend.load_weights(named_tensors)
-
-    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.backend.load_base_weights(named_tensors)
-
-    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
-        self.backend.load_adapters(adapters, scaling)
-
-    def release_cache(self) -> None:
-        self.backend.release_cache()
-
-    def request_engine(self):
-        return self.engine
 
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """prompts: the tensors of `Rollout.generate_sequences`, plus optional per-row ``agent_name`` and

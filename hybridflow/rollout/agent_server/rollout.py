@@ -20,7 +20,7 @@ import numbers
 import os
 import secrets
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,7 +53,7 @@ from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.server import AgentServer, build_app
 from hybridflow.rollout.agent_server.sessions import Session, SessionTable
 from hybridflow.rollout.agent_server.turns import ArrivalGate, TurnRunner
-from hybridflow.rollout.base import Rollout, SamplingParams
+from hybridflow.rollout.base import BackendWrapper, Rollout, SamplingParams
 from hybridflow.user_code import load_object
 
 logger = logging.getLogger(__name__)
@@ -86,35 +86,18 @@ def load_agent_function(spec: str) -> Any:
     return function
 
 
-class AgentFunctionRollout(Rollout):
+class AgentFunctionRollout(BackendWrapper):
     """Generation by the user's agents through the endpoint, over ``backend``'s request engine."""
 
     def __init__(self, backend: Rollout, tokenizer: Any, config: AgentServerConfig, *, tool_role: str, format: str):
-        self.backend = backend
-        self.engine = backend.request_engine()
+        super().__init__(backend)
         self.tokenizer = tokenizer
         self.config = config
         self.function = load_agent_function(config.function) if config.function else None  # None: external agents
         self.run_key = f"hf-run-{secrets.token_urlsafe(24)}"  # the run's secret (external agents claim with it)
         self.renderer = MessageRenderer(ChatFormat(tokenizer, backend.eos_token_ids, tool_role))
         self.parse = TOOL_CALL_FORMATS[format]
-        self.pad_token_id = backend.pad_token_id
         self._logged: set[str] = set()
-
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.backend.load_weights(named_tensors)
-
-    def load_base_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.backend.load_base_weights(named_tensors)
-
-    def load_adapters(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> None:
-        self.backend.load_adapters(adapters, scaling)
-
-    def release_cache(self) -> None:
-        self.backend.release_cache()
-
-    def request_engine(self):
-        return self.engine
 
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """prompts: the row columns of ``ROW_COLUMNS`` (the tensors are not read: the agent renders its own
