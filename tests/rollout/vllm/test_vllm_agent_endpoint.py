@@ -1,6 +1,7 @@
 """The agent endpoint over vLLM: an openai-SDK agent's three-turn conversations are the same tokens as over the native
 engine, with the same masks, and vLLM's log-probs are the forward pass's."""
 
+import pytest
 import torch
 from agent_server.endpoint_helpers import agent_config, rows
 from rollout_helpers import engine_config
@@ -11,6 +12,7 @@ from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 
 
+@pytest.mark.parametrize("tiny", ["tiny-llama"], indirect=True)  # one family: the endpoint does not depend on it
 def test_the_endpoint_on_vllm_gives_the_native_engines_conversations(tiny):
     model, tokenizer, rollout = tiny
     config = agent_config("three_turn_agent", max_prompt_tokens=64)
