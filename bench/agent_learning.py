@@ -121,7 +121,7 @@ def main() -> None:
         axes.plot(list(curve), list(curve.values()), style, marker="o", label=f"{side}, seed {seed}")
     axes.set_xlabel("training step")
     axes.set_ylabel("held-out accuracy (greedy)")
-    axes.set_title("calculator: the agent through the endpoint vs the in-process loop")
+    axes.set_title("calculator: endpoint vs in-process loop")
     axes.legend(fontsize=8)
     figure.tight_layout()
     args.plot.parent.mkdir(parents=True, exist_ok=True)
