@@ -56,7 +56,6 @@ class SessionCounts:
     """What a session did, for the report."""
 
     requests: int = 0  # requests answered with a turn
-    refused: int = 0  # requests refused after they were admitted (too long, over the budget, ...)
     parse_failures: int = 0  # turns whose tool-call markup did not parse (returned as text)
     tool_calls: int = 0
     server_seconds: float = 0.0  # time in the endpoint's own code (rendering, parsing, writing), not generating

@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from hybridflow.rollout.agent.parsers import MalformedCall, ToolCallParser
-from hybridflow.rollout.agent_server.errors import ApiError, bad_request
+from hybridflow.rollout.agent_server.errors import bad_request
 from hybridflow.rollout.agent_server.openai_api import Reply, TurnRequest, normalise_messages
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.sessions import Branch, Session
@@ -77,13 +77,6 @@ class TurnRunner:
         self.gate = gate
 
     async def run(self, session: Session, request: TurnRequest) -> Reply:
-        try:
-            return await self._run(session, request)
-        except ApiError:
-            session.counts.refused += 1
-            raise
-
-    async def _run(self, session: Session, request: TurnRequest) -> Reply:
         started = time.perf_counter()
         branch, tail = session.route(request.messages, request.tools)
         new_branch = branch is None
@@ -204,12 +197,3 @@ def _stop_cut(tokenizer: Any, tokens: list[int], stops: list[str]) -> tuple[int,
         if found:
             return kept, text[: min(found)]
     return None
-
-
-def refuse_unknown_route(path: str) -> ApiError:
-    return ApiError(
-        404,
-        f"no endpoint {path!r}: use /v1/chat/completions, /v1/responses or /v1/models "
-        "(or the same under /sessions/{id})",
-        code="unknown_url",
-    )
