@@ -45,10 +45,10 @@ def main() -> None:
             checks["reward not a number"] = httpx.post(reward_url, json={"reward": "high"}, headers=auth).status_code
             checks["reward without a key"] = httpx.post(reward_url, json={"reward": 1.0}).status_code
         posted = httpx.post(reward_url, json={"reward": len(text) / 100, "metrics": {"chars": len(text)}}, headers=auth)
-        checks.setdefault("reward after close", None)
+        if "reward after close" not in checks:  # on the first session, while the others keep the endpoint up
+            checks["reward after close"] = httpx.post(reward_url, json={"reward": 1.0}, headers=auth).status_code
         done.append({"session": session["session_id"], "row": session["row"]["index"], "text": text,
                      "status": posted.status_code})  # fmt: skip
-        checks["reward after close"] = httpx.post(reward_url, json={"reward": 1.0}, headers=auth).status_code
     out.write_text(json.dumps({"done": done, "checks": checks}))
 
 
