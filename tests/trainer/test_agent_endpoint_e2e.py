@@ -1,6 +1,6 @@
 """GRPO through the agent endpoint on real Ray worker groups: the user's agent, written with the openai SDK, talks
 to the run's endpoint; its two-turn conversations are trained (the inserted user turn masked out) and the reward
-it returns rises (sync); one_step_off and fully_async run the same agents on the rollout's own pool for a few
+it returns rises (sync); one_step_off and fully_async run the same agents on the rollout's own pool for two
 steps."""
 
 import json
@@ -57,17 +57,24 @@ async def sdk_agent(base_url, api_key, row):
     return sum(c.isdigit() for c in text) / max(1, len(text))
 """
 
+# the asynchronous modes only have to run the endpoint's agents on the rollout's own pool: two small steps
+SMALL = [
+    "trainer.total_training_steps=2",
+    "data.train_batch_size=4",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "actor_rollout_ref.rollout.n=4",
+]
 MODES = {
     "sync": [],
     "one_step_off": [
-        "trainer.total_training_steps=3",
+        *SMALL,
         "trainer.async_training.mode=one_step_off",
         "algorithm.rollout_correction.rollout_is=token",
         "trainer.placement=group_colocate",
         "trainer.n_workers_per_node=1",
     ],
     "fully_async": [
-        "trainer.total_training_steps=3",
+        *SMALL,
         "trainer.async_training.mode=fully_async",
         "trainer.async_training.max_staleness=1",
         "trainer.async_training.partial_rollout=false",

@@ -1,6 +1,7 @@
 """A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
-synchronous, synchronous with LoRA adapters, and one-step-off (killed after the batch of step 3 was generated,
-while step 3 trains on it and the rollout's pool generates the batch of step 4). The uninterrupted run is made in
+synchronous, synchronous with LoRA adapters, one-step-off (killed after the batch of step 3 was generated,
+while step 3 trains on it and the rollout's pool generates the batch of step 4), and the agent endpoint (killed while
+an agent of step 3 holds its session open). The uninterrupted run is made in
 this process, on the module's Ray cluster, and so is the resumed one; the killed run is a command of its own that
 joins that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends the command, and Ray ends
 its job's worker processes and placement groups."""
@@ -19,7 +20,15 @@ from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
 
 # wall-clock times, throughput, MFU and memory: not reproducible
-MEASUREMENTS = ("timing_s/", "perf/", "transfer/seconds", "async/trainer_wait_s", "async/rollout_idle_s")
+MEASUREMENTS = (
+    "timing_s/",
+    "perf/",
+    "transfer/seconds",
+    "async/trainer_wait_s",
+    "async/rollout_idle_s",
+    "agent/server_ms_per_request",
+    "agent/returned/seconds",  # each agent's wall time
+)
 MODES = {
     "sync": [],
     "one_step_off": [
@@ -30,6 +39,12 @@ MODES = {
     ],
     # LoRA adapters (the checkpoint holds them and their optimizer state), with a KL loss whose reference is the
     # actor with its adapters off
+    # the agent endpoint: the user's agent (AGENT) talks to the rollout's endpoint; the kill comes while sessions of
+    # step 3 are open, and the resumed run must regenerate them, none counted twice
+    "agent_endpoint": [
+        "actor_rollout_ref.rollout.response_length=32",  # after the args response_length, so it wins
+        "actor_rollout_ref.rollout.agent.max_prompt_tokens=128",
+    ],
     "lora": [
         "actor_rollout_ref.model.lora.rank=4",
         "actor_rollout_ref.model.lora.alpha=8",
@@ -59,12 +74,46 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+# The agent of the agent_endpoint mode, two requests per session, rewarded by the fraction of digits. It pauses as
+# REWARD does, but in the rollout's worker (whose environment is the cluster's): while the folder "gate" beside this
+# file exists, the first session of step 3 (after the 16 of steps 1 and 2) to have its first answer announces itself
+# in it and waits, its session open, the step's other sessions going on meanwhile.
+AGENT = """
+import os, time
+import openai
+
+GATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gate")
+
+
+def digits_agent(base_url, api_key, row):
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(row["raw_prompt"])
+    first = client.chat.completions.create(model="policy", messages=messages, max_tokens=3)
+    if os.path.isdir(GATE):
+        with open(os.path.join(GATE, "sessions"), "a") as log:
+            log.write("x")
+        if os.path.getsize(os.path.join(GATE, "sessions")) > 16:
+            open(os.path.join(GATE, "paused"), "w").close()
+            time.sleep(600)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "42?"}]
+    second = client.chat.completions.create(model="policy", messages=messages, max_tokens=4)
+    text = (second.choices[0].message.content or "").replace(" ", "")
+    return {"reward": sum(c.isdigit() for c in text) / max(1, len(text)), "first_tokens": first.usage.completion_tokens}
+"""
+
+
 def args(files, run_dir, mode: str) -> list[str]:
     train, test = files
-    reward = run_dir.parent / "reward.py"
-    reward.write_text(REWARD)
+    if mode == "agent_endpoint":
+        agent = run_dir.parent / "agent.py"
+        agent.write_text(AGENT)
+        scoring = f"actor_rollout_ref.rollout.agent.function={agent}:digits_agent"
+    else:
+        reward = run_dir.parent / "reward.py"
+        reward.write_text(REWARD)
+        scoring = f"custom_reward_function.path={reward}"
     return [
-        f"custom_reward_function.path={reward}",
+        scoring,
         f"data.train_files=[{train}]",
         f"data.val_files=[{test}]",
         "data.train_batch_size=4",  # 8 prompts: 2 steps per epoch, 2 epochs
@@ -125,6 +174,11 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(local_ra
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     assert 3 not in records(run_dir), "the kill came too late to interrupt step 3"
+    if mode == "agent_endpoint":
+        assert len((gate / "sessions").read_text()) > 16  # a session of step 3 was open when the run was killed
+        for path in gate.iterdir():
+            path.unlink()
+        gate.rmdir()  # the resumed run's agents do not wait
 
     assert cli(["train", *args(files, run_dir, mode)]) == 0  # resumed (resume_mode=auto), in this process
 
