@@ -11,7 +11,13 @@ result = RewardManager(tokenizer)(rollout_batch)  # result.token_level_scores: (
 from hybridflow.reward.config import CustomRewardFunctionConfig, RewardConfig
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.reward.manager import RewardFailure, RewardManager, RewardResult, check_scorable
-from hybridflow.reward.registry import UnknownDataSourceError, get_scorer, list_scorers, register_scorer
+from hybridflow.reward.registry import (
+    UnknownDataSourceError,
+    get_scorer,
+    list_scorers,
+    register_scorer,
+    register_scorer_family,
+)
 from hybridflow.reward.scorers import score_arithmetic, score_countdown, score_gsm8k, score_math
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "list_scorers",
     "load_custom_reward_fn",
     "register_scorer",
+    "register_scorer_family",
     "score_arithmetic",
     "score_countdown",
     "score_gsm8k",

@@ -18,6 +18,7 @@ ScoreResult = float | dict[str, Any]
 Scorer = Callable[..., ScoreResult]
 
 _SCORERS: dict[str, Scorer] = {}
+_FAMILIES: dict[str, Scorer] = {}  # "prefix" -> the scorer of every data source "prefix:<name>"
 
 
 class UnknownDataSourceError(KeyError):
@@ -44,8 +45,28 @@ def register_scorer(*data_sources: str) -> Callable[[Scorer], Scorer]:
     return decorate
 
 
+def register_scorer_family(prefix: str) -> Callable[[Scorer], Scorer]:
+    """Decorator: register the function as the scorer of every data source ``"<prefix>:<name>"`` (a collection of
+    tasks judged by one function, e.g. ``reasoning_gym:chain_sum``). An exact registration wins over a family."""
+    if not isinstance(prefix, str) or not prefix or ":" in prefix:
+        raise ValueError(f"a scorer family's prefix must be a non-empty string without ':', got {prefix!r}")
+
+    def decorate(fn: Scorer) -> Scorer:
+        if prefix in _FAMILIES and _FAMILIES[prefix] is not fn:
+            raise ValueError(f"a scorer family {prefix!r} is already registered ({_FAMILIES[prefix].__name__})")
+        _FAMILIES[prefix] = fn
+        return fn
+
+    return decorate
+
+
 def get_scorer(data_source: str) -> Scorer:
-    """The scorer registered for `data_source`; UnknownDataSourceError listing the known ones otherwise."""
+    """The scorer registered for `data_source` (or for its family, ``prefix:name``); UnknownDataSourceError listing
+    the known ones otherwise."""
+    if isinstance(data_source, str) and data_source not in _SCORERS:
+        prefix, sep, name = data_source.partition(":")
+        if sep and name and prefix in _FAMILIES:
+            return _FAMILIES[prefix]
     try:
         return _SCORERS[data_source]
     except (KeyError, TypeError):
@@ -56,5 +77,5 @@ def get_scorer(data_source: str) -> Scorer:
 
 
 def list_scorers() -> list[str]:
-    """Registered data sources, sorted."""
-    return sorted(_SCORERS)
+    """Registered data sources, sorted (a family as ``prefix:<name>``)."""
+    return sorted([*_SCORERS, *(f"{prefix}:<name>" for prefix in _FAMILIES)])

@@ -27,3 +27,26 @@ def test_register_and_duplicate():
         register_scorer("test_registry_a")(lambda s, g, e=None: 0.0)
     with pytest.raises(ValueError):
         register_scorer()
+
+
+def test_a_family_scores_every_source_of_its_prefix_and_an_exact_name_wins():
+    from hybridflow.reward import register_scorer_family
+
+    @register_scorer_family("test_family")
+    def family(solution_str, ground_truth, extra_info=None):
+        return 0.5
+
+    @register_scorer("test_family:special")
+    def special(solution_str, ground_truth, extra_info=None):
+        return 1.0
+
+    assert get_scorer("test_family:a") is family and get_scorer("test_family:b:c") is family
+    assert get_scorer("test_family:special") is special
+    assert "test_family:<name>" in list_scorers() and "reasoning_gym:<name>" in list_scorers()
+    for unknown in ("test_family", "test_family:", "other:a"):
+        with pytest.raises(UnknownDataSourceError):
+            get_scorer(unknown)
+    with pytest.raises(ValueError, match="already registered"):
+        register_scorer_family("test_family")(lambda s, g, e=None: 0.0)
+    with pytest.raises(ValueError, match="without ':'"):
+        register_scorer_family("a:b")

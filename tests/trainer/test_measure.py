@@ -29,3 +29,21 @@ def test_measure_runs_a_multi_turn_task_through_its_agent_loop(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"calculator accuracy of tiny-llama: [0-9.]+ on 2 test prompts .*tool-call rate [0-9.]+", out), out
+
+
+def test_measure_scores_a_data_file_per_data_source(tmp_path, capsys):
+    """--data: a reasoning-gym mix's rows, accuracy and mean score printed per task."""
+    from hybridflow.data.tasks import write_reasoning_gym
+    from hybridflow.data.tasks.reasoning_gym import TaskSpec
+
+    specs = [TaskSpec("chain_sum", config={"max_digits": 1}), TaskSpec("count_bits", config={"max_n": 255})]
+    paths = write_reasoning_gym(specs, tmp_path, train=2, test=6, seed=0)
+    args = ["measure", "--data", str(paths["test"]), "--model", "tiny-llama", "--n", "6", "--max-new-tokens", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    per_task = re.findall(r"^  reasoning_gym:(\w+): [0-9.]+ \(mean score [0-9.]+, (\d+) prompts\)$", out, flags=re.M)
+    assert per_task and {name for name, _ in per_task} <= {"chain_sum", "count_bits"}
+    assert sum(int(n) for _, n in per_task) == 6
+    assert re.search(rf"{re.escape(str(paths['test']))} accuracy of tiny-llama: [0-9.]+ on 6 test prompts", out), out
+    assert main(["measure", "arithmetic", "--data", str(paths["test"])]) == 2
+    assert "name a built-in task or give --data FILE (one of the two)" in capsys.readouterr().err

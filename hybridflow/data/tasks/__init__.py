@@ -1,5 +1,5 @@
 """Built-in RL tasks that generate their own data: `arithmetic`, `countdown`, and `calculator` (multi-turn, with a
-calculator tool).
+calculator tool); and `reasoning_gym`, a mix of reasoning-gym's tasks (``--rg NAME key=value ...``: reasoning_gym.py).
 
     python -m hybridflow.data.tasks arithmetic --out data/arithmetic --train 5000 --test 200 --seed 0
 
@@ -16,6 +16,7 @@ from typing import Any
 
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import arithmetic, calculator, countdown
+from hybridflow.data.tasks.reasoning_gym import TaskSpec, make_splits
 
 TASKS: dict[str, Callable[[int, str, int], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic.make_rows,
@@ -54,4 +55,18 @@ def write_task(
     return paths
 
 
-__all__ = ["GOLD", "TASKS", "make_task_rows", "write_task"]
+def write_reasoning_gym(
+    specs: list[TaskSpec], out: str | Path, train: int, test: int, seed: int = 0
+) -> dict[str, Path]:
+    """Write OUT/train.parquet and OUT/test.parquet of a reasoning-gym mix (see reasoning_gym.py)."""
+    for split, count in (("train", train), ("test", test)):
+        if count <= 0:
+            raise ValueError(f"{split} split of {count} rows: give a positive count (--{split} N)")
+    out = Path(out)
+    return {
+        split: write_rows(rows, out / f"{split}.parquet")
+        for split, rows in make_splits(specs, train, test, seed).items()
+    }
+
+
+__all__ = ["GOLD", "TASKS", "TaskSpec", "make_task_rows", "write_reasoning_gym", "write_task"]

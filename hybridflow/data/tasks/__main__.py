@@ -1,11 +1,14 @@
-"""python -m hybridflow.data.tasks {arithmetic,calculator,countdown} --out DIR --train N --test M --seed S [--gold]"""
+"""python -m hybridflow.data.tasks {arithmetic,calculator,countdown} --out DIR --train N --test M --seed S [--gold]
+python -m hybridflow.data.tasks reasoning_gym --out DIR --train N --test M --seed S --rg NAME [weight=W] [key=value ...]
+    [--rg NAME ...]   (one --rg per reasoning-gym task of the mix, with its settings)"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from hybridflow.data.tasks import GOLD, TASKS, write_task
+from hybridflow.data.tasks import GOLD, TASKS, write_reasoning_gym, write_task
+from hybridflow.data.tasks.reasoning_gym import check_spec, parse_spec
 from hybridflow.validation import ArgumentParser, run_command, split_debug_flag
 
 
@@ -18,7 +21,7 @@ def _positive(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m hybridflow.data.tasks", description=__doc__)
-    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("task", choices=[*sorted(TASKS), "reasoning_gym"])
     parser.add_argument("--out", required=True, help="folder for train.parquet and test.parquet")
     parser.add_argument("--train", type=_positive, default=5000, help="rows in the train split")
     parser.add_argument("--test", type=_positive, default=200, help="rows in the test split")
@@ -28,7 +31,33 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"add each row's correct conversation for hybridflow sft ({', '.join(GOLD)})",
     )
+    parser.add_argument(
+        "--rg",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="WORD",
+        help="reasoning_gym: one task of the mix, NAME [weight=W] [key=value ...] (its config's settings)",
+    )
     args = parser.parse_args(argv)
+    if args.task == "reasoning_gym":
+        if not args.rg or args.gold:
+            parser.error("reasoning_gym: name its tasks with --rg NAME [key=value ...] (and no --gold)")
+        try:
+            specs = [parse_spec(words) for words in args.rg]
+            for spec in specs:
+                check_spec(spec)
+        except (ValueError, ImportError) as error:
+            parser.error(str(error))
+        try:
+            paths = write_reasoning_gym(specs, args.out, args.train, args.test, args.seed)
+        except ValueError as error:  # too few distinct questions for the counts asked
+            parser.error(str(error))
+        for split, path in paths.items():
+            print(f"{split}: {path}")
+        return 0
+    if args.rg:
+        parser.error(f"--rg is for the reasoning_gym task, not {args.task}")
     if args.gold and args.task not in GOLD:
         parser.error(f"--gold: task {args.task!r} has no gold trajectories; tasks that have: {', '.join(GOLD)}")
     for split, path in write_task(args.task, args.out, args.train, args.test, args.seed, gold=args.gold).items():

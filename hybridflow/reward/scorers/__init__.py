@@ -5,5 +5,13 @@ from hybridflow.reward.scorers.calculator import score_calculator
 from hybridflow.reward.scorers.countdown import score_countdown
 from hybridflow.reward.scorers.gsm8k import score_gsm8k
 from hybridflow.reward.scorers.math_boxed import score_math
+from hybridflow.reward.scorers.reasoning_gym import score_reasoning_gym
 
-__all__ = ["score_arithmetic", "score_calculator", "score_countdown", "score_gsm8k", "score_math"]
+__all__ = [
+    "score_arithmetic",
+    "score_calculator",
+    "score_countdown",
+    "score_gsm8k",
+    "score_math",
+    "score_reasoning_gym",
+]

@@ -2,6 +2,10 @@
 
     hybridflow measure arithmetic --model smollm2-135m-instruct --n 100
     hybridflow measure calculator --n 60 --tools examples/tools/calculator.yaml [--sample]
+    hybridflow measure --data data/reasoning_gym/test.parquet --n 200 --max-new-tokens 64 [--sample]
+
+``--data`` scores the rows of a data file (any task whose data source has a scorer: a reasoning-gym mix from
+``python -m hybridflow.data.tasks reasoning_gym``), its first N rows, with accuracy per data source.
 
 Generation is the trainer's: the native engine, and for rows that name an agent loop (multi-turn tasks)
 the agent rollout with the given tools; scoring is the trainer's reward manager. Greedy by default;
@@ -24,9 +28,17 @@ from hybridflow.validation import ArgumentParser, reading_file
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from hybridflow.batch_keys import AGENT_NAME, EXTRA_INFO, PROMPT_TENSORS, RESPONSE_MASK, RESPONSES, TOOL_CALLS
+    from hybridflow.batch_keys import (
+        AGENT_NAME,
+        DATA_SOURCE,
+        EXTRA_INFO,
+        PROMPT_TENSORS,
+        RESPONSE_MASK,
+        RESPONSES,
+        TOOL_CALLS,
+    )
     from hybridflow.data import RLHFDataset
-    from hybridflow.data.io import write_rows
+    from hybridflow.data.io import read_rows, write_rows
     from hybridflow.data.tasks import TASKS, make_task_rows
     from hybridflow.models import load_causal_lm, load_tokenizer, model_config
     from hybridflow.reward import RewardManager
@@ -36,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.trainer.setup.config import default_config
 
     parser = ArgumentParser(prog="hybridflow measure", description=__doc__)
-    parser.add_argument("task", choices=sorted(TASKS))
+    parser.add_argument("task", nargs="?", choices=sorted(TASKS), help="a built-in task (or give --data)")
+    parser.add_argument("--data", default="", help="a parquet/jsonl file of rows to score instead of a built-in task")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="built-in name or local HF folder")
     parser.add_argument("--n", type=int, default=100, help="test prompts to score")
     parser.add_argument("--seed", type=int, default=0, help="the task seed (as for the generator CLI)")
@@ -49,11 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if bool(args.task) == bool(args.data):
+        parser.error("name a built-in task or give --data FILE (one of the two)")
     model_fix = "a built-in name (smollm2-135m-instruct, tiny-llama) or a model folder"
 
     start = time.time()
     config = default_config()
-    rows = make_task_rows(args.task, args.n, "test", args.seed)
+    if args.data:
+        with reading_file(args.data, key="--data", fix="a parquet or jsonl file of task rows"):
+            rows = read_rows(args.data)[: args.n]
+    else:
+        rows = make_task_rows(args.task, args.n, "test", args.seed)
     multi_turn = any(row.get(AGENT_NAME) for row in rows)
     if multi_turn and not args.tools:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
@@ -89,13 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     done = time.time()
 
     by_level = defaultdict(list)
+    sources = batch.non_tensor_batch[DATA_SOURCE]
+    scores = [float(score) for score in result.extra["score"]]
     for i, acc in enumerate(result.extra["acc"]):
-        by_level[batch.non_tensor_batch[EXTRA_INFO][i].get("level", "all")].append(float(acc))
+        level = batch.non_tensor_batch[EXTRA_INFO][i].get("level")
+        by_level[level or (sources[i] if len(set(sources)) > 1 else "all")].append((float(acc), scores[i]))
         if i < args.show:
             n = int(batch.batch[RESPONSE_MASK][i].nonzero().max()) + 1 if batch.batch[RESPONSE_MASK][i].any() else 0
-            print(f"acc={acc} response={tokenizer.decode(batch.batch[RESPONSES][i, :n])!r}")
-    for level, accs in sorted(by_level.items()):
-        print(f"  {level}: {sum(accs) / len(accs):.2f} ({len(accs)} prompts)")
+            print(f"acc={acc} score={scores[i]:.2f} response={tokenizer.decode(batch.batch[RESPONSES][i, :n])!r}")
+    for level, pairs in sorted(by_level.items()):
+        accs, level_scores = [a for a, _ in pairs], [s for _, s in pairs]
+        print(
+            f"  {level}: {sum(accs) / len(accs):.2f} (mean score {sum(level_scores) / len(level_scores):.2f}, "
+            f"{len(accs)} prompts)"
+        )
     accs = [float(a) for a in result.extra["acc"]]
     calls = ""
     if multi_turn:
@@ -104,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = sum(called) / len(called)
         calls = f", tool-call rate {rate:.2f}, {sum(unaided):.0f} of {len(unaided)} right without a call"
     print(
-        f"{args.task} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
+        f"{args.task or args.data} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
         f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}{calls}); "
         f"load {loaded - start:.1f}s, generate+score {done - loaded:.1f}s"
     )
