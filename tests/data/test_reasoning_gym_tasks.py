@@ -8,7 +8,6 @@ import pytest
 import reasoning_gym
 
 from hybridflow.data import read_rows
-from hybridflow.data.tasks import write_reasoning_gym
 from hybridflow.data.tasks.__main__ import main as tasks_main
 from hybridflow.data.tasks.reasoning_gym import ANSWER_FORMAT, TaskSpec, make_rows, make_splits, parse_spec
 from hybridflow.reward import get_scorer
@@ -136,9 +135,3 @@ def test_command_writes_the_splits_and_refuses_bad_tasks_before_writing(tmp_path
     with pytest.raises(UserError, match="--rg is for the reasoning_gym task"):
         tasks_main(["arithmetic", "--out", str(bad), "--rg", "chain_sum"])
     assert not bad.exists()
-
-
-def test_written_file_trains_through_the_dataset_reader(tmp_path):
-    paths = write_reasoning_gym(MIX, tmp_path, 8, 4, seed=0)
-    rows = read_rows(paths["test"])
-    assert [row["data_source"] for row in rows] == [row["data_source"] for row in make_splits(MIX, 8, 4, 0)["test"]]

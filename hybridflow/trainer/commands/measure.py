@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
 
     by_level = defaultdict(list)
     sources = batch.non_tensor_batch[DATA_SOURCE]
+    mixed = len(set(sources)) > 1  # several data sources: a line each
     scores = [float(score) for score in result.extra["score"]]
     for i, acc in enumerate(result.extra["acc"]):
         level = batch.non_tensor_batch[EXTRA_INFO][i].get("level")
-        by_level[level or (sources[i] if len(set(sources)) > 1 else "all")].append((float(acc), scores[i]))
+        by_level[level or (sources[i] if mixed else "all")].append((float(acc), scores[i]))
         if i < args.show:
             n = int(batch.batch[RESPONSE_MASK][i].nonzero().max()) + 1 if batch.batch[RESPONSE_MASK][i].any() else 0
             print(f"acc={acc} score={scores[i]:.2f} response={tokenizer.decode(batch.batch[RESPONSES][i, :n])!r}")
