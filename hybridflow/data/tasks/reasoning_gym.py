@@ -26,7 +26,7 @@ from hybridflow.data.tasks.base import make_row, split_rng
 
 SOURCE_PREFIX = "reasoning_gym"  # data_source = "reasoning_gym:<task>"
 DATASET_SIZE = 10**9  # reasoning-gym datasets generate entry i from (seed, i): the size only bounds the index
-# SmolLM2-135M never wrote <answer> tags when asked (0 of 400 prompts, several wordings): the prompt asks for the bare
+# SmolLM2-135M never wrote <answer> tags when asked (none of 544 replies, four wordings): the prompt asks for the bare
 # answer, and the scorer takes the whole reply when it has no tags (docs/environments.md)
 ANSWER_FORMAT = "\n\nGive only the final answer, nothing else."
 MAX_DRAWS_PER_ROW = 50  # distinct test questions: give up (with an error) after this many draws per row needed
