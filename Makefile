@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= ,vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean
+.PHONY: demo test lint format install verifiers-env clean
 
 # pip byte-compiles what it installs one file at a time (about 50 CPU-seconds here, mostly torch and vLLM):
 # installs skip it, and compileall does it once at the end on every core. Like pip, it skips a file that is not
@@ -31,6 +31,20 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# verifiers environments run in a venv of their own (verifiers pins an openai older than the run's; it pulls no
+# torch): hybridflow/verifiers_runner/runner.py runs there, talking to the run over HTTP. reasoning-gym is for the
+# example environments (examples/environments).
+VERIFIERS_VENV := .venv-verifiers
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.installed
+
+$(VERIFIERS_STAMP): Makefile
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q "verifiers==0.4.0" "reasoning-gym==0.1.25"
+	touch $(VERIFIERS_STAMP)
+
+verifiers-env: $(VERIFIERS_STAMP)
 
 DEMO_DATA := data/arithmetic
 
@@ -59,8 +73,8 @@ format: $(STAMP)
 # first). TEST_PROCESSES=0: one process.
 TEST_PROCESSES ?= 2
 
-test: lint
+test: lint $(VERIFIERS_STAMP)
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VERIFIERS_VENV) build *.egg-info

@@ -233,6 +233,7 @@ LONGEST_FILES = (
     "tests/trainer/test_sft_e2e.py",
     "tests/trainer/test_fully_async_resume.py",
     "tests/trainer/test_agent_endpoint_e2e.py",
+    "tests/trainer/test_verifiers_e2e.py",
 )
 VLLM_FILES = ("tests/rollout/vllm/", "tests/trainer/test_vllm_e2e.py")
 

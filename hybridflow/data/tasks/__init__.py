@@ -17,6 +17,7 @@ from typing import Any
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import arithmetic, calculator, countdown
 from hybridflow.data.tasks.reasoning_gym import TaskSpec, make_splits
+from hybridflow.data.tasks.verifiers_env import make_environment_splits
 
 TASKS: dict[str, Callable[[int, str, int], list[dict[str, Any]]]] = {
     "arithmetic": arithmetic.make_rows,
@@ -69,4 +70,23 @@ def write_reasoning_gym(
     }
 
 
-__all__ = ["GOLD", "TASKS", "TaskSpec", "make_task_rows", "write_reasoning_gym", "write_task"]
+def write_verifiers_env(
+    env: str, args: dict[str, Any], path: str, python: str, out: str | Path, train: int, test: int, seed: int = 0
+) -> dict[str, Path]:
+    """Write OUT/train.parquet and OUT/test.parquet naming a verifiers environment's tasks (see verifiers_env.py)."""
+    for split, count in (("train", train), ("test", test)):
+        if count <= 0:
+            raise ValueError(f"{split} split of {count} rows: give a positive count (--{split} N)")
+    splits = make_environment_splits(env, args, path, python, train, test, seed)
+    return {split: write_rows(rows, Path(out) / f"{split}.parquet") for split, rows in splits.items()}
+
+
+__all__ = [
+    "GOLD",
+    "TASKS",
+    "TaskSpec",
+    "make_task_rows",
+    "write_reasoning_gym",
+    "write_task",
+    "write_verifiers_env",
+]

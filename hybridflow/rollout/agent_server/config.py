@@ -4,8 +4,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hybridflow.validation import require, require_positive
+
+
+@dataclass(kw_only=True)
+class VerifiersConfig:
+    """A verifiers environment whose episodes are the samples (docs/environments.md)."""
+
+    # the environment's taskset id: an importable module (verifiers' own, one installed in its venv, or a file under
+    # `path`) whose __all__ names one vf.Taskset, and optionally a vf.Env; "": no environment
+    env: str
+    # more of the environment's config, merged over {"taskset": {"id": env}, "agent": {"harness": {"id":
+    # "hybridflow-chat"}, "runtime": {"type": "subprocess"}}}: taskset settings, timeouts, the seat's harness
+    args: dict[str, Any]
+    path: str  # a directory put first on the environment's PYTHONPATH (where its module is); "": none
+    # the Python of the environment's venv (verifiers pins an openai older than the run's); "":
+    # $HYBRIDFLOW_VERIFIERS_PYTHON, else the venv `make verifiers-env` builds (.venv-verifiers)
+    python: str
+    # how verifiers' client renders conversations to token ids: a renderers config, {name: default} (the tokenizer's
+    # chat template, re-rendered each turn) or one whose turns extend token for token, e.g. {name: qwen3}
+    renderer: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.args, dict), "args", "must be a mapping of the environment's config keys")
+        require("name" in self.renderer, "renderer", "needs a name (default, qwen3, ...)")
+        if self.path:
+            self.path = str(Path(self.path).expanduser().resolve())
+        if self.python:
+            self.python = str(Path(self.python).expanduser().absolute())  # not resolved: a venv's python is a link
 
 
 @dataclass(kw_only=True)
@@ -33,6 +61,7 @@ class AgentServerConfig:
     # the sessions' first turns wait for each other until all are in or none arrives for this long, so that the
     # engine prefills them together
     first_turn_window_s: float
+    verifiers: VerifiersConfig  # a verifiers environment's episodes as the agents (their sessions are external)
 
     def __post_init__(self) -> None:
         require(
@@ -42,6 +71,12 @@ class AgentServerConfig:
         )
         require(
             not (self.external and self.function), "external", "agents are either a function or external", "set one"
+        )
+        require(
+            not (self.verifiers.env and (self.function or self.external)),
+            "verifiers.env",
+            "a run's agents are a function, external agents or a verifiers environment",
+            "set one",
         )
         require(not self.external or bool(self.endpoint_dir), "endpoint_dir", "external agents find the endpoint there")
         require(0 <= self.port < 65536, "port", f"must be in [0, 65535], got {self.port}")
@@ -59,4 +94,9 @@ class AgentServerConfig:
 
     @property
     def enabled(self) -> bool:
-        return bool(self.function) or self.external
+        return bool(self.function) or self.external_sessions
+
+    @property
+    def external_sessions(self) -> bool:
+        """Whether sessions wait to be claimed (by external agents or the verifiers runner)."""
+        return self.external or bool(self.verifiers.env)

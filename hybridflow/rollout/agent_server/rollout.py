@@ -12,6 +12,7 @@ the reason in ``agent_failure``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -49,6 +50,7 @@ from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
 from hybridflow.rollout.agent.rollout import assemble_trajectories
 from hybridflow.rollout.agent.state import STOP_LENGTH, STOP_NO_TOOL_CALL, RequestState, Trajectory
 from hybridflow.rollout.agent_server.config import AgentServerConfig
+from hybridflow.rollout.agent_server.environment_runner import EnvironmentRunner
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.server import AgentServer, build_app
 from hybridflow.rollout.agent_server.sessions import Session, SessionTable
@@ -98,6 +100,11 @@ class AgentFunctionRollout(BackendWrapper):
         self.renderer = MessageRenderer(ChatFormat(tokenizer, backend.eos_token_ids, tool_role))
         self.parse = TOOL_CALL_FORMATS[format]
         self._logged: set[str] = set()
+        self.environment = (  # a verifiers environment's runner: its episodes are the agents
+            EnvironmentRunner(config.verifiers, tokenizer, model=config.model_name, run_key=self.run_key)
+            if config.verifiers.env
+            else None
+        )
 
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
         """prompts: the row columns of ``ROW_COLUMNS`` (the tensors are not read: the agent renders its own
@@ -135,11 +142,18 @@ class AgentFunctionRollout(BackendWrapper):
             gate=self.gate,
         )
         app = build_app(
-            config, table, runner, temperature=params.temperature, top_p=params.top_p, max_model_len=max_len
+            config,
+            table,
+            runner,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_model_len=max_len,
+            vocab_size=len(self.tokenizer),
         )
         server = AgentServer(config, app)
         max_requests = len(rows)  # at once: a session holds one engine request at a time (turns.py)
-        sessions = [table.open(i, row, external=config.external) for i, row in enumerate(rows)]
+        sessions = [table.open(i, row, external=config.external_sessions) for i, row in enumerate(rows)]
         io_passes = getattr(self.engine, "io_passes", None)
         if io_passes is not None:
             self.engine.io_passes = IO_PASSES  # the server reads and answers requests between the engine's steps
@@ -148,8 +162,9 @@ class AgentFunctionRollout(BackendWrapper):
                 async with self.engine.serving(params, max_len=max_len, max_requests=max_requests):
                     async with server.running():
                         with endpoint_file(config.endpoint_dir, server.base_url, self.run_key):
-                            runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
-                            outcomes = list(await asyncio.gather(*runs))
+                            async with self._environment(server, sessions, params):
+                                runs = (self._run_one(server, table, s, row, threads) for s, row in zip(sessions, rows))
+                                outcomes = list(await asyncio.gather(*runs))
         finally:
             if io_passes is not None:
                 self.engine.io_passes = io_passes
@@ -189,6 +204,11 @@ class AgentFunctionRollout(BackendWrapper):
             table.close(session)
             for k in range(session.engine_requests_used):
                 self.engine.release(session.first_engine_request + k)
+
+    def _environment(self, server: AgentServer, sessions: list[Session], params: SamplingParams):
+        if self.environment is None:
+            return contextlib.nullcontext()
+        return self.environment.serving(server.base_url, sessions, temperature=params.temperature, top_p=params.top_p)
 
     def _trajectory(self, index: int, session: Session, outcome: tuple[float, dict, str]) -> Trajectory:
         branch = session.last

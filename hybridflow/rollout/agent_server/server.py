@@ -4,6 +4,7 @@ are answered between the engine's steps, and turns of many sessions are decoded 
     GET  /v1/models                          /sessions/{id}/v1/models
     POST /v1/chat/completions                /sessions/{id}/v1/chat/completions
     POST /v1/responses                       /sessions/{id}/v1/responses
+    POST /inference/v1/generate              /sessions/{id}/inference/v1/generate   (token-level: ids in, ids out)
     POST /v1/sessions/claim                  (external agents, with the run's key) a waiting session and its row
     POST /sessions/{id}/reward               (external agents) the session's reward, which ends it
 
@@ -30,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError, bad_request
+from hybridflow.rollout.agent_server.generate_api import generate_reply, read_generate_request
 from hybridflow.rollout.agent_server.openai_api import (
     TurnRequest,
     chat_chunks,
@@ -83,7 +85,9 @@ def build_app(
     *,
     temperature: float,
     top_p: float,
+    top_k: int,
     max_model_len: int,
+    vocab_size: int,
 ) -> FastAPI:
     """The endpoint's routes over ``sessions`` and ``runner``."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
@@ -98,8 +102,8 @@ def build_app(
         message = (
             f"{request.method} is not allowed on {request.url.path}"
             if error.status_code == 405
-            else f"no endpoint {request.url.path!r}: use /v1/chat/completions, /v1/responses or /v1/models "
-            "(or the same under /sessions/{id})"
+            else f"no endpoint {request.url.path!r}: use /v1/chat/completions, /v1/responses, /v1/models or "
+            "/inference/v1/generate (or the same under /sessions/{id})"
         )
         return JSONResponse(ApiError(error.status_code, message, code="unknown_url").body(), error.status_code)
 
@@ -109,18 +113,29 @@ def build_app(
         body = ApiError(500, f"the endpoint failed: {type(error).__name__}: {error}", code="server_error").body()
         return JSONResponse(body, status_code=500)
 
-    async def turn(request: Request, session_id: str | None, read: Callable[..., TurnRequest]):
+    async def turn(request: Request, session_id: str | None, read: Callable[..., Any], run: Callable[..., Any]):
+        """(the request read by ``read``, what ``run`` generated for it), with the session's bounds and lock."""
         session = sessions.authorise(_bearer(request), session_id)
-        body = await _json_body(request, config.max_body_bytes)
-        turn_request = read(body, model=model, temperature=temperature, top_p=top_p)
+        turn_request = read(await _json_body(request, config.max_body_bytes))
         sessions.admit(session)
         async with session.lock:
             if session.closed:
                 raise ApiError(410, f"session {session.id!r} has ended (its sample is done)", code="session_closed")
-            return turn_request, await runner.run(session, turn_request)
+            return turn_request, await run(session, turn_request)
+
+    def read_chat(body: Any) -> TurnRequest:
+        return read_chat_request(body, model=model, temperature=temperature, top_p=top_p)
+
+    def read_responses(body: Any) -> TurnRequest:
+        return read_responses_request(body, model=model, temperature=temperature, top_p=top_p)
+
+    def read_generate(body: Any):
+        return read_generate_request(
+            body, model=model, vocab_size=vocab_size, temperature=temperature, top_p=top_p, top_k=top_k
+        )
 
     async def chat(request: Request, session_id: str | None = None):
-        turn_request, reply = await turn(request, session_id, read_chat_request)
+        turn_request, reply = await turn(request, session_id, read_chat, runner.run)
         if not turn_request.stream:
             return JSONResponse(chat_completion(reply, model, turn_request.logprobs))
         chunks = chat_chunks(reply, model, turn_request.logprobs, turn_request.include_usage)
@@ -133,8 +148,12 @@ def build_app(
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def responses(request: Request, session_id: str | None = None):
-        turn_request, reply = await turn(request, session_id, read_responses_request)
+        turn_request, reply = await turn(request, session_id, read_responses, runner.run)
         return JSONResponse(response_object(reply, model, turn_request.tools))
+
+    async def generate(request: Request, session_id: str | None = None):
+        _, reply = await turn(request, session_id, read_generate, runner.run_tokens)
+        return JSONResponse(generate_reply(reply))
 
     async def models(request: Request, session_id: str | None = None):
         key = _bearer(request)
@@ -161,6 +180,8 @@ def build_app(
 
     app.add_api_route("/v1/sessions/claim", claim, methods=["POST"])
     app.add_api_route("/sessions/{session_id}/reward", reward, methods=["POST"])
+    app.add_api_route("/inference/v1/generate", generate, methods=["POST"])
+    app.add_api_route("/sessions/{session_id}/inference/v1/generate", generate, methods=["POST"])
     for prefix in ("/v1", "/sessions/{session_id}/v1"):
         app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])

@@ -38,6 +38,12 @@ class Branch:
     open_turn: bool = False  # its last turn did not end on the end token (max_tokens, a stop string)
     stale: bool = False  # the engine's cache holds tokens past the record (a stop string cut the turn)
     finish_reason: str = ""  # of its last turn
+    by_tokens: bool = False  # started by a token-level request (/inference/v1/generate): extended only by those
+
+    @property
+    def context(self) -> list[int]:
+        """Every token the engine has seen or produced on this branch, in order."""
+        return self.prompt + self.tokens
 
     def add_inserted(self, ids: list[int]) -> None:
         self.tokens += ids
@@ -87,13 +93,29 @@ class Session:
         for branch in self.branches:
             held = len(branch.messages)
             if (
-                branch.tools == tools
+                not branch.by_tokens
+                and branch.tools == tools
                 and len(messages) > held
                 and messages[:held] == branch.messages
                 and all(m["role"] != "assistant" for m in messages[held:])
                 and (best is None or held > len(best.messages))
             ):
                 best, tail = branch, messages[held:]
+        return best, tail
+
+    def route_tokens(self, token_ids: list[int]) -> tuple[Branch | None, list[int]]:
+        """The token branch whose context ``token_ids`` extend (the longest such) and the ids they add; (None,
+        token_ids) when they extend none: a new branch. Token for token: nothing is re-rendered or re-tokenised."""
+        best, tail = None, token_ids
+        for branch in self.branches:
+            context = branch.context
+            if (
+                branch.by_tokens
+                and len(token_ids) > len(context)
+                and token_ids[: len(context)] == context
+                and (best is None or len(context) > len(best.context))
+            ):
+                best, tail = branch, token_ids[len(context) :]
         return best, tail
 
     def next_engine_request(self) -> int:
@@ -162,8 +184,9 @@ class SessionTable:
         self.by_key.pop(session.key, None)
 
     def finish(self, key: str | None, session_id: str, body: Any) -> None:
-        """An external agent's reward for its session ({"reward": number, "metrics": {name: number}}), or its giving
-        up ({"abandon": true}); the session ends either way."""
+        """An external agent's reward for its session ({"reward": number, "metrics": {name: number}}, and optionally
+        "branches": its own record of the token sequences, checked by `trace_mismatch`), or its giving up
+        ({"abandon": true, "reason": text}); the session ends either way."""
         session = self.authorise(key, session_id)
         if session.result is None:
             raise ApiError(409, "this session's agent is a function of the run; only external sessions take rewards",
@@ -172,7 +195,9 @@ class SessionTable:
             raise ApiError(400, "the body is an object: {'reward': number, 'metrics': {...}} or {'abandon': true}",
                            code="invalid_value")  # fmt: skip
         if body.get("abandon") is True:
-            outcome: Any = RuntimeError("the external agent abandoned the session")
+            reason = body.get("reason")
+            detail = f": {str(reason)[:500]}" if reason else ""
+            outcome: Any = RuntimeError(f"the external agent abandoned the session{detail}")
         else:
             reward, metrics = body.get("reward"), body.get("metrics") or {}
             if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
@@ -183,6 +208,9 @@ class SessionTable:
             ):
                 raise ApiError(400, "'metrics' must map names to numbers", param="metrics", code="invalid_value")
             outcome = {"reward": float(reward), **{str(k): float(v) for k, v in metrics.items()}}
+            if body.get("branches") is not None:  # the agent's own record of its trajectories, checked against ours
+                mismatch = trace_mismatch(session, body["branches"])
+                outcome = RuntimeError(mismatch) if mismatch else outcome
         if not session.result.done():
             session.result.set_result(outcome)
         self.close(session)
@@ -239,3 +267,31 @@ class SessionTable:
             )
         session.allowance -= 1.0
         session.admitted += 1
+
+
+def trace_mismatch(session: Session, branches: Any) -> str:
+    """Why an agent's record of its trajectories differs from the session's ("" if it does not): each of
+    ``branches`` ({"token_ids", "sampled_mask", "logprobs"}, as verifiers' trace branches) must be one of the
+    session's token branches token for token, its sampled mask exactly the generated tokens and its log-probs the
+    sampler's. A sample whose record differs is not trained."""
+    if not isinstance(branches, list) or not all(isinstance(b, dict) for b in branches):
+        return "'branches' must be a list of {'token_ids', 'sampled_mask', 'logprobs'} objects"
+    held = {tuple(branch.context): branch for branch in session.branches}
+    for i, record in enumerate(branches):
+        ids, mask, log_probs = record.get("token_ids"), record.get("sampled_mask"), record.get("logprobs")
+        if not isinstance(ids, list) or not isinstance(mask, list) or not isinstance(log_probs, list):
+            return f"branches[{i}] needs the lists 'token_ids', 'sampled_mask' and 'logprobs'"
+        branch = held.get(tuple(ids))
+        if branch is None:
+            return f"branches[{i}]: its {len(ids)} token ids are not a sequence this session's model saw and produced"
+        ours = [0] * len(branch.prompt) + branch.mask
+        if [int(bool(m)) for m in mask] != ours:
+            return f"branches[{i}]: its sampled mask marks {sum(map(bool, mask))} tokens, the endpoint generated " + (
+                f"{sum(ours)} (the masks differ)"
+            )
+        expected = [0.0] * len(branch.prompt) + branch.log_probs
+        if len(log_probs) != len(expected) or any(
+            m and abs(float(a) - b) > 1e-5 for m, a, b in zip(ours, log_probs, expected)
+        ):
+            return f"branches[{i}]: its log-probs differ from the sampler's"
+    return ""

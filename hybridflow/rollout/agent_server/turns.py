@@ -12,10 +12,11 @@ from typing import Any
 
 from hybridflow.rollout.agent.parsers import MalformedCall, ToolCallParser
 from hybridflow.rollout.agent_server.errors import bad_request
+from hybridflow.rollout.agent_server.generate_api import TokenReply, TokenRequest
 from hybridflow.rollout.agent_server.openai_api import Reply, TurnRequest, normalise_messages
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.sessions import Branch, Session
-from hybridflow.rollout.requests import RequestEngine
+from hybridflow.rollout.requests import RequestEngine, TurnOutput
 
 _CALL_MARKUP = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
 
@@ -77,59 +78,16 @@ class TurnRunner:
         self.gate = gate
 
     async def run(self, session: Session, request: TurnRequest) -> Reply:
+        """A chat turn (/chat/completions, /responses): its messages routed to a branch, the new ones rendered."""
         started = time.perf_counter()
         branch, tail = session.route(request.messages, request.tools)
-        new_branch = branch is None
         if branch is None:
-            prompt = self.renderer.conversation_ids(request.messages, request.tools)
-            if len(prompt) > self.max_prompt_tokens:
-                raise bad_request(
-                    f"the conversation is {len(prompt)} tokens; at most {self.max_prompt_tokens} "
-                    "(rollout.agent.max_prompt_tokens) may start a trajectory",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            branch = Branch(prompt=prompt, tools=request.tools, messages=[], engine_request=-1)
+            branch = self._new_branch(self.renderer.conversation_ids(request.messages, request.tools), request.tools)
             inserted: list[int] = []
         else:
             inserted = ([self.end_token] if branch.open_turn else []) + self.renderer.tail_ids(tail)
-        budget = self.response_length - len(branch.tokens) - len(inserted)
-        if budget < 1:
-            raise bad_request(
-                f"the trajectory's {self.response_length} response tokens (rollout.response_length) are spent: "
-                f"{len(branch.tokens)} held, {len(inserted)} more for the new messages",
-                param="messages",
-                code="context_length_exceeded",
-            )
-        if request.max_tokens is not None and request.max_tokens > budget:
-            raise bad_request(
-                f"max_tokens={request.max_tokens} is more than the {budget} tokens left in this trajectory's budget",
-                param="max_tokens",
-                code="max_tokens_exceeded",
-            )
-        if new_branch or branch.stale:  # a fresh engine request: the whole context
-            engine_request = session.next_engine_request()
-            new_tokens, cached = branch.prompt + branch.tokens + inserted, 0
-            for other in session.branches:  # a session holds one engine request (its cache) at a time
-                if other is not branch and not other.stale:
-                    self.engine.release(other.engine_request)
-                    other.stale = True
-        else:
-            engine_request = branch.engine_request
-            new_tokens, cached = inserted, len(branch.prompt) + len(branch.tokens)
-        prompt_tokens = len(branch.prompt) + len(branch.tokens) + len(inserted)
-        session.counts.server_seconds += time.perf_counter() - started
-        if self.gate is not None and session.counts.requests == 0:
-            await self.gate.arrive()
-        try:
-            turn = await self.engine.generate(engine_request, new_tokens, request.max_tokens or budget)
-        except Exception:
-            branch.stale = not new_branch  # the engine may hold tokens that were not recorded
-            raise
+        turn, prompt_tokens, cached = await self._generate(session, branch, inserted, request.max_tokens, started)
         started = time.perf_counter()
-        if new_branch:
-            session.branches.append(branch)
-        branch.engine_request, branch.stale = engine_request, False
         tokens, log_probs, stopped = turn.tokens, turn.log_probs, turn.stopped
         body = tokens[:-1] if stopped else tokens
         text = self.tokenizer.decode(body, skip_special_tokens=True)
@@ -162,6 +120,96 @@ class TurnRunner:
         session.counts.tool_calls += len(calls)
         session.counts.server_seconds += time.perf_counter() - started
         return reply
+
+    async def run_tokens(self, session: Session, request: TokenRequest) -> TokenReply:
+        """A token-level turn (/inference/v1/generate): the request's ids extend a token branch exactly, or start
+        one; the ids it adds after the branch's context are recorded as inserted (mask 0), verbatim."""
+        started = time.perf_counter()
+        branch, inserted = session.route_tokens(request.token_ids)
+        if branch is None:
+            branch = self._new_branch(list(request.token_ids), [], by_tokens=True)
+            inserted = []
+        turn, prompt_tokens, cached = await self._generate(session, branch, inserted, request.max_tokens, started)
+        started = time.perf_counter()
+        tokens, log_probs, stopped = turn.tokens, turn.log_probs, turn.stopped
+        stops = set(request.stop_token_ids)
+        first_stop = next((i for i, token in enumerate(tokens) if token in stops), None)
+        if first_stop is not None and first_stop < len(tokens) - 1:  # a stop id of the client's, not the model's
+            kept = first_stop + 1
+            branch.stale = True  # the engine went on past it
+            tokens, log_probs, stopped = tokens[:kept], log_probs[:kept], True
+        elif first_stop is not None:
+            stopped = True
+        branch.add_inserted(inserted)
+        branch.add_generated(tokens, log_probs)
+        branch.open_turn = not stopped
+        branch.finish_reason = "stop" if stopped else "length"
+        session.last = branch
+        session.counts.requests += 1
+        session.counts.server_seconds += time.perf_counter() - started
+        return TokenReply(
+            token_ids=list(tokens),
+            log_probs=list(log_probs),
+            finish_reason=branch.finish_reason,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+        )
+
+    def _new_branch(self, prompt: list[int], tools: list[dict[str, Any]], *, by_tokens: bool = False) -> Branch:
+        if len(prompt) > self.max_prompt_tokens:
+            raise bad_request(
+                f"the conversation is {len(prompt)} tokens; at most {self.max_prompt_tokens} "
+                "(rollout.agent.max_prompt_tokens) may start a trajectory",
+                param="token_ids" if by_tokens else "messages",
+                code="context_length_exceeded",
+            )
+        return Branch(prompt=prompt, tools=tools, messages=[], engine_request=-1, by_tokens=by_tokens)
+
+    async def _generate(
+        self, session: Session, branch: Branch, inserted: list[int], max_tokens: int | None, started: float
+    ) -> tuple[TurnOutput, int, int]:
+        """Generate one turn on ``branch`` after ``inserted`` (a new branch: engine_request -1): the engine's output,
+        the context's length before the turn and how much of it was already computed. Checks the branch's response
+        budget first; the branch joins the session only once its first turn is generated."""
+        new_branch = branch.engine_request < 0
+        budget = self.response_length - len(branch.tokens) - len(inserted)
+        param = "token_ids" if branch.by_tokens else "messages"
+        if budget < 1:
+            raise bad_request(
+                f"the trajectory's {self.response_length} response tokens (rollout.response_length) are spent: "
+                f"{len(branch.tokens)} held, {len(inserted)} more for the new input",
+                param=param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and max_tokens > budget:
+            raise bad_request(
+                f"max_tokens={max_tokens} is more than the {budget} tokens left in this trajectory's budget",
+                param="sampling_params.max_tokens" if branch.by_tokens else "max_tokens",
+                code="max_tokens_exceeded",
+            )
+        if new_branch or branch.stale:  # a fresh engine request: the whole context
+            engine_request = session.next_engine_request()
+            new_tokens, cached = branch.context + inserted, 0
+            for other in session.branches:  # a session holds one engine request (its cache) at a time
+                if other is not branch and not other.stale:
+                    self.engine.release(other.engine_request)
+                    other.stale = True
+        else:
+            engine_request = branch.engine_request
+            new_tokens, cached = inserted, len(branch.context)
+        prompt_tokens = len(branch.context) + len(inserted)
+        session.counts.server_seconds += time.perf_counter() - started
+        if self.gate is not None and session.counts.requests == 0:
+            await self.gate.arrive()
+        try:
+            turn = await self.engine.generate(engine_request, new_tokens, max_tokens or budget)
+        except Exception:
+            branch.stale = not new_branch  # the engine may hold tokens that were not recorded
+            raise
+        if new_branch:
+            session.branches.append(branch)
+        branch.engine_request, branch.stale = engine_request, False
+        return turn, prompt_tokens, cached
 
     def _tool_calls(self, session: Session, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """(content, tool calls) of a turn's text; text that does not parse is returned as it is, and counted."""

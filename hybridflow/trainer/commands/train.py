@@ -13,6 +13,7 @@ from rich.console import Console
 from hybridflow.controller import Role, RoleSpec, ray_session
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.data.dataset import read_prompt_rows
+from hybridflow.data.tasks.verifiers_env import check_environment_rows
 from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, check_scorable, load_custom_reward_fn
 from hybridflow.reward.manager import CustomRewardFn
@@ -29,6 +30,7 @@ from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_dir import check_run_dir
 from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
 from hybridflow.validation import ConfigError, run_command, split_debug_flag
+from hybridflow.verifiers_runner.launch import EnvironmentRunnerError, verifiers_python
 from hybridflow.workers import (
     ActorRolloutWorker,
     ActorWorker,
@@ -109,6 +111,13 @@ def check_rows(config: HybridFlowConfig, custom_fn: CustomRewardFn | None) -> No
                 load_agent_function(rollout.agent.function)
         except (ImportError, AttributeError, FileNotFoundError, TypeError) as error:
             raise ConfigError("actor_rollout_ref.rollout.agent.function", str(error)) from None
+        settings = rollout.agent.verifiers
+        if settings.env:  # the environment loads in its venv and the rows name its tasks
+            try:
+                python = verifiers_python(settings.python)
+                check_environment_rows(settings.env, settings.args, settings.path, python, rows)
+            except (ValueError, EnvironmentRunnerError) as error:
+                raise ConfigError("actor_rollout_ref.rollout.agent.verifiers", str(error)) from None
         return
     check_scorable(rows, custom_fn, multi_turn=rollout.multi_turn.enable)
     check_agent_names(config, rows)
