@@ -31,10 +31,15 @@ def verifiers_python(configured: str = "") -> str:
     return str(Path(path).expanduser())
 
 
+# set by the run's own Python (Ray's workers put the run's packages on PYTHONPATH): the runner's venv must not see
+# the run's packages (another openai, transformers, ...)
+_RUN_PYTHON_VARIABLES = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONSTARTUP", "PYTHONSAFEPATH")
+
+
 def _environment(path: str) -> dict[str, str]:
-    env = dict(os.environ)
+    env = {key: value for key, value in os.environ.items() if key not in _RUN_PYTHON_VARIABLES}
     if path:  # the environment's module, and the toolsets it starts as child processes, import from there
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (path, env.get("PYTHONPATH", "")) if p)
+        env["PYTHONPATH"] = path
     return env
 
 

@@ -157,16 +157,15 @@ async def run_session(
 async def serve_call(env, tasks: Tasks, call: dict[str, Any], options: argparse.Namespace, http) -> int:
     """Claim the waiting sessions of one generation call's endpoint and run their episodes; how many there were."""
     auth = {"Authorization": f"Bearer {os.environ['HYBRIDFLOW_RUN_KEY']}"}
-    episodes: list[asyncio.Task] = []
-    while True:
+    sessions = []
+    while True:  # all claimed before any episode starts (an episode's first steps can hold this loop for seconds)
         async with http.post(f"{call['base_url']}/v1/sessions/claim", headers=auth) as claimed:
             if claimed.status == 204:  # every session of the call is open before it serves: none is left
                 break
             claimed.raise_for_status()
-            session = await claimed.json()
-        episodes.append(asyncio.create_task(run_session(env, tasks, session, call, options, http)))
-    await asyncio.gather(*episodes)
-    return len(episodes)
+            sessions.append(await claimed.json())
+    await asyncio.gather(*(run_session(env, tasks, session, call, options, http) for session in sessions))
+    return len(sessions)
 
 
 async def serve(options: argparse.Namespace) -> None:
@@ -180,13 +179,16 @@ async def serve(options: argparse.Namespace) -> None:
     print(json.dumps({"ready": options.env}), flush=True)
     served = 0
     loop = asyncio.get_running_loop()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(connect=60)) as http:
-        while served < options.max_sessions:
-            line = await loop.run_in_executor(None, sys.stdin.readline)
-            if not line:
-                break
+    while served < options.max_sessions:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        # a connection per request: the endpoint closes idle connections after seconds, and each call's endpoint
+        # listens on a fresh port, which the system may give again to a later call
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(connect=60)) as http:
             served += await serve_call(env, tasks, json.loads(line), options, http)
-            print(json.dumps({"served": served}), flush=True)
+        print(json.dumps({"served": served}), flush=True)
 
 
 def main() -> None:
