@@ -47,3 +47,16 @@ def test_measure_scores_a_data_file_per_data_source(tmp_path, capsys):
     assert re.search(rf"{re.escape(str(paths['test']))} accuracy of tiny-llama: [0-9.]+ on 6 test prompts", out), out
     assert main(["measure", "arithmetic", "--data", str(paths["test"])]) == 2
     assert "name a built-in task or give --data FILE (one of the two)" in capsys.readouterr().err
+
+
+def test_measure_refuses_rows_it_cannot_score_before_loading_a_model(tmp_path, capsys):
+    from hybridflow.data.io import write_rows
+
+    row = {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": ""}, "extra_info": {"i": 0}}
+    for source, message in (
+        ("verifiers:my_env", "name a verifiers environment's tasks, which its episodes score"),
+        ("nowhere", "no reward scorer for data_source 'nowhere' (1 rows)"),
+    ):
+        path = write_rows([{**row, "data_source": source}], tmp_path / f"{source.replace(':', '_')}.parquet")
+        assert main(["measure", "--data", str(path), "--model", "no-such-model"]) == 2
+        assert message in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""One request's turn: route it to a branch, render what the engine has not seen, generate, parse tool calls,
-record the tokens. Nothing is recorded for a request that fails before its turn is generated."""
+"""One request's turn: route it to a branch, render what the engine has not seen (a chat request) or take the ids
+as sent (a token request), generate, parse tool calls, record the tokens. Nothing is recorded for a request that
+fails before its turn is generated."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridflow.data.io import read_rows, write_rows
     from hybridflow.data.tasks import TASKS, make_task_rows
     from hybridflow.models import load_causal_lm, load_tokenizer, model_config
-    from hybridflow.reward import RewardManager
+    from hybridflow.reward import RewardFailure, RewardManager, check_scorable
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.rollout.build import build_rollout
     from hybridflow.tools import load_tools
@@ -73,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
             rows = read_rows(args.data)[: args.n]
     else:
         rows = make_task_rows(args.task, args.n, "test", args.seed)
+    if any(str(row.get(DATA_SOURCE, "")).startswith("verifiers:") for row in rows):
+        parser.error(
+            "--data: these rows name a verifiers environment's tasks, which its episodes score; evaluate them with "
+            "a run's validation (rollout.agent.verifiers, docs/environments.md)"
+        )
+    try:  # every row scorable, before a model is loaded
+        check_scorable(rows, multi_turn=any(row.get(AGENT_NAME) for row in rows))
+    except RewardFailure as error:
+        parser.error(f"--data: {error}")
     multi_turn = any(row.get(AGENT_NAME) for row in rows)
     if multi_turn and not args.tools:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
