@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.rollout.agent_server.errors import bad_request
-from hybridflow.rollout.agent_server.openai_api import check_model
+from hybridflow.rollout.agent_server.openai_api import check_model, refuse_unknown
 
 _KEYS = {"model", "token_ids", "sampling_params", "cache_salt", "request_id", "priority", "features", "content_parts"}
 _SAMPLING_KEYS = {
@@ -137,9 +137,7 @@ def read_generate_request(
     """A /inference/v1/generate body, checked."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    for key in body:
-        if key not in _KEYS:
-            raise bad_request(f"unknown parameter: {key!r}", param=key, code="unknown_parameter")
+    refuse_unknown(body, _KEYS)
     for key in ("features", "content_parts"):
         if body.get(key) is not None:
             raise bad_request(
@@ -151,11 +149,7 @@ def read_generate_request(
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise bad_request("'sampling_params' must be an object", param="sampling_params")
-    for key in params:
-        if key not in _SAMPLING_KEYS:
-            raise bad_request(
-                f"unknown sampling parameter: {key!r}", param=f"sampling_params.{key}", code="unknown_parameter"
-            )
+    refuse_unknown(params, _SAMPLING_KEYS, "sampling_params.")
     _check_sampling(params, temperature=temperature, top_p=top_p, top_k=top_k)
     max_tokens = params.get("max_tokens")
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):

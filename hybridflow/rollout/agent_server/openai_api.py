@@ -103,10 +103,11 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def _unknown(body: dict[str, Any], known: set[str]) -> None:
+def refuse_unknown(body: dict[str, Any], known: set[str], where: str = "") -> None:
+    """400 naming the first key of ``body`` not in ``known`` (``where``: the object's path, e.g. "sampling_params.")."""
     for key in body:
         if key not in known:
-            raise bad_request(f"unknown parameter: {key!r}", param=key, code="unknown_parameter")
+            raise bad_request(f"unknown parameter: {where}{key!r}", param=f"{where}{key}", code="unknown_parameter")
 
 
 def check_model(body: dict[str, Any], served: str) -> None:
@@ -293,7 +294,7 @@ def _stop(value: Any) -> list[str]:
 def read_chat_request(body: Any, *, model: str, temperature: float, top_p: float) -> TurnRequest:
     """A /chat/completions body, checked."""
     body = _require_object(body)
-    _unknown(body, _CHAT_KEYS)
+    refuse_unknown(body, _CHAT_KEYS)
     check_model(body, model)
     if body.get("n") not in (None, 1):
         raise bad_request(
@@ -367,7 +368,7 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 def read_responses_request(body: Any, *, model: str, temperature: float, top_p: float) -> TurnRequest:
     """A /responses body, checked (non-streaming; no stored state: the whole input each time)."""
     body = _require_object(body)
-    _unknown(body, _RESPONSES_KEYS)
+    refuse_unknown(body, _RESPONSES_KEYS)
     check_model(body, model)
     if body.get("stream"):
         raise bad_request(
