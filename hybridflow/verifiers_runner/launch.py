@@ -99,16 +99,3 @@ def serve_call(process: subprocess.Popen, base_url: str, temperature: float, top
     except (BrokenPipeError, ValueError):  # exited (or its pipe was closed)
         return False
     return True
-
-
-def stop_runner(process: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    """Close its stdin (it exits between calls), and kill it if it has not exited within ``timeout_s``."""
-    try:
-        process.stdin.close()
-    except OSError:
-        pass
-    try:
-        process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()

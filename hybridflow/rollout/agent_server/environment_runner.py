@@ -17,7 +17,7 @@ from typing import Any
 
 from hybridflow.rollout.agent_server.config import VerifiersConfig
 from hybridflow.rollout.agent_server.sessions import Session
-from hybridflow.verifiers_runner.launch import serve_call, start_runner, stop_runner, verifiers_python
+from hybridflow.verifiers_runner.launch import serve_call, start_runner, verifiers_python
 
 WATCH_INTERVAL_S = 0.1
 
@@ -36,7 +36,6 @@ class EnvironmentRunner:
         self.process = None
         self.log = tempfile.TemporaryFile("w+")  # the runner's output, for the reason when it fails
         self.tokenizer_files: tempfile.TemporaryDirectory | None = None
-        self.starts = 0
 
     def _start(self) -> None:
         if self.tokenizer_files is None:  # the run's tokenizer, for verifiers' client to load from a directory
@@ -54,7 +53,6 @@ class EnvironmentRunner:
             renderer=settings.renderer,
             log=self.log,
         )
-        self.starts += 1
 
     @asynccontextmanager
     async def serving(
@@ -86,8 +84,3 @@ class EnvironmentRunner:
         self.log.flush()
         self.log.seek(0)
         return " | ".join(line.strip() for line in self.log.read().strip().splitlines()[-count:])
-
-    def close(self) -> None:
-        if self.process is not None:
-            stop_runner(self.process)
-            self.process = None
