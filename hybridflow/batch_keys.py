@@ -24,6 +24,7 @@ OLD_LOG_PROBS = "old_log_probs"  # (B, R) the trainer's log-probs before the upd
 ENTROPYS = "entropys"  # (B, R) the policy's entropy at each response position
 ROLLOUT_IS_WEIGHTS = "rollout_is_weights"  # (B, R) rollout-correction importance weights for the policy loss
 REF_LOG_PROB = "ref_log_prob"  # (B, R) the reference policy's log-probs
+TEACHER_LOG_PROB = "teacher_log_prob"  # (B, R) on-policy distillation: the teacher's log-probs of the sampled tokens
 VALUES = "values"  # (B, R) the critic's values
 TOKEN_LEVEL_SCORES = "token_level_scores"  # (B, R) reward scores (an outcome score on the last token)
 TOKEN_LEVEL_REWARDS = "token_level_rewards"  # (B, R) scores after the KL penalty, when it is in the reward

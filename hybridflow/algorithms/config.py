@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridflow.algorithms.advantage import AdvantageConfig, list_adv_estimators
+from hybridflow.algorithms.distillation import DistillationConfig
 from hybridflow.algorithms.dynamic_sampling import FilterGroupsConfig
 from hybridflow.algorithms.kl import KL_TYPES, KLControlConfig
 from hybridflow.algorithms.rollout_correction import RolloutCorrectionConfig
@@ -29,6 +30,8 @@ class AlgorithmConfig(AdvantageConfig):
     rollout_correction: RolloutCorrectionConfig
     filter_groups: FilterGroupsConfig  # DAPO's dynamic sampling: train only on groups whose rewards differ
     mask_truncated_responses: bool  # responses cut at the length budget leave the updates (DAPO's overlong filter)
+    # on-policy distillation (a teacher: teacher.model.path): its per-token reverse KL in the advantage
+    distillation: DistillationConfig
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -29,6 +29,7 @@ class Role(enum.StrEnum):
     Critic = "critic"
     RewardModel = "reward_model"
     Rollout = "rollout"  # generation on a pool of its own (asynchronous training); otherwise the actor generates
+    Teacher = "teacher"  # on-policy distillation: a frozen model scoring the policy's samples
 
 
 class ResourcePool:

@@ -18,8 +18,12 @@ from hybridflow.validation import require, require_choice, require_positive, req
 
 
 @dataclass(kw_only=True)
-class ModelConfig:
+class ModelPathConfig:
     path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+
+
+@dataclass(kw_only=True)
+class ModelConfig(ModelPathConfig):
     enable_gradient_checkpointing: bool  # recompute activations in backward to save memory
 
 
@@ -115,12 +119,13 @@ class ActorConfig(UpdateConfig):
 
 @dataclass(kw_only=True)
 class RefConfig:
-    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing reference log-probs
+    """A frozen policy that scores sampled tokens: the reference (for KL), and the teacher's settings too."""
+
+    log_prob_micro_batch_size_per_gpu: int  # samples per forward when computing this model's log-probs
     use_remove_padding: bool  # run the forward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
     log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch on one rank
-    # ranks that split each decoder layer of the reference (DTensor); FSDP2 over the others
-    tensor_model_parallel_size: int
+    tensor_model_parallel_size: int  # ranks that split each decoder layer of this model (DTensor); FSDP2 over the rest
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:

@@ -1,4 +1,5 @@
-"""The frozen reference policy's pass: log-probs of the sampled tokens, for the KL term."""
+"""A frozen policy's pass: log-probs of the sampled tokens, the reference's (for the KL term) or a teacher's
+(for on-policy distillation)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,27 @@ from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.protocol import DataProto
 
 
-class ReferenceEngine:
-    def __init__(self, model: nn.Module, config: RefConfig):
+class FrozenPolicyEngine:
+    """``key``: the batch column its log-probs go to; ``pass_name``: its ``perf/*`` metrics' name."""
+
+    def __init__(
+        self, model: nn.Module, config: RefConfig, *, key: str = REF_LOG_PROB, pass_name: str = "ref_log_prob"
+    ):
         self.model = model
         self.config = config
+        self.key = key
+        self.pass_name = pass_name
         self.meter = PassMeter(model)  # measures the device's peak FLOP/s once per process
 
-    def compute_ref_log_prob(self, data: DataProto, temperature: float) -> DataProto:
-        """Reference log-probs (B, R), with the pass's FLOP/s as metrics (``meta_info[METRICS]``)."""
+    def compute_log_prob(self, data: DataProto, temperature: float) -> DataProto:
+        """The log-probs (B, R) under ``key``, with the pass's FLOP/s as metrics (``meta_info[METRICS]``)."""
         log_probs, _, metrics = log_prob_pass(
             self.model,
             self.meter,
             data,
             self.config,
-            pass_name="ref_log_prob",
+            pass_name=self.pass_name,
             temperature=temperature,
             with_entropy=False,
         )
-        return DataProto.from_dict({REF_LOG_PROB: log_probs}, meta_info={METRICS: metrics})
+        return DataProto.from_dict({self.key: log_probs}, meta_info={METRICS: metrics})

@@ -33,6 +33,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
     pools, role_pool = {}, {}
     actor_rollout_ref: dict = {}
     critic: dict = {}
+    teacher: dict = {}
     for device_set in plan.sets:
         name = device_set.roles[0].value
         per_node = min(device_set.devices, cluster.devices_per_node)
@@ -49,6 +50,8 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
                 actor_rollout_ref["ref"] = {"tensor_model_parallel_size": layout.t}
             elif role is Role.Critic:
                 critic["tensor_model_parallel_size"] = layout.t
+            elif role is Role.Teacher:
+                teacher["tensor_model_parallel_size"] = layout.t
     overrides: dict = {
         "trainer": {
             "placement": "custom",
@@ -63,6 +66,8 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
     }
     if critic:
         overrides["critic"] = critic
+    if teacher:
+        overrides["teacher"] = teacher
     return overrides
 
 

@@ -43,11 +43,12 @@ ROLE_STAGES: dict[Role, tuple[str, ...]] = {
     Role.Critic: ("values", "update_critic"),
     Role.RewardModel: ("rm",),
     Role.Rollout: ("gen", "weight_transfer"),  # one step off: the actor then only trains
+    Role.Teacher: ("teacher",),  # on-policy distillation: a scoring pass like the reference's
 }
 # the dataflow's phases: stages of one phase on different device sets run at the same time
 PHASES: tuple[tuple[str, ...], ...] = (
     ("gen",),
-    ("old_log_prob", "ref", "values", "rm"),
+    ("old_log_prob", "ref", "teacher", "values", "rm"),
     ("update_actor", "update_critic"),
 )
 

@@ -165,6 +165,7 @@ def workload_from_config(config) -> Workload:
         Role.Critic: (config.critic.model.path or arr.model.path, paths.critic_model),
         Role.RewardModel: (config.reward_model.model.path, paths.reward_model),
         Role.Rollout: (arr.model.path, paths.actor_model),
+        Role.Teacher: (config.teacher.model.path, paths.teacher_model),
     }
     models = {}
     for role in roles:

@@ -20,6 +20,7 @@ STAGE_COLOURS = {
     "gen": "#4c72b0",
     "old_log_prob": "#55a868",
     "ref": "#8172b2",
+    "teacher": "#8c613c",
     "values": "#ccb974",
     "rm": "#64b5cd",
     "reward": "#c44e52",

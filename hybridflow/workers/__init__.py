@@ -1,11 +1,12 @@
 """Role classes that worker groups run; one role per class."""
 
 from hybridflow.workers.actor_rollout import ActorRolloutWorker, ActorWorker
-from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
+from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig, TeacherConfig
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.reference import RefPolicyWorker
 from hybridflow.workers.reward_model import RewardModelWorker
 from hybridflow.workers.rollout import RolloutWorker
+from hybridflow.workers.teacher import TeacherWorker
 
 __all__ = [
     "ActorRolloutRefConfig",
@@ -16,4 +17,6 @@ __all__ = [
     "RewardModelConfig",
     "RewardModelWorker",
     "RolloutWorker",
+    "TeacherConfig",
+    "TeacherWorker",
 ]

@@ -29,7 +29,7 @@ from hybridflow.engine.lora import (
 )
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.policy import PolicyEngine
-from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -87,7 +87,7 @@ class ActorWorker(Worker):
         )
         self.actor = PolicyEngine(trained, config.actor, dp_group=mesh["dp"].get_group())
         # LoRA: the reference policy is this model with its adapters off (no second copy of the weights)
-        self.reference = ReferenceEngine(trained.model, config.ref) if config.model.lora.enabled else None
+        self.reference = FrozenPolicyEngine(trained.model, config.ref) if config.model.lora.enabled else None
         self.generation_dtype = parse_dtype(config.rollout.dtype, self.device)  # what generation weights are in
 
     # ---- the weight transfer to a rollout role on its own pool (asynchronous modes) ----------------
@@ -162,7 +162,7 @@ class ActorWorker(Worker):
         if self.reference is None:
             raise RuntimeError("the actor computes reference log-probs only with LoRA on (model.lora.rank > 0)")
         with adapters_off(self.actor.model):
-            return self.reference.compute_ref_log_prob(data, self.config.rollout.temperature)
+            return self.reference.compute_log_prob(data, self.config.rollout.temperature)
 
     @register(dispatch_mode=mesh_compute_proto(TRAIN_MESH))
     def update_actor(self, data: DataProto) -> DataProto:

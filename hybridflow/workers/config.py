@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.engine.config import ActorConfig, FSDPConfig, ModelConfig, RefConfig, TrainedModelConfig
+from hybridflow.engine.config import (
+    ActorConfig,
+    FSDPConfig,
+    ModelConfig,
+    ModelPathConfig,
+    RefConfig,
+    TrainedModelConfig,
+)
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.validation import require, require_positive
 
@@ -20,6 +27,18 @@ class ActorRolloutRefConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.model.path), "model.path", "no model given", "a local Hugging Face directory or tiny-llama")
+
+
+@dataclass(kw_only=True)
+class TeacherConfig(RefConfig):
+    """On-policy distillation's teacher: a frozen model scoring the student's sampled tokens (its log-probs), on a
+    worker group of its own; the advantage it makes is algorithm.distillation's."""
+
+    model: ModelPathConfig  # path "": no teacher; a built-in name, a model directory, or `hybridflow export`'s output
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.model.path)
 
 
 @dataclass(kw_only=True)

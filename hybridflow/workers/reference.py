@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
-from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm
@@ -33,9 +33,9 @@ class RefPolicyWorker(Worker):
             gradient_checkpointing=config.model.enable_gradient_checkpointing,
         ).eval()
         self.model.requires_grad_(False)
-        self.ref = ReferenceEngine(self.model, config.ref)
+        self.ref = FrozenPolicyEngine(self.model, config.ref)
 
     @register(dispatch_mode=mesh_compute_proto(REF_MESH))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
         """ref_log_prob (B, R), at the rollout's temperature."""
-        return self.ref.compute_ref_log_prob(data, self.config.rollout.temperature)
+        return self.ref.compute_log_prob(data, self.config.rollout.temperature)

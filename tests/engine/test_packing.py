@@ -9,7 +9,7 @@ from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine import packing
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
 from hybridflow.engine.packing import grouped_causal_attention, pack
-from hybridflow.engine.reference import ReferenceEngine
+from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.lengths import computed_lengths
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
@@ -156,9 +156,9 @@ def test_reference_engine_packed_with_token_budget_equals_padded(batch):
     mask = batch.batch["response_mask"].bool()
     ref = default_config().actor_rollout_ref.ref
     padded_config = dataclasses.replace(ref, use_remove_padding=False)
-    padded = ReferenceEngine(model, padded_config).compute_ref_log_prob(batch, 0.5).batch[REF_LOG_PROB]
+    padded = FrozenPolicyEngine(model, padded_config).compute_log_prob(batch, 0.5).batch[REF_LOG_PROB]
     budget_config = dataclasses.replace(ref, use_dynamic_bsz=True, log_prob_max_token_len_per_gpu=12)
-    packed = ReferenceEngine(model, budget_config).compute_ref_log_prob(batch, 0.5)
+    packed = FrozenPolicyEngine(model, budget_config).compute_log_prob(batch, 0.5)
     assert torch.allclose(packed.batch[REF_LOG_PROB][mask], padded[mask], atol=1e-5)
     assert packed.meta_info[METRICS]["perf/tflops_ref_log_prob"] > 0
 

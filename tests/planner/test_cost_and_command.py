@@ -9,8 +9,8 @@ from hybridflow.cli import main as cli
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import cluster_preset
-from hybridflow.planner.cost import generation_seconds, memory_bytes, pass_seconds, switch_seconds
-from hybridflow.planner.workload import ModelShape, Workload
+from hybridflow.planner.cost import generation_seconds, memory_bytes, pass_seconds, stage_seconds, switch_seconds
+from hybridflow.planner.workload import ModelShape, Workload, workload_from_config
 from hybridflow.trainer.setup.check_config import check_config
 from hybridflow.trainer.setup.config import load_config
 
@@ -123,6 +123,23 @@ def test_hybridflow_plan_writes_a_config_that_train_accepts(arithmetic_files, tm
     config = load_config(settings, out)
     check_config(config)  # validated like any config: the pools fit this machine, batches split over them
     assert sum(sum(nodes) for nodes in written["trainer"]["resource_pool_spec"].values()) == 2
+
+
+def test_a_teacher_is_planned_as_a_scoring_role(arithmetic_files, tmp_path, capsys):
+    """On-policy distillation: the teacher's pass costs what a frozen model's forward costs, in the phase of the old
+    log-probs, and the plan gives it a pool that train accepts."""
+    assert stage_seconds(Role.Teacher, SHAPE, ONE, WORK, CLUSTER) == {
+        "teacher": pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=False)
+    }
+    assert memory_bytes(Role.Teacher, SHAPE, ONE, WORK)[0] == 4 * SHAPE.params  # fp32 weights, nothing trained
+    train, _ = arithmetic_files
+    settings = [f"data.train_files=[{train}]", "teacher.model.path=tiny-qwen2"]
+    assert workload_from_config(load_config(settings)).models[Role.Teacher].name == "tiny-qwen2"
+    out = tmp_path / "plan.yaml"
+    assert cli(["plan", "--cluster", "cpu", "--out", str(out), *settings]) == 0
+    written = OmegaConf.to_container(OmegaConf.load(out))
+    assert set(written["trainer"]["role_pool"]) == {"actor_rollout", "teacher"}
+    check_config(load_config(settings, out))
 
 
 def test_plan_refuses_an_unknown_cluster(capsys):

@@ -1,10 +1,10 @@
 """A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
-synchronous, synchronous with LoRA adapters, one-step-off (killed after the batch of step 3 was generated,
-while step 3 trains on it and the rollout's pool generates the batch of step 4), and the agent endpoint (killed while
-an agent of step 3 holds its session open). The uninterrupted run is made in
-this process, on the module's Ray cluster, and so is the resumed one; the killed run is a command of its own that
-joins that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends the command, and Ray ends
-its job's worker processes and placement groups."""
+synchronous, synchronous with LoRA adapters, a LoRA student distilled from a teacher, one-step-off (killed after the
+batch of step 3 was generated, while step 3 trains on it and the rollout's pool generates the batch of step 4), and
+the agent endpoint (killed while an agent of step 3 holds its session open). The uninterrupted run is made in this
+process, on the module's Ray cluster, and so is the resumed one; the killed run is a command of its own that joins
+that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends the command, and Ray ends its
+job's worker processes and placement groups."""
 
 import json
 import os
@@ -18,6 +18,7 @@ import ray
 
 from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
+from hybridflow.models import resolve_model_path
 
 # wall-clock times, throughput, MFU and memory: not reproducible
 MEASUREMENTS = (
@@ -49,6 +50,15 @@ MODES = {
         "actor_rollout_ref.model.lora.rank=4",
         "actor_rollout_ref.model.lora.alpha=8",
         "actor_rollout_ref.actor.use_kl_loss=true",
+    ],
+    # on-policy distillation of a LoRA student, mixed with the task reward, the teacher (tiny-llama of another seed,
+    # args puts its directory in) on a pool of its own
+    "lora_distill": [
+        "actor_rollout_ref.model.lora.rank=4",
+        "actor_rollout_ref.model.lora.alpha=8",
+        "algorithm.distillation.reward_coef=0.5",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=1",
     ],
 }
 
@@ -112,7 +122,9 @@ def args(files, run_dir, mode: str) -> list[str]:
         reward = run_dir.parent / "reward.py"
         reward.write_text(REWARD)
         scoring = f"custom_reward_function.path={reward}"
+    teacher = [f"teacher.model.path={resolve_model_path('tiny-llama', seed=1)}"] if mode == "lora_distill" else []
     return [
+        *teacher,
         scoring,
         f"data.train_files=[{train}]",
         f"data.val_files=[{test}]",
@@ -186,11 +198,12 @@ def test_kill_minus_9_mid_step_then_resume_matches_an_uninterrupted_run(local_ra
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step in (3, 4):
         want, have = comparable(expected[step]), comparable(got[step])
-        if mode == "lora" and step == 3:  # the restarted engine takes the base once more, then adapters again
+        if mode.startswith("lora") and step == 3:  # the restarted engine takes the base once more, then adapters again
             synced = "switch/generation_weights_mb"
             assert have[synced] > 10 * want[synced] and got[4][synced] == expected[4][synced]
             want = {k: v for k, v in want.items() if not k.startswith("switch/")}
             have = {k: v for k, v in have.items() if not k.startswith("switch/")}
         assert want.keys() == have.keys() and len(want) > 30
+        assert mode != "lora_distill" or 0 < want["distill/advantage_share"] <= 1
         for key, value in want.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)

@@ -23,7 +23,8 @@ def plan_of(*overrides: str) -> Placement:
 def test_all_colocate_is_one_pool_for_every_role():
     plan = plan_of("trainer.n_workers_per_node=2")
     assert plan.pools == {"global": [2]}
-    assert set(plan.role_pool) == set(Role) - {Role.Rollout} and set(plan.role_pool.values()) == {"global"}
+    assert set(plan.role_pool) == set(Role) - {Role.Rollout, Role.Teacher}
+    assert set(plan.role_pool.values()) == {"global"}
     assert plan.processes == 2 and plan.world_size(Role.Critic) == 2
 
 
@@ -32,6 +33,38 @@ def test_group_colocate_pairs_actor_with_ref_and_critic_with_reward_model():
     assert plan.pools == {"actor": [1], "critic": [1]}
     assert plan.roles_on("actor") == [Role.ActorRollout, Role.RefPolicy]
     assert plan.roles_on("critic") == [Role.Critic, Role.RewardModel]
+
+
+def test_a_teacher_is_placed_like_any_role():
+    """On-policy distillation's teacher: with the critic's group in group_colocate, its own pool in separate, the
+    pool custom names; its tensor-parallel layout from teacher.tensor_model_parallel_size."""
+    teacher = ["teacher.model.path=tiny-llama"]
+    grouped = make_run_plan(load_config([*teacher, "trainer.placement=group_colocate", "trainer.n_workers_per_node=1"]))
+    assert grouped.roles == (Role.ActorRollout, Role.Teacher)
+    assert grouped.placement.pools == {"actor": [1], "critic": [1]} and grouped.placement.roles_on("critic") == [
+        Role.Teacher
+    ]
+    separate = make_run_plan(
+        load_config([*teacher, "trainer.placement=separate", "teacher.tensor_model_parallel_size=2"])
+    )
+    assert separate.placement.pools == {"actor_rollout": [2], "teacher": [2]}
+    assert (separate.layouts[Role.Teacher].dp, separate.layouts[Role.Teacher].t) == (1, 2)
+    assert not separate.on_policy_update  # the teacher's advantage needs the old log-probs before the update
+    custom = make_run_plan(
+        load_config(
+            [
+                *teacher,
+                "trainer.placement=custom",
+                "trainer.resource_pool_spec.train=[2]",
+                "trainer.resource_pool_spec.judge=[1]",
+                "trainer.role_pool.actor_rollout=train",
+                "trainer.role_pool.teacher=judge",
+            ]
+        )
+    )
+    assert custom.placement.role_pool == {Role.ActorRollout: "train", Role.Teacher: "judge"}
+    with pytest.raises(ConfigError, match="teacher.tensor_model_parallel_size"):
+        make_run_plan(load_config([*teacher, "teacher.tensor_model_parallel_size=3"]))
 
 
 def test_group_colocate_without_critic_or_reward_model_is_one_pool():

@@ -14,6 +14,7 @@ from hybridflow.trainer.setup.run_plan import make_run_plan, on_policy_update
         (["algorithm.adv_estimator=gae"], [Role.ActorRollout, Role.Critic]),
         (["actor_rollout_ref.actor.use_kl_loss=true"], [Role.ActorRollout, Role.RefPolicy]),
         (["algorithm.use_kl_in_reward=true"], [Role.ActorRollout, Role.RefPolicy]),
+        (["teacher.model.path=tiny-llama"], [Role.ActorRollout, Role.Teacher]),
         (
             ["reward_model.enable=true", "reward_model.model.path=tiny-llama", "algorithm.adv_estimator=gae"],
             [Role.ActorRollout, Role.Critic, Role.RewardModel],
@@ -33,7 +34,7 @@ def test_needed_roles(overrides, roles):
 
 
 def test_role_names_are_the_group_names():
-    assert [str(role) for role in Role] == ["actor_rollout", "ref", "critic", "reward_model", "rollout"]
+    assert [str(role) for role in Role] == ["actor_rollout", "ref", "critic", "reward_model", "rollout", "teacher"]
 
 
 @pytest.mark.parametrize(

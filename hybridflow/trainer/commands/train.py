@@ -22,7 +22,13 @@ from hybridflow.tools import load_tools
 from hybridflow.trainer.loop.mode_parts import rl_trainer
 from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
 from hybridflow.trainer.services.tracking import Tracking
-from hybridflow.trainer.setup.check_config import check_agent_names, check_cluster, check_config, local_cluster_cpus
+from hybridflow.trainer.setup.check_config import (
+    check_agent_names,
+    check_cluster,
+    check_config,
+    check_teacher_tokenizer,
+    local_cluster_cpus,
+)
 from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import build_groups
@@ -38,6 +44,7 @@ from hybridflow.workers import (
     RefPolicyWorker,
     RewardModelWorker,
     RolloutWorker,
+    TeacherWorker,
 )
 
 
@@ -60,6 +67,10 @@ def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dic
             RefPolicyWorker,
             kwargs=dict(config=arr, model_path=paths.actor_model, layout=plan.layouts[Role.RefPolicy], seed=seed),
         )
+    if plan.needs(Role.Teacher):
+        teacher = dict(config=config.teacher, model_path=paths.teacher_model, layout=plan.layouts[Role.Teacher])
+        teacher.update(temperature=arr.rollout.temperature, seed=seed)
+        specs[Role.Teacher] = RoleSpec(TeacherWorker, kwargs=teacher)
     if plan.needs(Role.Critic):
         specs[Role.Critic] = RoleSpec(
             CriticWorker,
@@ -131,6 +142,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     check_rows(config, custom_fn)
     plan = plan.with_models()  # built-in models into the cache (the first time: a conversion)
+    check_teacher_tokenizer(config, plan)
     tokenizer = load_tokenizer(plan.paths.actor_model)
     data = config.data
     tool_schemas = run_tool_schemas(config, plan)

@@ -1,7 +1,8 @@
 """The RL trainer: the dataflow of one PPO/GRPO step, one named call per stage, for every training mode.
 
     batch (its source: generated now, one step ahead, or from the asynchronous queue; scored, dynamic sampling)
-          -> compute_log_prob -> compute_ref_log_prob -> compute_values -> reward -> KL + advantage
+          -> compute_log_prob -> compute_ref_log_prob -> compute_teacher_log_prob -> compute_values -> reward
+          -> KL + advantage (+ the teacher's, on-policy distillation)
           -> loss masks and weights -> update_critic -> update_actor -> (the weights move) -> metrics
 
 The mode (trainer/setup/modes.py) gives the trainer its two parts: where a step's batch comes from
@@ -22,7 +23,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import torch
+
 from hybridflow.algorithms import apply_kl_penalty, make_kl_controller
+from hybridflow.algorithms.distillation import distillation_advantages
 from hybridflow.algorithms.rollout_correction import correction_diagnostics, rollout_correction
 from hybridflow.batch_keys import (
     ADVANTAGES,
@@ -35,6 +39,7 @@ from hybridflow.batch_keys import (
     REWARD_BASELINES,
     ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,
+    TEACHER_LOG_PROB,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
     TRUNCATED,
@@ -156,6 +161,7 @@ class RLTrainer:
         after_generation = [
             self.old_log_probs(batch, step, metrics),
             groups.ref.compute_ref_log_prob.future(batch) if groups.ref is not None else None,
+            groups.teacher.compute_teacher_log_prob.future(batch) if groups.teacher is not None else None,
             groups.critic.compute_values.future(batch) if groups.critic is not None else None,
         ]
         if TOKEN_LEVEL_SCORES not in batch.batch.keys():
@@ -243,11 +249,9 @@ class RLTrainer:
     def compute_advantage(self, batch: DataProto, metrics: Metrics) -> None:
         tensors, algorithm = batch.batch, self.config.algorithm
         if algorithm.use_kl_in_reward:
-            # the old policy's log-probs: the trainer's, or the rollout's in bypass mode
-            old_policy = tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in tensors.keys() else tensors[ROLLOUT_LOG_PROBS]
             rewards, kl_metrics = apply_kl_penalty(
                 tensors[TOKEN_LEVEL_SCORES],
-                old_policy,
+                old_policy_log_probs(batch),
                 tensors[REF_LOG_PROB],
                 tensors[RESPONSE_MASK],
                 self.kl_ctrl,
@@ -265,4 +269,20 @@ class RLTrainer:
             values=tensors.get(VALUES, None),
             reward_baselines=tensors.get(REWARD_BASELINES, None),
         )
+        if TEACHER_LOG_PROB in tensors.keys():  # on-policy distillation: the teacher's per-token signal
+            advantages, distill_metrics = distillation_advantages(
+                advantages,
+                old_policy_log_probs(batch),
+                tensors[TEACHER_LOG_PROB],
+                tensors[RESPONSE_MASK].float(),
+                algorithm.distillation,
+            )
+            metrics.update(distill_metrics)
         tensors[ADVANTAGES], tensors[RETURNS] = advantages, returns
+
+
+def old_policy_log_probs(batch: DataProto) -> torch.Tensor:
+    """The old policy's log-probs of the sampled tokens, which KL in the reward and a teacher compare against:
+    the trainer's, or the rollout's in bypass mode (old_log_prob_source=rollout)."""
+    tensors = batch.batch
+    return tensors[OLD_LOG_PROBS] if OLD_LOG_PROBS in tensors.keys() else tensors[ROLLOUT_LOG_PROBS]

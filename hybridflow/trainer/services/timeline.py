@@ -26,6 +26,7 @@ STAGE_OF_METHOD = {
     "generate_sequences": "gen",
     "compute_log_prob": "old_log_prob",
     "compute_ref_log_prob": "ref",
+    "compute_teacher_log_prob": "teacher",
     "compute_values": "values",
     "compute_rm_score": "rm",
     "update_critic": "update_critic",

@@ -38,7 +38,7 @@ from hybridflow.validation import (
     require_choice,
     require_positive,
 )
-from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig
+from hybridflow.workers.config import ActorRolloutRefConfig, RewardModelConfig, TeacherConfig
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "ppo_trainer.yaml"
 DEVICES = ("cpu", "cuda")  # cpu: gloo collectives; cuda: nccl
@@ -155,9 +155,11 @@ class RunConfig:
 class TrainerConfig(RunConfig):
     """The run: its length, workers and devices, placement, Ray, logging, validation and checkpoints."""
 
-    placement: str  # all_colocate | group_colocate (actor+ref, critic+reward model, rollout) | separate | custom
+    # all_colocate | group_colocate (actor+ref, critic+reward model+teacher, rollout) | separate | custom
+    placement: str
     resource_pool_spec: dict[str, list[int]]  # custom: pool name -> processes per node, e.g. {actor: [2], critic: [1]}
-    role_pool: dict[str, str]  # custom: role (actor_rollout | ref | critic | reward_model | rollout) -> pool name
+    # custom: role (actor_rollout | ref | critic | reward_model | rollout | teacher) -> pool name
+    role_pool: dict[str, str]
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     critic_warmup: int  # steps that train only the critic before the actor starts
     async_training: AsyncTrainingConfig
@@ -181,6 +183,7 @@ class HybridFlowConfig:
     actor_rollout_ref: ActorRolloutRefConfig
     critic: CriticConfig
     reward_model: RewardModelConfig
+    teacher: TeacherConfig
     custom_reward_function: CustomRewardFunctionConfig
     reward: RewardConfig
     algorithm: AlgorithmConfig

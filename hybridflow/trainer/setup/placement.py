@@ -4,13 +4,13 @@ The HybridFlow paper's three placements, plus an explicit form:
 
 - ``all_colocate``: one pool; every role of the run is fused into one process per rank (one
   process group), and the stages run one after another.
-- ``group_colocate``: the actor and the reference on pool ``actor``, the critic and the reward
-  model on pool ``critic``, the rollout role (async modes) on pool ``rollout``: stages of the
-  groups overlap.
+- ``group_colocate``: the actor and the reference on pool ``actor``, the critic, the reward
+  model and the teacher on pool ``critic``, the rollout role (async modes) on pool ``rollout``: stages
+  of the groups overlap.
 - ``separate``: one pool per role, named after it.
 - ``custom``: ``trainer.resource_pool_spec`` names the pools with their processes per node (pools
   may differ in size) and ``trainer.role_pool`` maps each role (actor_rollout, ref, critic,
-  reward_model, rollout) to one.
+  reward_model, rollout, teacher) to one.
 
 The rollout role exists only when generation runs apart from the actor
 (``trainer.async_training.mode``), and then never on the actor's pool: its point is to generate
@@ -39,6 +39,7 @@ _GROUPS = {
     Role.Critic: "critic",
     Role.RewardModel: "critic",
     Role.Rollout: "rollout",
+    Role.Teacher: "critic",  # scores the samples while the actor computes its old log-probs
 }
 
 

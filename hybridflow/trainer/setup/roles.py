@@ -24,6 +24,8 @@ def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> lis
         roles.append(Role.RewardModel)
     if config.trainer.async_training.rollout_apart:
         roles.append(Role.Rollout)
+    if config.teacher.enabled:
+        roles.append(Role.Teacher)
     return roles
 
 
@@ -42,6 +44,7 @@ class RoleGroups:
     critic: RayWorkerGroup | None
     reward_model: RayWorkerGroup | None
     rollout: RayWorkerGroup | None  # generation apart from the actor (async modes); None: the actor generates
+    teacher: RayWorkerGroup | None  # on-policy distillation's teacher
     pool_of: dict[Role, str]
     resource_pools: list[RayResourcePool] = field(default_factory=list)  # what the groups were placed in
 
@@ -61,6 +64,7 @@ class RoleGroups:
             critic=groups.get(Role.Critic),
             reward_model=groups.get(Role.RewardModel),
             rollout=groups.get(Role.Rollout),
+            teacher=groups.get(Role.Teacher),
             pool_of=dict(pool_of),
             resource_pools=list(resource_pools),
         )
@@ -91,6 +95,7 @@ class RoleGroups:
         groups = {Role.ActorRollout: self.actor_rollout, Role.RefPolicy: self.ref, Role.Critic: self.critic}
         groups[Role.RewardModel] = self.reward_model
         groups[Role.Rollout] = self.rollout
+        groups[Role.Teacher] = self.teacher
         pools: dict[str, RayWorkerGroup] = {}
         for role, group in groups.items():
             if group is not None and role in self.pool_of:  # a LoRA actor's reference has no pool of its own

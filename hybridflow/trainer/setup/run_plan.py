@@ -40,6 +40,12 @@ TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
 def _missing_model(path: str, key: str, error: FileNotFoundError) -> ConfigError:
     if path in list_builtin_models():  # a built-in whose source is not installed: the error says how to
         return ConfigError(key, str(error))
+    if (Path(path).expanduser() / "adapter_config.json").is_file():
+        return ConfigError(
+            key,
+            f"'{path}' holds LoRA adapters (peft's adapter directory), not a whole model",
+            "export the run with its adapters merged: hybridflow export RUN_DIR OUT_DIR --merged",
+        )
     return ConfigError(
         key,
         f"'{path}' is neither a built-in model nor a Hugging Face model directory (with config.json)",
@@ -73,6 +79,7 @@ class RunPaths:
     actor_model: str  # the policy's model
     critic_model: str  # the critic's: critic.model.path, or the policy's when that is ""
     reward_model: str  # the reward model's ("" without one)
+    teacher_model: str  # on-policy distillation's teacher ("" without one)
     tool_config: str  # the multi-turn tools file ("" without one)
     default_agent: str  # the default agent loop: a registered name, or file.py:Name with the file made absolute
     run_dir: Path  # trainer.default_local_dir
@@ -90,6 +97,9 @@ class RunPaths:
             reward_model=model_dir_or_name(config.reward_model.model.path, "reward_model.model.path")
             if Role.RewardModel in roles
             else "",
+            teacher_model=model_dir_or_name(config.teacher.model.path, "teacher.model.path")
+            if Role.Teacher in roles
+            else "",
             tool_config=str(Path(multi_turn.tool_config_path).resolve()) if multi_turn.tool_config_path else "",
             default_agent=(
                 f"{Path(file).resolve()}:{name}" if sep and file.endswith(".py") else multi_turn.default_agent
@@ -100,10 +110,10 @@ class RunPaths:
     def with_models(self) -> RunPaths:
         """The same paths with each built-in model built into its cached directory (the first time: a
         conversion, seconds to minutes)."""
-        keys = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path")
+        keys = ("actor_rollout_ref.model.path", "critic.model.path", "reward_model.model.path", "teacher.model.path")
         built = {
             field: resolve_model_dir(getattr(self, field), key) if getattr(self, field) else ""
-            for field, key in zip(("actor_model", "critic_model", "reward_model"), keys)
+            for field, key in zip(("actor_model", "critic_model", "reward_model", "teacher_model"), keys)
         }
         return dataclasses.replace(self, **built)
 
@@ -139,14 +149,15 @@ class RunPlan:
 
 def on_policy_update(config: HybridFlowConfig) -> bool:
     """Whether the actor update is one optimizer step on this very batch, with nothing needing old
-    log-probs before it (KL in the reward and the rollout correction do): its own pre-step log-probs
-    then are the old ones."""
+    log-probs before it (KL in the reward, the rollout correction and a teacher's advantage do): its own
+    pre-step log-probs then are the old ones."""
     actor = config.actor_rollout_ref.actor
     return (
         actor.reuse_update_log_probs
         and actor.single_update_step(actor.ppo_mini_batch_size, config.data.train_batch_size)
         and not config.algorithm.use_kl_in_reward
         and not config.algorithm.rollout_correction.enabled
+        and not config.teacher.enabled
     )
 
 
@@ -162,6 +173,7 @@ def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]
         Role.ActorRollout: ("actor_rollout_ref.actor.tensor_model_parallel_size", arr.actor.tensor_model_parallel_size),
         Role.RefPolicy: ("actor_rollout_ref.ref.tensor_model_parallel_size", arr.ref.tensor_model_parallel_size),
         Role.Critic: ("critic.tensor_model_parallel_size", config.critic.tensor_model_parallel_size),
+        Role.Teacher: ("teacher.tensor_model_parallel_size", config.teacher.tensor_model_parallel_size),
     }
 
 
@@ -231,6 +243,7 @@ def role_layouts(
     and for the actor generation groups of tg; ConfigError when a size does not fit the pool or the model."""
     model_of = {Role.ActorRollout: paths.actor_model, Role.RefPolicy: paths.actor_model}
     model_of[Role.Critic] = paths.critic_model
+    model_of[Role.Teacher] = paths.teacher_model
     sizes = tensor_parallel_keys(config)
     layouts = {}
     for role in roles:
