@@ -22,6 +22,8 @@ commands:
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
   measure TASK [--model M] [--n N] [--tools FILE] ...
                                         a model's accuracy on a built-in task's test prompts, before training
+  distill-data TASK --model TEACHER --out FILE [--samples K] [--keep all|correct] ...
+                                        a teacher's sampled answers to a task's prompts, as an SFT data set
   plan [--config FILE] [--cluster NAME] [--nodes N] key=value ...
                                         choose the placement and parallel layouts of a run (writes plan.yaml)
 """
@@ -74,6 +76,12 @@ def _measure(args: list[str]) -> int:
     return measure(args)
 
 
+def _distill_data(args: list[str]) -> int:
+    from hybridflow.trainer.commands.distill_data import main as distill_data
+
+    return distill_data(args)
+
+
 def _plan(args: list[str]) -> int:
     from hybridflow.planner.command import main as plan
 
@@ -87,6 +95,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "report": _report,
     "plan": _plan,
     "measure": _measure,
+    "distill-data": _distill_data,
 }
 
 

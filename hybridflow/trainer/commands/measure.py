@@ -16,36 +16,18 @@ the top layer, not part of data/.
 
 from __future__ import annotations
 
-import dataclasses
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
-from hybridflow.validation import ArgumentParser, reading_file
+from hybridflow.validation import ArgumentParser
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from hybridflow.batch_keys import (
-        AGENT_NAME,
-        DATA_SOURCE,
-        EXTRA_INFO,
-        PROMPT_TENSORS,
-        RESPONSE_MASK,
-        RESPONSES,
-        TOOL_CALLS,
-    )
-    from hybridflow.data import RLHFDataset
-    from hybridflow.data.io import read_rows, write_rows
-    from hybridflow.data.tasks import TASKS, make_task_rows
-    from hybridflow.models import load_causal_lm, load_tokenizer, model_config
-    from hybridflow.reward import RewardFailure, RewardManager, check_scorable
+    from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES, TOOL_CALLS
+    from hybridflow.data.tasks import TASKS
     from hybridflow.rollout.base import SamplingParams
-    from hybridflow.rollout.build import build_rollout
     from hybridflow.tools import load_tools
-    from hybridflow.trainer.setup.config import default_config
+    from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
 
     parser = ArgumentParser(prog="hybridflow measure", description=__doc__)
     parser.add_argument("task", nargs="?", choices=sorted(TASKS), help="a built-in task (or give --data)")
@@ -64,42 +46,15 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be at least 1, got {value}")
     if bool(args.task) == bool(args.data):
         parser.error("name a built-in task or give --data FILE (one of the two)")
-    model_fix = "a built-in name (smollm2-135m-instruct, tiny-llama) or a model folder"
 
     start = time.time()
-    config = default_config()
-    if args.data:
-        with reading_file(args.data, key="--data", fix="a parquet or jsonl file of task rows"):
-            rows = read_rows(args.data)[: args.n]
-    else:
-        rows = make_task_rows(args.task, args.n, "test", args.seed)
-    if any(str(row.get(DATA_SOURCE, "")).startswith("verifiers:") for row in rows):
-        parser.error(
-            "--data: these rows name a verifiers environment's tasks, which its episodes score; evaluate them with "
-            "a run's validation (rollout.agent.verifiers, docs/environments.md)"
-        )
-    try:  # every row scorable, before a model is loaded
-        check_scorable(rows, multi_turn=any(row.get(AGENT_NAME) for row in rows))
-    except RewardFailure as error:
-        parser.error(f"--data: {error}")
-    multi_turn = any(row.get(AGENT_NAME) for row in rows)
+    rows = scorable_rows(parser, task=args.task, data=args.data, n=args.n, split="test", seed=args.seed)
+    multi_turn = is_multi_turn(rows)
     if multi_turn and not args.tools:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
     tools = load_tools(args.tools) if multi_turn else None
-    with reading_file(args.model, key="--model", fix=model_fix):
-        model_config(args.model)  # there, before a built-in is built or anything loads
-    with reading_file(args.model, key="--model", fix=model_fix):
-        tokenizer = load_tokenizer(args.model)
-        model = load_causal_lm(args.model, dtype=getattr(torch, args.dtype)).eval()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_rows(rows, Path(tmp) / "test.parquet")
-        dataset = RLHFDataset(path, tokenizer, dataclasses.replace(config.data, max_prompt_length=2048))
-    # the default rollout settings (the native engine), with agent loops for multi-turn tasks
-    rollout_config = config.actor_rollout_ref.rollout
-    rollout_config = dataclasses.replace(
-        rollout_config, multi_turn=dataclasses.replace(rollout_config.multi_turn, enable=multi_turn)
-    )
-    rollout = build_rollout(model, tokenizer, rollout_config, tools=tools)
+    generator = load_generator(args.model, args.dtype, rows, multi_turn=multi_turn, tools=tools)
+    tokenizer = generator.tokenizer
     if args.sample:
         params = SamplingParams(
             do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens, seed=args.seed
@@ -108,12 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         params = SamplingParams.greedy(max_new_tokens=args.max_new_tokens, seed=args.seed)
     loaded = time.time()
 
-    batch = dataset.collate([dataset[i] for i in range(len(dataset))])
-    prompts = batch.select(batch_keys=list(PROMPT_TENSORS), non_tensor_batch_keys=[AGENT_NAME, EXTRA_INFO])
-    generated = rollout.generate_sequences(prompts.select(deepcopy=True), params)
-    batch.pop(batch_keys=list(PROMPT_TENSORS))
-    batch.union(generated)
-    result = RewardManager(tokenizer, config.reward)(batch)
+    batch, result = generator.generate(params)
     done = time.time()
 
     by_level = defaultdict(list)
