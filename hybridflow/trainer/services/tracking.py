@@ -50,6 +50,7 @@ CONSOLE_KEYS = (
     "actor/grad_norm",
     "actor/kl_loss",
     "critic/vf_loss",
+    "distill/reverse_kl_mean",
     "sft/loss",
     "sft/grad_norm",
     "val/loss",
