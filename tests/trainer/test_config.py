@@ -236,6 +236,18 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "actor_rollout_ref.actor.tensor_model_parallel_size",
             "num_key_value_heads",
         ),
+        (["teacher.model.path=/no/such/teacher"], "teacher.model.path", "neither a built-in model"),
+        (["teacher.model.path=tiny-qwen2"], "teacher.model.path", "does not share the tokenizer.*unk_token"),
+        (
+            ["teacher.model.path=tiny-llama", "algorithm.filter_groups.enable=true"],
+            "algorithm.filter_groups.enable",
+            "the rewards are not in the advantage",
+        ),
+        (
+            ["teacher.model.path=tiny-llama", "algorithm.distillation.coef=0", "algorithm.distillation.reward_coef=0"],
+            "algorithm.distillation.coef",
+            "both 0",
+        ),
     ],
 )
 def test_each_bad_config_fails_clearly_without_starting_ray(arithmetic_files, extra, key, message):

@@ -227,6 +227,14 @@ def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
         "every group would be dropped",
         "sample several responses per prompt (actor_rollout_ref.rollout.n=4, say), or filter_groups.enable=false",
     )
+    _check(
+        not (algorithm.filter_groups.enable and cfg.teacher.enabled and algorithm.distillation.reward_coef == 0),
+        "algorithm.filter_groups.enable",
+        "dynamic sampling drops the groups whose rewards are all equal, but with a teacher and "
+        "algorithm.distillation.reward_coef=0 the rewards are not in the advantage: it would drop samples the teacher "
+        "has something to say about",
+        "filter_groups.enable=false, or mix in the task reward (algorithm.distillation.reward_coef > 0)",
+    )
 
 
 def local_cluster_cpus(trainer: RunConfig, placement: Placement) -> int:
