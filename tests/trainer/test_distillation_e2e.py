@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from agent_loops import CALCULATE_THEN_ANSWER
 from safetensors.torch import load_file
 
 from hybridflow.batch_keys import (
@@ -141,30 +142,10 @@ def test_a_teacher_equal_to_the_student_gives_zero_and_leaves_the_weights(
         assert torch.equal(tensor, initial[name]), name
 
 
-LOOP = """
-from hybridflow.rollout.agent import AgentLoop, RequestState
-from hybridflow.rollout.agent.parsers import ToolCall
-
-
-class CalculateThenAnswer(AgentLoop):
-    async def run(self, trajectory, context):
-        trajectory.move_to(RequestState.GENERATING)
-        trajectory.add_generated(await context.engine.generate(trajectory.request, trajectory.prompt, 4))
-        trajectory.move_to(RequestState.RUNNING_TOOLS)
-        answer = await context.tools.call(ToolCall("calculator", {"expression": "6 * 7"}))
-        trajectory.tool_calls += 1
-        inserted = context.chat.tool_response_ids([answer.text])
-        trajectory.add_inserted(inserted)
-        trajectory.move_to(RequestState.GENERATING)
-        trajectory.add_generated(await context.engine.generate(trajectory.request, inserted, 6))
-        trajectory.finish("no_tool_call")
-"""
-
-
 def test_multi_turn_samples_are_scored_in_their_conversation(local_ray, arithmetic_files, tmp_path, captured):
     """Two generated turns around a tool's answer: the teacher scores each generated token after everything before it
     (the tool's tokens included), and the inserted tokens get no advantage."""
-    (tmp_path / "loop.py").write_text(LOOP)
+    (tmp_path / "loop.py").write_text(CALCULATE_THEN_ANSWER)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
     distil(
         arithmetic_files,

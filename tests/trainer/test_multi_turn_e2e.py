@@ -4,33 +4,11 @@ file, inserted tokens masked out of the loss, and a reward on the last turn that
 import json
 
 import pytest
+from agent_loops import CALCULATE_THEN_ANSWER
 
 from hybridflow.models import resolve_model_path
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
-
-# The tiny random model never writes a tool call, so this loop makes one for it after its first turn (through
-# the same per-trajectory tools the built-in loop uses), appends the answer with the chat template's tokens, and
-# lets the model answer in a second turn.
-LOOP = """
-from hybridflow.rollout.agent import AgentLoop, RequestState
-from hybridflow.rollout.agent.parsers import ToolCall
-
-
-class CalculateThenAnswer(AgentLoop):
-    async def run(self, trajectory, context):
-        trajectory.move_to(RequestState.GENERATING)
-        turn = await context.engine.generate(trajectory.request, trajectory.prompt, 4)
-        trajectory.add_generated(turn)
-        trajectory.move_to(RequestState.RUNNING_TOOLS)
-        answer = await context.tools.call(ToolCall("calculator", {"expression": "6 * 7"}))
-        trajectory.tool_calls += 1
-        inserted = context.chat.tool_response_ids([answer.text])
-        trajectory.add_inserted(inserted)
-        trajectory.move_to(RequestState.GENERATING)
-        trajectory.add_generated(await context.engine.generate(trajectory.request, inserted, 6))
-        trajectory.finish("no_tool_call")
-"""
 
 # the fraction of digits in the model's last turn (the tool's "42" is in the text but not in that turn); 0 unless
 # the conversation facts say what the loop did
@@ -79,7 +57,7 @@ BACKENDS = {
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 def test_multi_turn_grpo_learns_to_answer_with_digits_after_the_tool(local_ray, arithmetic_files, tmp_path, backend):
-    (tmp_path / "loop.py").write_text(LOOP)
+    (tmp_path / "loop.py").write_text(CALCULATE_THEN_ANSWER)
     (tmp_path / "reward.py").write_text(REWARD)
     (tmp_path / "tools.yaml").write_text("tools:\n  - name: calculator\n")
     train, _ = arithmetic_files
