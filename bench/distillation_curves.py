@@ -57,7 +57,7 @@ def first_reaching(curve: Curve, target: float) -> tuple[int, float] | None:
 
 
 def named(value: str) -> tuple[str, str]:
-    name, sep, rest = value.partition("=")
+    name, sep, rest = value.rpartition("=")  # a name may hold "=", a path rarely does
     if not sep:
         raise argparse.ArgumentTypeError(f"{value!r}: give NAME=PATH")
     return name, rest
@@ -111,7 +111,7 @@ def main() -> None:
             axis.grid(alpha=0.3)
         by_step.text(0, args.teacher + 0.005, "teacher", fontsize=8, color="0.3")
         by_step.set_xlabel("step")
-        by_time.set_xlabel("minutes of training")
+        by_time.set_xlabel("minutes of training (each run under its own load)")
         by_step.set_ylabel("held-out accuracy (greedy)")
         by_step.legend(fontsize=8, loc="lower right")
         figure.tight_layout()
