@@ -5,7 +5,7 @@ a teacher's answers as SFT rows) share the three steps here, in this order, so t
 reported before a model loads:
 
     rows = scorable_rows(parser, task=..., data=..., n=..., split=..., seed=...)  # no model yet
-    generator = load_generator(parser.prog, model, dtype, rows, multi_turn=..., tools=...)
+    generator = load_generator(model, dtype, rows, multi_turn=is_multi_turn(rows), tools=...)
     batch, result = generator.generate(params, samples=1)  # rollout columns + the reward manager's scores
 
 Generation is the native engine's (the default rollout settings; for rows that name an agent loop, the agent
@@ -36,7 +36,7 @@ def scorable_rows(
     """The first ``n`` rows of a built-in ``task``'s ``split`` (drawn with ``seed``), or of the file ``data``; each
     one's data source has a scorer. A problem is the parser's error (the command's name, exit 2), before any model
     loads."""
-    from hybridflow.batch_keys import AGENT_NAME, DATA_SOURCE
+    from hybridflow.batch_keys import DATA_SOURCE
     from hybridflow.data.io import read_rows
     from hybridflow.data.tasks import make_task_rows
     from hybridflow.reward import RewardFailure, check_scorable
@@ -52,7 +52,7 @@ def scorable_rows(
             "a run's validation (rollout.agent.verifiers, docs/environments.md)"
         )
     try:  # every row scorable, before a model is loaded
-        check_scorable(rows, multi_turn=any(row.get(AGENT_NAME) for row in rows))
+        check_scorable(rows, multi_turn=is_multi_turn(rows))
     except RewardFailure as error:
         parser.error(f"--data: {error}")
     return rows
