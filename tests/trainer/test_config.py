@@ -279,3 +279,13 @@ def test_custom_reward_without_the_named_function(arithmetic_files, tmp_path):
 
 def test_a_valid_config_passes(arithmetic_files):
     check_config(load_config(valid(arithmetic_files)))
+
+
+def test_one_sample_per_prompt_is_refused_only_when_the_group_advantage_is_trained_on(arithmetic_files):
+    """With a teacher and reward_coef=0 the teacher gives the whole advantage: rollout.n=1 learns. Once the task
+    reward's GRPO advantage is mixed in, one sample per prompt makes that part 0 and is refused."""
+    distill = ["teacher.model.path=tiny-llama", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=8"]
+    check_config(load_config(valid(arithmetic_files, *distill)))
+    with pytest.raises(ConfigError, match="compares the samples of a prompt") as caught:
+        check_config(load_config(valid(arithmetic_files, *distill, "algorithm.distillation.reward_coef=0.5")))
+    assert caught.value.key == "actor_rollout_ref.rollout.n"

@@ -196,6 +196,10 @@ def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
 
 
 def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:
+    """The estimator's groups matter only when its advantage is trained on: a teacher with
+    ``distillation.reward_coef=0`` gives the whole advantage, and one sample per prompt is fine."""
+    if cfg.teacher.enabled and cfg.algorithm.distillation.reward_coef == 0:
+        return
     n = cfg.actor_rollout_ref.rollout.n
     _check(
         not estimator.needs_groups or n >= 2,
