@@ -73,3 +73,23 @@ class SFTDataConfig(SFTDatasetConfig):
         super().__post_init__()
         require_positive(self.train_batch_size, "train_batch_size")
         require_positive(self.val_batch_size, "val_batch_size")
+
+
+@dataclass(kw_only=True)
+class PreferenceDatasetConfig:
+    """What PreferenceDataset reads: a prompt with a chosen and a rejected answer per row."""
+
+    prompt_key: str  # column with the prompt (chat messages or text); none: the answers' shared first messages
+    chosen_key: str  # column with the preferred answer: text, or the assistant's (and tools') messages
+    rejected_key: str  # column with the other answer, in the same form
+    margin_key: str  # column with a number per pair for the reward model's margin ("": none)
+    tools_key: str  # column with a row's tool schemas (OpenAI function format) for the chat template ("": none)
+    max_length: int  # longest answer in tokens (the whole templated sequence)
+    overlong: str  # a longer answer: error (stop, naming it) | drop (skip its pair, logging the count) | truncate
+
+    def __post_init__(self) -> None:
+        require_positive(self.max_length, "max_length")
+        require(bool(self.chosen_key), "chosen_key", "must name a column")
+        require(bool(self.rejected_key), "rejected_key", "must name a column")
+        require(self.chosen_key != self.rejected_key, "rejected_key", "names the same column as chosen_key")
+        require_choice(self.overlong, OVERLONG, "overlong")
