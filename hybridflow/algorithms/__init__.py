@@ -11,6 +11,8 @@
 - rollout_correction.py  importance weights / rejection between trainer and rollout, diagnostics
 - dynamic_sampling.py    DAPO's group filter (algorithm.filter_groups)
 - value_loss.py   clipped critic loss
+- distillation.py on-policy distillation's reverse-KL advantage (algorithm.distillation)
+- preference.py   DPO, IPO and hinge pair losses (PREFERENCE_LOSSES), the Bradley-Terry reward-model loss
 - kl.py           KL estimators, KL controllers (KLControlConfig), KL in the reward or as a loss
 - entropy.py      entropy and log-probs from logits
 

@@ -17,7 +17,11 @@ from hybridflow.protocol import DataProto
 
 
 def group_by_tokens(
-    lengths: Sequence[int], max_tokens: int, min_groups: int = 1, sharing: PromptSharing | None = None
+    lengths: Sequence[int],
+    max_tokens: int,
+    min_groups: int = 1,
+    sharing: PromptSharing | None = None,
+    units: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Row indices in groups of at most ``max_tokens`` tokens each; a longer row is a group alone.
 
@@ -29,15 +33,18 @@ def group_by_tokens(
     them (the prompt once); an item over the budget is split into its rows, each with its full length.
     Halving then alternates items, not rows, while the group has more than one. Any part of an item
     computes at most what the whole item does, so halves still stay within the budget.
+
+    ``units``: a key per row; rows with one key are one item that is never split (a preference pair's chosen
+    and rejected answers), over the budget or not. ValueError when ``min_groups`` would need a unit split.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     if min_groups > len(lengths):
         raise ValueError(f"cannot make {min_groups} non-empty groups of {len(lengths)} rows")
     items: list[tuple[int, list[int]]] = []  # (tokens, rows)
-    for rows in _rows_by_prompt(len(lengths), sharing):
-        tokens = lengths[rows[0]] if sharing is None else sum(sharing.computed[i] for i in rows)
-        if len(rows) > 1 and tokens > max_tokens:
+    for rows in _items(len(lengths), sharing, units):
+        tokens = sum(lengths[i] for i in rows) if sharing is None else sum(sharing.computed[i] for i in rows)
+        if len(rows) > 1 and tokens > max_tokens and units is None:
             items.extend((lengths[i], [i]) for i in rows)
         else:
             items.append((tokens, rows))
@@ -54,11 +61,26 @@ def group_by_tokens(
     while len(groups) < min_groups:
         largest = max(range(len(groups)), key=lambda g: sum(map(len, groups[g])))
         group = groups.pop(largest)
+        if len(group) == 1 and units is not None:
+            raise ValueError(f"cannot make {min_groups} micro-batches without splitting a unit of rows")
         if len(group) == 1:  # one item: halve its rows
             group = [[i] for i in group[0]]
         groups[largest:largest] = [group[0::2], group[1::2]]  # alternate: both halves keep long and short items
     # each group's rows by decreasing length: the order without ``sharing``, whatever the items
     return [sorted((i for rows in group for i in rows), key=lambda i: -lengths[i]) for group in groups]
+
+
+def _items(count: int, sharing: PromptSharing | None, units: Sequence[int] | None) -> list[list[int]]:
+    """The rows in items that micro-batches keep together: each unit of ``units`` (in order of first row), or else
+    as ``_rows_by_prompt`` gives them."""
+    if units is None:
+        return _rows_by_prompt(count, sharing)
+    if len(units) != count:
+        raise ValueError(f"{len(units)} unit keys for {count} rows")
+    items: dict[int, list[int]] = {}
+    for index, unit in enumerate(units):
+        items.setdefault(unit, []).append(index)
+    return list(items.values())
 
 
 def _rows_by_prompt(count: int, sharing: PromptSharing | None) -> list[list[int]]:
@@ -81,7 +103,11 @@ def max_over_ranks(value: int) -> int:
 
 
 def micro_batch_groups(
-    lengths: Sequence[int], micro_batch_size: int, max_tokens: int | None, sharing: PromptSharing | None = None
+    lengths: Sequence[int],
+    micro_batch_size: int,
+    max_tokens: int | None,
+    sharing: PromptSharing | None = None,
+    units: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Rows of each micro-batch: consecutive runs of ``micro_batch_size`` rows, or, when ``max_tokens``
     is set, token-budget groups, as many on this rank as on the busiest one (collective).
@@ -92,15 +118,31 @@ def micro_batch_groups(
     them; a shuffled mini-batch's n samples of a prompt were spread over its micro-batches, each
     computing the prompt again). Any partition gives the same update (``engine/update.py``), up to float
     rounding: the gradients are summed in another order.
+
+    ``units`` (a key per row): rows with one key are never split over micro-batches. Fixed-size micro-batches
+    then take whole units, as many as fit in ``micro_batch_size`` rows (at least one).
     """
     if max_tokens is None:
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+        if units is not None:
+            return _whole_units(_items(len(lengths), sharing, units), micro_batch_size)
         order = [i for rows in _rows_by_prompt(len(lengths), sharing) for i in rows]
         # each micro-batch's rows in batch order: where the partition is as without ``sharing``, so is every bit
         return [sorted(order[s : s + micro_batch_size]) for s in range(0, len(order), micro_batch_size)]
-    count = len(group_by_tokens(lengths, max_tokens, sharing=sharing))
-    return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count), sharing=sharing)
+    count = len(group_by_tokens(lengths, max_tokens, sharing=sharing, units=units))
+    return group_by_tokens(lengths, max_tokens, min_groups=max_over_ranks(count), sharing=sharing, units=units)
+
+
+def _whole_units(items: list[list[int]], micro_batch_size: int) -> list[list[int]]:
+    """Consecutive items in micro-batches of at most ``micro_batch_size`` rows (an item larger alone)."""
+    groups: list[list[int]] = []
+    for rows in items:
+        if groups and len(groups[-1]) + len(rows) <= micro_batch_size:
+            groups[-1].extend(rows)
+        else:
+            groups.append(list(rows))
+    return [sorted(group) for group in groups]
 
 
 def split_by_groups(data: DataProto, groups: list[list[int]]) -> list[DataProto]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,6 +72,7 @@ def run_updates(
     micro_loss: MicroLossFn,
     loss_share_keys: tuple[str, ...] = (),
     dp_group: dist.ProcessGroup | None = None,
+    row_units: Callable[[DataProto], Sequence[int]] | None = None,
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
@@ -85,7 +86,11 @@ def run_updates(
     mini-batch's; a step's metric is the mean over its mini-batches (and epochs).
     With ``config.use_dynamic_bsz`` micro-batches hold at most ``config.ppo_max_token_len_per_gpu``
     real tokens (collective: every rank runs as many micro-batches).
+    ``row_units``: a key per row of a mini-batch; rows with one key share every micro-batch (a preference pair's
+    two answers). Mini-batches are then never shuffled: ``config.shuffle`` must be off.
     """
+    if row_units is not None and config.shuffle:
+        raise ValueError("rows kept together in units cannot be shuffled between mini-batches: set shuffle off")
     start = time.perf_counter()
     model, optimizer, scheduler = trained.model, trained.optimizer, trained.scheduler
     # the data-parallel size: FSDP2 averages gradients over these ranks (tensor-parallel peers share rows)
@@ -98,7 +103,8 @@ def run_updates(
         optimizer.zero_grad(set_to_none=True)
         sharing = packed_prompt_sharing(mini_batch, config.use_remove_padding)  # packed: keep prompts together
         size = config.ppo_micro_batch_size_per_gpu
-        groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing)
+        units = row_units(mini_batch) if row_units is not None else None
+        groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing, units)
         shares: dict[str, float] = defaultdict(float)
         with gathered_through_backward(model, keep=not config.reshard_after_forward):
             for micro_batch in split_by_groups(mini_batch, groups):

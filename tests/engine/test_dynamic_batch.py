@@ -59,6 +59,21 @@ def test_token_groups_keep_the_rows_of_a_prompt_together():
     assert group_by_tokens(lengths, 40, min_groups=4, sharing=sharing) == [[4], [5, 0], [2], [3, 1]]
 
 
+def test_units_are_never_split_over_micro_batches():
+    """Preference pairs (rows 2k, 2k+1): fixed-size micro-batches take whole pairs, token groups keep a pair whole
+    even over the budget, and a rank that cannot make enough micro-batches without splitting one says so."""
+    pairs = [0, 0, 1, 1, 2, 2]
+    assert micro_batch_groups([5] * 6, micro_batch_size=3, max_tokens=None, units=pairs) == [[0, 1], [2, 3], [4, 5]]
+    assert micro_batch_groups([5] * 6, micro_batch_size=4, max_tokens=None, units=pairs) == [[0, 1, 2, 3], [4, 5]]
+    assert micro_batch_groups([5] * 6, micro_batch_size=1, max_tokens=None, units=pairs) == [[0, 1], [2, 3], [4, 5]]
+    lengths = [10, 12, 30, 25, 4, 6]  # pairs of 22, 55 and 10 tokens
+    assert group_by_tokens(lengths, 35, units=pairs) == [[2, 3], [1, 0, 5, 4]]  # 55 alone, 22 + 10
+    assert group_by_tokens(lengths, 30, units=pairs) == [[2, 3], [1, 0], [5, 4]]  # 22 + 10 is over 30
+    assert group_by_tokens(lengths, 35, min_groups=3, units=pairs) == [[2, 3], [1, 0], [5, 4]]
+    with pytest.raises(ValueError, match="without splitting a unit"):
+        group_by_tokens(lengths, 35, min_groups=4, units=pairs)
+
+
 def _count_on_rank(rank: int, init_file: str, results) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     lengths = [[10, 10, 10, 10], [40, 40, 40, 5]][rank]  # alone: 1 and 3 micro-batches of <= 45 tokens
