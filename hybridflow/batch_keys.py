@@ -64,6 +64,8 @@ AGENT_METRICS = "agent_metrics"  # agent endpoint: the other numbers the row's a
 FINAL_RESPONSE = "final_response"  # multi-turn: the last assistant turn's text, added to extra_info for scorers
 NLL_SUM = "nll_sum"  # SFT evaluation: (B,) a row's summed negative log-likelihood over its trained tokens
 LOSS_TOKENS = "loss_tokens"  # SFT evaluation: (B,) a row's trained tokens
+ANSWER_LOG_PROB = "answer_log_prob"  # preference evaluation: (B,) a row's answer log-prob under the trained model
+REF_ANSWER_LOG_PROB = "ref_answer_log_prob"  # preference evaluation: (B,) the same under the reference
 PAIR_MARGIN = "pair_margin"  # preference pairs: (B,) the pair's margin (reward-model training), on both its rows
 
 # ---- meta_info keys ---------------------------------------------------------------------------

@@ -66,6 +66,8 @@ def group_by_tokens(
         if len(group) == 1:  # one item: halve its rows
             group = [[i] for i in group[0]]
         groups[largest:largest] = [group[0::2], group[1::2]]  # alternate: both halves keep long and short items
+    if units is not None:  # units in batch order, each unit's rows as they were (a pair: chosen, then rejected)
+        return [sorted(i for rows in group for i in rows) for group in groups]
     # each group's rows by decreasing length: the order without ``sharing``, whatever the items
     return [sorted((i for rows in group for i in rows), key=lambda i: -lengths[i]) for group in groups]
 

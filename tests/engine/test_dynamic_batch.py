@@ -67,9 +67,10 @@ def test_units_are_never_split_over_micro_batches():
     assert micro_batch_groups([5] * 6, micro_batch_size=4, max_tokens=None, units=pairs) == [[0, 1, 2, 3], [4, 5]]
     assert micro_batch_groups([5] * 6, micro_batch_size=1, max_tokens=None, units=pairs) == [[0, 1], [2, 3], [4, 5]]
     lengths = [10, 12, 30, 25, 4, 6]  # pairs of 22, 55 and 10 tokens
-    assert group_by_tokens(lengths, 35, units=pairs) == [[2, 3], [1, 0, 5, 4]]  # 55 alone, 22 + 10
-    assert group_by_tokens(lengths, 30, units=pairs) == [[2, 3], [1, 0], [5, 4]]  # 22 + 10 is over 30
-    assert group_by_tokens(lengths, 35, min_groups=3, units=pairs) == [[2, 3], [1, 0], [5, 4]]
+    # 55 alone, 22 + 10; a group's rows in batch order, so a pair stays (chosen, rejected)
+    assert group_by_tokens(lengths, 35, units=pairs) == [[2, 3], [0, 1, 4, 5]]
+    assert group_by_tokens(lengths, 30, units=pairs) == [[2, 3], [0, 1], [4, 5]]  # 22 + 10 is over 30
+    assert group_by_tokens(lengths, 35, min_groups=3, units=pairs) == [[2, 3], [0, 1], [4, 5]]
     with pytest.raises(ValueError, match="without splitting a unit"):
         group_by_tokens(lengths, 35, min_groups=4, units=pairs)
 
