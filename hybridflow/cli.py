@@ -17,6 +17,7 @@ USAGE = """usage: hybridflow <command> [--debug] [args]
 commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
   sft [--config FILE] key=value ...     supervised fine-tuning on conversations (hybridflow sft --help)
+  dpo [--config FILE] key=value ...     direct preference optimisation on chosen/rejected pairs (hybridflow dpo --help)
   export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
                                         write a checkpoint's actor (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
@@ -48,6 +49,12 @@ def _sft(args: list[str]) -> int:
     from hybridflow.trainer.commands.sft import main as sft
 
     return sft(args)
+
+
+def _dpo(args: list[str]) -> int:
+    from hybridflow.trainer.commands.dpo import main as dpo
+
+    return dpo(args)
 
 
 def _export(args: list[str]) -> int:
@@ -91,6 +98,7 @@ def _plan(args: list[str]) -> int:
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
     "sft": _sft,
+    "dpo": _dpo,
     "export": _export,
     "report": _report,
     "plan": _plan,

@@ -6,7 +6,7 @@ A pair's implicit reward margin is
     h = (log π(y_w) - log π_ref(y_w)) - (log π(y_l) - log π_ref(y_l))
 
 with y_w the chosen answer, y_l the rejected one, and each log π the sum of the answer's token log-probs. The losses
-of ``algorithm.preference.loss_type`` (``PREFERENCE_LOSSES``):
+of ``algorithm.loss_type`` (``hybridflow dpo``) (``PREFERENCE_LOSSES``):
 
 - ``sigmoid`` (DPO, Rafailov et al. 2023): -log σ(β h). With label smoothing ε (conservative DPO, the chance that a
   label is flipped): -(1 - ε) log σ(β h) - ε log σ(-β h).
@@ -47,7 +47,7 @@ class PreferenceLoss:
     length_normalized: bool = False
 
 
-PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", "algorithm.preference.loss_type")
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", "algorithm.loss_type")
 
 
 def register_preference_loss(name: str, length_normalized: bool = False):
@@ -77,7 +77,7 @@ def hinge_loss(h: torch.Tensor, beta: float, label_smoothing: float) -> torch.Te
 
 @dataclass(kw_only=True)
 class PreferenceConfig:
-    """The DPO objective: ``algorithm.preference``."""
+    """The DPO objective: ``hybridflow dpo``'s ``algorithm`` section."""
 
     loss_type: str  # sigmoid (DPO) | ipo | hinge (algorithms/preference.py PREFERENCE_LOSSES)
     beta: float  # strength of the pull towards the reference: the implicit reward's scale

@@ -93,3 +93,21 @@ class PreferenceDatasetConfig:
         require(bool(self.rejected_key), "rejected_key", "must name a column")
         require(self.chosen_key != self.rejected_key, "rejected_key", "names the same column as chosen_key")
         require_choice(self.overlong, OVERLONG, "overlong")
+
+
+@dataclass(kw_only=True)
+class PreferenceDataConfig(PreferenceDatasetConfig):
+    """Preference pairs: the files, how rows become pairs, batch sizes (in pairs).
+
+    How rows become pairs: ``PreferenceDatasetConfig``'s fields, inherited."""
+
+    train_files: list[str]  # parquet/jsonl files of training pairs
+    val_files: list[str]  # held-out pairs for the validation loss and reward accuracy (empty: no validation)
+    train_batch_size: int  # pairs per optimizer step, over all ranks (micro-batches accumulate gradients)
+    val_batch_size: int  # pairs per validation call
+    shuffle: bool  # shuffle training pairs each epoch (seeded by trainer.seed)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self.train_batch_size, "train_batch_size")
+        require_positive(self.val_batch_size, "val_batch_size")

@@ -8,39 +8,22 @@ Ray starts. Also runnable as ``python -m hybridflow.trainer.commands.sft``.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
-from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-from transformers import GenerationConfig
-
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
-from hybridflow.controller.ray_runtime import tuning_env
-from hybridflow.data import PromptDataLoader, SFTDataset
-from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.controller import RoleSpec
+from hybridflow.data import SFTDataset
 from hybridflow.models import load_tokenizer
+from hybridflow.trainer.commands.supervised_run import (
+    SupervisedPlan,
+    check_supervised_config,
+    data_loaders,
+    generation_eos,
+    run_supervised,
+)
 from hybridflow.trainer.loop.sft_trainer import SFTTrainer
-from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
-from hybridflow.trainer.services.tracking import Tracking, check_loggers
-from hybridflow.trainer.setup.check_config import (
-    check_cluster,
-    check_files,
-    check_local_cluster,
-    check_lora_targets,
-    local_cluster_cpus,
-)
-from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
+from hybridflow.trainer.setup.config import config_sections
 from hybridflow.trainer.setup.config_help import config_command_args
-from hybridflow.trainer.setup.placement import Placement
-from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
-from hybridflow.trainer.setup.run_plan import (
-    check_splits_evenly,
-    model_dir_or_name,
-    resolve_model_dir,
-    total_training_steps,
-)
+from hybridflow.trainer.setup.run_plan import total_training_steps
 from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.sft import SFTWorker
@@ -58,134 +41,57 @@ STATE_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class SFTPlan:
-    """What an SFT run derives from its config, once: the model, the layout, the pool."""
-
-    model_path: str  # a built-in name until with_model() builds it, or an absolute local directory
-    layout: LayoutShape
-    placement: Placement
-    run_dir: Path
-
-    def with_model(self) -> SFTPlan:
-        """The plan with a built-in model built into its cached directory: after every check has passed."""
-        return dataclasses.replace(self, model_path=resolve_model_dir(self.model_path, "model.path"))
-
-
-def check_sft_config(config: SFTConfig) -> SFTPlan:
+def check_sft_config(config: SFTConfig) -> SupervisedPlan:
     """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's
     config and builds nothing."""
-    data, engine, trainer = config.data, config.engine, config.trainer
-    check_files(data.train_files, "data.train_files", required=True)
-    check_files(data.val_files, "data.val_files", required=False)
-    model_path = model_dir_or_name(config.model.path, "model.path")
-    world, t = trainer.world_size, engine.tensor_model_parallel_size
-    if world % t:
-        raise ConfigError(
-            "engine.tensor_model_parallel_size",
-            f"{world} ranks (trainer.nnodes x trainer.n_workers_per_node) do not split into groups of {t}",
-            "use a divisor of the ranks",
-        )
-    check_splits_evenly(model_path, t, "engine.tensor_model_parallel_size")
-    layout = LayoutShape.over(world, t)
-    if data.train_batch_size % layout.dp:
-        raise ConfigError(
-            "data.train_batch_size",
-            f"{data.train_batch_size} samples do not split evenly over {layout.dp} data-parallel ranks",
-            f"use a multiple of {layout.dp}",
-        )
-    check_lora_targets("model", config.model.lora, model_path)
-    placement = Placement({POOL: [trainer.n_workers_per_node] * trainer.nnodes}, {})
-    if trainer.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device", "cuda asked for but no GPU is visible", "trainer.device=cpu")
-    if not trainer.ray_address:
-        check_local_cluster(trainer, placement)
-    try:
-        check_loggers(trainer.logger)
-    except ImportError as error:
-        raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
-    return SFTPlan(model_path, layout, placement, Path(trainer.default_local_dir))
-
-
-def generation_eos(model_path: str) -> int | list[int] | None:
-    """The model's generation EOS (a stop token of generation, so an end of an assistant turn)."""
-    try:
-        return GenerationConfig.from_pretrained(model_path).eos_token_id
-    except OSError:  # no generation_config.json
-        return None
+    return check_supervised_config(config, POOL, "samples")
 
 
 def run(config: SFTConfig) -> dict[str, float]:
     plan = check_sft_config(config)
-    data, trainer = config.data, config.trainer
-    config_yaml = to_yaml(config)
-    run_dir = check_run_directory(
-        plan.run_dir, trainer, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, STATE_KEYS)
-    )
-    plan = plan.with_model()  # the model into the cache (the first time: a conversion) once the checks passed
-    tokenizer = load_tokenizer(plan.model_path)
-    eos = generation_eos(plan.model_path)
-    train_dataset = SFTDataset(data.train_files, tokenizer, data, generation_eos=eos)
-    train_loader = PromptDataLoader(train_dataset, data.train_batch_size, shuffle=data.shuffle, seed=trainer.seed)
-    val_loader = None
-    if data.val_files:
-        val_dataset = SFTDataset(data.val_files, tokenizer, data, generation_eos=eos, key="data.val_files")
-        val_loader = PromptDataLoader(
-            val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False
+    trainer = config.trainer
+
+    def loaders(built: SupervisedPlan):
+        tokenizer, eos = load_tokenizer(built.model_path), generation_eos(built.model_path)
+        return data_loaders(
+            config, lambda files, key: SFTDataset(files, tokenizer, config.data, generation_eos=eos, key=key)
         )
-    total_steps = total_training_steps(trainer, steps_per_epoch=len(train_loader))
-    checkpoint = run_dir.prepare()
-    print(
-        f"hybridflow: sft for {total_steps} steps ({len(train_dataset)} samples, {train_dataset.trained_tokens()} "
-        f"trained tokens) on {trainer.world_size} workers; run dir {plan.run_dir}"
-    )
-    joined = trainer.ray_address
-    # the workers' tuning settings come with their pool (below), on any cluster
-    with ray_session(joined or None, None if joined else local_cluster_cpus(trainer, plan.placement)):
-        if joined:
-            check_cluster(trainer, plan.placement)
-        pool = RayResourcePool(
-            plan.placement.pools[POOL],
-            use_gpu=trainer.device == "cuda",
-            cpus_per_worker=trainer.cpus_per_worker,
-            threads_per_worker=trainer.threads_per_worker or None,
-            ready_timeout_s=trainer.placement_timeout_s,
-            name=POOL,
-            worker_env=tuning_env(trainer.cpu_kernel_cache_capacity),
+
+    def describe(train, steps: int) -> str:
+        dataset = train.dataset
+        return (
+            f"hybridflow: sft for {steps} steps ({len(dataset)} samples, {dataset.trained_tokens()} trained tokens) "
+            f"on {trainer.world_size} workers; run dir {plan.run_dir}"
         )
-        spec = RoleSpec(
+
+    def worker(built: SupervisedPlan, steps: int) -> RoleSpec:
+        return RoleSpec(
             SFTWorker,
             kwargs=dict(
                 model=config.model,
                 engine=config.engine,
                 optim=config.optim,
-                model_path=plan.model_path,
-                layout=plan.layout,
-                total_training_steps=total_steps,
+                model_path=built.model_path,
+                layout=built.layout,
+                total_training_steps=steps,
                 seed=trainer.seed,
             ),
         )
-        finished = False
-        try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
-            group = RayWorkerGroup(pool, spec, name=POOL)
-            tracking = Tracking(trainer.logger, plan.run_dir, dataclasses.asdict(config))
-            val_batches = (lambda: iter(val_loader)) if val_loader else None
-            sft = SFTTrainer(group, POOL, plan.layout.dp, train_loader, val_batches, total_epochs=trainer.total_epochs)
-            loop = StepLoop(
-                sft,
-                schedule=run_schedule(trainer, total_steps, has_validation=val_loader is not None),
-                run_dir=plan.run_dir,
-                tracking=tracking,
-                max_ckpt_to_keep=trainer.max_ckpt_to_keep,
-            )
-            try:
-                result = loop.fit(resume_from=checkpoint)
-                finished = True
-                return result
-            finally:
-                tracking.finish()
-        finally:
-            pool.release(keep_processes=finished)
+
+    def make_trainer(group, train, val) -> SFTTrainer:
+        val_batches = (lambda: iter(val)) if val else None
+        return SFTTrainer(group, POOL, plan.layout.dp, train, val_batches, total_epochs=trainer.total_epochs)
+
+    return run_supervised(
+        config,
+        plan,
+        state_keys=STATE_KEYS,
+        loaders=loaders,
+        total_steps=lambda train: total_training_steps(trainer, steps_per_epoch=len(train)),
+        describe=describe,
+        worker=worker,
+        make_trainer=make_trainer,
+    )
 
 
 def sft_usage() -> str:

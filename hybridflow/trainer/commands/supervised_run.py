@@ -1,0 +1,173 @@
+"""What the supervised commands share (``hybridflow sft``, ``hybridflow dpo``): the checks of a one-pool run, the run
+directory, the model built once the checks passed, one worker group on one pool, and the step loop.
+
+Each command gives its config (the sections ``data``, ``model``, ``engine``, ``optim`` and ``trainer`` in the same
+shapes), its data sets, its worker and its trainer; everything else is written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
+from hybridflow.controller.ray_runtime import tuning_env
+from hybridflow.data import PromptDataLoader
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
+from hybridflow.trainer.services.tracking import Tracking, check_loggers
+from hybridflow.trainer.setup.check_config import (
+    check_cluster,
+    check_files,
+    check_local_cluster,
+    check_lora_targets,
+    local_cluster_cpus,
+)
+from hybridflow.trainer.setup.config import ConfigError, to_yaml
+from hybridflow.trainer.setup.placement import Placement
+from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
+from hybridflow.trainer.setup.run_plan import check_splits_evenly, model_dir_or_name, resolve_model_dir
+
+
+@dataclass(frozen=True)
+class SupervisedPlan:
+    """What a one-pool run derives from its config, once: the model, the layout, the pool."""
+
+    pool: str  # the pool's name: the worker group's, and its lane in the timeline
+    model_path: str  # a built-in name until with_model() builds it, or an absolute local directory
+    layout: LayoutShape
+    placement: Placement
+    run_dir: Path
+
+    def with_model(self) -> SupervisedPlan:
+        """The plan with a built-in model built into its cached directory: after every check has passed."""
+        return dataclasses.replace(self, model_path=resolve_model_dir(self.model_path, "model.path"))
+
+
+def check_supervised_config(config: Any, pool: str, batch_what: str) -> SupervisedPlan:
+    """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's config and
+    builds nothing. ``batch_what``: what ``data.train_batch_size`` counts (samples, pairs)."""
+    data, engine, trainer = config.data, config.engine, config.trainer
+    check_files(data.train_files, "data.train_files", required=True)
+    check_files(data.val_files, "data.val_files", required=False)
+    model_path = model_dir_or_name(config.model.path, "model.path")
+    world, t = trainer.world_size, engine.tensor_model_parallel_size
+    if world % t:
+        raise ConfigError(
+            "engine.tensor_model_parallel_size",
+            f"{world} ranks (trainer.nnodes x trainer.n_workers_per_node) do not split into groups of {t}",
+            "use a divisor of the ranks",
+        )
+    check_splits_evenly(model_path, t, "engine.tensor_model_parallel_size")
+    layout = LayoutShape.over(world, t)
+    if data.train_batch_size % layout.dp:
+        raise ConfigError(
+            "data.train_batch_size",
+            f"{data.train_batch_size} {batch_what} do not split evenly over {layout.dp} data-parallel ranks",
+            f"use a multiple of {layout.dp}",
+        )
+    check_lora_targets("model", config.model.lora, model_path)
+    placement = Placement({pool: [trainer.n_workers_per_node] * trainer.nnodes}, {})
+    if trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device", "cuda asked for but no GPU is visible", "trainer.device=cpu")
+    if not trainer.ray_address:
+        check_local_cluster(trainer, placement)
+    try:
+        check_loggers(trainer.logger)
+    except ImportError as error:
+        raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
+    return SupervisedPlan(pool, model_path, layout, placement, Path(trainer.default_local_dir))
+
+
+def generation_eos(model_path: str) -> int | list[int] | None:
+    """The model's generation EOS (a stop token of generation, so an end of an assistant turn)."""
+    try:
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        return None
+
+
+def data_loaders(
+    config: Any, make_dataset: Callable[[list[str], str], Any]
+) -> tuple[PromptDataLoader, PromptDataLoader | None]:
+    """The training loader (shuffled by ``data.shuffle``, seeded by ``trainer.seed``) and the held-out one (None
+    without ``data.val_files``); ``make_dataset(files, key)`` reads one data set."""
+    data = config.data
+    train = PromptDataLoader(
+        make_dataset(data.train_files, "data.train_files"),
+        data.train_batch_size,
+        shuffle=data.shuffle,
+        seed=config.trainer.seed,
+    )
+    if not data.val_files:
+        return train, None
+    val_dataset = make_dataset(data.val_files, "data.val_files")
+    val = PromptDataLoader(val_dataset, min(data.val_batch_size, len(val_dataset)), shuffle=False, drop_last=False)
+    return train, val
+
+
+def run_supervised(
+    config: Any,
+    plan: SupervisedPlan,
+    *,
+    state_keys: tuple[str, ...],
+    loaders: Callable[[SupervisedPlan], tuple[PromptDataLoader, PromptDataLoader | None]],
+    total_steps: Callable[[PromptDataLoader], int],
+    describe: Callable[[PromptDataLoader, int], str],
+    worker: Callable[[SupervisedPlan, int], RoleSpec],
+    make_trainer: Callable[[RayWorkerGroup, PromptDataLoader, PromptDataLoader | None], Any],
+) -> dict[str, float]:
+    """The run: its directory checked (``state_keys``: the keys whose change makes its checkpoints mean something
+    else), the model built, the data read, then the worker group on its pool and the step loop.
+
+    ``worker(plan, total_steps)`` gives the group's RoleSpec; ``make_trainer(group, train, val)`` the loop's
+    trainer; ``describe(train, total_steps)`` the line printed before Ray starts."""
+    trainer_config = config.trainer
+    config_yaml = to_yaml(config)
+    run_dir = check_run_directory(
+        plan.run_dir, trainer_config, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, state_keys)
+    )
+    plan = plan.with_model()  # the model into the cache (the first time: a conversion) once the checks passed
+    train_loader, val_loader = loaders(plan)
+    steps = total_steps(train_loader)
+    checkpoint = run_dir.prepare()
+    print(describe(train_loader, steps))
+    joined = trainer_config.ray_address
+    # the workers' tuning settings come with their pool (below), on any cluster
+    with ray_session(joined or None, None if joined else local_cluster_cpus(trainer_config, plan.placement)):
+        if joined:
+            check_cluster(trainer_config, plan.placement)
+        pool = RayResourcePool(
+            plan.placement.pools[plan.pool],
+            use_gpu=trainer_config.device == "cuda",
+            cpus_per_worker=trainer_config.cpus_per_worker,
+            threads_per_worker=trainer_config.threads_per_worker or None,
+            ready_timeout_s=trainer_config.placement_timeout_s,
+            name=plan.pool,
+            worker_env=tuning_env(trainer_config.cpu_kernel_cache_capacity),
+        )
+        finished = False
+        try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
+            group = RayWorkerGroup(pool, worker(plan, steps), name=plan.pool)
+            tracking = Tracking(trainer_config.logger, plan.run_dir, dataclasses.asdict(config))
+            loop = StepLoop(
+                make_trainer(group, train_loader, val_loader),
+                schedule=run_schedule(trainer_config, steps, has_validation=val_loader is not None),
+                run_dir=plan.run_dir,
+                tracking=tracking,
+                max_ckpt_to_keep=trainer_config.max_ckpt_to_keep,
+            )
+            try:
+                result = loop.fit(resume_from=checkpoint)
+                finished = True
+                return result
+            finally:
+                tracking.finish()
+        finally:
+            pool.release(keep_processes=finished)

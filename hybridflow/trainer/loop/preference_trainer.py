@@ -1,0 +1,128 @@
+"""The DPO trainer: batches of preference pairs to the ``dpo`` worker group, one optimizer step each.
+
+    pairs -> balance over ranks (a pair on one rank) -> the reference's log-probs -> train_batch -> metrics
+
+The step loop (step_loop.py) runs it as it runs SFT and RL: the loader's resumable position, atomic verified
+checkpoints in the actor's layout (``hybridflow export`` reads them), validation when due (the held-out pairs'
+loss, reward accuracy and implicit rewards), the trackers, the progress display, the timeline and the report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from hybridflow.algorithms.preference import PairOutput, PreferenceConfig, pair_halves, pair_metrics, preference_loss
+from hybridflow.batch_keys import (
+    ANSWER_LOG_PROB,
+    ATTENTION_MASK,
+    GLOBAL_STEP,
+    METRICS,
+    REF_ANSWER_LOG_PROB,
+    RESPONSE_MASK,
+)
+from hybridflow.controller import RayWorkerGroup
+from hybridflow.data import PromptDataLoader
+from hybridflow.lengths import balanced_order, row_lengths
+from hybridflow.procfs import resident_gb
+from hybridflow.protocol import DataProto
+from hybridflow.trainer.loop.batch_source import train_batches
+from hybridflow.trainer.loop.step_loop import CheckpointParts, Metrics
+from hybridflow.trainer.services.timeline import StepTimeline
+
+DPO_SHOWN = (("dpo/loss", "loss"), ("dpo/reward_accuracy", "reward acc"), ("val/dpo/reward_accuracy", "val acc"))
+
+
+def pair_balanced(batch: DataProto, dp_size: int) -> DataProto:
+    """The rows reordered so that each data-parallel rank's contiguous share holds whole pairs and about as many
+    tokens as the others (the batch's pairs divide over the ranks: every share is even)."""
+    pairs = [row // 2 for row in range(len(batch))]
+    return batch.reorder(balanced_order(row_lengths(batch), dp_size, groups=pairs))
+
+
+class DPOTrainer:
+    shown = DPO_SHOWN
+
+    def __init__(
+        self,
+        group: RayWorkerGroup,
+        pool: str,
+        dp_size: int,
+        loader: PromptDataLoader,
+        val_batches: Callable[[], Iterator[DataProto]] | None,
+        preference: PreferenceConfig,
+        *,
+        total_epochs: int,
+    ):
+        self.group = group
+        self.pool = pool  # the name of the group's pool, its lane in the timeline
+        self.dp_size = dp_size  # the data-parallel ranks the pairs split over
+        self.loader = loader
+        self.val_batches = val_batches
+        self.preference = preference
+        self.batches = train_batches(loader, total_epochs)
+
+    def begin(self, step: int, timeline: StepTimeline) -> None:
+        pass
+
+    def step(self, step: int, timeline: StepTimeline) -> Metrics | None:
+        batch = next(self.batches, None)
+        if batch is None:
+            return None
+        start = time.time()
+        batch = pair_balanced(batch, self.dp_size)
+        batch.meta_info[GLOBAL_STEP] = step
+        with timeline.stage("ref"):
+            reference = self.group.compute_ref_log_prob(batch)
+        metrics = dict(reference.meta_info.pop(METRICS, {}))
+        batch = batch.union(reference)
+        with timeline.stage("train_batch"):
+            output = self.group.train_batch(batch)
+        metrics.update(output.meta_info.pop(METRICS, {}))
+        seconds = time.time() - start
+        tokens = int(batch.batch[ATTENTION_MASK].sum())
+        metrics.update(
+            {
+                "timing_s/step": seconds,
+                "train/tokens": float(tokens),
+                "train/trained_tokens": float(batch.batch[RESPONSE_MASK].sum()),
+                "train/pairs": float(len(batch) // 2),
+                "train/epoch": float(self.loader.state_dict()["epoch"]),
+                "perf/tokens_per_second": tokens / seconds,
+                "perf/driver_rss_gb": resident_gb(),
+            }
+        )
+        return metrics
+
+    def validate(self, step: int, timeline: StepTimeline) -> Metrics:
+        """The held-out pairs' mean loss, reward accuracy, chosen and rejected implicit rewards and margin."""
+        policy, reference = [], []
+        for batch in self.val_batches():
+            padded, pad = pair_balanced(batch, self.dp_size).pad_to_divisor(2 * self.dp_size)  # whole pairs
+            output = self.group.evaluate(padded).unpad(pad)
+            policy.append(output.batch[ANSWER_LOG_PROB])
+            reference.append(output.batch[REF_ANSWER_LOG_PROB])
+        scores: PairOutput = preference_loss(
+            *pair_halves(torch.cat(policy)), *pair_halves(torch.cat(reference)), self.preference
+        )
+        return {f"val/{key}": value for key, value in pair_metrics(scores).items()}
+
+    def checkpoint(self, step: int) -> CheckpointParts:
+        group = self.group
+        return CheckpointParts(
+            state={"data_loader": self.loader.state_dict()},
+            write=lambda directory: group.save_checkpoint(str(directory)),
+        )
+
+    def restore(self, checkpoint: Path, state: dict) -> None:
+        self.group.load_checkpoint(str(checkpoint))
+        self.loader.load_state_dict(state["data_loader"])
+
+    def collect_spans(self, timeline: StepTimeline) -> None:
+        timeline.collect_group(self.pool, self.group)
+
+    def end(self, failed: bool) -> None:
+        pass  # nothing runs in the background
