@@ -166,10 +166,10 @@ def test_the_code_runs_unprivileged():
 
 
 def test_cpu_time_is_limited():
-    start = time.monotonic()
-    result = run("while True: pass", SandboxLimits(cpu_time_s=1, timeout_s=5))
-    assert time.monotonic() - start < 4
-    assert result.error is not None and ("CPU time" in result.error or result.timed_out)
+    """The CPU limit stops the loop, not the wall timeout: that is far away, so a loaded machine (where 1 s of CPU
+    takes many seconds) cannot make the test pass or fail by timing."""
+    result = run("while True: pass", SandboxLimits(cpu_time_s=1, timeout_s=120))
+    assert not result.timed_out and result.error is not None and "CPU time" in result.error, result
 
 
 def test_memory_is_limited():
@@ -186,10 +186,8 @@ def test_file_size_is_limited():
 def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing_behind():
     marker = new_marker()
     code = f"# {marker}\nimport os\nwhile True:\n    os.fork()"
-    start = time.monotonic()
-    result = run(code, SandboxLimits(max_processes=16, timeout_s=5))
-    assert time.monotonic() - start < 5
-    assert not result.timed_out and result.error.startswith("process limit reached")
+    result = run(code, SandboxLimits(max_processes=16, timeout_s=120))  # the timeout far away: the limit stops it
+    assert not result.timed_out and result.error.startswith("process limit reached"), result
     assert processes_with(marker) == []
 
 
@@ -223,7 +221,7 @@ time.sleep(100)
         return await task, seen, time.monotonic() - start
 
     result, seen, elapsed = asyncio.run(scenario())
-    assert seen and elapsed < 3
+    assert seen and elapsed < 60  # killed at its 1 s timeout, not after the code's 100 s (slack for a loaded machine)
     assert result.timed_out and result.exit_code is None and result.error == "timed out after 1.0 s (killed)"
     assert result.as_tool_output() == f"started\nerror\nError: {result.error}"
     assert processes_with(marker) == []
