@@ -176,6 +176,8 @@ class PreferenceDataset:
 
     # ---- pairs -> batches -------------------------------------------------------------------
 
+    unit = "pairs"  # what one item is, in messages
+
     def __len__(self) -> int:
         return len(self.pairs)
 

@@ -127,6 +127,8 @@ class SFTDataset:
             )
         return rows
 
+    unit = "samples"  # what one item is, in messages
+
     def __len__(self) -> int:
         return len(self.rows)
 

@@ -16,26 +16,12 @@ from hybridflow.data.config import PreferenceDatasetConfig
 from hybridflow.data.io import write_rows
 from hybridflow.data.preference_dataset import CHOSEN, REJECTED, PreferenceDataset
 from hybridflow.data.token_rows import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
-from hybridflow.engine.config import FSDPConfig, SFTEngineConfig
 from hybridflow.engine.lora import LoraConfig, apply_lora
-from hybridflow.engine.optim import OptimConfig, TrainedModel
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.preference import DPO_LOSS, PreferenceEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
+from tests.engine.test_sft_engine import ENGINE, OPTIM  # fp32, no clipping, AdamW linear in the gradient
 
-ENGINE = SFTEngineConfig(
-    micro_batch_size_per_gpu=2,
-    use_remove_padding=True,
-    use_dynamic_bsz=False,
-    max_token_len_per_gpu=64,
-    tensor_model_parallel_size=1,
-    grad_clip=1e9,  # no clipping: the gradients compare as computed
-    reshard_after_forward=True,
-    fsdp=FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),
-)
-# AdamW's first step with eps=1 is linear in the gradient for gradients far below 1: weights compare like gradients
-OPTIM = OptimConfig(
-    lr=1e-2, weight_decay=0.0, betas=[0.9, 0.999], eps=1.0, lr_warmup_steps=0, lr_scheduler="constant", min_lr_ratio=0
-)
 DPO = PreferenceConfig(loss_type="sigmoid", beta=0.5, label_smoothing=0.0)
 DATA = PreferenceDatasetConfig(
     prompt_key="prompt",

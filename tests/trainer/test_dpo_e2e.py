@@ -5,20 +5,13 @@ a model directory. The runs that are not killed share the module's Ray cluster, 
 command of its own that joins it."""
 
 import math
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-import ray
 
 from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
-from hybridflow.trainer.services.checkpoint import is_complete
-from tests.trainer.test_sft_e2e import MEASUREMENTS, records
+from tests.trainer.test_sft_e2e import assert_same_records, kill_after_checkpoint, records
 
 STEPS = 6  # 12 pairs in batches of 4: 3 steps an epoch, 2 epochs
 
@@ -86,31 +79,9 @@ def test_the_held_out_pairs_come_to_prefer_the_chosen_answers(reference):
 
 def test_kill_minus_9_between_checkpoints_then_resume_matches_an_uninterrupted_run(files, reference, tmp_path):
     run_dir = tmp_path / "interrupted"
-    cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
-    victim = subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.commands.dpo", *arguments(files, run_dir), cluster],
-        start_new_session=True,  # its own process group: the kill takes whatever the command started
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.time() + 240
-    while not is_complete(run_dir / "global_step_2"):
-        assert time.time() < deadline and victim.poll() is None, "the run ended before its checkpoint of step 2"
-        time.sleep(0.01)
-    os.killpg(victim.pid, signal.SIGSTOP)  # frozen at once, somewhere in the steps after the checkpoint
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    assert STEPS not in records(run_dir), "the kill came too late: the run had finished"
-
+    kill_after_checkpoint("dpo", arguments(files, run_dir), run_dir, STEPS)
     assert cli(["dpo", *arguments(files, run_dir)]) == 0  # resumed (resume_mode=auto), in this process
-    expected, got = records(reference), records(run_dir)
-    assert sorted(got) == sorted(expected)
-    for step, want in expected.items():
-        want = {k: v for k, v in want.items() if not k.startswith(MEASUREMENTS)}
-        have = {k: v for k, v in got[step].items() if not k.startswith(MEASUREMENTS)}
-        assert want.keys() == have.keys()
-        for key, value in want.items():
-            assert abs(have[key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, have[key], value)
+    assert_same_records(records(reference), records(run_dir))
 
 
 def test_lora_under_tensor_parallelism_starts_at_its_reference_and_learns(files, reference, tmp_path):

@@ -67,16 +67,36 @@ def arguments(files, run_dir) -> list[str]:
     ]
 
 
-def sft(args: list[str]) -> subprocess.Popen:
-    """``hybridflow sft`` as a command of its own, joining this process's Ray cluster (the module's): the kill ends
-    the command, and Ray ends its job's worker processes and placement groups."""
+def kill_after_checkpoint(command: str, args: list[str], run_dir: Path, steps: int) -> None:
+    """``python -m hybridflow.trainer.commands.<command>`` as a command of its own, joining this process's Ray
+    cluster (the module's), killed with SIGKILL once its checkpoint of step 2 is complete and before its last step:
+    the kill ends the command, and Ray ends its job's worker processes and placement groups."""
     cluster = f"trainer.ray_address={ray.get_runtime_context().gcs_address}"
-    return subprocess.Popen(
-        [sys.executable, "-m", "hybridflow.trainer.commands.sft", *args, cluster],
+    victim = subprocess.Popen(
+        [sys.executable, "-m", f"hybridflow.trainer.commands.{command}", *args, cluster],
         start_new_session=True,  # its own process group: the kill takes whatever the command started
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+    deadline = time.time() + 240
+    while not is_complete(run_dir / "global_step_2"):
+        assert time.time() < deadline and victim.poll() is None, "the run ended before its checkpoint of step 2"
+        time.sleep(0.01)
+    os.killpg(victim.pid, signal.SIGSTOP)  # frozen at once, somewhere in the steps after the checkpoint
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    assert steps not in records(run_dir), "the kill came too late: the run had finished"
+
+
+def assert_same_records(expected: dict[int, dict], got: dict[int, dict]) -> None:
+    """Every step's metrics equal, to 1e-6 relative, but for the wall-clock and memory measurements."""
+    assert sorted(got) == sorted(expected)
+    for step, want in expected.items():
+        want = {k: v for k, v in want.items() if not k.startswith(MEASUREMENTS)}
+        have = {k: v for k, v in got[step].items() if not k.startswith(MEASUREMENTS)}
+        assert want.keys() == have.keys()
+        for key, value in want.items():
+            assert abs(have[key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, have[key], value)
 
 
 def records(run_dir) -> dict[int, dict]:
@@ -102,25 +122,9 @@ def test_the_held_out_loss_falls(reference):
 
 def test_kill_minus_9_mid_epoch_then_resume_matches_an_uninterrupted_run(files, reference, tmp_path):
     run_dir = tmp_path / "interrupted"
-    victim = sft(arguments(files, run_dir))
-    deadline = time.time() + 240
-    while not is_complete(run_dir / "global_step_2"):
-        assert time.time() < deadline and victim.poll() is None, "the run ended before its checkpoint of step 2"
-        time.sleep(0.01)
-    os.killpg(victim.pid, signal.SIGSTOP)  # frozen at once, somewhere in the steps after the checkpoint
-    os.killpg(victim.pid, signal.SIGKILL)
-    victim.wait()
-    assert STEPS not in records(run_dir), "the kill came too late: the run had finished"
-
+    kill_after_checkpoint("sft", arguments(files, run_dir), run_dir, STEPS)
     assert cli(["sft", *arguments(files, run_dir)]) == 0  # resumed (resume_mode=auto), in this process
-    expected, got = records(reference), records(run_dir)
-    assert sorted(got) == sorted(expected)
-    for step, want in expected.items():
-        want = {k: v for k, v in want.items() if not k.startswith(MEASUREMENTS)}
-        have = {k: v for k, v in got[step].items() if not k.startswith(MEASUREMENTS)}
-        assert want.keys() == have.keys()
-        for key, value in want.items():
-            assert abs(have[key] - value) <= 1e-6 * max(1.0, abs(value)), (step, key, have[key], value)
+    assert_same_records(records(reference), records(run_dir))
 
 
 def test_lora_adapters_under_tensor_parallelism_start_from_the_same_loss_and_checkpoint_only_themselves(

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import sys
 
-from hybridflow.controller import RoleSpec
 from hybridflow.data import PreferenceDataset
-from hybridflow.models import load_tokenizer
-from hybridflow.trainer.commands.supervised_run import (
-    SupervisedPlan,
-    check_supervised_config,
-    data_loaders,
-    generation_eos,
-    run_supervised,
-)
+from hybridflow.trainer.commands.supervised_run import SupervisedPlan, check_supervised_config, run_supervised
 from hybridflow.trainer.loop.preference_trainer import DPOTrainer
 from hybridflow.trainer.setup.config import config_sections
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig, load_dpo_config
-from hybridflow.trainer.setup.run_plan import total_training_steps
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.preference import PreferenceWorker
 
@@ -49,51 +40,21 @@ def check_dpo_config(config: DPOConfig) -> SupervisedPlan:
 
 def run(config: DPOConfig) -> dict[str, float]:
     plan = check_dpo_config(config)
-    trainer = config.trainer
-
-    def loaders(built: SupervisedPlan):
-        tokenizer, eos = load_tokenizer(built.model_path), generation_eos(built.model_path)
-        return data_loaders(
-            config, lambda files, key: PreferenceDataset(files, tokenizer, config.data, generation_eos=eos, key=key)
-        )
-
-    def describe(train, steps: int) -> str:
-        dataset = train.dataset
-        return (
-            f"hybridflow: dpo ({config.algorithm.loss_type}, beta {config.algorithm.beta}) for {steps} steps "
-            f"({len(dataset)} pairs, {dataset.trained_tokens()} answer tokens) on {trainer.world_size} workers; "
-            f"run dir {plan.run_dir}"
-        )
-
-    def worker(built: SupervisedPlan, steps: int) -> RoleSpec:
-        return RoleSpec(
-            PreferenceWorker,
-            kwargs=dict(
-                model=config.model,
-                engine=config.engine,
-                optim=config.optim,
-                preference=config.algorithm,
-                model_path=built.model_path,
-                layout=built.layout,
-                total_training_steps=steps,
-                seed=trainer.seed,
-            ),
-        )
 
     def make_trainer(group, train, val) -> DPOTrainer:
         val_batches = (lambda: iter(val)) if val else None
         return DPOTrainer(
-            group, POOL, plan.layout.dp, train, val_batches, config.algorithm, total_epochs=trainer.total_epochs
+            group, POOL, plan.layout.dp, train, val_batches, config.algorithm, total_epochs=config.trainer.total_epochs
         )
 
     return run_supervised(
         config,
         plan,
+        what=f"dpo ({config.algorithm.loss_type}, beta {config.algorithm.beta})",
         state_keys=STATE_KEYS,
-        loaders=loaders,
-        total_steps=lambda train: total_training_steps(trainer, steps_per_epoch=len(train)),
-        describe=describe,
-        worker=worker,
+        dataset_class=PreferenceDataset,
+        worker_class=PreferenceWorker,
+        worker_kwargs={"preference": config.algorithm},
         make_trainer=make_trainer,
     )
 

@@ -10,20 +10,11 @@ from __future__ import annotations
 
 import sys
 
-from hybridflow.controller import RoleSpec
 from hybridflow.data import SFTDataset
-from hybridflow.models import load_tokenizer
-from hybridflow.trainer.commands.supervised_run import (
-    SupervisedPlan,
-    check_supervised_config,
-    data_loaders,
-    generation_eos,
-    run_supervised,
-)
+from hybridflow.trainer.commands.supervised_run import SupervisedPlan, check_supervised_config, run_supervised
 from hybridflow.trainer.loop.sft_trainer import SFTTrainer
 from hybridflow.trainer.setup.config import config_sections
 from hybridflow.trainer.setup.config_help import config_command_args
-from hybridflow.trainer.setup.run_plan import total_training_steps
 from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
 from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.sft import SFTWorker
@@ -49,47 +40,19 @@ def check_sft_config(config: SFTConfig) -> SupervisedPlan:
 
 def run(config: SFTConfig) -> dict[str, float]:
     plan = check_sft_config(config)
-    trainer = config.trainer
-
-    def loaders(built: SupervisedPlan):
-        tokenizer, eos = load_tokenizer(built.model_path), generation_eos(built.model_path)
-        return data_loaders(
-            config, lambda files, key: SFTDataset(files, tokenizer, config.data, generation_eos=eos, key=key)
-        )
-
-    def describe(train, steps: int) -> str:
-        dataset = train.dataset
-        return (
-            f"hybridflow: sft for {steps} steps ({len(dataset)} samples, {dataset.trained_tokens()} trained tokens) "
-            f"on {trainer.world_size} workers; run dir {plan.run_dir}"
-        )
-
-    def worker(built: SupervisedPlan, steps: int) -> RoleSpec:
-        return RoleSpec(
-            SFTWorker,
-            kwargs=dict(
-                model=config.model,
-                engine=config.engine,
-                optim=config.optim,
-                model_path=built.model_path,
-                layout=built.layout,
-                total_training_steps=steps,
-                seed=trainer.seed,
-            ),
-        )
 
     def make_trainer(group, train, val) -> SFTTrainer:
         val_batches = (lambda: iter(val)) if val else None
-        return SFTTrainer(group, POOL, plan.layout.dp, train, val_batches, total_epochs=trainer.total_epochs)
+        return SFTTrainer(group, POOL, plan.layout.dp, train, val_batches, total_epochs=config.trainer.total_epochs)
 
     return run_supervised(
         config,
         plan,
+        what="sft",
         state_keys=STATE_KEYS,
-        loaders=loaders,
-        total_steps=lambda train: total_training_steps(trainer, steps_per_epoch=len(train)),
-        describe=describe,
-        worker=worker,
+        dataset_class=SFTDataset,
+        worker_class=SFTWorker,
+        worker_kwargs={},
         make_trainer=make_trainer,
     )
 

@@ -20,6 +20,7 @@ from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.models import load_tokenizer
 from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
 from hybridflow.trainer.services.tracking import Tracking, check_loggers
 from hybridflow.trainer.setup.check_config import (
@@ -32,7 +33,12 @@ from hybridflow.trainer.setup.check_config import (
 from hybridflow.trainer.setup.config import ConfigError, to_yaml
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
-from hybridflow.trainer.setup.run_plan import check_splits_evenly, model_dir_or_name, resolve_model_dir
+from hybridflow.trainer.setup.run_plan import (
+    check_splits_evenly,
+    model_dir_or_name,
+    resolve_model_dir,
+    total_training_steps,
+)
 
 
 @dataclass(frozen=True)
@@ -116,28 +122,50 @@ def run_supervised(
     config: Any,
     plan: SupervisedPlan,
     *,
+    what: str,
     state_keys: tuple[str, ...],
-    loaders: Callable[[SupervisedPlan], tuple[PromptDataLoader, PromptDataLoader | None]],
-    total_steps: Callable[[PromptDataLoader], int],
-    describe: Callable[[PromptDataLoader, int], str],
-    worker: Callable[[SupervisedPlan, int], RoleSpec],
+    dataset_class: Callable[..., Any],
+    worker_class: type,
+    worker_kwargs: dict[str, Any],
     make_trainer: Callable[[RayWorkerGroup, PromptDataLoader, PromptDataLoader | None], Any],
 ) -> dict[str, float]:
     """The run: its directory checked (``state_keys``: the keys whose change makes its checkpoints mean something
-    else), the model built, the data read, then the worker group on its pool and the step loop.
+    else), the model built, the data read (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``),
+    then the worker group on its pool and the step loop.
 
-    ``worker(plan, total_steps)`` gives the group's RoleSpec; ``make_trainer(group, train, val)`` the loop's
-    trainer; ``describe(train, total_steps)`` the line printed before Ray starts."""
+    ``worker_class`` is built with the model, engine, optim, model path, layout, step count and seed, and
+    ``worker_kwargs``; ``make_trainer(group, train, val)`` gives the loop's trainer; ``what`` names the run in the
+    line printed before Ray starts."""
     trainer_config = config.trainer
     config_yaml = to_yaml(config)
     run_dir = check_run_directory(
         plan.run_dir, trainer_config, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, state_keys)
     )
     plan = plan.with_model()  # the model into the cache (the first time: a conversion) once the checks passed
-    train_loader, val_loader = loaders(plan)
-    steps = total_steps(train_loader)
+    tokenizer, eos = load_tokenizer(plan.model_path), generation_eos(plan.model_path)
+    train_loader, val_loader = data_loaders(
+        config, lambda files, key: dataset_class(files, tokenizer, config.data, generation_eos=eos, key=key)
+    )
+    steps = total_training_steps(trainer_config, steps_per_epoch=len(train_loader))
     checkpoint = run_dir.prepare()
-    print(describe(train_loader, steps))
+    dataset = train_loader.dataset
+    print(
+        f"hybridflow: {what} for {steps} steps ({len(dataset)} {dataset.unit}, {dataset.trained_tokens()} trained "
+        f"tokens) on {trainer_config.world_size} workers; run dir {plan.run_dir}"
+    )
+    worker = RoleSpec(
+        worker_class,
+        kwargs=dict(
+            model=config.model,
+            engine=config.engine,
+            optim=config.optim,
+            model_path=plan.model_path,
+            layout=plan.layout,
+            total_training_steps=steps,
+            seed=trainer_config.seed,
+            **worker_kwargs,
+        ),
+    )
     joined = trainer_config.ray_address
     # the workers' tuning settings come with their pool (below), on any cluster
     with ray_session(joined or None, None if joined else local_cluster_cpus(trainer_config, plan.placement)):
@@ -154,7 +182,7 @@ def run_supervised(
         )
         finished = False
         try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
-            group = RayWorkerGroup(pool, worker(plan, steps), name=plan.pool)
+            group = RayWorkerGroup(pool, worker, name=plan.pool)
             tracking = Tracking(trainer_config.logger, plan.run_dir, dataclasses.asdict(config))
             loop = StepLoop(
                 make_trainer(group, train_loader, val_loader),

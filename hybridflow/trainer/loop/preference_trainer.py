@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
@@ -29,8 +28,8 @@ from hybridflow.data import PromptDataLoader
 from hybridflow.lengths import balanced_order, row_lengths
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.loop.batch_source import train_batches
-from hybridflow.trainer.loop.step_loop import CheckpointParts, Metrics
+from hybridflow.trainer.loop.step_loop import Metrics
+from hybridflow.trainer.loop.supervised_trainer import SupervisedTrainer
 from hybridflow.trainer.services.timeline import StepTimeline
 
 DPO_SHOWN = (("dpo/loss", "loss"), ("dpo/reward_accuracy", "reward acc"), ("val/dpo/reward_accuracy", "val acc"))
@@ -43,7 +42,9 @@ def pair_balanced(batch: DataProto, dp_size: int) -> DataProto:
     return batch.reorder(balanced_order(row_lengths(batch), dp_size, groups=pairs))
 
 
-class DPOTrainer:
+class DPOTrainer(SupervisedTrainer):
+    """``preference``: the pair loss, for the held-out metrics (the workers have it for the update)."""
+
     shown = DPO_SHOWN
 
     def __init__(
@@ -57,16 +58,8 @@ class DPOTrainer:
         *,
         total_epochs: int,
     ):
-        self.group = group
-        self.pool = pool  # the name of the group's pool, its lane in the timeline
-        self.dp_size = dp_size  # the data-parallel ranks the pairs split over
-        self.loader = loader
-        self.val_batches = val_batches
+        super().__init__(group, pool, dp_size, loader, val_batches, total_epochs=total_epochs)
         self.preference = preference
-        self.batches = train_batches(loader, total_epochs)
-
-    def begin(self, step: int, timeline: StepTimeline) -> None:
-        pass
 
     def step(self, step: int, timeline: StepTimeline) -> Metrics | None:
         batch = next(self.batches, None)
@@ -109,20 +102,3 @@ class DPOTrainer:
             *pair_halves(torch.cat(policy)), *pair_halves(torch.cat(reference)), self.preference
         )
         return {f"val/{key}": value for key, value in pair_metrics(scores).items()}
-
-    def checkpoint(self, step: int) -> CheckpointParts:
-        group = self.group
-        return CheckpointParts(
-            state={"data_loader": self.loader.state_dict()},
-            write=lambda directory: group.save_checkpoint(str(directory)),
-        )
-
-    def restore(self, checkpoint: Path, state: dict) -> None:
-        self.group.load_checkpoint(str(checkpoint))
-        self.loader.load_state_dict(state["data_loader"])
-
-    def collect_spans(self, timeline: StepTimeline) -> None:
-        timeline.collect_group(self.pool, self.group)
-
-    def end(self, failed: bool) -> None:
-        pass  # nothing runs in the background

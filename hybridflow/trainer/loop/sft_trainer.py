@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from hybridflow.batch_keys import ATTENTION_MASK, GLOBAL_STEP, LOSS_TOKENS, METRICS, NLL_SUM, RESPONSE_MASK, SFT_LOSS
-from hybridflow.controller import RayWorkerGroup
-from hybridflow.data import PromptDataLoader
 from hybridflow.lengths import balanced_order, row_lengths
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.loop.batch_source import train_batches
-from hybridflow.trainer.loop.step_loop import CheckpointParts, Metrics
+from hybridflow.trainer.loop.step_loop import Metrics
+from hybridflow.trainer.loop.supervised_trainer import SupervisedTrainer
 from hybridflow.trainer.services.timeline import StepTimeline
 
 VAL_LOSS = "val/loss"  # mean negative log-likelihood per trained held-out token
@@ -30,28 +26,8 @@ VAL_PERPLEXITY = "val/perplexity"  # exp(val/loss)
 SFT_SHOWN = ((SFT_LOSS, "loss"), (VAL_LOSS, "val loss"))  # what the progress line shows
 
 
-class SFTTrainer:
+class SFTTrainer(SupervisedTrainer):
     shown = SFT_SHOWN
-
-    def __init__(
-        self,
-        group: RayWorkerGroup,
-        pool: str,
-        dp_size: int,
-        loader: PromptDataLoader,
-        val_batches: Callable[[], Iterator[DataProto]] | None,
-        *,
-        total_epochs: int,
-    ):
-        self.group = group
-        self.pool = pool  # the name of the group's pool, its lane in the timeline
-        self.dp_size = dp_size  # the data-parallel ranks the rows split over
-        self.loader = loader
-        self.val_batches = val_batches
-        self.batches = train_batches(loader, total_epochs)
-
-    def begin(self, step: int, timeline: StepTimeline) -> None:
-        pass
 
     def step(self, step: int, timeline: StepTimeline) -> Metrics | None:
         batch = next(self.batches, None)
@@ -92,20 +68,3 @@ class SFTTrainer:
             tokens += float(output.batch[LOSS_TOKENS].double().sum())
         loss = nll / max(tokens, 1.0)
         return {VAL_LOSS: loss, VAL_PERPLEXITY: math.exp(min(loss, 80.0)), "val/tokens": tokens}
-
-    def checkpoint(self, step: int) -> CheckpointParts:
-        group = self.group
-        return CheckpointParts(
-            state={"data_loader": self.loader.state_dict()},
-            write=lambda directory: group.save_checkpoint(str(directory)),
-        )
-
-    def restore(self, checkpoint: Path, state: dict) -> None:
-        self.group.load_checkpoint(str(checkpoint))
-        self.loader.load_state_dict(state["data_loader"])
-
-    def collect_spans(self, timeline: StepTimeline) -> None:
-        timeline.collect_group(self.pool, self.group)
-
-    def end(self, failed: bool) -> None:
-        pass  # nothing runs in the background
