@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms.preference import PairOutput, PreferenceConfig, pair_halves, pair_metrics, preference_loss
@@ -35,11 +36,19 @@ from hybridflow.trainer.services.timeline import StepTimeline
 DPO_SHOWN = (("dpo/loss", "loss"), ("dpo/reward_accuracy", "reward acc"), ("val/dpo/reward_accuracy", "val acc"))
 
 
-def pair_balanced(batch: DataProto, dp_size: int) -> DataProto:
-    """The rows reordered so that each data-parallel rank's contiguous share holds whole pairs and about as many
-    tokens as the others (the batch's pairs divide over the ranks: every share is even)."""
+def pair_order(batch: DataProto, dp_size: int) -> list[int]:
+    """A permutation of the rows after which each data-parallel rank's contiguous share holds whole pairs, chosen
+    first, and about as many tokens as the others. The pairs must divide over the ranks (pad a held-out batch
+    first)."""
+    if len(batch) % (2 * dp_size):
+        raise ValueError(f"{len(batch) // 2} pairs do not divide over {dp_size} ranks: pad to whole pairs per rank")
     pairs = [row // 2 for row in range(len(batch))]
-    return batch.reorder(balanced_order(row_lengths(batch), dp_size, groups=pairs))
+    return balanced_order(row_lengths(batch), dp_size, groups=pairs)
+
+
+def pair_balanced(batch: DataProto, dp_size: int) -> DataProto:
+    """``batch`` reordered by ``pair_order`` (in place)."""
+    return batch.reorder(pair_order(batch, dp_size))
 
 
 class DPOTrainer(SupervisedTrainer):
@@ -94,8 +103,10 @@ class DPOTrainer(SupervisedTrainer):
         """The held-out pairs' mean loss, reward accuracy, chosen and rejected implicit rewards and margin."""
         policy, reference = [], []
         for batch in self.val_batches():
-            padded, pad = pair_balanced(batch, self.dp_size).pad_to_divisor(2 * self.dp_size)  # whole pairs
-            output = self.group.evaluate(padded).unpad(pad)
+            padded, pad = batch.pad_to_divisor(2 * self.dp_size)  # copies of the first pairs: whole pairs
+            order = pair_order(padded, self.dp_size)
+            output = self.group.evaluate(padded.reorder(order))
+            output = output.reorder(np.argsort(order)).unpad(pad)  # the batch's order, then without the copies
             policy.append(output.batch[ANSWER_LOG_PROB])
             reference.append(output.batch[REF_ANSWER_LOG_PROB])
         scores: PairOutput = preference_loss(
