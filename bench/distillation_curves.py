@@ -5,8 +5,9 @@ fraction of the teacher's accuracy: a markdown table and a plot (docs/distillati
         --run "on-policy distillation=RUN_DIR[,RUN_DIR...]" --run "GRPO=RUN_DIR" \
         --points "off-policy (SFT)=POINTS.json" [--share 0.9] [--plot FILE]
 
-``--run``: RL runs (their metrics.jsonl): the held-out accuracy is ``val/score/mean`` at each validation, the
-seconds the sum of ``timing_s/step`` up to that step (validation excluded). Several runs of one method (seeds) are
+``--run``: RL runs (their metrics.jsonl): the held-out accuracy is ``--metric`` (``val/score/mean``) at each
+validation, the seconds the sum of ``timing_s/step`` up to that step (validation excluded). ``--metric
+critic/score/mean`` reads the training samples' accuracy of every step instead. Several runs of one method (seeds) are
 averaged per step. ``--points``: a method measured outside a run's validation (an SFT run's checkpoints, each
 exported and scored by ``hybridflow measure``): a JSON list of ``{"step", "seconds", "accuracy"}``. ``--teacher``: the
 teacher's held-out accuracy; a method reaches ``--share`` of it at the first validation at or above.
@@ -26,14 +27,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 Curve = list[tuple[int, float, float]]  # (step, seconds of training up to it, held-out accuracy)
 
 
-def run_curve(run_dir: Path) -> Curve:
-    """(step, seconds, accuracy) at each validation of one RL run."""
+def run_curve(run_dir: Path, metric: str = "val/score/mean") -> Curve:
+    """(step, seconds, accuracy) at each record of one RL run that has ``metric``."""
     seconds, points = 0.0, []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         seconds += record.get("timing_s/step", 0.0)
-        if "val/score/mean" in record:
-            points.append((int(record["step"]), seconds, record["val/score/mean"]))
+        if metric in record:
+            points.append((int(record["step"]), seconds, record[metric]))
     return points
 
 
@@ -69,12 +70,14 @@ def main() -> None:
     parser.add_argument("--points", type=named, action="append", default=[], help="NAME=POINTS.json")
     parser.add_argument("--teacher", type=float, required=True, help="the teacher's held-out accuracy")
     parser.add_argument("--share", type=float, default=0.9, help="the fraction of the teacher's accuracy to reach")
+    parser.add_argument("--metric", default="val/score/mean", help="the accuracy key of the runs' metrics")
+    parser.add_argument("--ylabel", default="held-out accuracy (greedy)", help="the plot's accuracy axis")
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
 
     methods: dict[str, tuple[Curve, list[Curve]]] = {}
     for name, dirs in args.run:
-        seeds = [run_curve(Path(d)) for d in dirs.split(",")]
+        seeds = [run_curve(Path(d), args.metric) for d in dirs.split(",")]
         methods[name] = (mean_curve(seeds), seeds)
     for name, file in args.points:
         points = json.loads(Path(file).read_text())
@@ -112,7 +115,7 @@ def main() -> None:
         by_step.text(0, args.teacher + 0.005, "teacher", fontsize=8, color="0.3")
         by_step.set_xlabel("step")
         by_time.set_xlabel("minutes of training (each run under its own load)")
-        by_step.set_ylabel("held-out accuracy (greedy)")
+        by_step.set_ylabel(args.ylabel)
         by_step.legend(fontsize=8, loc="lower right")
         figure.tight_layout()
         figure.savefig(args.plot, dpi=110)
