@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from hybridflow.algorithms import LossAggregation
 from hybridflow.algorithms.preference import PreferenceConfig
 from hybridflow.batch_keys import ANSWER_LOG_PROB, METRICS, REF_ANSWER_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK
-from hybridflow.data.config import PreferenceDatasetConfig
 from hybridflow.data.io import write_rows
 from hybridflow.data.preference_dataset import CHOSEN, REJECTED, PreferenceDataset
 from hybridflow.data.token_rows import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
@@ -20,18 +19,10 @@ from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.preference import DPO_LOSS, PreferenceEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
+from tests.data.test_preference_dataset import CONFIG as DATA
 from tests.engine.test_sft_engine import ENGINE, OPTIM  # fp32, no clipping, AdamW linear in the gradient
 
 DPO = PreferenceConfig(loss_type="sigmoid", beta=0.5, label_smoothing=0.0)
-DATA = PreferenceDatasetConfig(
-    prompt_key="prompt",
-    chosen_key="chosen",
-    rejected_key="rejected",
-    margin_key="",
-    tools_key="",
-    max_length=128,
-    overlong="error",
-)
 PAIRS = [
     {"prompt": [{"role": "user", "content": "What is 7 * 6?"}], "chosen": "42", "rejected": "It is 48, I think."},
     {"prompt": [{"role": "user", "content": "Name a colour."}], "chosen": "Blue.", "rejected": "A dog"},
