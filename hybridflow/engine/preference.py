@@ -144,10 +144,9 @@ class PreferenceEngine:
         averaged, for a length-normalised loss), without gradients: the caller forms the held-out pairs' metrics."""
         start = time.perf_counter()
         mask = data.batch[RESPONSE_MASK]
-        with torch.no_grad():
-            policy = self._log_probs(self.model, data)
-            with self._reference_model() as model:
-                reference = self._log_probs(model, data)
+        policy = self._log_probs(self.model, data)  # batched_log_probs runs without gradients
+        with self._reference_model() as model:
+            reference = self._log_probs(model, data)
         work = pass_work(data, self.config.use_remove_padding)
         metrics = self.meter.metrics("dpo_eval", work, time.perf_counter() - start, training=False)
         return DataProto.from_dict(
