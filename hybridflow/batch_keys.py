@@ -67,6 +67,7 @@ LOSS_TOKENS = "loss_tokens"  # SFT evaluation: (B,) a row's trained tokens
 ANSWER_LOG_PROB = "answer_log_prob"  # preference evaluation: (B,) a row's answer log-prob under the trained model
 REF_ANSWER_LOG_PROB = "ref_answer_log_prob"  # preference evaluation: (B,) the same under the reference
 PAIR_MARGIN = "pair_margin"  # preference pairs: (B,) the pair's margin (reward-model training), on both its rows
+SEQUENCE_SCORE = "sequence_score"  # reward-model evaluation: (B,) the model's score of each row
 
 # ---- meta_info keys ---------------------------------------------------------------------------
 GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)

@@ -18,8 +18,9 @@ commands:
   train [--config FILE] key=value ...   run PPO/GRPO training (hybridflow train --help lists the config sections)
   sft [--config FILE] key=value ...     supervised fine-tuning on conversations (hybridflow sft --help)
   dpo [--config FILE] key=value ...     direct preference optimisation on chosen/rejected pairs (hybridflow dpo --help)
+  rm [--config FILE] key=value ...      train a reward model on chosen/rejected pairs (hybridflow rm --help)
   export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
-                                        write a checkpoint's actor (a run's latest) as a Hugging Face model directory
+                                        write a checkpoint's model (a run's latest) as a Hugging Face model directory
   report RUN_DIR [--out DIR]            draw a run's curves into PNGs and one self-contained HTML page
   measure TASK [--model M] [--n N] [--tools FILE] ...
                                         a model's accuracy on a built-in task's test prompts, before training
@@ -55,6 +56,12 @@ def _dpo(args: list[str]) -> int:
     from hybridflow.trainer.commands.dpo import main as dpo
 
     return dpo(args)
+
+
+def _rm(args: list[str]) -> int:
+    from hybridflow.trainer.commands.rm import main as rm
+
+    return rm(args)
 
 
 def _export(args: list[str]) -> int:
@@ -99,6 +106,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "train": _train,
     "sft": _sft,
     "dpo": _dpo,
+    "rm": _rm,
     "export": _export,
     "report": _report,
     "plan": _plan,

@@ -164,3 +164,18 @@ def bradley_terry_loss(
     if margin is not None:
         difference = difference - margin
     return -F.logsigmoid(difference)
+
+
+def score_pair_metrics(
+    chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: torch.Tensor | None = None, prefix: str = "rm"
+) -> dict[str, float]:
+    """A reward model's means over pairs: the Bradley-Terry loss (with ``margin``), the accuracy (the chosen answer
+    scored higher; a tie counts as wrong), the chosen and rejected scores, and their difference."""
+    difference = chosen_scores - rejected_scores
+    return {
+        f"{prefix}/loss": float(bradley_terry_loss(chosen_scores, rejected_scores, margin).mean()),
+        f"{prefix}/accuracy": float((difference > 0).float().mean()),
+        f"{prefix}/chosen_score": float(chosen_scores.mean()),
+        f"{prefix}/rejected_score": float(rejected_scores.mean()),
+        f"{prefix}/score_margin": float(difference.mean()),
+    }

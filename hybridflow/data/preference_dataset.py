@@ -54,6 +54,40 @@ def shared_prefix(first: list[dict[str, Any]], second: list[dict[str, Any]]) -> 
     return count
 
 
+def pair_parts(row: dict[str, Any], cfg: PreferenceDatasetConfig) -> tuple[Any, Any, Any]:
+    """A row's prompt (chat messages or text) and its chosen and rejected answers (text, or the messages after the
+    prompt); ValueError naming what is wrong with the row."""
+    chosen, rejected = row.get(cfg.chosen_key), row.get(cfg.rejected_key)
+    for column, answer in ((cfg.chosen_key, chosen), (cfg.rejected_key, rejected)):
+        if not (isinstance(answer, str) or is_messages(answer)):
+            raise ValueError(
+                f"column {column!r} is neither text nor chat messages: {answer!r:.120}; its columns: {sorted(row)}"
+            )
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise ValueError(f"one of {cfg.chosen_key!r} and {cfg.rejected_key!r} is text and the other messages")
+    prompt = row.get(cfg.prompt_key) if cfg.prompt_key else None
+    if prompt is None:
+        if isinstance(chosen, str):
+            raise ValueError(
+                f"the answers are text but the row has no prompt column {cfg.prompt_key!r}; its columns: {sorted(row)}"
+            )
+        shared = shared_prefix(chosen, rejected)
+        if shared == 0:
+            raise ValueError("the chosen and rejected conversations share no first message to be the prompt")
+        return chosen[:shared], chosen[shared:], rejected[shared:]
+    return prompt, chosen, rejected
+
+
+def pair_margin(row: dict[str, Any], margin_key: str) -> float:
+    """The row's number in ``margin_key`` (0 without one); ValueError when it is not a number."""
+    if not margin_key:
+        return 0.0
+    value = row.get(margin_key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"column {margin_key!r} (data.margin_key) is not a number: {value!r:.60}")
+    return float(value)
+
+
 class PreferenceDataset:
     """Pairs tokenised once, up front; ``collate`` makes DataProto batches of 2 rows per pair."""
 
@@ -82,7 +116,7 @@ class PreferenceDataset:
             total += 1
             try:
                 chosen, rejected = self._samples(row)
-                margin = self._margin(row)
+                margin = pair_margin(row, self.config.margin_key)
                 encoded = [self.encoder.encode(chosen), self.encoder.encode(rejected)]
             except OverlongSample as error:
                 raise ConfigError(
@@ -124,25 +158,7 @@ class PreferenceDataset:
     def _samples(self, row: dict[str, Any]) -> tuple[TextSample, TextSample]:
         cfg = self.config
         tools = row.get(cfg.tools_key) if cfg.tools_key else None
-        chosen, rejected = row.get(cfg.chosen_key), row.get(cfg.rejected_key)
-        for column, answer in ((cfg.chosen_key, chosen), (cfg.rejected_key, rejected)):
-            if not (isinstance(answer, str) or is_messages(answer)):
-                raise ValueError(
-                    f"column {column!r} is neither text nor chat messages: {answer!r:.120}; its columns: {sorted(row)}"
-                )
-        if isinstance(chosen, str) != isinstance(rejected, str):
-            raise ValueError(f"one of {cfg.chosen_key!r} and {cfg.rejected_key!r} is text and the other messages")
-        prompt = row.get(cfg.prompt_key) if cfg.prompt_key else None
-        if prompt is None:
-            if isinstance(chosen, str):
-                raise ValueError(
-                    f"the answers are text but the row has no prompt column {cfg.prompt_key!r}; its columns: "
-                    f"{sorted(row)}"
-                )
-            shared = shared_prefix(chosen, rejected)
-            if shared == 0:
-                raise ValueError("the chosen and rejected conversations share no first message to be the prompt")
-            prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        prompt, chosen, rejected = pair_parts(row, cfg)
         return (
             self._answer(prompt, chosen, tools, cfg.chosen_key),
             self._answer(prompt, rejected, tools, cfg.rejected_key),
@@ -165,14 +181,6 @@ class PreferenceDataset:
                 "per answer"
             )
         return samples[0]
-
-    def _margin(self, row: dict[str, Any]) -> float:
-        if not self.config.margin_key:
-            return 0.0
-        value = row.get(self.config.margin_key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"column {self.config.margin_key!r} (data.margin_key) is not a number: {value!r:.60}")
-        return float(value)
 
     # ---- pairs -> batches -------------------------------------------------------------------
 

@@ -43,10 +43,13 @@ class TeacherConfig(RefConfig):
 
 @dataclass(kw_only=True)
 class RewardModelConfig:
-    """A learned reward model, whose scores are added to the rule-based ones (enable to use)."""
+    """A learned reward model, whose scores are added to the rule-based ones or replace them (enable to use)."""
 
     enable: bool  # score responses with a reward-model worker group (added to rule-based scores)
-    model: ModelConfig  # a sequence-classification model directory
+    # true: training rewards are the reward model's alone, and validation scores the rule-based reward alone (the task's
+    # own measure of the policy); false: both add up, in training and validation
+    replace_rule_reward: bool
+    model: ModelConfig  # a sequence-classification model directory (`hybridflow rm`, then `hybridflow export`)
     micro_batch_size_per_gpu: int  # samples per forward
     max_length: int  # longest prompt + response the reward model reads (longer ones are cut from the left)
     fsdp: FSDPConfig
@@ -54,6 +57,12 @@ class RewardModelConfig:
     def __post_init__(self) -> None:
         require(
             not self.enable or bool(self.model.path), "model.path", "reward_model.enable is true but no model is given"
+        )
+        require(
+            self.enable or not self.replace_rule_reward,
+            "replace_rule_reward",
+            "is true but reward_model.enable is false: there is no reward model to replace the rule-based reward",
+            "set reward_model.enable=true and reward_model.model.path, or replace_rule_reward=false",
         )
         require_positive(self.micro_batch_size_per_gpu, "micro_batch_size_per_gpu")
         require_positive(self.max_length, "max_length")

@@ -1,4 +1,5 @@
-"""A learned reward model: a sequence classifier reading the conversation in its own chat template."""
+"""A learned reward model: a sequence classifier reading the conversation in its own chat template
+(data/reward_text.py: the rendering ``hybridflow rm`` trains on)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
 from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.data.reward_text import reward_model_text, scored_conversation
 from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import RewardModelConfig
@@ -39,8 +41,8 @@ class RewardModelWorker(Worker):
         texts = []
         for i in range(len(data)):
             response = self.policy_tokenizer.decode(responses[i, : int(lengths[i])], skip_special_tokens=True)
-            messages = [*data.non_tensor_batch[RAW_PROMPT][i], {"role": "assistant", "content": response}]
-            texts.append(self.tokenizer.apply_chat_template(messages, tokenize=False))
+            conversation = scored_conversation(list(data.non_tensor_batch[RAW_PROMPT][i]), response)
+            texts.append(reward_model_text(self.tokenizer, conversation))
         return texts
 
     @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

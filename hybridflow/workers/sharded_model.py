@@ -86,15 +86,18 @@ def build_trainable(
 
 
 def save_policy_state(target: Path, trained: TrainedModel, rank: int, tokenizer: Any, model_path: str) -> None:
-    """A trained causal LM's checkpoint under ``target`` (every rank takes part): its training state, and on
-    rank 0 its HF config, generation config and tokenizer, and a LoRA model's adapter settings naming its base
-    model ``model_path``: all that ``hybridflow export`` needs to write a model directory."""
+    """A trained model's checkpoint (a causal LM, or a reward model) under ``target`` (every rank takes part): its
+    training state, and on rank 0 its HF config, generation config (a causal LM's) and tokenizer, and a LoRA
+    model's adapter settings naming its base model ``model_path``: all that ``hybridflow export`` needs to write a
+    model directory."""
     save_training_state(target, trained, rank)
     if rank != 0:
         return
     model = trained.model
     model.config.save_pretrained(target / HF_FILES)
-    model.generation_config.save_pretrained(target / HF_FILES)
+    generation = getattr(model, "generation_config", None)  # a sequence classifier (a reward model) has none
+    if generation is not None:
+        generation.save_pretrained(target / HF_FILES)
     tokenizer.save_pretrained(target / HF_FILES)
     if lora_scaling(model) is not None:  # the adapters' settings and base model, for an export
         save_adapter_config(model, model_path, target / ADAPTER_FILES)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 from hybridflow.cli import main
 from hybridflow.data import SFTDataset
 from hybridflow.data.io import read_rows, write_rows
+from hybridflow.data.scored_pairs import pairs_from_samples
 from hybridflow.data.sft_dataset import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
 from hybridflow.data.tasks import make_task_rows
 from hybridflow.models import load_tokenizer, resolve_model_path
@@ -170,6 +171,33 @@ def test_keep_correct_keeps_exactly_the_right_answers(tmp_path, capsys):
     assert answers(read_rows(out)) == answers(kept)
 
 
+def test_pairs_hold_a_better_scored_answer_over_a_worse_one_of_the_same_samples(tmp_path, capsys):
+    """--format pairs: the same prompts and seed give the same samples as --format sft, paired by their scores
+    (data/scored_pairs.py, tested by hand); the ground truths make some samples right, as in the test above."""
+    rows = make_task_rows("arithmetic", 4, "test", 0)
+    common = ["--samples", "3", "--max-new-tokens", "16", "--seed", "3"]
+    distill(
+        capsys, "--data", str(write_rows(rows, tmp_path / "p.parquet")), *common, "--out", str(tmp_path / "a.jsonl")
+    )
+    first = {
+        r["extra_info"]["source_index"]: r for r in read_rows(tmp_path / "a.jsonl") if r["extra_info"]["sample"] == 0
+    }
+    for i, row in enumerate(rows):
+        pred = first[i]["extra_info"]["pred"]
+        row["reward_model"] = {**row["reward_model"], "ground_truth": pred or "-1"}
+    data = str(write_rows(rows, tmp_path / "graded.parquet"))
+    distill(capsys, "--data", data, *common, "--out", str(tmp_path / "all.jsonl"))
+    out = tmp_path / "pairs.jsonl"
+    summary = distill(capsys, "--data", data, *common, "--format", "pairs", "--out", str(out))
+    pairs = read_rows(out)
+    assert pairs == pairs_from_samples(read_rows(tmp_path / "all.jsonl"))
+    assert pairs and f"; {len(pairs)} pairs;" in summary
+    for pair in pairs:
+        truth = rows[pair["extra_info"]["source_index"]]["reward_model"]["ground_truth"]
+        assert score_arithmetic(pair["chosen"], truth)["score"] > score_arithmetic(pair["rejected"], truth)["score"]
+        assert pair["margin"] > 0
+
+
 def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
     unscorable = {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": ""}}
     nowhere = write_rows([{**unscorable, "data_source": "nowhere"}], tmp_path / "nowhere.parquet")
@@ -177,6 +205,7 @@ def _refusals(tmp_path: Path) -> list[tuple[list[str], str]]:
         (["--data", str(tmp_path / "missing.parquet")], "(--data): does not exist"),
         (["--data", str(nowhere)], "no reward scorer for data_source 'nowhere' (1 rows)"),
         (["arithmetic", "--samples", "0"], "--samples must be at least 1, got 0"),
+        (["arithmetic", "--format", "pairs"], "--format pairs needs --samples 2 or more"),
         (
             ["calculator"],
             "the calculator rows run an agent loop (multi-turn, with tools); distill-data writes single-turn",

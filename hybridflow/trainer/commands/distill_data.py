@@ -1,8 +1,10 @@
-"""``hybridflow distill-data``: a teacher's sampled answers to a prompt set, written as an SFT data set.
+"""``hybridflow distill-data``: a teacher's sampled answers to a prompt set, written as an SFT data set (or as
+preference pairs).
 
     hybridflow distill-data arithmetic --model smollm2-135m-instruct --out data/distill.parquet --n 500 --samples 4
     hybridflow distill-data --data data/train.parquet --model runs/teacher/export --out distill.jsonl --keep correct
     hybridflow sft data.train_files=[data/distill.parquet] ...   # then fine-tune the student on them
+    hybridflow distill-data arithmetic --model smollm2-135m-instruct --out pairs.parquet --samples 4 --format pairs
 
 Off-policy distillation: the teacher answers each of the first N prompts K times (temperature T, seeded), and each
 answer becomes one row of ``hybridflow sft``'s format: ``messages`` (the prompt's chat messages, then the answer as
@@ -12,8 +14,10 @@ said of the answer (``score``, ``acc``, ...), ``sample`` (0..K-1), ``source_inde
 correct`` keeps only the answers the scorer marks correct (rejection sampling). On-policy distillation (the student
 samples, the teacher scores its tokens) is a training run instead (docs/distillation.md).
 
-Generation and scoring are ``hybridflow measure``'s (generation_rows.py). Only single-turn rows: a row that names
-an agent loop would need the tool messages in its conversation, which these rows do not keep.
+``--format pairs`` writes preference pairs instead (data/scored_pairs.py): for each prompt, an answer the scorer rated
+higher chosen over one it rated lower, with the difference of their scores as the margin, for ``hybridflow dpo`` and
+``hybridflow rm``. Generation and scoring are ``hybridflow measure``'s (generation_rows.py). Only single-turn rows: a
+row that names an agent loop would need the tool messages in its conversation, which these rows do not keep.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ if TYPE_CHECKING:
 
 OUT_SUFFIXES = (".parquet", ".jsonl")
 KEEP = ("all", "correct")
+FORMATS = ("sft", "pairs")
 
 
 def _parser() -> ArgumentParser:
@@ -48,6 +53,14 @@ def _parser() -> ArgumentParser:
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="the answer budget; longer ones are cut")
     parser.add_argument("--keep", default="all", choices=KEEP, help="every answer, or only the correct ones")
+    parser.add_argument(
+        "--format",
+        default="sft",
+        choices=FORMATS,
+        help="sft: one SFT row per answer; pairs: preference pairs of a prompt's better- and worse-scored answers "
+        "(hybridflow dpo, hybridflow rm)",
+    )
+    parser.add_argument("--pairs-per-prompt", type=int, default=1, help="--format pairs: most pairs per prompt")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed (and a built-in task's seed)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--split", default="train", choices=["train", "test"], help="a built-in task's split")
@@ -66,12 +79,16 @@ def _check_out(parser: ArgumentParser, out: Path, force: bool) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridflow.batch_keys import EXTRA_INFO
+    from hybridflow.data.scored_pairs import pairs_from_samples
     from hybridflow.rollout.base import SamplingParams
     from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
 
     parser = _parser()
     args = parser.parse_args(argv)
-    for flag, value in (("--n", args.n), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
+    if args.format == "pairs" and (args.samples < 2 or args.keep != "all"):
+        parser.error("--format pairs needs --samples 2 or more and --keep all: a pair is two answers to one prompt")
+    counts = (("--n", args.n), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens))
+    for flag, value in (*counts, ("--pairs-per-prompt", args.pairs_per_prompt)):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
     if args.temperature < 0:
@@ -103,6 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     batch, result = generator.generate(params, samples=args.samples)
     samples = sft_rows(batch, result, generator.tokenizer, args.samples)
     kept = [row for row in samples if args.keep == "all" or row[EXTRA_INFO]["acc"] == 1]
+    if args.format == "pairs":
+        kept = pairs_from_samples(samples, args.pairs_per_prompt)
+        if not kept:
+            raise UserError(
+                f"hybridflow distill-data: every prompt's {args.samples} answers scored the same, so there is no "
+                f"pair to write; nothing was written to {out}\n  fix: more --samples or a higher --temperature"
+            )
     if not kept:
         raise UserError(
             f"hybridflow distill-data: the teacher answered none of the {len(samples)} samples correctly, so "
@@ -113,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
 
     accs = [row[EXTRA_INFO]["acc"] for row in samples]
     truncated = sum(row[EXTRA_INFO]["truncated"] for row in samples)
+    kept_text = f"{len(kept)} pairs" if args.format == "pairs" else f"kept {len(kept)} (--keep {args.keep})"
     print(
         f"distill-data: {len(samples) // args.samples} prompts x {args.samples} samples = {len(samples)} samples of "
         f"{args.model} (T={args.temperature:g}, {args.max_new_tokens} new tokens, {truncated} truncated); teacher "
-        f"accuracy {sum(accs) / len(accs):.3f}; kept {len(kept)} (--keep {args.keep}); {time.time() - start:.1f}s; "
+        f"accuracy {sum(accs) / len(accs):.3f}; {kept_text}; {time.time() - start:.1f}s; "
         f"wrote {out}"
     )
     return 0

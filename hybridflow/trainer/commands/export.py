@@ -1,4 +1,5 @@
-"""``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory.
+"""``hybridflow export <checkpoint|run_dir> <out_dir>``: a checkpoint's actor as a Hugging Face model directory (a
+causal LM; a reward model trained by ``hybridflow rm`` as a sequence classifier, which ``reward_model.path`` loads).
 
 The checkpoint is verified before anything is read from it, as a resume does (trainer/services/checkpoint.py): a
 damaged one named directly is one message naming it and what is wrong; a run directory exports its
@@ -13,17 +14,26 @@ import pickle
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 from hybridflow.engine.checkpoint import SHARDS
 from hybridflow.engine.lora import ADAPTER
-from hybridflow.models import load_causal_lm
+from hybridflow.models import load_causal_lm, load_reward_model
+from hybridflow.models.loading import HEAD_NAME
 from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
 from hybridflow.trainer.services.checkpoint import (
     COMPLETE,
@@ -93,12 +103,20 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:200]}{'...' if len(text) > 200 else ''}"
 
 
+def has_score_head(names: Iterable[str]) -> bool:
+    """Whether weights of these names are a reward model's (a sequence classifier's ``score`` head among them)."""
+    return any(HEAD_NAME in name.split(".") for name in names)
+
+
 def _load_actor(checkpoint: Path) -> PreTrainedModel:
+    """The checkpoint's model: a causal LM, or a reward model (a sequence classifier) when it has a score head."""
     hf_dir = checkpoint / ACTOR_STATE / HF_FILES
     try:
         config = AutoConfig.from_pretrained(hf_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(consolidated_model_state(checkpoint / ACTOR_STATE), strict=True)
+        state = consolidated_model_state(checkpoint / ACTOR_STATE)
+        auto_class = AutoModelForSequenceClassification if has_score_head(state) else AutoModelForCausalLM
+        model = auto_class.from_config(config, dtype=torch.float32)
+        model.load_state_dict(state, strict=True)
     except (*UNREADABLE, CheckpointException) as error:
         raise CheckpointError(
             f"cannot export {checkpoint}: its actor does not load, damaged or not hybridflow's ({_error_text(error)})"
@@ -122,8 +140,9 @@ def _load_lora_actor(checkpoint: Path, adapter_out: Path) -> PreTrainedModel:
     from peft import PeftModel
 
     base = json.loads((adapter_out / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
+    load = load_reward_model if has_score_head(load_file(str(adapter_out / ADAPTER_WEIGHTS))) else load_causal_lm
     try:
-        model = PeftModel.from_pretrained(load_causal_lm(base, dtype=torch.float32), str(adapter_out))
+        model = PeftModel.from_pretrained(load(base, dtype=torch.float32), str(adapter_out))
     except (*UNREADABLE, CheckpointException) as error:
         raise CheckpointError(
             f"cannot export {checkpoint}: its adapters do not fit {base} ({_error_text(error)})"

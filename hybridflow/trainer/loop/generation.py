@@ -77,18 +77,26 @@ class Scorer:
     def __init__(self, config: HybridFlowConfig, reward_fn: RewardFn, reward_model: RayWorkerGroup | None):
         self.reward_fn = reward_fn
         self.reward_model = reward_model
+        self.replace_rule = config.reward_model.replace_rule_reward
         self.overlong = config.reward.overlong_buffer
 
     def __call__(self, batch: DataProto, metrics: Metrics, timeline: StepTimeline, *, shaped: bool) -> torch.Tensor:
         """(B, R) scores; ``shaped`` (training rewards, not validation's): plus the overlong penalty on the last
-        token."""
-        rm_scores = self.reward_model.compute_rm_score.future(batch) if self.reward_model is not None else None
+        token. With ``reward_model.replace_rule_reward`` training scores are the reward model's alone (the rule's
+        mean logged as ``reward/rule_score``) and validation's the rule's alone."""
+        use_model = self.reward_model is not None and (shaped or not self.replace_rule)
+        rm_scores = self.reward_model.compute_rm_score.future(batch) if use_model else None
         with timeline.stage("reward", on_driver=True):  # the rule-based reward, while the reward model scores
             result = self.reward_fn(batch)
         metrics.update(result.metrics)
         scores = result.token_level_scores
         if rm_scores is not None:
-            scores = scores + rm_scores.get().batch[RM_SCORES]
+            model_scores = rm_scores.get().batch[RM_SCORES]
+            if self.replace_rule:
+                metrics["reward/rule_score"] = float(scores.sum(dim=1).mean())
+                scores = model_scores
+            else:
+                scores = scores + model_scores
         if shaped and self.overlong.enable:
             scores, shaping_metrics = apply_overlong_penalty(scores, batch.batch[RESPONSE_MASK], self.overlong)
             metrics.update(shaping_metrics)

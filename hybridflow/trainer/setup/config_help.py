@@ -183,11 +183,17 @@ def _strip_comment(rest: str) -> str:
 
 
 def default_yamls() -> list[tuple[Path, type]]:
-    """Each default YAML with the config dataclass it fills: RL's, the SFT trainer's and the DPO trainer's."""
+    """Each default YAML with the config dataclass it fills: RL's, and the SFT, DPO and reward-model trainers'."""
     from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig
+    from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig
     from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
 
-    return [(Path(DEFAULT_CONFIG), HybridFlowConfig), (SFT_DEFAULT_CONFIG, SFTConfig), (DPO_DEFAULT_CONFIG, DPOConfig)]
+    return [
+        (Path(DEFAULT_CONFIG), HybridFlowConfig),
+        (SFT_DEFAULT_CONFIG, SFTConfig),
+        (DPO_DEFAULT_CONFIG, DPOConfig),
+        (RM_DEFAULT_CONFIG, RMConfig),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
