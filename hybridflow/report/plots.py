@@ -78,6 +78,7 @@ FIGURES = (
             Panel("actor grad norm", ("actor/grad_norm",)),
             Panel("critic grad norm", ("critic/grad_norm",)),
             Panel("SFT grad norm", ("sft/grad_norm",)),
+            Panel("DPO and reward-model grad norm", ("dpo/grad_norm", "rm/grad_norm")),
         ),
     ),
     FigureSpec(
@@ -88,6 +89,24 @@ FIGURES = (
             Panel("value loss", ("critic/vf_loss",)),
             Panel("SFT: train and validation loss (per trained token)", ("sft/loss", "val/loss")),
             Panel("SFT: validation perplexity", ("val/perplexity",)),
+        ),
+    ),
+    FigureSpec(
+        "preference",
+        "Preference pairs (DPO, reward model)",
+        (
+            Panel("DPO: train and validation loss", ("dpo/loss", "val/dpo/loss")),
+            Panel("DPO: reward accuracy", ("dpo/reward_accuracy", "val/dpo/reward_accuracy")),
+            Panel(
+                "DPO: implicit rewards of the chosen and rejected answers",
+                ("dpo/chosen_reward", "dpo/rejected_reward", "val/dpo/chosen_reward", "val/dpo/rejected_reward"),
+            ),
+            Panel("reward model: train and validation loss", ("rm/loss", "val/rm/loss")),
+            Panel("reward model: pair accuracy", ("rm/accuracy", "val/rm/accuracy")),
+            Panel(
+                "reward model: scores of the chosen and rejected answers",
+                ("rm/chosen_score", "rm/rejected_score", "val/rm/chosen_score", "val/rm/rejected_score"),
+            ),
         ),
     ),
     FigureSpec(

@@ -55,6 +55,17 @@ def training_metrics(step: int, rng: random.Random) -> dict[str, float]:
         "async/trainer_wait_s": rng.uniform(0.0, 2.0),
         "async/rollouter_idle_s": rng.uniform(0.0, 1.0),
         "async/push_wait_s": rng.uniform(0.0, 0.2),
+        # what a DPO and a reward-model run log (their own trainers; one run here draws every figure)
+        "dpo/loss": 0.69 - 0.3 * progress,
+        "dpo/reward_accuracy": 0.5 + 0.4 * progress,
+        "dpo/chosen_reward": 0.5 * progress,
+        "dpo/rejected_reward": -0.5 * progress,
+        "dpo/grad_norm": 2.0 + rng.random(),
+        "rm/loss": 0.69 - 0.4 * progress,
+        "rm/accuracy": 0.5 + 0.45 * progress,
+        "rm/chosen_score": 2.0 * progress,
+        "rm/rejected_score": -2.0 * progress,
+        "rm/grad_norm": 5.0 + rng.random(),
         **{f"timing_s/{name}": seconds for name, seconds in timings.items()},
         "timing_s/step": sum(timings.values()) + 0.1,
     }

@@ -19,6 +19,7 @@ ALL_FIGURES = {
     "clip_fraction",
     "grad_norm",
     "loss",
+    "preference",
     "staleness",
     "timing",
     "throughput",
