@@ -1,7 +1,8 @@
 """``hybridflow rm`` end to end on a local Ray cluster (2 workers, the tiny model): the held-out pairs come to be
-scored right; a run killed with SIGKILL between checkpoints resumes to the metrics of a run that never stopped; the
-checkpoint exports to a sequence classifier that scores the held-out answers as the run did, and an RL run loads it
-as its reward model (``reward_model.path``) and trains on its scores alone."""
+scored right; a run killed with SIGKILL between checkpoints resumes to the metrics of a run that never stopped;
+tensor parallelism takes the data-parallel run's steps; the checkpoint (a full or a LoRA run's) exports to a sequence
+classifier that scores the held-out answers as the run did, and an RL run loads it as its reward model
+(``reward_model.path``) and trains on its scores alone."""
 
 import math
 import random
@@ -86,6 +87,17 @@ def test_kill_minus_9_between_checkpoints_then_resume_matches_an_uninterrupted_r
     assert_same_records(records(reference), records(run_dir))
 
 
+def test_tensor_parallelism_takes_the_steps_of_the_data_parallel_run(files, reference, tmp_path):
+    """The same model split over 2 ranks by layer instead of by pairs: the first two steps' numbers match."""
+    run_dir = tmp_path / "tp"
+    args = [*arguments(files, run_dir), "engine.tensor_model_parallel_size=2", "trainer.total_training_steps=2"]
+    assert cli(["rm", *args]) == 0
+    got, want = records(run_dir), records(reference)
+    for step in (1, 2):
+        for key in ("rm/loss", "rm/chosen_score", "rm/rejected_score", "rm/grad_norm"):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-7), (step, key)
+
+
 @pytest.fixture(scope="module")
 def exported(reference, tmp_path_factory):
     model_dir = tmp_path_factory.mktemp("rm_export") / "model"
@@ -93,22 +105,40 @@ def exported(reference, tmp_path_factory):
     return model_dir
 
 
-def test_the_export_is_a_sequence_classifier_scoring_as_the_run_did(files, reference, exported):
-    """Scored as the RL reward worker scores (workers/reward_model.py): the held-out answers' mean scores are the
-    run's last validation's."""
-    model, tokenizer = load_reward_model(exported).eval(), load_tokenizer(exported)
+def mean_scores(model_dir, rows) -> dict[str, float]:
+    """The answers' mean scores by an exported model, each scored as the RL reward worker scores
+    (workers/reward_model.py): the conversation through the chat template, tokenised whole, one forward."""
+    model, tokenizer = load_reward_model(model_dir).eval(), load_tokenizer(model_dir)
     assert type(model).__name__.endswith("ForSequenceClassification")
     scores = {"chosen": [], "rejected": []}
-    for row in pairs(8, 1):
+    for row in rows:
         for side in scores:
             messages = [*row["prompt"], {"role": "assistant", "content": row[side]}]
             text = tokenizer.apply_chat_template(messages, tokenize=False)
             with torch.no_grad():
                 logits = model(**tokenizer(text, return_tensors="pt", add_special_tokens=False)).logits
             scores[side].append(float(logits[0, 0]))
-    last = records(reference)[STEPS]
-    assert sum(scores["chosen"]) / 8 == pytest.approx(last["val/rm/chosen_score"], abs=1e-4)
-    assert sum(scores["rejected"]) / 8 == pytest.approx(last["val/rm/rejected_score"], abs=1e-4)
+    return {side: sum(values) / len(values) for side, values in scores.items()}
+
+
+def test_the_export_is_a_sequence_classifier_scoring_as_the_run_did(reference, exported):
+    """The held-out answers' mean scores are the run's last validation's."""
+    scores, last = mean_scores(exported, pairs(8, 1)), records(reference)[STEPS]
+    assert scores["chosen"] == pytest.approx(last["val/rm/chosen_score"], abs=1e-4)
+    assert scores["rejected"] == pytest.approx(last["val/rm/rejected_score"], abs=1e-4)
+
+
+def test_a_lora_reward_model_exports_merged_with_its_trained_head(files, tmp_path):
+    """LoRA adapts the backbone and trains the head whole (it starts at 0: a head that did not train would score
+    0); ``export --merged`` writes the classifier, which scores the held-out answers as the run's validation did."""
+    run_dir, model_dir = tmp_path / "lora", tmp_path / "lora_model"
+    args = [*arguments(files, run_dir), "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=1e-2"]
+    assert cli(["rm", *args, "trainer.total_training_steps=2"]) == 0
+    assert cli(["export", str(run_dir), str(model_dir), "--merged"]) == 0
+    scores, last = mean_scores(model_dir, pairs(8, 1)), records(run_dir)[2]
+    assert scores["chosen"] != 0.0
+    assert scores["chosen"] == pytest.approx(last["val/rm/chosen_score"], abs=1e-4)
+    assert scores["rejected"] == pytest.approx(last["val/rm/rejected_score"], abs=1e-4)
 
 
 def test_an_rl_run_loads_it_as_its_reward_model_and_trains_on_its_scores(

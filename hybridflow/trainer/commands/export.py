@@ -125,14 +125,18 @@ def _load_actor(checkpoint: Path) -> PreTrainedModel:
 
 
 def _adapter_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """A LoRA actor's adapter weights under the names peft saves them by (no adapter name)."""
+    """A LoRA actor's adapter weights under the names peft saves them by (no adapter name; a head trained whole, as
+    a reward model's, under its own module's name)."""
     try:
         state = consolidated_model_state(checkpoint / ACTOR_STATE)
     except (*UNREADABLE, CheckpointException) as error:
         raise CheckpointError(
             f"cannot export {checkpoint}: its adapters do not load, damaged or not hybridflow's ({_error_text(error)})"
         ) from error
-    return {name.replace(f".{ADAPTER}.", "."): tensor.contiguous() for name, tensor in state.items()}
+    return {
+        name.replace(f".modules_to_save.{ADAPTER}.", ".").replace(f".{ADAPTER}.", "."): tensor.contiguous()
+        for name, tensor in state.items()
+    }
 
 
 def _load_lora_actor(checkpoint: Path, adapter_out: Path) -> PreTrainedModel:
