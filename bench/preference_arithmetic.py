@@ -58,7 +58,8 @@ def trained(command: str, config: str, run_dir: Path, seed: int, *extra: str) ->
     model_dir = run_dir.with_name(run_dir.name + "_model")
     start = time.time()
     if not (model_dir / "config.json").is_file():
-        overrides = [f"trainer.seed={seed}", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1000", "trainer.max_ckpt_to_keep=1"]
+        overrides = [f"trainer.seed={seed}", f"trainer.default_local_dir={run_dir}", "trainer.save_freq=1000"]
+        overrides.append("trainer.max_ckpt_to_keep=1")
         hybridflow(command, "--config", config, *overrides, "trainer.logger=[console,jsonl]", *extra)
         hybridflow("export", str(run_dir), str(model_dir))
     return model_dir, time.time() - start
