@@ -1,5 +1,6 @@
-"""What the benchmarks that compare with TRL share: waiting for the shared machine to be idle, and TRL's own
-virtual environment (bench/.trl-venv: torch 2.13.0 first, then TRL with torch held; created once)."""
+"""What the benchmarks that compare with TRL share: waiting for the shared machine to be idle, TRL's own virtual
+environment (bench/.trl-venv: torch 2.13.0 first, then TRL with torch held; created once), and the comparison of
+the fastest settings."""
 
 from __future__ import annotations
 
@@ -37,3 +38,21 @@ def ensure_trl_venv() -> Path:
     subprocess.run([*pip, "torch==2.13.0"], check=True)  # the local CPU wheel, found through the machine's pip config
     subprocess.run([*pip, *TRL_REQUIREMENTS], check=True)
     return python
+
+
+def tokens_per_second(tokens: list[float], seconds: list[float]) -> float:
+    """Tokens over seconds of a run's steps, the first (warm-up) left out."""
+    return sum(tokens[1:]) / sum(seconds[1:])
+
+
+def fastest_ratio(results: list[dict]) -> str:
+    """The line comparing the fastest setting of hybridflow with TRL's (``tokens_per_second`` of each result), or
+    "" when one of them has no result."""
+    best = {
+        system: max((r for r in results if r["system"] == system), key=lambda r: r["tokens_per_second"], default=None)
+        for system in ("hybridflow", "TRL")
+    }
+    if not (best["hybridflow"] and best["TRL"]):
+        return ""
+    ratio = best["hybridflow"]["tokens_per_second"] / best["TRL"]["tokens_per_second"]
+    return f"\n\nhybridflow / TRL, the fastest setting of each: {ratio:.2f}x tokens per second"

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import ensure_trl_venv, wait_for_idle  # noqa: E402
+from bench_env import ensure_trl_venv, fastest_ratio, tokens_per_second, wait_for_idle  # noqa: E402
 
 from hybridflow.data.io import read_rows, write_rows  # noqa: E402
 from hybridflow.data.tasks import write_task  # noqa: E402
@@ -51,10 +51,6 @@ def make_data(out: Path, samples: int) -> tuple[Path, Path]:
         messages = [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
         trl_rows.append({"prompt": messages[:-3], "completion": messages[-3:]})  # the call, the tool, the answer
     return gold, write_rows(trl_rows, out / "trl_rows.jsonl")
-
-
-def tokens_per_second(tokens: list[float], seconds: list[float]) -> float:
-    return sum(tokens[1:]) / sum(seconds[1:])  # the first step is warm-up
 
 
 def run_hybridflow(args, data: Path, layout: str) -> dict:
@@ -135,14 +131,7 @@ def report(results: list[dict]) -> str:
             f"| {r['system']} | {r['setting']} | {r['tokens_per_second']:.0f} | {r['step_s']:.2f} | "
             f"{r['load']:.2f} / {r['load_end']:.2f} |"
         )
-    best = {
-        system: max((r for r in results if r["system"] == system), key=lambda r: r["tokens_per_second"], default=None)
-        for system in ("hybridflow", "TRL")
-    }
-    if best["hybridflow"] and best["TRL"]:
-        ratio = best["hybridflow"]["tokens_per_second"] / best["TRL"]["tokens_per_second"]
-        lines.append(f"\nhybridflow / TRL, the fastest setting of each: {ratio:.2f}x tokens per second")
-    return "\n".join(lines)
+    return "\n".join(lines) + fastest_ratio(results)
 
 
 def main() -> None:

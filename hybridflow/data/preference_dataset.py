@@ -88,6 +88,23 @@ def pair_margin(row: dict[str, Any], margin_key: str) -> float:
     return float(value)
 
 
+def check_pairs_left(
+    pairs: list, files: list[Path], config: PreferenceDatasetConfig, *, dropped: int, truncated: int, total: int
+) -> None:
+    """Log how many pairs ``data.overlong`` dropped and answers it cut; ConfigError when no pair is left."""
+    if dropped or truncated:
+        logger.warning(
+            "%d of %d pairs dropped and %d answers truncated at data.max_length=%d tokens (data.overlong=%s)",
+            dropped,
+            total,
+            truncated,
+            config.max_length,
+            config.overlong,
+        )
+    if not pairs:
+        raise ConfigError("data.max_length", f"no pair of {[str(f) for f in files]} is left to train on", "raise it")
+
+
 class PreferenceDataset:
     """Pairs tokenised once, up front; ``collate`` makes DataProto batches of 2 rows per pair."""
 
@@ -139,19 +156,7 @@ class PreferenceDataset:
                     MARGIN: margin,
                 }
             )
-        if dropped or truncated:
-            logger.warning(
-                "%d of %d pairs dropped and %d answers truncated at data.max_length=%d tokens (data.overlong=%s)",
-                dropped,
-                total,
-                truncated,
-                config.max_length,
-                config.overlong,
-            )
-        if not self.pairs:
-            raise ConfigError(
-                "data.max_length", f"no pair of {[str(f) for f in self.files]} is left to train on", "raise it"
-            )
+        check_pairs_left(self.pairs, self.files, config, dropped=dropped, truncated=truncated, total=total)
 
     # ---- a row -> the two answers' text samples ----------------------------------------------
 

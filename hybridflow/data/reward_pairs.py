@@ -13,7 +13,6 @@ and micro-batches keep a pair together. A text longer than ``data.max_length`` l
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,19 @@ from jinja2.exceptions import TemplateError
 from hybridflow.batch_keys import INDEX, PAIR_MARGIN
 from hybridflow.data.config import PreferenceDatasetConfig
 from hybridflow.data.io import data_files, rows_of_files
-from hybridflow.data.preference_dataset import CHOSEN, FORMAT_HINT, MARGIN, REJECTED, pair_margin, pair_parts
+from hybridflow.data.preference_dataset import (
+    CHOSEN,
+    FORMAT_HINT,
+    MARGIN,
+    REJECTED,
+    check_pairs_left,
+    pair_margin,
+    pair_parts,
+)
 from hybridflow.data.reward_text import reward_model_ids, reward_model_text, scored_conversation
 from hybridflow.data.token_rows import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS, collate_rows
 from hybridflow.protocol import DataProto
 from hybridflow.validation import ConfigError, InputFileError
-
-logger = logging.getLogger(__name__)
 
 
 def shared_tokens(first: list[int], second: list[int]) -> int:
@@ -101,19 +106,7 @@ class RewardPairDataset:
                 for i in ids
             )
             self.pairs.append({CHOSEN: chosen_row, REJECTED: rejected_row, MARGIN: margin})
-        if dropped or truncated:
-            logger.warning(
-                "%d of %d pairs dropped and %d answers truncated at data.max_length=%d tokens (data.overlong=%s)",
-                dropped,
-                total,
-                truncated,
-                config.max_length,
-                config.overlong,
-            )
-        if not self.pairs:
-            raise ConfigError(
-                "data.max_length", f"no pair of {[str(f) for f in self.files]} is left to train on", "raise it"
-            )
+        check_pairs_left(self.pairs, self.files, config, dropped=dropped, truncated=truncated, total=total)
 
     def _ids(self, prompt: Any, answer: Any) -> list[int]:
         if not isinstance(prompt, str) and not isinstance(answer, str):
