@@ -182,6 +182,7 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         ),
         (["actor_rollout_ref.model.path=/no/such/model"], "actor_rollout_ref.model.path", "neither a built-in model"),
         (["reward_model.enable=true"], "reward_model.model.path", "no model is given"),
+        (["reward_model.replace_rule_reward=true"], "reward_model.replace_rule_reward", "no reward model to replace"),
         (["custom_reward_function.path=/no/such.py"], "custom_reward_function.path", "does not exist"),
         (["trainer.logger=[console,neptune]"], "trainer.logger", "neptune"),
         (["actor_rollout_ref.rollout.name=sglang"], "actor_rollout_ref.rollout.name", "sglang"),
