@@ -20,16 +20,6 @@ from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.preference import PreferenceWorker
 
 POOL = "dpo"
-# keys whose change makes a run directory's checkpoints mean something else: the model (the state's shapes and the
-# reference) and what the loader's saved position counts
-STATE_KEYS = (
-    "model.path",
-    "model.lora.rank",
-    "data.train_files",
-    "data.train_batch_size",
-    "data.shuffle",
-    "trainer.seed",
-)
 
 
 def check_dpo_config(config: DPOConfig) -> SupervisedPlan:
@@ -51,7 +41,6 @@ def run(config: DPOConfig) -> dict[str, float]:
         config,
         plan,
         what=f"dpo ({config.algorithm.loss_type}, beta {config.algorithm.beta})",
-        state_keys=STATE_KEYS,
         dataset_class=PreferenceDataset,
         worker_class=PreferenceWorker,
         worker_kwargs={"preference": config.algorithm},

@@ -21,16 +21,6 @@ from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.reward_training import RewardTrainingWorker
 
 POOL = "rm"
-# keys whose change makes a run directory's checkpoints mean something else: the model (the state's shapes) and
-# what the loader's saved position counts
-STATE_KEYS = (
-    "model.path",
-    "model.lora.rank",
-    "data.train_files",
-    "data.train_batch_size",
-    "data.shuffle",
-    "trainer.seed",
-)
 
 
 def check_rm_config(config: RMConfig) -> SupervisedPlan:
@@ -58,7 +48,6 @@ def run(config: RMConfig) -> dict[str, float]:
         config,
         plan,
         what="reward model (Bradley-Terry)",
-        state_keys=STATE_KEYS,
         dataset_class=RewardPairDataset,
         worker_class=RewardTrainingWorker,
         worker_kwargs={},

@@ -20,16 +20,6 @@ from hybridflow.validation import run_command, split_debug_flag
 from hybridflow.workers.sft import SFTWorker
 
 POOL = "sft"
-# keys whose change makes a run directory's checkpoints mean something else: the model (the state's shapes) and
-# what the loader's saved position counts
-STATE_KEYS = (
-    "model.path",
-    "model.lora.rank",
-    "data.train_files",
-    "data.train_batch_size",
-    "data.shuffle",
-    "trainer.seed",
-)
 
 
 def check_sft_config(config: SFTConfig) -> SupervisedPlan:
@@ -49,7 +39,6 @@ def run(config: SFTConfig) -> dict[str, float]:
         config,
         plan,
         what="sft",
-        state_keys=STATE_KEYS,
         dataset_class=SFTDataset,
         worker_class=SFTWorker,
         worker_kwargs={},

@@ -40,6 +40,17 @@ from hybridflow.trainer.setup.run_plan import (
     total_training_steps,
 )
 
+# keys whose change makes a run directory's checkpoints mean something else: the model (the state's shapes; DPO's
+# reference) and what the loader's saved position counts
+SUPERVISED_STATE_KEYS = (
+    "model.path",
+    "model.lora.rank",
+    "data.train_files",
+    "data.train_batch_size",
+    "data.shuffle",
+    "trainer.seed",
+)
+
 
 @dataclass(frozen=True)
 class SupervisedPlan:
@@ -123,15 +134,14 @@ def run_supervised(
     plan: SupervisedPlan,
     *,
     what: str,
-    state_keys: tuple[str, ...],
     dataset_class: Callable[..., Any],
     worker_class: type,
     worker_kwargs: dict[str, Any],
     make_trainer: Callable[[RayWorkerGroup, PromptDataLoader, PromptDataLoader | None], Any],
 ) -> dict[str, float]:
-    """The run: its directory checked (``state_keys``: the keys whose change makes its checkpoints mean something
-    else), the model built, the data read (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``),
-    then the worker group on its pool and the step loop.
+    """The run: its directory checked (``SUPERVISED_STATE_KEYS``: a change refused), the model built, the data read
+    (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``), then the worker group on its pool and
+    the step loop.
 
     ``worker_class`` is built with the model, engine, optim, model path, layout, step count and seed, and
     ``worker_kwargs``; ``make_trainer(group, train, val)`` gives the loop's trainer; ``what`` names the run in the
@@ -139,7 +149,10 @@ def run_supervised(
     trainer_config = config.trainer
     config_yaml = to_yaml(config)
     run_dir = check_run_directory(
-        plan.run_dir, trainer_config, config_yaml, lambda saved, _: changed_keys(saved, config_yaml, state_keys)
+        plan.run_dir,
+        trainer_config,
+        config_yaml,
+        lambda saved, _: changed_keys(saved, config_yaml, SUPERVISED_STATE_KEYS),
     )
     plan = plan.with_model()  # the model into the cache (the first time: a conversion) once the checks passed
     tokenizer, eos = load_tokenizer(plan.model_path), generation_eos(plan.model_path)
