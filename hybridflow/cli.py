@@ -26,6 +26,7 @@ commands:
                                         a model's accuracy on a built-in task's test prompts, before training
   distill-data TASK --model TEACHER --out FILE [--samples K] [--keep all|correct] ...
                                         a teacher's sampled answers to a task's prompts, as an SFT data set
+  serve [--config FILE] key=value ...   a training service with the Tinker API on this machine (docs/serve.md)
   plan [--config FILE] [--cluster NAME] [--nodes N] key=value ...
                                         choose the placement and parallel layouts of a run (writes plan.yaml)
 """
@@ -62,6 +63,12 @@ def _rm(args: list[str]) -> int:
     from hybridflow.trainer.commands.rm import main as rm
 
     return rm(args)
+
+
+def _serve(args: list[str]) -> int:
+    from hybridflow.serve.main import main as serve
+
+    return serve(args)
 
 
 def _export(args: list[str]) -> int:
@@ -107,6 +114,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "sft": _sft,
     "dpo": _dpo,
     "rm": _rm,
+    "serve": _serve,
     "export": _export,
     "report": _report,
     "plan": _plan,

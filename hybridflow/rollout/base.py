@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,11 +30,21 @@ __all__ = [
     "BackendWrapper",
     "Rollout",
     "SamplingParams",
+    "TokenSample",
     "assemble_batch",
     "response_mask_from",
     "stop_and_pad_ids",
     "truncated_rows",
 ]
+
+
+@dataclass(frozen=True)
+class TokenSample:
+    """One generated response of ``Rollout.generate_tokens``."""
+
+    tokens: list[int]
+    log_probs: list[float]
+    stopped: bool  # it ended at a stop token (else at the length budget)
 
 
 class Rollout(ABC):
@@ -78,6 +89,14 @@ class Rollout(ABC):
         also continues rows with a ``prefix_length`` and stops early when ``should_stop`` says so, marking
         the rows cut short in an ``interrupted`` column."""
         raise NotImplementedError(f"{type(self).__name__} cannot pause and continue generation (partial rollout)")
+
+    def generate_tokens(
+        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int] | None = None
+    ) -> list[TokenSample]:
+        """Token-level generation (the training service's sampler): each prompt's sampled tokens and their
+        log-probs up to and including the first of ``stop_token_ids`` (None: the model's EOS ids; []: none, every
+        response runs to ``params.max_new_tokens``). Prompt i samples from stream i of ``params.seed``."""
+        raise NotImplementedError(f"{type(self).__name__} has no token-level generation; use the native backend")
 
     def request_engine(self) -> RequestEngine:
         """The same engine behind the asynchronous request API of multi-turn rollout (rollout/requests.py)."""

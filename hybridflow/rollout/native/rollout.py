@@ -19,7 +19,14 @@ from hybridflow.batch_keys import (
 )
 from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, response_mask_from, stop_and_pad_ids
+from hybridflow.rollout.base import (
+    Rollout,
+    SamplingParams,
+    TokenSample,
+    assemble_batch,
+    response_mask_from,
+    stop_and_pad_ids,
+)
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.engine import Continuation, Engine, EngineStats
 from hybridflow.rollout.native.parallel import TensorParallelGroup
@@ -109,6 +116,19 @@ class NativeRollout(Rollout):
         if should_stop is not None or continuation is not None:
             batch[INTERRUPTED] = interrupted
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
+
+    @torch.no_grad()
+    def generate_tokens(
+        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int] | None = None
+    ) -> list[TokenSample]:
+        stops = self.eos_token_ids if stop_token_ids is None else list(stop_token_ids)
+        tokens, log_probs = self.engine.generate(prompts, params, stops, self.pad_token_id)
+        samples = []
+        for row_tokens, row_log_probs in zip(tokens.tolist(), log_probs.tolist()):
+            end = next((i + 1 for i, token in enumerate(row_tokens) if token in stops), None)
+            length = end or len(row_tokens)
+            samples.append(TokenSample(row_tokens[:length], row_log_probs[:length], stopped=end is not None))
+        return samples
 
     @staticmethod
     def _continuation(prompts: DataProto) -> Continuation:

@@ -183,9 +183,11 @@ def _strip_comment(rest: str) -> str:
 
 
 def default_yamls() -> list[tuple[Path, type]]:
-    """Each default YAML with the config dataclass it fills: RL's, and the SFT, DPO and reward-model trainers'."""
+    """Each default YAML with the config dataclass it fills: RL's, the SFT, DPO and reward-model trainers', and the
+    training service's."""
     from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig
     from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig
+    from hybridflow.trainer.setup.serve_config import SERVE_DEFAULT_CONFIG, ServeConfig
     from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
 
     return [
@@ -193,6 +195,7 @@ def default_yamls() -> list[tuple[Path, type]]:
         (SFT_DEFAULT_CONFIG, SFTConfig),
         (DPO_DEFAULT_CONFIG, DPOConfig),
         (RM_DEFAULT_CONFIG, RMConfig),
+        (SERVE_DEFAULT_CONFIG, ServeConfig),
     ]
 
 
