@@ -2,7 +2,12 @@ import pytest
 from service_helpers import KEY, client, running_service
 
 # small bounds, so that the SDK chunks a forward_backward (out of order) and polls across short waits
-SMALL = ("limits.max_datums_per_request=3", "service.poll_timeout_s=0.5", "limits.max_samples_per_request=8")
+SMALL = (
+    "limits.max_datums_per_request=3",
+    "service.poll_timeout_s=0.5",
+    "limits.max_samples_per_request=8",
+    "limits.max_models=16",
+)
 
 
 @pytest.fixture(scope="module")
