@@ -91,11 +91,19 @@ class Rollout(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot pause and continue generation (partial rollout)")
 
     def generate_tokens(
-        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_token_ids: list[int] | None = None,
+        *,
+        seeds: list[int] | None = None,
+        streams: list[int] | None = None,
     ) -> list[TokenSample]:
         """Token-level generation (the training service's sampler): each prompt's sampled tokens and their
         log-probs up to and including the first of ``stop_token_ids`` (None: the model's EOS ids; []: none, every
-        response runs to ``params.max_new_tokens``). Prompt i samples from stream i of ``params.seed``."""
+        response runs to ``params.max_new_tokens``). Prompt i samples from stream i of ``params.seed``, or with
+        ``seeds`` and ``streams`` from stream ``streams[i]`` of ``seeds[i]``: requests of several callers batched
+        together then sample as each would alone."""
         raise NotImplementedError(f"{type(self).__name__} has no token-level generation; use the native backend")
 
     def request_engine(self) -> RequestEngine:

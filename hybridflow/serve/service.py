@@ -14,11 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,37 +149,81 @@ class Results:
         return outcome
 
 
+@dataclass
+class Job:
+    """Work for the worker. Jobs with the same ``batch_key`` next to each other in the queue run as one call of
+    ``run_many`` (samples from one sampler with the same settings), each answered with its own outcome."""
+
+    request_id: str | None
+    run: Callable[[], bytes | dict | None] | None = None
+    batch_key: tuple | None = None
+    run_many: Callable[[list[Job]], list[bytes | dict]] | None = None
+    size: int = 1  # what it adds to a batch (samples)
+    data: Any = None  # what ``run_many`` reads of each job
+
+
 class Executor:
     """One thread running the worker's calls in submission order; each job's outcome goes back to the loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, finish: Callable[[str, Outcome], None], max_queued: int):
-        self.loop, self.finish, self.max_queued = loop, finish, max_queued
-        self.jobs: queue.Queue = queue.Queue()
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        finish: Callable[[str, Outcome], None],
+        max_queued: int,
+        max_batch: int,
+    ):
+        self.loop, self.finish, self.max_queued, self.max_batch = loop, finish, max_queued, max_batch
+        self.jobs: deque[Job | None] = deque()
+        self.ready = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hybridflow-serve-executor", daemon=True)
         self.thread.start()
 
-    def submit(self, request_id: str | None, job: Callable[[], bytes | dict | None]) -> None:
-        self.jobs.put((request_id, job))
+    def submit(self, job: Job) -> None:
+        with self.ready:
+            self.jobs.append(job)
+            self.ready.notify()
 
     def full(self) -> bool:
-        return self.jobs.qsize() >= self.max_queued
+        return len(self.jobs) >= self.max_queued
 
     def stop(self) -> None:
-        self.jobs.put(None)
+        with self.ready:
+            self.jobs.append(None)
+            self.ready.notify()
         self.thread.join(timeout=30)
 
+    def _next(self) -> list[Job] | None:
+        """The next job, with the jobs right behind it that batch with it."""
+        with self.ready:
+            while not self.jobs:
+                self.ready.wait()
+            first = self.jobs.popleft()
+            if first is None:
+                return None
+            batch, size = [first], first.size
+            while (
+                first.batch_key is not None
+                and self.jobs
+                and self.jobs[0] is not None
+                and self.jobs[0].batch_key == first.batch_key
+                and size + self.jobs[0].size <= self.max_batch
+            ):
+                batch.append(self.jobs.popleft())
+                size += batch[-1].size
+            return batch
+
     def _run(self) -> None:
-        while True:
-            item = self.jobs.get()
-            if item is None:
-                return
-            request_id, job = item
+        while (batch := self._next()) is not None:
             try:
-                outcome = Outcome(payload=job())
+                if batch[0].run_many is not None:
+                    outcomes = [Outcome(payload=p) for p in batch[0].run_many(batch)]
+                else:
+                    outcomes = [Outcome(payload=batch[0].run())]
             except Exception as error:  # one request's failure is its own: answered, and the service goes on
-                outcome = _failure(error)
-            if request_id is not None:
-                self.loop.call_soon_threadsafe(self.finish, request_id, outcome)
+                outcomes = [_failure(error)] * len(batch)
+            for job, outcome in zip(batch, outcomes):
+                if job.request_id is not None:
+                    self.loop.call_soon_threadsafe(self.finish, job.request_id, outcome)
 
 
 def _failure(error: Exception) -> Outcome:
@@ -219,7 +262,12 @@ class TrainingService:
         self.executor: Executor | None = None
 
     def start(self) -> None:
-        self.executor = Executor(asyncio.get_running_loop(), self.results.finish, self.limits.max_queued_requests)
+        self.executor = Executor(
+            asyncio.get_running_loop(),
+            self.results.finish,
+            self.limits.max_queued_requests,
+            max_batch=self.limits.max_samples_per_batch,
+        )
 
     def stop(self) -> None:
         if self.executor is not None:
@@ -296,7 +344,7 @@ class TrainingService:
 
     def _submit(self, request_id: str | None, job: Callable[[], bytes | dict | None]) -> None:
         assert self.executor is not None
-        self.executor.submit(request_id, job)
+        self.executor.submit(Job(request_id, run=job))
 
     def _new_request(self, owner: str) -> str:
         assert self.executor is not None
@@ -663,15 +711,27 @@ class TrainingService:
         request_id = self._new_request(owner)
         last_n = request.prompt_logprobs_last_n
 
-        def run() -> bytes:
-            result: SampleResult = self.backend.sample(sampler.key, sampler.directory, sampler.spec, spec)
+        def encode(result: SampleResult) -> bytes:
             prompt_logprobs = result.prompt_logprobs
             if prompt_logprobs is not None and last_n is not None:
                 prompt_logprobs = [float("nan")] * (len(prompt_logprobs) - last_n) + prompt_logprobs[-last_n:]
             sequences = [EncodedSequence(s.tokens, s.logprobs, s.stop_reason) for s in result.sequences]
             return encode_sample_response(sequences, prompt_logprobs)
 
-        self._submit(request_id, run)
+        def run_many(jobs: list[Job]) -> list[bytes]:
+            results = self.backend.sample(sampler.key, sampler.directory, sampler.spec, [j.data[0] for j in jobs])
+            return [j.data[1](result) for j, result in zip(jobs, results)]
+
+        assert self.executor is not None
+        self.executor.submit(
+            Job(
+                request_id,
+                batch_key=_batch_key(sampler, spec),
+                run_many=run_many,
+                size=spec.num_samples,
+                data=(spec, encode),
+            )
+        )
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(spec.num_samples)]}
 
     def _sample_spec(self, request: m.Sample) -> SampleSpec:
@@ -729,6 +789,13 @@ class TrainingService:
             stop_strings=stop_strings,
             prompt_logprobs=bool(request.prompt_logprobs),
         )
+
+
+def _batch_key(sampler: Sampler, spec: SampleSpec) -> tuple:
+    """Samples with equal keys run as one generation: the same weights and every setting but prompt, count, seed."""
+    stops = None if spec.stop_token_ids is None else tuple(spec.stop_token_ids)
+    settings = (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, stops, tuple(spec.stop_strings))
+    return (sampler.key, sampler.directory, *settings)
 
 
 def _stops(stop: str | list | None) -> tuple[list[int] | None, list[str]]:

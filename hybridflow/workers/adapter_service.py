@@ -197,6 +197,9 @@ class AdapterServiceWorker(Worker):
 
     @torch.no_grad()
     def _prompt_logprobs(self, sampler: str, state: AdapterState | None, prompt: list[int]) -> list[float]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 under the training model in fp32, NaN first (nothing before)."""
+        if len(prompt) < 2:
+            return [math.nan]
         tokens = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
         targets = torch.tensor([prompt[1:]], dtype=torch.long, device=self.device)
         mask = torch.ones_like(tokens)
@@ -211,28 +214,41 @@ class AdapterServiceWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sample(
-        self, sampler: str, directory: str | None, spec: AdapterSpec | None, request: SampleSpec
-    ) -> SampleResult:
-        """``request.num_samples`` responses from the sampler's weights (``BASE``: the base model's)."""
+        self, sampler: str, directory: str | None, spec: AdapterSpec | None, requests: list[SampleSpec]
+    ) -> list[SampleResult]:
+        """Each request's responses from the sampler's weights (``BASE``: the base model's), generated together.
+        The requests share their sampling settings but for the prompt, the count and the seed (the service batches
+        them so), and each samples from its own seed as it would alone."""
         state = self._sampler_state(sampler, directory, spec)
-        prompt_logprobs = None
-        if request.prompt_logprobs and len(request.prompt) > 1:
-            prompt_logprobs = self._prompt_logprobs(sampler, state, request.prompt)
-        elif request.prompt_logprobs:
-            prompt_logprobs = [math.nan]
+        prompt_logprobs = [
+            self._prompt_logprobs(sampler, state, r.prompt) if r.prompt_logprobs else None for r in requests
+        ]
         self._serve_adapters(sampler, state)
-        greedy = request.temperature <= 0
+        first = requests[0]
+        greedy = first.temperature <= 0
         params = SamplingParams(
             do_sample=not greedy,
-            temperature=1.0 if greedy else request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            max_new_tokens=request.max_tokens,
-            seed=request.seed,
+            temperature=1.0 if greedy else first.temperature,
+            top_p=first.top_p,
+            top_k=first.top_k,
+            max_new_tokens=first.max_tokens,
+            seed=first.seed,
         )
-        samples = self.rollout.generate_tokens([request.prompt] * request.num_samples, params, request.stop_token_ids)
-        sequences = [self._cut_at_strings(s.tokens, s.log_probs, s.stopped, request.stop_strings) for s in samples]
-        return SampleResult(sequences, prompt_logprobs)
+        prompts, seeds, streams = [], [], []
+        for request in requests:
+            for stream in range(request.num_samples):
+                prompts.append(request.prompt)
+                seeds.append(request.seed)
+                streams.append(stream)
+        samples = iter(
+            self.rollout.generate_tokens(prompts, params, first.stop_token_ids, seeds=seeds, streams=streams)
+        )
+        results = []
+        for request, values in zip(requests, prompt_logprobs):
+            mine = [next(samples) for _ in range(request.num_samples)]
+            sequences = [self._cut_at_strings(s.tokens, s.log_probs, s.stopped, request.stop_strings) for s in mine]
+            results.append(SampleResult(sequences, values))
+        return results
 
     def _cut_at_strings(
         self, tokens: list[int], logprobs: list[float], stopped: bool, stops: list[str]

@@ -183,6 +183,10 @@ def test_sampling_seeds_stops_logprobs_and_prompt_logprobs(service, clients):
     first, again, other = sample(11), sample(11), sample(12)
     assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]
     assert [s.tokens for s in first.sequences] != [s.tokens for s in other.sequences]
+    settings = [types.SamplingParams(max_tokens=12, seed=seed, temperature=1.0) for seed in (12, 11)]
+    together = [sampler.sample(prompt, num_samples=3, sampling_params=p) for p in settings]  # may run batched
+    assert [s.tokens for s in together[1].result().sequences] == [s.tokens for s in first.sequences]
+    assert [s.tokens for s in together[0].result().sequences] == [s.tokens for s in other.sequences]
     assert len({s.sequence_id for s in first.sequences}) == 3
     for s in first.sequences:  # the sampler's log-probs are the trainer's (fp32 both)
         tokens = prompt.to_ints() + s.tokens

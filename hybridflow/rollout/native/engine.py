@@ -115,6 +115,8 @@ class Engine:
         continuation: Continuation | None = None,
         should_stop: Callable[[], bool] | None = None,
         keep_on_stop: bool = False,
+        seeds: list[int] | None = None,
+        streams: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Generate up to `params.max_new_tokens` tokens for each prompt (token ids, no padding).
 
@@ -126,7 +128,8 @@ class Engine:
         rows hold whole (the prefix's tokens and log-probs first). ``should_stop``: asked after every decode
         step; when it says so the call returns what it has, and ``self.finished`` tells which requests were
         cut short (``self.lengths`` how many tokens each has); ``keep_on_stop`` keeps the call's state and KV
-        cache for ``resume``.
+        cache for ``resume``. ``seeds`` and ``streams``: request i samples from stream ``streams[i]`` of seed
+        ``seeds[i]`` instead of stream i of ``params.seed`` (requests of several calls run together, each as alone).
         """
         self.paused = None
         n, r = len(prompts), params.max_new_tokens
@@ -142,14 +145,15 @@ class Engine:
         prefixes = continuation.prefixes if continuation is not None else [[] for _ in prompts]
         if any(len(prefix) >= r for prefix in prefixes):
             raise ValueError(f"a continued request already has all {r} of its tokens")
-        streams = continuation.streams if continuation is not None else list(range(n))
+        if streams is None:
+            streams = continuation.streams if continuation is not None else list(range(n))
         for i, prefix in enumerate(prefixes):
             if prefix:
                 tokens_out[i, : len(prefix)] = torch.tensor(prefix)
                 log_probs_out[i, : len(prefix)] = torch.tensor(continuation.prefix_log_probs[i])
         capacity = min(n, self.max_num_seqs)
         self.prepare(capacity + 1, max(len(p) + len(x) for p, x in zip(prompts, prefixes)) + r)  # +1: prefix slot
-        run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out, streams)
+        run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out, streams, seeds)
         by_prompt: dict[tuple[tuple[int, ...], int], _Group] = {}
         for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
             key = (tuple(prompt) + tuple(prefix), len(prefix))
@@ -208,9 +212,12 @@ class _Run:
         tokens_out: torch.Tensor,
         log_probs_out: torch.Tensor,
         streams: list[int],
+        seeds: list[int] | None = None,
     ):
         self.engine, self.params = engine, params
         self.streams = torch.tensor(streams, dtype=torch.long, device=engine.device)  # each request's random stream
+        # each request's seed (None: the call's)
+        self.seeds = None if seeds is None else torch.tensor(seeds, dtype=torch.long, device=engine.device)
         self.cache: KVCache = engine.cache
         self.stats = engine.stats
         device = engine.device
@@ -339,12 +346,15 @@ class _Run:
         self.step[new] = torch.tensor([first_steps[row] for row in member_rows], device=device)
         self.position[new] = lengths_t[torch.tensor(member_rows, device=device)]
         tokens_new, log_probs = sample(
-            logits[member_rows], self.params, self.streams[self.request[new]], self.step[new]
+            logits[member_rows], self.params, self.streams[self.request[new]], self.step[new], self._seeds(new)
         )
         self._record(new, tokens_new, log_probs)
         self.stats.prefill_calls += 1
         self.stats.prefill_sequences += len(admitted)
         self.stats.prefill_tokens += sum(lengths) - start * len(lengths)
+
+    def _seeds(self, rows: slice) -> torch.Tensor | None:
+        return None if self.seeds is None else self.seeds[self.request[rows]]
 
     def decode(self) -> None:
         """One token for every running sequence."""
@@ -352,7 +362,9 @@ class _Run:
         running = slice(0, b)
         logits = model.decode(engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b])
         self.position[running] += 1
-        tokens, log_probs = sample(logits, self.params, self.streams[self.request[running]], self.step[running])
+        tokens, log_probs = sample(
+            logits, self.params, self.streams[self.request[running]], self.step[running], self._seeds(running)
+        )
         self._record(running, tokens, log_probs)
         self.stats.decode_steps += 1
         self.stats.decode_tokens += b

@@ -119,10 +119,18 @@ class NativeRollout(Rollout):
 
     @torch.no_grad()
     def generate_tokens(
-        self, prompts: list[list[int]], params: SamplingParams, stop_token_ids: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop_token_ids: list[int] | None = None,
+        *,
+        seeds: list[int] | None = None,
+        streams: list[int] | None = None,
     ) -> list[TokenSample]:
         stops = self.eos_token_ids if stop_token_ids is None else list(stop_token_ids)
-        tokens, log_probs = self.engine.generate(prompts, params, stops, self.pad_token_id)
+        tokens, log_probs = self.engine.generate(
+            prompts, params, stops, self.pad_token_id, seeds=seeds, streams=streams
+        )
         samples = []
         for row_tokens, row_log_probs in zip(tokens.tolist(), log_probs.tolist()):
             end = next((i + 1 for i, token in enumerate(row_tokens) if token in stops), None)

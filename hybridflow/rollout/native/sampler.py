@@ -31,10 +31,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniforms(seed: int, requests: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One number in (0, 1) per row, a deterministic function of (seed, request, step): (B,) fp32."""
-    seed_t = torch.tensor([seed & _MASK32, (seed >> 32) & _MASK32], dtype=torch.int64, device=requests.device)
-    key = _mix32(seed_t[0] ^ _mix32(seed_t[1] + 0x9E3779B9))
+def uniforms(seed: int | torch.Tensor, requests: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One number in (0, 1) per row, a deterministic function of (seed, request, step): (B,) fp32. ``seed``: the
+    call's, or one per row (B,) int64 (requests of several calls run together, each as it would alone)."""
+    if isinstance(seed, torch.Tensor):
+        low, high = seed.long() & _MASK32, (seed.long() >> 32) & _MASK32
+    else:
+        low = torch.tensor(seed & _MASK32, dtype=torch.int64, device=requests.device)
+        high = torch.tensor((seed >> 32) & _MASK32, dtype=torch.int64, device=requests.device)
+    key = _mix32(low ^ _mix32(high + 0x9E3779B9))
     h = _mix32(key ^ _mix32(requests.long() + 0x7F4A7C15))
     h = _mix32(h ^ _mix32((steps.long() * 0x2545F491 + 0x6C8E9CF5) & _MASK32))
     return ((h.double() + 0.5) / 2.0**32).float()
@@ -96,12 +101,17 @@ def _truncated(probs: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Ten
 
 
 def sample(
-    logits: torch.Tensor, params: SamplingParams, requests: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    params: SamplingParams,
+    requests: torch.Tensor,
+    steps: torch.Tensor,
+    seeds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Choose the next token of each row.
 
     logits (B, V) (any float dtype); requests (B,) each row's request index; steps (B,) how
-    many tokens that request has generated. Returns tokens (B,) long and log-probs (B,) fp32.
+    many tokens that request has generated; seeds (B,): each row's seed instead of the call's.
+    Returns tokens (B,) long and log-probs (B,) fp32.
     """
     if not params.do_sample:
         logits = logits.float()
@@ -110,7 +120,7 @@ def sample(
         return tokens, log_probs
     scaled = logits.float() / params.temperature if params.temperature != 1.0 else logits
     probs = torch.softmax(scaled, dim=-1, dtype=torch.float32)  # (B, V)
-    u = uniforms(params.seed, requests, steps)
+    u = uniforms(params.seed if seeds is None else seeds, requests, steps)
     candidates = _truncated(probs, params.top_k, params.top_p)
     if candidates is None:
         tokens = _inverse_cdf(probs, u)

@@ -44,6 +44,7 @@ class LimitsConfig:
     max_tokens_per_datum: int  # tokens of one datum or one sampling prompt
     max_tokens_per_request: int  # tokens of all datums of one forward_backward chunk
     max_samples_per_request: int  # num_samples of one sample call
+    max_samples_per_batch: int  # samples generated together (waiting requests of one sampler and settings batch up)
     max_new_tokens: int  # max_tokens of one sample call (and its default)
     max_models: int  # training models (adapters) held at once, all sessions together
     max_models_per_session: int  # training models one session may hold

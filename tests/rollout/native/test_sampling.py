@@ -32,6 +32,22 @@ def test_sampling_is_reproducible_by_seed(rollout):
     assert not torch.equal(first["responses"], other["responses"])
 
 
+def test_requests_of_several_seeds_batched_sample_as_each_would_alone(rollout):
+    """generate_tokens with a seed and a stream per prompt (the training service batching its clients' requests)."""
+    prompt_ids = prompts_of(rollout.tokenizer, QUESTIONS[:2]).batch["input_ids"].tolist()
+    params = sampled(seed=0)
+    alone = rollout.generate_tokens([prompt_ids[0]] * 2, sampled(seed=5)) + rollout.generate_tokens(
+        [prompt_ids[1]], sampled(seed=9)
+    )
+    together = rollout.generate_tokens(
+        [prompt_ids[0], prompt_ids[0], prompt_ids[1]], params, seeds=[5, 5, 9], streams=[0, 1, 0]
+    )
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    for batched, single in zip(together, alone):
+        assert batched.log_probs == pytest.approx(single.log_probs, abs=1e-5)
+    assert together[0].tokens != together[1].tokens  # two streams of one seed differ
+
+
 def test_top_k_1_is_greedy(rollout):
     prompts = prompts_of(rollout.tokenizer, QUESTIONS)
     expected = rollout.generate_sequences(prompts, greedy(8)).batch["responses"]
