@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= ,vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install verifiers-env clean
+.PHONY: demo test lint format install verifiers-env cookbook-env clean
 
 # pip byte-compiles what it installs one file at a time (about 50 CPU-seconds here, mostly torch and vLLM):
 # installs skip it, and compileall does it once at the end on every core. Like pip, it skips a file that is not
@@ -45,6 +45,19 @@ $(VERIFIERS_STAMP): Makefile
 	touch $(VERIFIERS_STAMP)
 
 verifiers-env: $(VERIFIERS_STAMP)
+
+# tinker-cookbook's recipes against `hybridflow serve` (docs/serve.md), in .venv beside the SDK. Its pin on
+# tml-renderers (used only for Thinking Machines' own models) is not on every index: the cookbook goes in without its
+# dependencies, which follow by name, torch kept.
+COOKBOOK_STAMP := $(VENV)/.cookbook-installed
+
+$(COOKBOOK_STAMP): $(STAMP)
+	$(PIP_INSTALL) --no-deps "tinker-cookbook==0.6.1"
+	$(PIP_INSTALL) blobfile==3.3.0 chz==0.4.0 datasets==5.2.0 pyrage==1.4.0 termcolor==3.3.0 \
+		"math-verify>=0.5.0" pylatexenc sympy "$(TORCH_SPEC)"
+	touch $(COOKBOOK_STAMP)
+
+cookbook-env: $(COOKBOOK_STAMP)
 
 DEMO_DATA := data/arithmetic
 

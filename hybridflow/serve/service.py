@@ -464,6 +464,7 @@ class TrainingService:
             settings = dict(call.loss_fn_config)
 
             def run() -> bytes:
+                start = time.perf_counter()
                 outputs, loss = self.backend.forward_backward(
                     model.id, datums, call.loss_fn, settings, call.forward_only
                 )
@@ -471,8 +472,12 @@ class TrainingService:
                     "logprobs": [o.logprobs for o in outputs],
                     "elementwise_loss": [o.elementwise_loss for o in outputs],
                 }
-                tokens = float(sum(len(d.tokens) for d in datums))
-                return encode_forward_backward_output(fields, {"loss:sum": loss, "num_tokens:sum": tokens})
+                metrics = {
+                    "loss:sum": loss,
+                    "num_tokens:sum": float(sum(len(d.tokens) for d in datums)),
+                    "worker_seconds:sum": time.perf_counter() - start,  # the call on the worker, without the HTTP
+                }
+                return encode_forward_backward_output(fields, metrics)
 
             return run
 
@@ -531,7 +536,13 @@ class TrainingService:
                 weight_decay=adam.weight_decay,
                 grad_clip_norm=adam.grad_clip_norm,
             )
-            return lambda: {"type": "optim_step", "metrics": self.backend.optim_step(model.id, **settings)}
+
+            def run() -> dict:
+                start = time.perf_counter()
+                metrics = self.backend.optim_step(model.id, **settings)
+                return {"type": "optim_step", "metrics": {**metrics, "worker_seconds:sum": time.perf_counter() - start}}
+
+            return run
 
         return self._ordered_job(owner, request.model_id, request.seq_id, prepare)
 

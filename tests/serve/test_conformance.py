@@ -149,6 +149,27 @@ def test_importance_sampling_at_ratio_one_steps_as_cross_entropy(service, client
     assert_close(forward(by_is, data), forward(by_ce, data), atol=1e-5)
 
 
+def test_a_custom_loss_computed_by_the_sdk_steps_as_the_built_in_one(service, clients):
+    """forward_backward_custom: the SDK runs forward, differentiates the loss itself, sends the gradient back as a
+    cross_entropy surrogate; the weighted NLL written as a custom loss steps as cross_entropy does."""
+    sc = clients()
+    data = batch(seed=9)
+    built_in = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=13).result()
+    custom = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=13).result()
+
+    def weighted_nll(data, logprobs_list):
+        loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs_list))
+        return loss, {"weighted_nll": float(loss)}
+
+    for _ in range(2):
+        expected = built_in.forward_backward(data, "cross_entropy").result()
+        got = custom.forward_backward_custom(data, weighted_nll).result()
+        assert got.metrics["loss:sum"] == pytest.approx(expected.metrics["loss:sum"], rel=1e-5)
+        built_in.optim_step(adam()).result()
+        custom.optim_step(adam()).result()
+    assert_close(forward(custom, data), forward(built_in, data), atol=1e-5)
+
+
 def test_ppo_clipped_tokens_pass_no_gradient_and_the_clip_is_a_setting(service, clients):
     """The optimizer step reports the gradient norm of what was accumulated: zero when every token is clipped."""
     sc = clients()
