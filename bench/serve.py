@@ -39,6 +39,7 @@ from bench_env import wait_for_idle  # noqa: E402
 from hybridflow.data.io import write_rows  # noqa: E402
 from hybridflow.data.sft_dataset import SFTDataset  # noqa: E402
 from hybridflow.data.tasks.arithmetic import make_rows  # noqa: E402
+from hybridflow.data.token_rows import next_token_row  # noqa: E402
 from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: E402
 from hybridflow.trainer.setup.sft_config import load_sft_config  # noqa: E402
 
@@ -104,16 +105,12 @@ def batches(data: Path, batch: int, steps: int):
         rows = [dataset[i] for i in range(step * batch, (step + 1) * batch)]
         trained = sum(sum(r["loss_mask"]) for r in rows)
         datums = []
-        for r in rows:
-            tokens = list(r["prompt_ids"]) + list(r["response_ids"])
-            mask = [0] * len(r["prompt_ids"]) + list(r["loss_mask"])
+        for inputs, targets, mask in map(next_token_row, rows):
+            weights = np.asarray(mask, dtype=np.float32) / trained
             datums.append(
                 types.Datum(
-                    model_input=types.ModelInput.from_ints(tokens[:-1]),
-                    loss_fn_inputs={
-                        "target_tokens": np.asarray(tokens[1:], dtype=np.int64),
-                        "weights": np.asarray(mask[1:], dtype=np.float32) / trained,
-                    },
+                    model_input=types.ModelInput.from_ints(inputs),
+                    loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64), "weights": weights},
                 )
             )
         yield datums

@@ -150,3 +150,11 @@ def collate_rows(rows: Sequence[dict[str, Any]], pad_token_id: int) -> DataProto
         },
         non_tensors={INDEX: index},
     )
+
+
+def next_token_row(row: dict[str, Any]) -> tuple[list[int], list[int], list[int]]:
+    """A token row as next-token prediction, the Tinker API's datum shape: (inputs, targets, mask), each of the
+    sequence's length minus one; ``mask[i]`` is whether ``targets[i]`` is a trained token."""
+    tokens = [*row[PROMPT_IDS], *row[RESPONSE_IDS]]
+    mask = [0] * len(row[PROMPT_IDS]) + list(row[LOSS_MASK])
+    return tokens[:-1], tokens[1:], mask[1:]
