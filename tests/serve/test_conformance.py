@@ -159,7 +159,7 @@ def test_a_custom_loss_computed_by_the_sdk_steps_as_the_built_in_one(service, cl
 
     def weighted_nll(data, logprobs_list):
         loss = sum(-(lp * d.loss_fn_inputs["weights"].to_torch()).sum() for d, lp in zip(data, logprobs_list))
-        return loss, {"weighted_nll": float(loss)}
+        return loss, {"weighted_nll": float(loss.detach())}
 
     for _ in range(2):
         expected = built_in.forward_backward(data, "cross_entropy").result()
