@@ -39,7 +39,7 @@ from bench_env import wait_for_idle  # noqa: E402
 from hybridflow.data.io import write_rows  # noqa: E402
 from hybridflow.data.sft_dataset import SFTDataset  # noqa: E402
 from hybridflow.data.tasks.arithmetic import make_rows  # noqa: E402
-from hybridflow.data.token_rows import next_token_row  # noqa: E402
+from hybridflow.data.token_rows import token_mean_batch  # noqa: E402
 from hybridflow.models import load_tokenizer, resolve_model_path  # noqa: E402
 from hybridflow.trainer.setup.sft_config import load_sft_config  # noqa: E402
 
@@ -103,16 +103,13 @@ def batches(data: Path, batch: int, steps: int):
     dataset = SFTDataset([str(data)], load_tokenizer(resolve_model_path(MODEL)), config)
     for step in range(steps):
         rows = [dataset[i] for i in range(step * batch, (step + 1) * batch)]
-        trained = sum(sum(r["loss_mask"]) for r in rows)
-        datums = []
-        for inputs, targets, mask in map(next_token_row, rows):
-            weights = np.asarray(mask, dtype=np.float32) / trained
-            datums.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(inputs),
-                    loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64), "weights": weights},
-                )
+        datums = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(inputs),
+                loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64), "weights": weights},
             )
+            for inputs, targets, weights in token_mean_batch(rows)
+        ]
         yield datums
 
 

@@ -158,3 +158,11 @@ def next_token_row(row: dict[str, Any]) -> tuple[list[int], list[int], list[int]
     tokens = [*row[PROMPT_IDS], *row[RESPONSE_IDS]]
     mask = [0] * len(row[PROMPT_IDS]) + list(row[LOSS_MASK])
     return tokens[:-1], tokens[1:], mask[1:]
+
+
+def token_mean_batch(rows: Sequence[dict[str, Any]]) -> list[tuple[list[int], list[int], np.ndarray]]:
+    """A batch of token rows as next-token datums (``next_token_row``) whose float32 weights are the trained-token
+    mask over the batch's trained tokens: the summed loss a Tinker-API client sends is the SFT trainer's token mean."""
+    shifted = [next_token_row(row) for row in rows]
+    trained = sum(sum(mask) for _, _, mask in shifted)
+    return [(inputs, targets, np.asarray(mask, dtype=np.float32) / trained) for inputs, targets, mask in shifted]

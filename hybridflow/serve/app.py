@@ -18,7 +18,8 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from hybridflow.serve import messages as m
-from hybridflow.serve.service import USER, ServiceError, TrainingService
+from hybridflow.serve.futures import USER, ServiceError
+from hybridflow.serve.service import TrainingService
 from hybridflow.serve.wire import PROTOBUF, BadRequest, decode_forward_backward
 
 log = logging.getLogger("hybridflow.serve")

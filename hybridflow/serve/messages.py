@@ -4,7 +4,7 @@ are ignored, so a client a version ahead still works where it asks nothing new."
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,11 +96,6 @@ class CreateSamplingSession(Request):
     sampling_session_seq_id: int = Field(ge=0, lt=10**9)
     base_model: str | None = Field(None, max_length=512)
     model_path: str | None = Field(None, max_length=1024)
-
-
-class TextChunk(Request):
-    tokens: list[int]
-    type: Literal["encoded_text"] = "encoded_text"
 
 
 class Chunk(Request):

@@ -114,6 +114,9 @@ class Storage:
             raise PathError(f"{uri} does not exist (or was saved with another API key)", 404)
         return saved, directory, meta
 
+    def remove(self, saved: SavedPath) -> None:
+        shutil.rmtree(self.directory(saved), ignore_errors=True)
+
     def clear_scratch(self) -> None:
         """Scratch left by a save that a crash interrupted."""
         for leftover in (self.root / ".scratch").iterdir():

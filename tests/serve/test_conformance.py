@@ -218,13 +218,12 @@ def test_sampling_seeds_stops_logprobs_and_prompt_logprobs(service, clients):
     stopped = sample(11, stop=[tokens[cut]]).sequences[0]
     end = tokens.index(tokens[cut]) + 1
     assert (stopped.tokens, stopped.stop_reason) == (tokens[:end], "stop")
-    text = load_tokenizer(resolve_model_path(MODEL)).decode(tokens[cut : cut + 1])
-    if text.strip():
-        by_string = sample(11, stop=[text]).sequences[0]
-        assert by_string.stop_reason == "stop" and text in load_tokenizer(resolve_model_path(MODEL)).decode(
-            by_string.tokens
-        )
-        assert by_string.tokens == tokens[: len(by_string.tokens)]
+    tokenizer = load_tokenizer(resolve_model_path(MODEL))
+    at = next(i for i in range(2, len(tokens)) if tokenizer.decode(tokens[i : i + 1]).strip())  # a visible token
+    text = tokenizer.decode(tokens[at : at + 1]).strip()
+    by_string = sample(11, stop=[text]).sequences[0]
+    assert by_string.stop_reason == "stop" and text in tokenizer.decode(by_string.tokens)
+    assert by_string.tokens == tokens[: len(by_string.tokens)] and len(by_string.tokens) <= at + 1
     scored = types.ModelInput.from_ints(prompt.to_ints() + tokens)
     prompt_logprobs = sampler.compute_logprobs(scored).result()
     assert prompt_logprobs[0] is None

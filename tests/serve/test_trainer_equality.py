@@ -24,7 +24,7 @@ from tinker import types
 from hybridflow.data.io import write_rows
 from hybridflow.data.sft_dataset import SFTDataset
 from hybridflow.data.tasks.arithmetic import make_rows
-from hybridflow.data.token_rows import next_token_row
+from hybridflow.data.token_rows import token_mean_batch
 from hybridflow.engine.adapter_slots import ADAPTER_FILE, ATTN, MLP
 from hybridflow.models import load_tokenizer, resolve_model_path
 from hybridflow.serve.storage import META_FILE, owner_of
@@ -80,16 +80,13 @@ def batches(data: Path) -> list[list[types.Datum]]:
     out = []
     for step in range(STEPS):
         rows = [dataset[i] for i in range(step * BATCH, (step + 1) * BATCH)]
-        trained = sum(sum(r["loss_mask"]) for r in rows)
-        datums = []
-        for inputs, targets, mask in map(next_token_row, rows):
-            weights = np.asarray(mask, dtype=np.float32) / trained
-            datums.append(
-                types.Datum(
-                    model_input=types.ModelInput.from_ints(inputs),
-                    loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64), "weights": weights},
-                )
+        datums = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(inputs),
+                loss_fn_inputs={"target_tokens": np.asarray(targets, dtype=np.int64), "weights": weights},
             )
+            for inputs, targets, weights in token_mean_batch(rows)
+        ]
         out.append(datums)
     return out
 
