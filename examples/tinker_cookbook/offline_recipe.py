@@ -21,8 +21,8 @@ with ``TINKER_API_KEY`` set to a key of the service (docs/serve.md).
 from __future__ import annotations
 
 import argparse
-import importlib
 import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -35,7 +35,8 @@ RECIPES = {
 
 def arithmetic_rows(recipe: str, count: int, seed: int) -> list[dict]:
     """Rows of hybridflow's arithmetic task in the shape the recipe reads: a conversation with the answer
-    (sl_loop), or a question with a GSM8K-style answer ("#### 9") for rl_loop's grader."""
+    (sl_loop), or a question with a GSM8K-style answer ("#### 9") for rl_loop's grader (on_policy_distillation
+    reads the question only, as it reads DeepMath's)."""
     from hybridflow.data.tasks.arithmetic import make_rows
 
     rows = []
@@ -95,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     if model_name is None:
         parser.error("give the recipe's model_name=... after -- (the served model's name)")
     install_stand_ins(parsed.tokenizer_dir, model_name, parsed.renderer, read_rows(parsed.data))
-    import chz
-
-    recipe = importlib.import_module(RECIPES[parsed.recipe])
-    chz.nested_entrypoint(recipe.main, argv=recipe_args)
+    # the recipe's own `if __name__ == "__main__":` block runs, with its command line
+    sys.argv = [RECIPES[parsed.recipe], *recipe_args]
+    runpy.run_module(RECIPES[parsed.recipe], run_name="__main__", alter_sys=True)
     return 0
 
 

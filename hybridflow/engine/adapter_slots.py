@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.engine.lora import ADAPTER, base_name
@@ -159,12 +160,21 @@ class AdapterSlots:
             param.grad = None
             self.optimizer.state.pop(param, None)
 
+    def _reshard(self) -> None:
+        """Drop FSDP2's gathered copies of the weights before the sharded ones change: the root unit (the embedding
+        and the output head, with the head's adapter) keeps its gathered weights after a forward, and a forward
+        without a backward leaves them so: the next forward would compute with the adapter written before."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     @torch.no_grad()
     def activate(self, key: str) -> AdapterState:
         """Move adapter ``key`` into the slot (the one there before keeps its tensors, state and gradients)."""
         state = self.adapters[key]
         if self.active == key:
             return state
+        self._reshard()
         if self.active is not None:
             previous = self.adapters[self.active]
             for name in self.slot_names:
@@ -196,6 +206,7 @@ class AdapterSlots:
         """One AdamW step of the active adapter with this call's settings; its gradients are then cleared."""
         for group in self.optimizer.param_groups:
             group.update(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._reshard()
         self.optimizer.step()
         self.zero_grad()
 

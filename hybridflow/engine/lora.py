@@ -24,6 +24,7 @@ from hybridflow.models.adapters import LORA_A, LORA_B, adapter_name
 from hybridflow.validation import require
 
 ALL_LINEAR = "all-linear"  # every linear layer of the decoder (not the output head), as peft reads it
+OUTPUT_HEAD = "lm_head"  # beside ALL_LINEAR: the output head too (the training service's adapter slot)
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's parameter names
 BASE_LAYER = ".base_layer"  # where peft moves a wrapped layer's own weight
 ADAPTER = "default"  # the adapter's name in peft (one adapter per model here)
@@ -88,8 +89,8 @@ def apply_lora(model: nn.Module, config: LoraConfig, frozen_dtype: torch.dtype |
     import peft
 
     whole = heads(model)
-    if config.target_modules == [ALL_LINEAR]:
-        targets = sorted(linear_layer_names(model) - set(whole))
+    if config.target_modules in ([ALL_LINEAR], [ALL_LINEAR, OUTPUT_HEAD]):
+        targets = sorted(linear_layer_names(model) - set(whole)) + config.target_modules[1:]
     else:
         targets = list(config.target_modules)
     settings = peft.LoraConfig(

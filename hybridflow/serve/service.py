@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS, loss_settings
-from hybridflow.engine.adapter_slots import ATTN, MLP
+from hybridflow.engine.adapter_slots import ATTN, MLP, UNEMBED
 from hybridflow.engine.datum_pass import Datum
 from hybridflow.serve import messages as m
 from hybridflow.serve.futures import USER, Executor, Job, Outcome, Results, ServiceError
@@ -251,9 +251,10 @@ class TrainingService:
             raise ServiceError(
                 f"LoRA rank {lora.rank} is above this service's max_lora_rank {self.config.model.max_lora_rank}"
             )
-        parts = frozenset(p for p, on in ((ATTN, lora.train_attn), (MLP, lora.train_mlp)) if on)
+        chosen = ((ATTN, lora.train_attn), (MLP, lora.train_mlp), (UNEMBED, lora.train_unembed))
+        parts = frozenset(part for part, on in chosen if on)
         if not parts:
-            raise ServiceError("train_attn and train_mlp are both off: this service adapts those (not the output head)")
+            raise ServiceError("train_attn, train_mlp and train_unembed are all off: an adapter needs one of them")
         model_id = f"{session.id}:train:{request.model_seq_id}"
         self._room_for_model(session, model_id)
         model = self._add_model(session, model_id, self.spec(lora.rank, parts))

@@ -22,7 +22,7 @@ from hybridflow.engine.adapter_slots import AdapterSlots, AdapterState
 from hybridflow.engine.config import FSDPConfig
 from hybridflow.engine.datum_pass import Datum, DatumOutput, run_datums, target_log_probs
 from hybridflow.engine.fsdp import grad_norm_and_clip
-from hybridflow.engine.lora import ALL_LINEAR, LoraConfig, adapters_off
+from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, adapters_off
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
 from hybridflow.rollout.config import RolloutConfig
 from hybridflow.rollout.sampling import SamplingParams
@@ -35,7 +35,7 @@ SAMPLER_ADAPTERS_KEPT = 4  # saved sampler adapters kept loaded for prompt log-p
 
 @dataclass(frozen=True)
 class AdapterSpec:
-    """An adapter's shape: its rank, the parts it adapts (adapter_slots.ATTN, MLP) and its output scaling."""
+    """An adapter's shape: its rank, the parts it adapts (adapter_slots.ATTN, MLP, UNEMBED) and its output scaling."""
 
     rank: int
     parts: frozenset[str]
@@ -88,7 +88,8 @@ class AdapterServiceWorker(Worker):
         super().__init__()
         self.tokenizer = load_tokenizer(model_path)
         self.max_tokens = max_tokens_per_micro_batch
-        slot = LoraConfig(rank=max_lora_rank, alpha=float(max_lora_rank), dropout=0.0, target_modules=[ALL_LINEAR])
+        targets = [ALL_LINEAR, OUTPUT_HEAD]  # every part a client may choose (train_attn, train_mlp, train_unembed)
+        slot = LoraConfig(rank=max_lora_rank, alpha=float(max_lora_rank), dropout=0.0, target_modules=targets)
         model = build_sharded(load_causal_lm, model_path, fsdp, self.device, seed, lora=slot)
         self.slots = AdapterSlots(model, max_lora_rank)
         self.vocab_size = int(model.config.vocab_size)

@@ -8,19 +8,20 @@ import pytest
 import torch
 
 from hybridflow.algorithms.datum_losses import loss_settings
-from hybridflow.engine.adapter_slots import ATTN, MLP, AdapterSlots
+from hybridflow.engine.adapter_slots import ATTN, MLP, UNEMBED, AdapterSlots
 from hybridflow.engine.datum_pass import Datum, micro_batches, run_datums
-from hybridflow.engine.lora import ALL_LINEAR, LoraConfig, apply_lora
+from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
 from hybridflow.models import load_causal_lm
 
 CPU = torch.device("cpu")
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
-def slotted(path: str, max_rank: int = 8) -> AdapterSlots:
+def slotted(path: str, max_rank: int = 8, head: bool = False) -> AdapterSlots:
+    targets = [ALL_LINEAR, OUTPUT_HEAD] if head else [ALL_LINEAR]
     model = apply_lora(
         load_causal_lm(path, dtype=torch.float32),
-        LoraConfig(rank=max_rank, alpha=float(max_rank), dropout=0.0, target_modules=[ALL_LINEAR]),
+        LoraConfig(rank=max_rank, alpha=float(max_rank), dropout=0.0, target_modules=targets),
     )
     return AdapterSlots(model, max_rank)
 
@@ -48,15 +49,24 @@ def logprobs(slots: AdapterSlots, key: str, data: list[Datum]) -> list[np.ndarra
     return [o.logprobs for o in outputs]
 
 
-def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path):
-    slots = slotted(tiny_path, max_rank=8)
-    slots.create("a", rank=2, parts=frozenset({ATTN}), scaling=3.0, seed=5)
+@pytest.mark.parametrize(
+    "parts, alone_targets, head",
+    [
+        ({ATTN}, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+        ({MLP, UNEMBED}, ["gate_proj", "up_proj", "down_proj", "lm_head"], True),  # the output head (train_unembed)
+    ],
+)
+def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path, parts, alone_targets, head):
+    slots = slotted(tiny_path, max_rank=8, head=head)
+    slots.create("a", rank=2, parts=frozenset(parts), scaling=3.0, seed=5)
     alone = apply_lora(
         load_causal_lm(tiny_path, dtype=torch.float32),
-        LoraConfig(rank=2, alpha=6.0, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+        LoraConfig(rank=2, alpha=6.0, dropout=0.0, target_modules=alone_targets),
     )
     start = slots.adapter_tensors("a")  # the same initial adapters in both
-    assert len(start) == 2 * 4 * alone.config.num_hidden_layers
+    layers = alone.config.num_hidden_layers
+    assert len(start) == 2 * sum(1 for name, _ in alone.named_parameters() if ".lora_A." in name)
+    assert len(start) == (2 * 4 * layers if parts == {ATTN} else 2 * (3 * layers + 1))
     with torch.no_grad():
         for name, param in alone.named_parameters():
             if "lora_" in name:
@@ -76,12 +86,11 @@ def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path):
     expected, _ = run_datums(alone, held_out, "cross_entropy", {}, backward=False, max_tokens=64, device=CPU)
     for got, want in zip(logprobs(slots, "a", held_out), expected):
         np.testing.assert_allclose(got, want.logprobs, atol=1e-5)
-    # the rows and columns beyond rank 2 and the MLP layers stayed exactly zero
+    # the rows and columns beyond rank 2 and the layers of other parts stayed exactly zero; the adapted ones trained
     for layer in slots.layers:
         a, b = slots.params[layer.a_name], slots.params[layer.b_name]
         assert not a[2:].any() and not b[:, 2:].any()
-        if layer.part == MLP:
-            assert not a.any() and not b.any()
+        assert bool(b.any()) == (layer.part in parts)
 
 
 def test_interleaved_adapters_keep_their_own_gradients_and_optimizer_state(tiny_path):

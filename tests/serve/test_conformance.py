@@ -9,9 +9,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 from service_helpers import KEY, MODEL
 from tinker import types
 
+from hybridflow.engine.adapter_slots import ADAPTER_FILE
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
@@ -115,6 +117,18 @@ def test_cross_entropy_in_out_of_order_chunks_matches_the_base_model_and_peft(se
     after = forward(tc, data)
     assert not np.allclose(np.concatenate(after), np.concatenate(first), atol=1e-4)
     assert_close(after, local_logprobs(data, saved_dir(service.storage, path)), atol=1e-4)
+    saved = load_file(str(saved_dir(service.storage, path) / ADAPTER_FILE))
+    assert saved["base_model.model.lm_head.lora_B.weight"].abs().max() > 0  # train_unembed, the SDK's default
+
+
+def test_the_parts_an_adapter_trains_are_the_client_s_choice(service, clients):
+    sc = clients()
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=3, train_mlp=False, train_unembed=False)
+    tc = tc.result()
+    tc.forward_backward(batch(seed=1), "cross_entropy").result()
+    tc.optim_step(adam()).result()
+    saved = load_file(str(saved_dir(service.storage, tc.save_weights_for_sampler("attn").result().path) / ADAPTER_FILE))
+    assert saved and all(".self_attn." in name for name in saved)
 
 
 def test_forward_adds_no_gradient(service, clients):

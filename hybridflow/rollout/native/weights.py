@@ -186,8 +186,10 @@ class Weights:
         return used
 
     def adapted_rows(self, layer_name: str) -> tuple[Matrix, slice]:
-        """The matrix that HF linear layer ``layer_name`` (e.g. model.layers.0.self_attn.k_proj) lives in,
-        and its rows there."""
+        """The matrix that HF linear layer ``layer_name`` (e.g. model.layers.0.self_attn.k_proj, or lm_head) lives
+        in, and its rows there."""
+        if layer_name == "lm_head":  # a tied head's Matrix is its own: an adapter on it leaves the embedding as is
+            return self.lm_head, slice(None)
         match = _LAYER.fullmatch(layer_name)
         if match is None:
             raise KeyError(f"native rollout cannot serve adapters on {layer_name!r}: not a decoder layer's linear")

@@ -61,6 +61,7 @@ from hybridflow.trainer.services.metrics import (
     throughput_metrics,
 )
 from hybridflow.trainer.services.progress import RL_SHOWN
+from hybridflow.trainer.services.rollout_data import batch_records, write_rollout_data
 from hybridflow.trainer.services.timeline import StepTimeline
 from hybridflow.trainer.services.val_metrics import validation_metrics
 from hybridflow.trainer.setup.config import HybridFlowConfig
@@ -107,6 +108,9 @@ class RLTrainer:
             return None
         batch, metrics = batch_and_metrics
         self.learn(batch, step, timeline, metrics)
+        if self.config.trainer.rollout_data_dir:
+            records = batch_records(batch, self.loader.dataset.tokenizer, step)
+            write_rollout_data(self.config.trainer.rollout_data_dir, step, records)
         self.source.after_learn(step, timeline, metrics)
         self.weights.after_step(step, timeline, metrics)
         self.source.account(step, timeline, metrics)

@@ -162,6 +162,9 @@ class TrainerConfig(RunConfig):
     role_pool: dict[str, str]
     max_colocate_count: int  # Ray actors that may share one rank's resources (a rank's roles are fused into one)
     critic_warmup: int  # steps that train only the critic before the actor starts
+    # write each training step's batch to <dir>/step_<N>.jsonl: texts, scores, and the token ids and per-token numbers
+    # the update trained on (trainer/services/rollout_data.py); "": not written
+    rollout_data_dir: str
     async_training: AsyncTrainingConfig
 
     def __post_init__(self) -> None:

@@ -54,12 +54,33 @@ def test_the_engine_generates_with_peft_s_policy_and_new_adapters_replace_the_ol
         assert not torch.equal(qkv, base_qkv)
 
 
+def test_served_adapters_on_the_output_head_leave_a_tied_embedding_as_it_is(tiny):
+    """The training service's adapters may adapt the output head (train_unembed); served, they change what the
+    head computes and not the input embedding, even where the two are one tensor (tiny-qwen2)."""
+    _, model, tokenizer = tiny
+    peft_model = lora_model(copy.deepcopy(model), targets=["all-linear", "lm_head"]).eval()
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(adapters="served"))
+    embed = rollout.engine.weights.embed.clone()
+    rollout.load_base_weights(base_parameters(peft_model))
+    adapters = dict(adapter_tensors(peft_model))
+    assert "lm_head.lora_A" in adapters
+    rollout.load_adapters(adapters.items(), lora_scaling(peft_model))
+    batch = rollout.generate_sequences(prompts_of(tokenizer, QUESTIONS), greedy(10)).batch
+    mask = batch["response_mask"].float()
+    expected = peft_log_probs(peft_model, batch)
+    torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
+    assert torch.equal(rollout.engine.weights.embed, embed)
+
+
 def test_served_adapters_refuse_a_layer_the_engine_does_not_have(tiny):
     _, model, tokenizer = tiny
     rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
     hidden = model.config.hidden_size
-    with pytest.raises(KeyError, match="lm_head"):
-        rollout.load_adapters([("lm_head.lora_A", torch.zeros(2, hidden)), ("lm_head.lora_B", torch.zeros(5, 2))], 1.0)
+    embedding = "model.embed_tokens"
+    with pytest.raises(KeyError, match="embed_tokens"):
+        rollout.load_adapters(
+            [(f"{embedding}.lora_A", torch.zeros(2, hidden)), (f"{embedding}.lora_B", torch.zeros(5, 2))], 1.0
+        )
     with pytest.raises(ValueError, match="needs both"):
         rollout.load_adapters([(adapter_name("model.layers.0.self_attn.q_proj", LORA_A), torch.zeros(2, hidden))], 1.0)
     layer = "model.layers.0.self_attn.q_proj"
