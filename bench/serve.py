@@ -148,7 +148,8 @@ def run_service(args, data: Path) -> dict:
     print(f"hybridflow serve: {args.steps} steps (load {load:.2f}) ...", flush=True)
     with service(args) as url:
         client = tinker.ServiceClient(base_url=url, api_key=KEY)
-        model = client.create_lora_training_client(base_model=MODEL, rank=32, seed=0).result()
+        # the trainer's adapters: attention and MLP layers (its all-linear), not the output head
+        model = client.create_lora_training_client(base_model=MODEL, rank=32, seed=0, train_unembed=False).result()
         adam = types.AdamParams(learning_rate=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, grad_clip_norm=CLIP)
         seconds, worker, losses = [], [], []
         for datums in batches(data, args.batch, args.steps):

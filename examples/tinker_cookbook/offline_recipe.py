@@ -67,7 +67,11 @@ def install_stand_ins(tokenizer_dir: str, model_name: str, renderer: str, rows: 
     tokenizer_utils.register_tokenizer(model_name, lambda: tokenizer)
     model_info.get_recommended_renderer_name = lambda name: renderer
     local = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)})
-    datasets.load_dataset = lambda *args, **kwargs: local
+
+    def load_dataset(*args, split: str | None = None, **kwargs):
+        return local if split is None else local[split]  # the recipes ask for the train split only
+
+    datasets.load_dataset = load_dataset
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,18 +9,21 @@ model in fp32 (the same numbers a ``forward`` would give). The service calls one
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from hybridflow.algorithms.datum_losses import loss_settings
+from hybridflow.algorithms.datum_losses import TARGET_TOKENS, WEIGHTS, loss_settings
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.adapter_slots import AdapterSlots, AdapterState
 from hybridflow.engine.config import FSDPConfig
-from hybridflow.engine.datum_pass import Datum, DatumOutput, run_datums, target_log_probs
+from hybridflow.engine.datum_pass import Datum, DatumOutput, run_datums
 from hybridflow.engine.fsdp import grad_norm_and_clip
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, adapters_off
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype
@@ -90,7 +93,9 @@ class AdapterServiceWorker(Worker):
         self.max_tokens = max_tokens_per_micro_batch
         targets = [ALL_LINEAR, OUTPUT_HEAD]  # every part a client may choose (train_attn, train_mlp, train_unembed)
         slot = LoraConfig(rank=max_lora_rank, alpha=float(max_lora_rank), dropout=0.0, target_modules=targets)
-        model = build_sharded(load_causal_lm, model_path, fsdp, self.device, seed, lora=slot)
+        with warnings.catch_warnings():  # peft's warning of an adapter on a tied head: served apart, never merged
+            warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
+            model = build_sharded(load_causal_lm, model_path, fsdp, self.device, seed, lora=slot)
         self.slots = AdapterSlots(model, max_lora_rank)
         self.vocab_size = int(model.config.vocab_size)
         self.rollout = build_generator(
@@ -197,21 +202,31 @@ class AdapterServiceWorker(Worker):
         self.rollout_adapter = sampler
 
     @torch.no_grad()
-    def _prompt_logprobs(self, sampler: str, state: AdapterState | None, prompt: list[int]) -> list[float]:
-        """log p(prompt[i] | prompt[:i]) for i >= 1 under the training model in fp32, NaN first (nothing before)."""
-        if len(prompt) < 2:
-            return [math.nan]
-        tokens = torch.tensor([prompt[:-1]], dtype=torch.long, device=self.device)
-        targets = torch.tensor([prompt[1:]], dtype=torch.long, device=self.device)
-        mask = torch.ones_like(tokens)
+    def _prompt_logprobs(self, sampler: str, state: AdapterState | None, prompts: list[list[int]]) -> list[list[float]]:
+        """log p(prompt[i] | prompt[:i]) for i >= 1 of each prompt under the training model in fp32, NaN first
+        (nothing before it): the prompts go through together, in micro-batches (``compute_logprobs`` calls of a
+        distillation step, one per sample, batch up as samples do)."""
+        out = [[math.nan] for _ in prompts]
+        scored = [i for i, prompt in enumerate(prompts) if len(prompt) >= 2]
+        if not scored:
+            return out
+        datums = [
+            Datum(
+                np.asarray(prompts[i][:-1], dtype=np.int64),
+                {TARGET_TOKENS: np.asarray(prompts[i][1:], dtype=np.int64), WEIGHTS: np.zeros(len(prompts[i]) - 1)},
+            )
+            for i in scored
+        ]
         self.model.eval()
-        if state is None:
-            with adapters_off(self.model):
-                values = target_log_probs(self.model, tokens, mask, targets)
-        else:
+        if state is not None:
             self.slots.activate(sampler)
-            values = target_log_probs(self.model, tokens, mask, targets)
-        return [math.nan] + values[0].tolist()
+        with adapters_off(self.model) if state is None else contextlib.nullcontext():
+            outputs, _ = run_datums(
+                self.model, datums, "cross_entropy", {}, backward=False, max_tokens=self.max_tokens, device=self.device
+            )
+        for i, output in zip(scored, outputs):
+            out[i] = [math.nan, *output.logprobs.tolist()]
+        return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sample(
@@ -221,9 +236,9 @@ class AdapterServiceWorker(Worker):
         The requests share their sampling settings but for the prompt, the count and the seed (the service batches
         them so), and each samples from its own seed as it would alone."""
         state = self._sampler_state(sampler, directory, spec)
-        prompt_logprobs = [
-            self._prompt_logprobs(sampler, state, r.prompt) if r.prompt_logprobs else None for r in requests
-        ]
+        wanted = [r.prompt for r in requests if r.prompt_logprobs]
+        scored = iter(self._prompt_logprobs(sampler, state, wanted) if wanted else [])
+        prompt_logprobs = [next(scored) if r.prompt_logprobs else None for r in requests]
         self._serve_adapters(sampler, state)
         first = requests[0]
         greedy = first.temperature <= 0
