@@ -59,6 +59,18 @@ def adamw_args(section: str, lr: float) -> list[str]:
     ]
 
 
+def run_args(run_dir: Path, steps: int) -> list[str]:
+    """A short run of one worker, checkpointed at its end, without validation."""
+    return [
+        f"trainer.total_training_steps={steps}",
+        f"trainer.save_freq={steps}",
+        "trainer.n_workers_per_node=1",
+        "trainer.logger=[jsonl]",
+        "trainer.val_before_train=false",
+        f"trainer.default_local_dir={run_dir}",
+    ]
+
+
 def run_and_export(command: str, args: list[str], run_dir: Path) -> Path:
     """Runs ``python -m hybridflow.trainer.commands.<command> args`` (its run directory ``run_dir``) and exports its
     last checkpoint's adapters to ``<run_dir>-adapter``."""
@@ -84,12 +96,7 @@ def sft(tmp: Path, data: Path, name: str, lr: float, steps: int) -> Path:
         "engine.fsdp.param_dtype=fp32",
         f"engine.grad_clip={CLIP}",
         *adamw_args("optim", lr),
-        f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={steps}",
-        "trainer.n_workers_per_node=1",
-        "trainer.logger=[jsonl]",
-        "trainer.val_before_train=false",
-        f"trainer.default_local_dir={run_dir}",
+        *run_args(run_dir, steps),
     ]
     run_and_export("sft", args, run_dir)
     return run_dir
@@ -191,12 +198,7 @@ def grpo(tmp: Path, name: str, lr: float, steps: int) -> Path:
         f"actor_rollout_ref.actor.grad_clip={CLIP}",
         *adamw_args("actor_rollout_ref.actor.optim", lr),
         f"custom_reward_function.path={reward}",
-        f"trainer.total_training_steps={steps}",
-        f"trainer.save_freq={steps}",
-        "trainer.n_workers_per_node=1",
-        "trainer.logger=[jsonl]",
-        "trainer.val_before_train=false",
-        f"trainer.default_local_dir={run_dir}",
+        *run_args(run_dir, steps),
         f"trainer.rollout_data_dir={run_dir}-rollouts",
     ]
     run_and_export("train", args, run_dir)
