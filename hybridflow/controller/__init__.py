@@ -14,7 +14,7 @@ from hybridflow.controller.decorator import (
     register_dispatch_mode,
     split_protos,
 )
-from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.errors import WorkerError, WorkerLost
 from hybridflow.controller.kept_processes import (
     keep_worker_processes,
     kept_placement_groups,
@@ -45,6 +45,7 @@ __all__ = [
     "RoleSpec",
     "Worker",
     "WorkerError",
+    "WorkerLost",
     "WorkerGroup",
     "get_dispatch_mode",
     "keep_worker_processes",

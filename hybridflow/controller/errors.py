@@ -16,3 +16,14 @@ class WorkerError(RuntimeError):
             f"worker group '{group}', rank {rank}, method '{method}' raised "
             f"{type(cause).__name__}: {cause}\n--- worker traceback ---\n{remote_traceback}"
         )
+
+
+class WorkerLost(WorkerError):
+    """A worker's process is gone (its actor died, it crashed, Ray killed it for memory, or its node died): the
+    group cannot answer again."""
+
+    @property
+    def reason(self) -> str:
+        """The first line of Ray's account of it."""
+        lines = str(self.cause).strip().splitlines()
+        return lines[0] if lines else type(self.cause).__name__

@@ -18,11 +18,11 @@ from typing import Any
 
 import ray
 import torch
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import NodeDiedError, OutOfMemoryError, RayActorError, RayTaskError, WorkerCrashedError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridflow.controller.decorator import MeshCoord, registered_methods
-from hybridflow.controller.errors import WorkerError
+from hybridflow.controller.errors import WorkerError, WorkerLost
 from hybridflow.controller.fresh_process import FreshProcessState
 from hybridflow.controller.kept_processes import keeper
 from hybridflow.controller.resource_pool import RayResourcePool
@@ -159,8 +159,8 @@ def _wait_all(group: str, method: str, futures: list, ranks: list[int]) -> list:
                 if isinstance(cause, _HostedError):
                     raise WorkerError(group, method, rank_of[ref], cause.cause, cause.rendered) from cause.cause
                 raise WorkerError(group, method, rank_of[ref], cause or error, str(error)) from error
-            except RayActorError as error:
-                raise WorkerError(group, method, rank_of[ref], error, str(error)) from error
+            except (RayActorError, WorkerCrashedError, OutOfMemoryError, NodeDiedError) as error:
+                raise WorkerLost(group, method, rank_of[ref], error, str(error)) from error
     return ray.get(list(futures))
 
 

@@ -92,7 +92,7 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
-        return refusal(error.status, str(error))
+        return refusal(error.status, str(error), "server" if error.status >= 500 else USER)
 
     @app.exception_handler(404)
     async def not_found(request: Request, error: Exception) -> JSONResponse:
@@ -108,7 +108,9 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
         return refusal(500, f"the service failed on this request: {type(error).__name__}", "server")
 
     @app.get(f"{API}/healthz")
-    async def healthz() -> dict:
+    async def healthz():
+        if service.worker_lost is not None:
+            return refusal(503, service.worker_lost, "server")
         return {"status": "ok"}
 
     @app.post(f"{API}/client/config")

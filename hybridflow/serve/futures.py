@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.controller.errors import WorkerLost
 from hybridflow.serve.storage import PathError
 
 log = logging.getLogger("hybridflow.serve")
@@ -95,7 +96,11 @@ class Job:
 
 
 class Executor:
-    """One thread running the worker's calls in submission order; each job's outcome goes back to the loop."""
+    """One thread running the worker's calls in submission order; each job's outcome goes back to the loop.
+
+    When the worker's process is gone (``WorkerLost``), nothing it held can be served again: the job that met it
+    and every queued one are answered with the reason, later ones are refused (503), and ``on_lost`` is called on
+    the loop (the service stops; saved states on disk survive for the next one)."""
 
     def __init__(
         self,
@@ -103,14 +108,19 @@ class Executor:
         finish: Callable[[str, Outcome], None],
         max_queued: int,
         max_batch: int,
+        on_lost: Callable[[str], None] | None = None,
     ):
         self.loop, self.finish, self.max_queued, self.max_batch = loop, finish, max_queued, max_batch
+        self.on_lost = on_lost
+        self.lost: str | None = None  # why the worker is gone
         self.jobs: deque[Job | None] = deque()
         self.ready = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="hybridflow-serve-executor", daemon=True)
         self.thread.start()
 
     def submit(self, job: Job) -> None:
+        if self.lost is not None:
+            raise ServiceError(self.lost, 503)
         with self.ready:
             self.jobs.append(job)
             self.ready.notify()
@@ -122,7 +132,7 @@ class Executor:
         with self.ready:
             self.jobs.append(None)
             self.ready.notify()
-        self.thread.join(timeout=30)
+        self.thread.join(timeout=30)  # at once where the worker was lost (the thread has ended)
 
     def _next(self) -> list[Job] | None:
         """The next job, with the jobs right behind it that batch with it."""
@@ -151,11 +161,30 @@ class Executor:
                     outcomes = [Outcome(payload=p) for p in batch[0].run_many(batch)]
                 else:
                     outcomes = [Outcome(payload=batch[0].run())]
+            except WorkerLost as error:
+                self._lose(batch, error)
+                return
             except Exception as error:  # one request's failure is its own: answered, and the service goes on
                 outcomes = [_failure(error)] * len(batch)
-            for job, outcome in zip(batch, outcomes):
-                if job.request_id is not None:
-                    self.loop.call_soon_threadsafe(self.finish, job.request_id, outcome)
+            self._answer(batch, outcomes)
+
+    def _answer(self, jobs: list[Job | None], outcomes: list[Outcome]) -> None:
+        for job, outcome in zip(jobs, outcomes):
+            if job is not None and job.request_id is not None:
+                self.loop.call_soon_threadsafe(self.finish, job.request_id, outcome)
+
+    def _lose(self, batch: list[Job], error: WorkerLost) -> None:
+        self.lost = (
+            f"the service's worker is gone ({error.reason}); the service stops: start it again "
+            "(saved weights and states survive)"
+        )
+        log.error("%s", self.lost)
+        with self.ready:
+            waiting = [*batch, *self.jobs]
+            self.jobs.clear()
+        self._answer(waiting, [Outcome(error=self.lost, category=SERVER)] * len(waiting))
+        if self.on_lost is not None:
+            self.loop.call_soon_threadsafe(self.on_lost, self.lost)
 
 
 def _failure(error: Exception) -> Outcome:

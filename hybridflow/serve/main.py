@@ -8,6 +8,7 @@ Point the tinker SDK at it with ``TINKER_BASE_URL=http://<host>:<port>`` and ``T
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import secrets
@@ -32,6 +33,7 @@ from hybridflow.workers.adapter_service import AdapterServiceWorker
 KEYS_ENV = "HYBRIDFLOW_SERVE_API_KEYS"
 KEY_PREFIX = "tml-"  # the SDK refuses a key without it
 POOL = "serve"
+LOST_WORKER_GRACE_S = 10.0  # a lost worker: how long the service answers (that it stops) before it stops
 
 
 def api_keys(config: ServeConfig) -> dict[str, str]:
@@ -121,12 +123,19 @@ def serve(config: ServeConfig) -> None:
             server = uvicorn.Server(
                 uvicorn.Config(app, host=config.service.host, port=config.service.port, log_level="warning")
             )
+
+            def stop_soon(reason: str) -> None:  # first the clients waiting on a result fetch its failure
+                asyncio.get_running_loop().call_later(LOST_WORKER_GRACE_S, setattr, server, "should_exit", True)
+
+            service.on_worker_lost = stop_soon
             print(
                 f"hybridflow serve: {served.name} (LoRA up to rank {config.model.max_lora_rank}) at "
                 f"http://{config.service.host}:{config.service.port}; storage {service.storage.root}",
                 flush=True,
             )
             server.run()
+            if service.worker_lost is not None:
+                raise SystemExit(f"hybridflow serve: stopped: {service.worker_lost}")
         finally:
             pool.release(keep_processes=False)
 

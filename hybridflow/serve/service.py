@@ -111,6 +111,7 @@ class TrainingService:
         self.models: dict[str, TrainingModel] = {}
         self.samplers: dict[str, Sampler] = {}
         self.executor: Executor | None = None
+        self.on_worker_lost: Callable[[str], None] | None = None  # the server's stop (serve/main.py)
 
     def start(self) -> None:
         self.executor = Executor(
@@ -118,7 +119,13 @@ class TrainingService:
             self.results.finish,
             self.limits.max_queued_requests,
             max_batch=self.limits.max_samples_per_batch,
+            on_lost=self.on_worker_lost,
         )
+
+    @property
+    def worker_lost(self) -> str | None:
+        """Why the worker is gone (None while it serves)."""
+        return None if self.executor is None else self.executor.lost
 
     def stop(self) -> None:
         if self.executor is not None:
