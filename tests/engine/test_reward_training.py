@@ -120,7 +120,8 @@ def test_micro_batches_accumulate_to_the_whole_batch_step(reward_model_dir, pair
     split = engine(reward_model(reward_model_dir), **micro)
     split_metrics = split.train_batch(batch(pairs), seed=0).meta_info[METRICS]
     for key in (RM_LOSS, "rm/accuracy", "rm/chosen_score", "rm/score_margin"):
-        assert split_metrics[key] == pytest.approx(whole_metrics[key], abs=1e-6), key
+        # fp32 sums of other shapes: on some CPUs (AVX-512 kernels) a few 1e-6 apart, relatively
+        assert split_metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5, abs=1e-6), key
     for (name, weight), (_, expected) in zip(split.model.named_parameters(), whole.model.named_parameters()):
         torch.testing.assert_close(weight, expected, atol=2e-7, rtol=0, msg=name)
 

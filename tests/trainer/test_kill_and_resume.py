@@ -133,6 +133,11 @@ def args(files, run_dir, mode: str) -> list[str]:
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.response_length=6",
         "actor_rollout_ref.actor.optim.lr=1e-2",
+        # fp32 on every host: where the CPU has bf16 units, auto is bf16, whose packed kernels give a row numbers
+        # that depend on the rows batched with it (the endpoint's agents batch as they arrive)
+        "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+        "actor_rollout_ref.ref.fsdp.param_dtype=fp32",
+        "actor_rollout_ref.rollout.dtype=fp32",
         "trainer.total_epochs=2",
         "trainer.save_freq=1",
         "trainer.val_before_train=false",

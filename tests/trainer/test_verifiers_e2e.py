@@ -104,6 +104,9 @@ def test_a_two_turn_verifiers_environment_trains_through_the_endpoint(local_ray,
             # the first turn short, as in the endpoint's own test: the budget is for the second
             "actor_rollout_ref.rollout.agent.verifiers.args={agent: {sampling: {max_tokens: 4}}}",
             "actor_rollout_ref.actor.optim.lr=2e-2",
+            # fp32 on every host (auto is bf16 where the CPU has bf16 units): the run learns as it was tuned to
+            "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+            "actor_rollout_ref.rollout.dtype=fp32",
             "trainer.total_training_steps=10",
             "trainer.total_epochs=2",
             "trainer.logger=[jsonl]",
