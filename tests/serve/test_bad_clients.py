@@ -13,7 +13,7 @@ from test_conformance import adam, batch, datum, forward, with_inputs
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 PROTOBUF = {"Content-Type": "application/x-protobuf"}

@@ -16,7 +16,7 @@ from tinker import types
 from hybridflow.engine.adapter_slots import ADAPTER_FILE
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
@@ -304,19 +304,27 @@ def test_two_sessions_interleaved_train_as_each_would_alone(service, clients):
 
 
 def test_a_slow_result_is_polled_across_short_waits(service, clients):
-    """service.poll_timeout_s=0.5: a retrieve_future call answers "try again" while the result is not ready."""
+    """service.poll_timeout_s=0.5: a retrieve_future call answers "try again" while the result is not ready. The
+    polled call waits in the worker's queue behind another generation (other settings: not batched with it), each of
+    8 samples x 1,000 tokens, several seconds together even on a fast host (8 x 400 took under 0.5 s on one)."""
     sc = clients()
     session = sc.holder.get_session_id()
     headers = {"X-API-Key": KEY}
-    body = {
-        "sampling_session_id": sc.create_sampling_client(base_model=MODEL).result()._sampling_session_id,
-        "seq_id": 0,
-        "num_samples": 8,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
-        "sampling_params": {"max_tokens": 400, "seed": 1, "stop": []},
-    }
-    future = httpx.post(f"{service.url}/api/v1/asample", json=body, headers=headers).json()
-    assert len(future["sample_sequence_ids"]) == 8 and session
+    sampler = sc.create_sampling_client(base_model=MODEL).result()._sampling_session_id
+
+    def asample(seq_id: int, max_tokens: int) -> dict:
+        body = {
+            "sampling_session_id": sampler,
+            "seq_id": seq_id,
+            "num_samples": 8,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+            "sampling_params": {"max_tokens": max_tokens, "seed": 1, "stop": []},
+        }
+        return httpx.post(f"{service.url}/api/v1/asample", json=body, headers=headers).json()
+
+    ahead = asample(0, 999)
+    future = asample(1, 1000)
+    assert len(ahead["sample_sequence_ids"]) == len(future["sample_sequence_ids"]) == 8 and session
     answers = []
     while True:
         response = httpx.post(
@@ -332,4 +340,4 @@ def test_a_slow_result_is_polled_across_short_waits(service, clients):
     from tinker.proto.response_conv import deserialize_sample_response
 
     sequences = deserialize_sample_response(response.content).sequences
-    assert [len(s.tokens) for s in sequences] == [400] * 8  # stop=[]: no EOS stop, every response full length
+    assert [len(s.tokens) for s in sequences] == [1000] * 8  # stop=[]: no EOS stop, every response full length

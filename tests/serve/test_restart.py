@@ -10,7 +10,7 @@ import tinker
 from service_helpers import MODEL, client, running_service
 from test_conformance import adam, batch, datum, forward
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 
 def worker_process(service) -> psutil.Process:

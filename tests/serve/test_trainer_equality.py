@@ -37,7 +37,7 @@ from hybridflow.serve.storage import META_FILE, owner_of
 from hybridflow.trainer.services.rollout_data import read_rollout_data
 from hybridflow.trainer.setup.sft_config import load_sft_config
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 
 RANK, ALPHA, LR, BATCH, STEPS = 4, 8.0, 2e-3, 4, 3
 ADAMW = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)

@@ -10,6 +10,8 @@ import pytest
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
 
+pytestmark = pytest.mark.slow
+
 # The tiny random model cannot call tools; the agent asks twice, as a user would: a first short turn, a user message
 # with the tool's result, then the answer, scored by the fraction of digits in it.
 AGENT = """

@@ -9,6 +9,8 @@ from test_train_e2e import assert_all_finite, short_run
 
 from hybridflow.trainer.services.checkpoint import read_trainer_state
 
+pytestmark = pytest.mark.slow
+
 # informative for prompts with an even answer (two different responses score differently), and
 # equal (0) for the rest: those groups are dropped by dynamic sampling
 HALF_INFORMATIVE_REWARD = """

@@ -7,10 +7,13 @@ import re
 import subprocess
 import sys
 
+import pytest
 import ray
 from cache_helpers import built_models
 
 from hybridflow.library_output import QUIET_ENV
+
+pytestmark = pytest.mark.slow
 
 # tqdm's bars (percent and rate), transformers' loading and saving bars, Ray's banners, vLLM's log lines (INFO or
 # WARNING with its date) and its start's notices, Python's warnings from libraries

@@ -27,6 +27,8 @@ from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.loop.rl_trainer import RLTrainer
 from hybridflow.trainer.setup.config import load_config
 
+pytestmark = pytest.mark.slow
+
 KEPT = (INPUT_IDS, ATTENTION_MASK, RESPONSES, RESPONSE_MASK, GENERATED_MASK, OLD_LOG_PROBS, TEACHER_LOG_PROB)
 
 

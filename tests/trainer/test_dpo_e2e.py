@@ -13,6 +13,8 @@ from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
 from tests.trainer.test_sft_e2e import assert_same_records, kill_after_checkpoint, records
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6  # 12 pairs in batches of 4: 3 steps an epoch, 2 epochs
 
 

@@ -54,7 +54,9 @@ def adapter_mb(config) -> float:
     return sum(p.numel() for p in model.parameters() if p.requires_grad) * dtype.itemsize / 2**20
 
 
-@pytest.mark.parametrize("model", ["full", "lora"])
+@pytest.mark.parametrize(
+    "model", [pytest.param("full", marks=pytest.mark.smoke), pytest.param("lora", marks=pytest.mark.slow)]
+)
 def test_no_staleness_reproduces_sync(local_ray, arithmetic_files, tmp_path, model):
     async_dir, sync_dir = tmp_path / "async", tmp_path / "sync"
     async_dir.mkdir(), sync_dir.mkdir()
@@ -91,6 +93,7 @@ def test_no_staleness_reproduces_sync(local_ray, arithmetic_files, tmp_path, mod
     assert [lineage[s]["version"] for s in (1, 2, 3)] == [[0] * 4, [1] * 4, [2] * 4]
 
 
+@pytest.mark.slow
 def test_staleness_one_runs_ahead_within_the_bound(local_ray, arithmetic_files, tmp_path):
     train_main.run(
         load_config(
@@ -132,6 +135,7 @@ def push_mid_generation(self, step, timeline, metrics):
 PUSH = PushEvery.push
 
 
+@pytest.mark.slow
 def test_partial_rollout_continues_samples_across_pushes_within_the_bound(
     local_ray, arithmetic_files, tmp_path, monkeypatch
 ):

@@ -19,7 +19,7 @@ from hybridflow.trainer.setup.config import load_config
 
 # checks that nothing started Ray, or runs that start and end their own cluster: the shared one (tests/conftest.py)
 # is shut down first
-pytestmark = pytest.mark.usefixtures("no_ray")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_ray")]
 
 
 def rollout_dies_at_chunk_3(monkeypatch) -> None:

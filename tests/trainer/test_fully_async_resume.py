@@ -8,12 +8,15 @@ import pickle
 import signal
 import time
 
+import pytest
 from test_kill_and_resume import train
 
 from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
 from hybridflow.run_files import TRAINED_PROMPTS_FILE
 from hybridflow.trainer.loop.async_queue import ROLLOUTER_STATE
+
+pytestmark = pytest.mark.slow
 
 MAX_STALENESS = 2
 

@@ -20,6 +20,8 @@ from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
 from hybridflow.models import resolve_model_path
 
+pytestmark = pytest.mark.slow
+
 # wall-clock times, throughput, MFU and memory: not reproducible
 MEASUREMENTS = (
     "timing_s/",

@@ -9,6 +9,7 @@ state| ~ 1.3), so it could never learn to write digits; a pretrained model's hea
 import json
 import math
 
+import pytest
 import torch
 from peft import PeftModel
 from test_train_e2e import DIGITS_REWARD
@@ -19,6 +20,8 @@ from hybridflow.cli import main as cli
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
+
+pytestmark = pytest.mark.slow
 
 STEPS = 10
 

@@ -10,6 +10,8 @@ from hybridflow.models import resolve_model_path
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
 
+pytestmark = pytest.mark.slow
+
 # the fraction of digits in the model's last turn (the tool's "42" is in the text but not in that turn); 0 unless
 # the conversation facts say what the loop did
 REWARD = """

@@ -74,6 +74,7 @@ def comparable(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith(MEASUREMENTS)}
 
 
+@pytest.mark.smoke
 def test_first_two_steps_equal_the_hand_made_schedule(local_ray, arithmetic_files, tmp_path, monkeypatch):
     async_dir, reference_dir = tmp_path / "async", tmp_path / "reference"
     async_dir.mkdir(), reference_dir.mkdir()

@@ -4,6 +4,7 @@ of its own (tiny-llama, one rank per pool)."""
 
 import json
 
+import pytest
 from test_batch_shaping_e2e import HALF_INFORMATIVE_REWARD
 from test_one_step_off_e2e import overrides, records
 from test_train_e2e import assert_all_finite
@@ -12,6 +13,8 @@ from hybridflow.trainer.commands import train as train_main
 from hybridflow.trainer.loop.generate_ahead import PENDING_BATCH
 from hybridflow.trainer.services.checkpoint import read_trainer_state
 from hybridflow.trainer.setup.config import load_config
+
+pytestmark = pytest.mark.slow
 
 ONE_STEP_OFF = ["trainer.async_training.mode=one_step_off", "trainer.placement=group_colocate"]
 ZERO_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"

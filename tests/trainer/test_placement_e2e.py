@@ -12,6 +12,8 @@ from hybridflow.run_files import TIMELINE_FILE
 from hybridflow.trainer.setup.config import load_config
 from hybridflow.trainer.setup.placement import Placement, build_groups
 
+pytestmark = pytest.mark.slow
+
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 
 PPO_ALL_ROLES = [

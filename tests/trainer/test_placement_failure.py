@@ -12,7 +12,7 @@ from test_placement_e2e import ppo_run
 from hybridflow.controller import WorkerError
 from hybridflow.models import resolve_model_path
 
-pytestmark = pytest.mark.usefixtures("no_ray")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_ray")]
 
 
 def broken_reward_model(tmp_path):

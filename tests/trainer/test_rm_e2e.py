@@ -18,6 +18,8 @@ from hybridflow.trainer.commands import train as train_main
 from hybridflow.trainer.setup.config import load_config
 from tests.trainer.test_sft_e2e import assert_same_records, kill_after_checkpoint, records
 
+pytestmark = pytest.mark.slow
+
 STEPS = 6  # 12 pairs in batches of 4: 3 steps an epoch, 2 epochs
 
 

@@ -11,7 +11,7 @@ from test_faults import base
 
 from hybridflow.cli import main as cli
 
-pytestmark = pytest.mark.usefixtures("local_ray")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("local_ray")]
 
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times, throughput, MFU and memory: not reproducible
 

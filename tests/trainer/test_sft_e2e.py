@@ -21,6 +21,8 @@ from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import write_task
 from hybridflow.trainer.services.checkpoint import is_complete
 
+pytestmark = pytest.mark.slow
+
 MEASUREMENTS = ("timing_s/", "perf/")  # wall-clock times and memory: not reproducible
 STEPS = 8  # 16 samples in batches of 4: 4 steps an epoch, 2 epochs
 

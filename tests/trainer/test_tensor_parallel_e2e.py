@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from test_train_e2e import assert_all_finite, short_run
 
+pytestmark = pytest.mark.slow
+
 FP32 = [
     "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
     "actor_rollout_ref.rollout.dtype=fp32",

@@ -62,6 +62,7 @@ def assert_all_finite(records: list[dict]) -> None:
             assert isinstance(value, (int, float)) and math.isfinite(value), (record["step"], key, value)
 
 
+@pytest.mark.smoke
 def test_grpo_run_every_stage_and_metric_and_overlong_penalty(local_ray, arithmetic_files, tmp_path):
     """Every stage and metric of a GRPO run; the overlong penalty shapes its training rewards, not validation's."""
     factor = 0.5
@@ -98,6 +99,7 @@ def test_grpo_run_every_stage_and_metric_and_overlong_penalty(local_ray, arithme
         assert record["critic/score/mean"] == pytest.approx(record["reward/arithmetic/mean"] + penalty, abs=1e-6)
 
 
+@pytest.mark.smoke
 def test_ppo_run_with_critic_and_kl(local_ray, arithmetic_files, tmp_path):
     records = short_run(
         arithmetic_files,
@@ -131,6 +133,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow
 def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
     """A random tiny model rarely writes digits (about 1% of characters); rewarded for them, it learns to."""
     reward_file = tmp_path / "digits.py"

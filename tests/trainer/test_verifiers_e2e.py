@@ -15,6 +15,8 @@ from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
 from hybridflow.verifiers_runner.launch import verifiers_python
 
+pytestmark = pytest.mark.slow
+
 ENVIRONMENTS = Path(__file__).parents[2] / "examples" / "environments"
 
 # a verifiers environment as a user writes one: a taskset of questions and a two-turn exchange, scored by the

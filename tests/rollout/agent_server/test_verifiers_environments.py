@@ -49,7 +49,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def python():
-    return verifiers_python()  # .venv-verifiers: `make test` builds it; its absence fails here with the fix
+    return verifiers_python()  # .venv-verifiers: `make test-slow` builds it; its absence fails here with the fix
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,7 @@ def prompt_of(batch, row: int) -> list[int]:
     return batch.batch[PROMPTS][row][batch.batch[ATTENTION_MASK][row, :width].bool()].tolist()
 
 
+@pytest.mark.slow
 def test_a_single_turn_taskset_scores_what_the_engine_generated(tokenizer, python, single_rows):
     rows = single_rows
     right = answers([row[EXTRA_INFO]["task_index"] for row in rows])
@@ -118,6 +119,7 @@ def test_a_single_turn_taskset_scores_what_the_engine_generated(tokenizer, pytho
         assert tokens == tokenizer.encode(scripts[i][0], add_special_tokens=False) and mask == [1] * len(tokens)
 
 
+@pytest.mark.slow
 def test_a_two_turn_environment_trains_both_replies_and_masks_its_message(tokenizer, python):
     rows = make_environment_splits("reasoning_gym_recheck", ARGS, ENVIRONMENTS, python, 2, 1, 0)["train"]
     right = answers([row[EXTRA_INFO]["task_index"] for row in rows])
@@ -143,6 +145,7 @@ def test_a_two_turn_environment_trains_both_replies_and_masks_its_message(tokeni
         assert prompt_of(batch, i) + tokens[: len(tokens) - len(second)] == rendered(tokenizer, conversation)
 
 
+@pytest.mark.slow
 def test_an_environment_that_does_not_load_fails_its_samples_at_once(tokenizer, python):
     row = {
         "prompt": [{"role": "user", "content": "x"}],
@@ -156,6 +159,7 @@ def test_an_environment_that_does_not_load_fails_its_samples_at_once(tokenizer, 
     assert "the verifiers runner exited" in failure and "no_such_environment_module" in failure
 
 
+@pytest.mark.slow
 def test_the_data_writer_names_distinct_tasks_and_refuses_what_it_cannot_write(python, tmp_path):
     out = tmp_path / "data"
     command = [sys.executable, "-m", "hybridflow.data.tasks", "verifiers", "--out", str(out), "--python", python]
@@ -195,6 +199,7 @@ def test_rows_split_the_tasks_by_a_seeded_permutation():
         environment_rows(description, 8, 3, seed=1)
 
 
+@pytest.mark.slow
 def test_a_run_refuses_rows_written_from_another_environment(python, single_rows):
     rows = single_rows
     check_environment_rows("reasoning_gym_single", ARGS, ENVIRONMENTS, python, rows)  # as written: accepted

@@ -11,7 +11,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
+
+pytestmark = pytest.mark.slow
 
 GROW_BACK = """
 import json

@@ -3,6 +3,7 @@ transformers', and a later turn reuses vLLM's cache of the earlier ones."""
 
 import dataclasses
 
+import pytest
 import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
@@ -11,6 +12,8 @@ from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.tools import ToolSet
 from hybridflow.trainer.setup.config import default_config
+
+pytestmark = pytest.mark.slow
 
 INSERTED = ["tool says 42 and more", "ok then"]
 TURN_TOKENS = 5

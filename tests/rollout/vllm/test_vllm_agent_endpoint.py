@@ -11,6 +11,8 @@ from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
 from hybridflow.rollout.base import SamplingParams
 from hybridflow.rollout.native import NativeRollout
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("tiny", ["tiny-llama"], indirect=True)  # one family: the endpoint does not depend on it
 def test_the_endpoint_on_vllm_gives_the_native_engines_conversations(tiny):

@@ -8,7 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import tiny_head32_path
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = r"""
 import json, os, random, sys

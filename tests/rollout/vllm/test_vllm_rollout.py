@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from lora_helpers import lora_model, randomise_adapters
 from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts_of, sampled
@@ -10,6 +11,8 @@ from hybridflow.batch_keys import RESPONSE_MASK, RESPONSES, ROLLOUT_LOG_PROBS, T
 from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
+
+pytestmark = pytest.mark.slow
 
 
 def _forward_log_probs(model, out, temperature: float = 1.0) -> torch.Tensor:

@@ -14,6 +14,8 @@ from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.vllm.rollout import VllmRollout
 from hybridflow.trainer.setup.config import default_config
 
+pytestmark = pytest.mark.slow
+
 STEP_TOKENS = 64  # tokens one engine step may compute (and the longest prompt + response)
 
 
