@@ -10,8 +10,10 @@ SMALL = (
 )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def service(tmp_path_factory):
+    """One service for the test process's serve modules (tests/conftest.py hands their files to one test process):
+    each test's sessions end with it (clients), and each trains models of its own ids."""
     root = tmp_path_factory.mktemp("serve")
     with running_service(root / "storage", root / "service.log", *SMALL) as running:
         yield running
