@@ -250,7 +250,6 @@ LONGEST_FILES = (
     "tests/controller/test_kept_processes.py",
     "tests/hybrid_engine/test_pool_transfer.py",
     "tests/controller/test_ray_worker_group.py",
-    "tests/engine/test_tensor_parallel.py",
     "tests/models/test_smollm2.py",
 )
 VLLM_FILES = ("tests/rollout/vllm/", "tests/trainer/test_vllm_e2e.py")

@@ -6,7 +6,6 @@ import json
 import pytest
 from agent_loops import CALCULATE_THEN_ANSWER
 
-from hybridflow.models import resolve_model_path
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
 
@@ -23,19 +22,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-# vLLM's CPU attention takes head sizes from 32 up; the default tiny-llama has 16
-TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
+# The engine and modes the loops run in. Not vLLM: its multi-turn conversations equal the native engine's token for
+# token (tests/rollout/vllm/test_vllm_agent.py), and a GRPO run on it learns (tests/trainer/test_vllm_e2e.py)
 BACKENDS = {
     "native": [],
-    # the head-32 model learns more slowly: at step 10 its curve still climbs steeply (last two steps 0.32-0.37 and
-    # 0.57-0.66 over five runs; vLLM's batching makes them vary), so two more steps keep it clear of the bound
-    "vllm": [
-        "trainer.total_training_steps=12",
-        f"actor_rollout_ref.model.path={TINY_HEAD_32}",
-        "actor_rollout_ref.rollout.name=vllm",
-        "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
-        "actor_rollout_ref.rollout.vllm.block_size=32",
-    ],
     # the agent loops on the rollout role's own pool, one step off policy (docs/async.md): each batch trains
     # one policy version late, and this run needed a few more steps to learn (10 steps reached 0.21)
     "native_one_step_off": [

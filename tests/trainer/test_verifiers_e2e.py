@@ -2,7 +2,9 @@
 (.venv-verifiers) and its model calls reach the run's endpoint as token ids (verifiers' TrainClient). A two-turn
 environment whose reward the tiny model can learn (the fraction of digits in its second reply) is trained through
 the endpoint and the reward rises (sync); one_step_off and fully_async run the shipped reasoning-gym taskset for
-two steps on the rollout's own pool, and sync runs it on vLLM."""
+two steps on the rollout's own pool. On vLLM the endpoint makes the same engine calls for the token route as for the
+chat route (rollout/agent_server/turns.py), whose conversations there equal the native engine's
+(tests/rollout/vllm/test_vllm_agent_endpoint.py)."""
 
 import json
 from pathlib import Path
@@ -10,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from hybridflow.data.tasks import write_verifiers_env
-from hybridflow.models import resolve_model_path
 from hybridflow.trainer.commands.train import run
 from hybridflow.trainer.setup.config import load_config
 from hybridflow.verifiers_runner.launch import verifiers_python
@@ -72,15 +73,6 @@ MODES = {
         "trainer.async_training.partial_rollout=false",
     ],
 }
-# vLLM's CPU attention takes head sizes from 32 up; the default tiny-llama has 16
-TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
-VLLM = [
-    f"actor_rollout_ref.model.path={TINY_HEAD_32}",
-    "actor_rollout_ref.rollout.name=vllm",
-    "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
-    "actor_rollout_ref.rollout.old_log_prob_source=recompute",
-]
-MODES["sync_vllm"] = [*SMALL[:4], *VLLM]
 RG_ARGS = {"taskset": {"dataset": "chain_sum", "settings": {"min_terms": 2, "max_terms": 2, "max_digits": 1}}}
 
 
@@ -130,7 +122,7 @@ def test_a_two_turn_verifiers_environment_trains_through_the_endpoint(local_ray,
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_the_reasoning_gym_taskset_runs_in_the_asynchronous_modes_and_on_vllm(local_ray, tmp_path, mode):
+def test_the_reasoning_gym_taskset_runs_in_the_asynchronous_modes(local_ray, tmp_path, mode):
     data = tmp_path / "data"
     write_verifiers_env(
         "reasoning_gym_single", RG_ARGS, str(ENVIRONMENTS), verifiers_python(), data, train=16, test=4, seed=0
