@@ -53,4 +53,5 @@ def test_a_saved_state_survives_a_restart_and_a_lost_worker_stops_the_service(tm
         health = httpx.get(f"{service.url}/api/v1/healthz", timeout=5)
         assert health.status_code == 503 and "start it again" in health.json()["error"]
         assert service.process.wait(timeout=60) == 1
+        sc.holder.close()  # no service to end the session with: the SDK's heartbeat stops here, not at exit
     assert "hybridflow serve: stopped: the service's worker is gone" in (tmp_path / "second.log").read_text()
