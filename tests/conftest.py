@@ -253,26 +253,25 @@ LONGEST_FILES = (
     "tests/models/test_smollm2.py",
 )
 VLLM_FILES = ("tests/rollout/vllm/", "tests/trainer/test_vllm_e2e.py")
-# Files whose tests share one fixture too costly to set up once per file: one unit of work for pytest-xdist, so that a
-# single test process runs them and sets it up once. tests/serve: one `hybridflow serve` (10 s alone, 25-30 s in a
-# loaded run) for the SDK's conformance, the bad clients and the trainer equalities.
-SHARED_FIXTURE_FILES = {
-    "tests/serve/test_conformance.py": "tests/serve (one service)",
-    "tests/serve/test_bad_clients.py": "tests/serve (one service)",
-    "tests/serve/test_trainer_equality.py": "tests/serve (one service)",
-}
+# The serve modules that share one `hybridflow serve` (tests/serve/conftest.py; 10 s to start alone, 25-32 s in a
+# loaded run): one unit of work for pytest-xdist, so that a single test process runs them and starts it once.
+ONE_SERVICE_FILES = (
+    "tests/serve/test_conformance.py",
+    "tests/serve/test_bad_clients.py",
+    "tests/serve/test_trainer_equality.py",
+)
 
 
-class FilesAndSharedFixtures(LoadFileScheduling):
-    """pytest-xdist's --dist loadfile, with the files of SHARED_FIXTURE_FILES as one unit of work."""
+class FilesAndOneService(LoadFileScheduling):
+    """pytest-xdist's --dist loadfile, with the files of ONE_SERVICE_FILES as one unit of work."""
 
     def _split_scope(self, nodeid: str) -> str:
         file = super()._split_scope(nodeid)
-        return SHARED_FIXTURE_FILES.get(file, file)
+        return "tests/serve (one service)" if file in ONE_SERVICE_FILES else file
 
 
 def pytest_xdist_make_scheduler(config, log):
-    return FilesAndSharedFixtures(config, log) if config.getvalue("dist") == "loadfile" else None
+    return FilesAndOneService(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def pytest_collection_modifyitems(items):
