@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 VLLM_EXTRA ?= ,vllm
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow test-all lint format install verifiers-env cookbook-env clean
+.PHONY: demo test test-slow test-all fuzz lint format install verifiers-env cookbook-env clean
 
 # pip byte-compiles what it installs one file at a time (about 50 CPU-seconds here, mostly torch and vLLM):
 # installs skip it, and compileall does it once at the end on every core. Like pip, it skips a file that is not
@@ -99,6 +99,14 @@ test-slow: $(STAMP) $(VERIFIERS_STAMP)
 
 test-all: lint $(VERIFIERS_STAMP)
 	$(PYTEST) $(PYTEST_ARGS)
+
+# The services fuzzed from their OpenAPI schemas by schemathesis, longer than the slow tier runs them (tests/README.md):
+# FUZZ_EXAMPLES generated requests per operation (the slow tier: 60), each test printing the count it sent.
+FUZZ_EXAMPLES ?= 1000
+FUZZ_TESTS := tests/rollout/agent_server/test_endpoint_fuzz.py tests/serve/test_service_fuzz.py
+
+fuzz: $(STAMP)
+	HYBRIDFLOW_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -s -n 0 $(FUZZ_TESTS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERIFIERS_VENV) build *.egg-info

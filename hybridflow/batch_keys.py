@@ -45,6 +45,10 @@ AGENT_REQUESTS = "agent_requests"  # (B,) requests the sample's agent made
 AGENT_BRANCHES = "agent_branches"  # (B,) conversations its session started (an edited history starts one)
 AGENT_PARSE_FAILURES = "agent_parse_failures"  # (B,) turns whose tool-call markup did not parse
 AGENT_SERVER_SECONDS = "agent_server_seconds"  # (B,) time in the endpoint's own code for its requests
+AGENT_GENERATED_TOKENS = "agent_generated_tokens"  # (B,) tokens the model generated in the session, every branch
+# A session whose requests started several branches is trained on each (rollout/agent_server/branch_rows.py): the
+# rollout hands its other branches in AGENT_BRANCH_ROWS, the driver makes each a row of the session's group.
+LAST_BRANCH = "last_branch"  # (B,) bool: the row of its session's last branch, the one its reward was given for
 
 # ---- per-row objects (DataProto.non_tensor_batch); the dataset's file columns keep these names -
 UID = "uid"  # group id shared by the n samples of one prompt
@@ -58,6 +62,8 @@ STOP_REASON = "stop_reason"  # multi-turn: why the row's conversation ended (rol
 TURN_SCORES = "turn_scores"  # multi-turn: list per row, each assistant turn's tool-call rewards summed
 TURN_ENDS = "turn_ends"  # multi-turn: list per row, the response index of each assistant turn's last token
 TOOL_REWARDS = "tool_rewards"  # multi-turn: dict per row, tool name -> its reward for the whole trajectory
+AGENT_BRANCH_ROWS = "agent_branch_rows"  # the endpoint's rollout: per row, its session's other branches as rows
+SESSION = "session"  # per row of a branching batch: its session's id (a row and its other branches share it)
 AGENT_FAILURE = "agent_failure"  # multi-turn: why the row's agent loop failed ("" if it did not)
 AGENT_REWARD = "agent_reward"  # agent endpoint: the reward the row's agent returned (NaN if it failed)
 AGENT_METRICS = "agent_metrics"  # agent endpoint: the other numbers the row's agent returned {name: float}
@@ -76,6 +82,7 @@ SAMPLING_ROUND = "sampling_round"  # dynamic sampling: the step's generation rou
 OLD_POLICY = "old_policy"  # "rollout": the update uses the rollout's log-probs as the old policy (bypass mode)
 METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
 SFT_LOSS = "sft/loss"  # the SFT metric: a batch's mean negative log-likelihood per trained token
+BATCH_SCALE = "batch_scale"  # an update's batch is this many times the planned one (branches): mini-batches too
 INTERRUPT_KEY = "interrupt_key"  # partial rollout: the store key whose presence stops the call (rollout/interrupt.py)
 
 SAMPLING_MODES = ("train", "validate", "greedy")

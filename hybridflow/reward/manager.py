@@ -38,6 +38,7 @@ from hybridflow.batch_keys import (
     DATA_SOURCE,
     EXTRA_INFO,
     FINAL_RESPONSE,
+    LAST_BRANCH,
     NUM_TURNS,
     RESPONSE_MASK,
     RESPONSES,
@@ -207,10 +208,13 @@ class RewardManager:
             token_level_scores = torch.zeros(batch_size, length, dtype=torch.float32)
             token_level_scores[torch.arange(batch_size), last.clamp(min=0)] = scores
         self._examine(sources, texts, reward_models, per_sample)
+        # the samples the metrics count: each agent session once, however many of its branches are rows
+        last_branch = data.batch.get(LAST_BRANCH, None)
+        counted = np.flatnonzero(last_branch.cpu().numpy()) if last_branch is not None else np.arange(batch_size)
         return RewardResult(
             token_level_scores=token_level_scores.to(responses.device),
             extra=_columns(per_sample),
-            metrics=_metrics(sources, per_sample),
+            metrics=_metrics(sources[counted], [per_sample[i] for i in counted]),
         )
 
     def _final_turns(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.batch_keys import GLOBAL_STEP, METRICS
+from hybridflow.batch_keys import BATCH_SCALE, GLOBAL_STEP, METRICS
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state
@@ -171,7 +171,8 @@ class ActorWorker(Worker):
         and entropy of each row's first forward come back too (PolicyEngine.update_policy)."""
         step = int(data.meta_info[GLOBAL_STEP])
         temperature = self.config.rollout.temperature
-        output = self.actor.update_policy(data, self.mini_batch_per_rank, temperature, seed=self.seed + step)
+        mini_batch = self.mini_batch_per_rank * int(data.meta_info.get(BATCH_SCALE, 1))  # a batch grown by branches
+        output = self.actor.update_policy(data, mini_batch, temperature, seed=self.seed + step)
         metrics = output.meta_info[METRICS]
         metrics["perf/max_memory_gb"] = peak_memory_gb(self.device)  # the step's peak: reset when it generated
         metrics["perf/worker_rss_gb"] = resident_gb()  # what the process holds between steps (mean over ranks)

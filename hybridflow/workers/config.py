@@ -58,6 +58,12 @@ class RewardModelConfig:
         require(
             not self.enable or bool(self.model.path), "model.path", "reward_model.enable is true but no model is given"
         )
+        require(  # a model given and not used would train on the rule's reward without a word
+            self.enable or not self.model.path,
+            "enable",
+            f"is false, so the reward model at reward_model.model.path={self.model.path} would not be used",
+            "set reward_model.enable=true to score with it, or drop reward_model.model.path",
+        )
         require(
             self.enable or not self.replace_rule_reward,
             "replace_rule_reward",

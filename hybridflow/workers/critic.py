@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hybridflow.batch_keys import GLOBAL_STEP
+from hybridflow.batch_keys import BATCH_SCALE, GLOBAL_STEP
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
@@ -70,4 +70,5 @@ class CriticWorker(Worker):
     def update_critic(self, data: DataProto) -> DataProto:
         """The value update; its metrics in the output (no tensors)."""
         step = int(data.meta_info[GLOBAL_STEP])
-        return self.critic.update_critic(data, self.mini_batch_per_rank, seed=self.seed + step)
+        mini_batch = self.mini_batch_per_rank * int(data.meta_info.get(BATCH_SCALE, 1))  # a batch grown by branches
+        return self.critic.update_critic(data, mini_batch, seed=self.seed + step)

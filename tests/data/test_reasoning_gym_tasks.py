@@ -34,6 +34,7 @@ SCORED = [
     TaskSpec("simple_equations"),
     TaskSpec("base_conversion"),
     TaskSpec("countdown"),
+    TaskSpec("sentence_reordering"),  # its answers are sentences that end with a period
 ]
 
 
@@ -90,6 +91,7 @@ def test_every_answer_scores_one_and_a_wrong_one_less(spec):
         assert wrong["score"] < 1.0 and wrong["acc"] == 0.0
         # without tags the whole reply is the answer: the bare answer is right, more words are not
         assert scorer(f" {answer}.\n", truth)["acc"] == 1.0
+        assert scorer(f"{answer}\n", truth) == {"score": 1.0, "acc": 1.0, "pred": answer}
         assert scorer(f"I think the answer might be {answer} but not sure", truth)["acc"] == 0.0
         assert scorer("  ", truth) == {"score": 0.0, "acc": 0.0, "pred": ""}
         # the last answer pair counts

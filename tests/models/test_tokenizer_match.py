@@ -29,9 +29,35 @@ def test_a_larger_vocabulary_is_named_with_tokens_of_its_own():
     assert difference.startswith("vocabulary: 512 tokens against 600; only the teacher's: [")
 
 
-def test_other_special_tokens_are_named():
-    (difference,) = tokenizer_differences("tiny-llama", "tiny-qwen2")
-    assert difference == "special tokens (1 differ): unk_token: None against '<|endoftext|>'"
+def test_another_architecture_with_the_same_tokenizer_files_shares_it():
+    # tiny-qwen2's tokenizer files are tiny-llama's, byte for byte; transformers fills Qwen2's class default unk_token
+    # in for one of them, which decides no token id
+    assert tokenizer_differences("tiny-llama", "tiny-qwen2") == []
+
+
+def other_eos(directory):
+    settings = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps(settings | {"eos_token": "<|endoftext|>"}))
+
+
+def test_other_special_tokens_are_named_with_their_ids(student_copy):
+    other_eos(student_copy)
+    vocabulary = json.loads((student_copy / "tokenizer.json").read_text())["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in json.loads((student_copy / "tokenizer.json").read_text())["added_tokens"]}
+    ids = vocabulary | added
+    (difference,) = tokenizer_differences("tiny-llama", student_copy)
+    assert difference == (
+        f"special tokens (1 differ): eos_token: '<|im_end|> (id {ids['<|im_end|>']})' against "
+        f"'<|endoftext|> (id {ids['<|endoftext|>']})'"
+    )
+
+
+def test_other_merges_are_named(student_copy):
+    tokenizer = json.loads((student_copy / "tokenizer.json").read_text())
+    merges = tokenizer["model"]["merges"]
+    merges[0], merges[1] = merges[1], merges[0]  # the same vocabulary, another order of merging: other ids for a text
+    (student_copy / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert tokenizer_differences("tiny-llama", student_copy) == ["tokenizer.json: its model differ (other merges)"]
 
 
 def test_another_chat_template_and_a_smaller_embedding(student_copy):
@@ -44,14 +70,15 @@ def test_another_chat_template_and_a_smaller_embedding(student_copy):
     ]
 
 
-def test_a_run_refuses_a_teacher_of_another_tokenizer_naming_both():
-    config = load_config(["teacher.model.path=tiny-qwen2"])
+def test_a_run_refuses_a_teacher_of_another_tokenizer_naming_both(student_copy):
+    other_eos(student_copy)
+    config = load_config([f"teacher.model.path={student_copy}"])
     plan = make_run_plan(config).with_models()
     with pytest.raises(ConfigError) as error:
         check_teacher_tokenizer(config, plan)
     message = str(error.value)
-    assert "teacher.model.path" in message and "the teacher tiny-qwen2" in message and "student tiny-llama" in message
-    assert "unk_token" in message and "hybridflow distill-data" in message
+    assert "teacher.model.path" in message and f"the teacher {student_copy}" in message
+    assert "student tiny-llama" in message and "eos_token" in message and "hybridflow distill-data" in message
 
 
 def test_a_lora_adapter_directory_is_refused_with_the_export_that_merges_it(tmp_path):

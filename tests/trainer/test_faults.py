@@ -78,6 +78,7 @@ def fails_before_ray(args: list[str], capsys) -> str:
         (["data.val_batch_size=0"], "data.val_batch_size"),
         (["actor_rollout_ref.actor.policy_loss.clip_ratio=-0.2"], "actor_rollout_ref.actor.policy_loss.clip_ratio"),
         (["trainer.default_local_dir=/sys/hybridflow-run"], "trainer.default_local_dir': cannot write to /sys"),
+        (["reward_model.model.path=tiny-llama"], "reward_model.enable': is false, so the reward model at"),
         (["data.train_files=[/no/such.parquet]"], "data.train_files': file '/no/such.parquet' does not exist"),
         (["no_such_section.key=1"], "no_such_section"),
         (
@@ -90,6 +91,7 @@ def fails_before_ray(args: list[str], capsys) -> str:
 def test_bad_settings_fail_before_ray(arithmetic_files, tmp_path, capsys, extra, expected):
     err = fails_before_ray([*base(arithmetic_files, tmp_path / "run"), *extra], capsys)
     assert expected in err
+    assert not (tmp_path / "run").exists()  # a refused run leaves nothing behind
 
 
 @pytest.mark.parametrize("kind", sorted(CUSTOM_REWARDS))
@@ -98,6 +100,7 @@ def test_a_custom_reward_that_cannot_score_fails_before_ray(arithmetic_files, tm
     reward.write_text(CUSTOM_REWARDS[kind])
     err = fails_before_ray([*base(arithmetic_files, tmp_path / "run"), f"custom_reward_function.path={reward}"], capsys)
     assert "custom reward function (custom_reward_function.path / .name) failed on the first row" in err
+    assert not (tmp_path / "run").exists()  # refused after the run directory's checks: nothing made
 
 
 def test_a_data_source_without_a_scorer_fails_before_ray(tmp_path, capsys):
@@ -110,6 +113,7 @@ def test_a_data_source_without_a_scorer_fails_before_ray(tmp_path, capsys):
     files = (write_rows(rows, tmp_path / "train.parquet"), write_rows(rows, tmp_path / "test.parquet"))
     err = fails_before_ray(base(files, tmp_path / "run"), capsys)
     assert "no reward scorer for data_source 'my_unregistered_task' (6 rows)" in err  # 3 in each file
+    assert not (tmp_path / "run").exists()
 
 
 def test_the_real_command_prints_one_message_and_exits_2(capsys):

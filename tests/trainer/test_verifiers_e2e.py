@@ -101,7 +101,9 @@ def test_a_two_turn_verifiers_environment_trains_through_the_endpoint(local_ray,
             # fp32 on every host (auto is bf16 where the CPU has bf16 units): the run learns as it was tuned to
             "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
             "actor_rollout_ref.rollout.dtype=fp32",
-            "trainer.total_training_steps=10",
+            # 12 steps: every branch is trained, so the first replies (cut at 4 tokens, their text not the answer)
+            # share each update with the second, and the learning takes two steps more than on the last branches
+            "trainer.total_training_steps=12",
             "trainer.total_epochs=2",
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={run_dir}",
@@ -110,14 +112,22 @@ def test_a_two_turn_verifiers_environment_trains_through_the_endpoint(local_ray,
     run(config)
     records = records_of(run_dir)
     scores = [r["critic/score/mean"] for r in records]
-    assert len(scores) == 10
+    assert len(scores) == 12
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.15 and last > first + 0.4, scores
     step = records[-1]
     assert step["agent/stop/failed"] == 0.0  # every episode's trace matched the endpoint's record
     # the default renderer re-renders the conversation each turn: a cut first turn whose text does not tokenise
-    # back to the same ids starts a second branch (the sample is then the latest branch), now and then
-    assert step["agent/requests_per_session"] == 2.0 and 1.0 <= step["agent/branches_per_session"] < 1.5
+    # back to the same ids starts a second branch; every branch is trained, each session counted once in the scores
+    branched = [r for r in records if r["agent/branches_per_session"] > 1.0]
+    assert branched, [r["agent/branches_per_session"] for r in records]
+    for record in records:
+        assert record["agent/trained_branches_per_session"] == record["agent/branches_per_session"]
+        if record["agent/stop/failed"] == 0.0:  # a failed episode's tokens leave the update with it
+            assert record["agent/trained_token_share"] == 1.0  # every generated token of every branch is trained
+        # token-exact rows: the trainer's log-probs of every branch's tokens are the sampler's (fp32)
+        assert record["rollout/log_prob_diff_max"] < 1e-4
+    assert step["agent/requests_per_session"] == 2.0 and 1.0 <= step["agent/branches_per_session"] <= 2.0
     assert step["agent/returned/turns"] == 2.0 and step["agent/returned/reward/digits"] == pytest.approx(scores[-1])
 
 

@@ -2,8 +2,10 @@
 
 The ground truth names the entry (task, settings, dataset seed, index); the scorer regenerates that exact entry and
 calls the dataset's ``score_answer`` on the answer: the text of the response's last ``<answer>...</answer>`` pair
-(reasoning-gym's own extraction and convention), or, in a response without tags, the whole response (stripped, a
-final period dropped): the prompt asks for only the answer, which small models give without tags. The score is the
+(reasoning-gym's own extraction and convention), or, in a response without tags, the whole response, stripped: the
+prompt asks for only the answer, which small models give without tags. A bare reply ending in a period is scored both
+as written and with the period dropped, and keeps the better score: "42." is the answer 42 with a full stop, while a
+sentence-answer task (sentence_reordering) needs its own final period. The score is the
 task's (some give partial credit, e.g. for a reply that contains the answer); ``acc`` is 1 for a full score.
 reasoning-gym is imported on first use, so the other scorers never need it.
 """
@@ -44,7 +46,17 @@ def score_reasoning_gym(solution_str: str, ground_truth: str | dict, extra_info:
 
     dataset, entry = entry_of(ground_truth)
     pred = extract_answer(solution_str, "answer")
-    if pred is None:
-        pred = solution_str.strip().removesuffix(".").strip()
-    score = float(dataset.score_answer(pred, entry)) if pred else 0.0
-    return {"score": score, "acc": float(score >= 1.0), "pred": pred or ""}
+    candidates = [pred] if pred is not None else _bare_answers(solution_str)
+    best_score, best = 0.0, candidates[0] if candidates else ""
+    for candidate in candidates:
+        score = float(dataset.score_answer(candidate, entry)) if candidate else 0.0
+        if score > best_score:
+            best_score, best = score, candidate
+    return {"score": best_score, "acc": float(best_score >= 1.0), "pred": best or ""}
+
+
+def _bare_answers(solution_str: str) -> list[str]:
+    """A reply without tags as its answer: as written (stripped), then without a final period."""
+    whole = solution_str.strip()
+    without_period = whole.removesuffix(".").strip()
+    return [whole, without_period] if without_period != whole else [whole]

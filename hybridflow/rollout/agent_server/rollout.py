@@ -4,9 +4,9 @@ For every row of a generation call a session is opened and ``rollout.agent.funct
 ``base_url`` and ``api_key`` and the row (its chat prompt, data source, ground truth, extra_info, index); all of a
 call's agents run at once (a plain function in its own thread, a coroutine function in the event loop), their
 requests decoded together by the engine. What an agent returns is the sample's reward: a number, or a dict with
-"reward" and more numbers (reported as ``agent/<name>``). The sample is the session's latest branch (its earlier
-branches are counted, not trained); an agent that raises, times out or makes no request leaves the update, with
-the reason in ``agent_failure``.
+"reward" and more numbers (reported as ``agent/<name>``). The sample is the session's latest branch; its other
+branches come with it in ``agent_branch_rows`` and are trained too (branch_rows.py). An agent that raises, times out
+or makes no request leaves the update, with the reason in ``agent_failure``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch_keys import (
+    AGENT_BRANCH_ROWS,
     AGENT_BRANCHES,
+    AGENT_GENERATED_TOKENS,
     AGENT_METRICS,
     AGENT_PARSE_FAILURES,
     AGENT_REQUESTS,
@@ -48,12 +50,13 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.agent.chat import ChatFormat
 from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
 from hybridflow.rollout.agent.rollout import assemble_trajectories
-from hybridflow.rollout.agent.state import STOP_LENGTH, STOP_NO_TOOL_CALL, RequestState, Trajectory
+from hybridflow.rollout.agent.state import Trajectory
+from hybridflow.rollout.agent_server.branch_rows import branch_trajectory, left_padded, other_branch_rows
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.environment_runner import EnvironmentRunner
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.server import AgentServer, build_app
-from hybridflow.rollout.agent_server.sessions import Session, SessionTable
+from hybridflow.rollout.agent_server.sessions import Session, SessionTable, agents_of
 from hybridflow.rollout.agent_server.turns import ArrivalGate, TurnRunner
 from hybridflow.rollout.base import BackendWrapper, Rollout, SamplingParams
 from hybridflow.user_code import load_object
@@ -117,15 +120,20 @@ class AgentFunctionRollout(BackendWrapper):
         sessions, outcomes = asyncio.run(self._run_all(rows, params))
         trajectories = [self._trajectory(i, s, o) for i, (s, o) in enumerate(zip(sessions, outcomes))]
         # every rank's prompts to the same width (max_prompt_tokens), so that the generation groups' batches join
-        prompt_ids, prompt_mask = _left_padded(
-            [t.prompt for t in trajectories], self.pad_token_id, self.config.max_prompt_tokens
-        )
-        tensors, non_tensors = assemble_trajectories(
-            prompt_ids, prompt_mask, trajectories, params.max_new_tokens, self.pad_token_id
-        )
+        width, pad = self.config.max_prompt_tokens, self.pad_token_id
+        prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad, width)
+        tensors, non_tensors = assemble_trajectories(prompt_ids, prompt_mask, trajectories, params.max_new_tokens, pad)
         tensors |= _session_counts(sessions)
         non_tensors[AGENT_REWARD] = _objects([o[0] for o in outcomes])
         non_tensors[AGENT_METRICS] = _objects([o[1] for o in outcomes])
+        non_tensors[AGENT_BRANCH_ROWS] = _objects(  # a failed session's branches leave the update with it
+            [
+                None
+                if outcome[2]
+                else other_branch_rows(s, prompt_width=width, response_length=params.max_new_tokens, pad_token_id=pad)
+                for s, outcome in zip(sessions, outcomes)
+            ]
+        )
         return DataProto.from_dict(tensors, non_tensors, meta_info=dict(prompts.meta_info))
 
     async def _run_all(self, rows: list[dict], params: SamplingParams) -> tuple[list[Session], list[tuple]]:
@@ -211,29 +219,15 @@ class AgentFunctionRollout(BackendWrapper):
         return self.environment.serving(server.base_url, sessions, temperature=params.temperature, top_p=params.top_p)
 
     def _trajectory(self, index: int, session: Session, outcome: tuple[float, dict, str]) -> Trajectory:
-        branch = session.last
-        prompt = branch.prompt if branch is not None else [self.pad_token_id]
-        trajectory = Trajectory(request=index, prompt=prompt)
-        failure = outcome[2]
-        if branch is not None:
-            trajectory.tokens, trajectory.mask, trajectory.log_probs = branch.tokens, branch.mask, branch.log_probs
-            trajectory.turn_ends = list(branch.turn_ends)
-            trajectory.turn_scores = [0.0] * len(branch.turn_ends)
-            trajectory.assistant_turns = len(branch.turn_ends)
-            trajectory.user_turns = max(0, len(branch.turn_ends) - 1)
+        trajectory = branch_trajectory(index, session.last, self.pad_token_id, failure=outcome[2])
         trajectory.tool_calls = session.counts.tool_calls
-        if failure:
-            trajectory.fail(failure)
-        else:
-            trajectory.move_to(RequestState.GENERATING)
-            trajectory.finish(STOP_LENGTH if branch.finish_reason == "length" else STOP_NO_TOOL_CALL)
         return trajectory
 
     def _log(self, error: Exception) -> None:
         kind = type(error).__name__
         if kind not in self._logged:
             self._logged.add(kind)
-            logger.warning("rollout.agent.function failed; the sample leaves the update (agent_failure): %r", error)
+            logger.warning("%s failed; the sample leaves the update (agent_failure): %r", agents_of(self.config), error)
 
 
 @contextmanager
@@ -277,15 +271,6 @@ def _objects(values: list[Any]) -> np.ndarray:
     return array
 
 
-def _left_padded(prompts: list[list[int]], pad: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[i, width - len(prompt) :] = 1
-    return ids, mask
-
-
 def _session_counts(sessions: list[Session]) -> dict[str, torch.Tensor]:
     def column(values: list[float], dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype)
@@ -293,6 +278,7 @@ def _session_counts(sessions: list[Session]) -> dict[str, torch.Tensor]:
     return {
         AGENT_REQUESTS: column([s.counts.requests for s in sessions]),
         AGENT_BRANCHES: column([len(s.branches) for s in sessions]),
+        AGENT_GENERATED_TOKENS: column([sum(sum(b.mask) for b in s.branches) for s in sessions]),
         AGENT_PARSE_FAILURES: column([s.counts.parse_failures for s in sessions]),
         AGENT_SERVER_SECONDS: column([s.counts.server_seconds for s in sessions], torch.float32),
     }

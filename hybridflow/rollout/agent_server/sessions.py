@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import secrets
 import time
 from collections import deque
@@ -21,6 +22,16 @@ from typing import Any
 
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError
+
+
+def agents_of(config: AgentServerConfig) -> str:
+    """The run's agents as its settings name them, for messages: a function, external agents or a verifiers
+    environment."""
+    if config.verifiers.env:
+        return f"the verifiers environment (rollout.agent.verifiers.env={config.verifiers.env})"
+    if config.function:
+        return f"the agent function (rollout.agent.function={config.function})"
+    return "the external agent (rollout.agent.external=true)"
 
 
 @dataclass
@@ -197,16 +208,16 @@ class SessionTable:
         if body.get("abandon") is True:
             reason = body.get("reason")
             detail = f": {str(reason)[:500]}" if reason else ""
-            outcome: Any = RuntimeError(f"the external agent abandoned the session{detail}")
+            outcome: Any = RuntimeError(f"{agents_of(self.config)} gave the session up{detail}")
         else:
             reward, metrics = body.get("reward"), body.get("metrics") or {}
-            if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+            if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
                 raise ApiError(400, f"'reward' must be a finite number, got {reward!r}", param="reward",
                                code="invalid_value")  # fmt: skip
             if not isinstance(metrics, dict) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) for v in metrics.values()
+                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values()
             ):
-                raise ApiError(400, "'metrics' must map names to numbers", param="metrics", code="invalid_value")
+                raise ApiError(400, "'metrics' must map names to finite numbers", param="metrics", code="invalid_value")
             outcome = {"reward": float(reward), **{str(k): float(v) for k, v in metrics.items()}}
             if body.get("branches") is not None:  # the agent's own record of its trajectories, checked against ours
                 mismatch = trace_mismatch(session, body["branches"])

@@ -19,6 +19,7 @@ import torch
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.algorithms.dynamic_sampling import informative_groups, rows_of_groups, select_groups
 from hybridflow.batch_keys import (
+    AGENT_BRANCH_ROWS,
     AGENT_NAME,
     EXTRA_INFO,
     GENERATED_MASK,
@@ -38,6 +39,7 @@ from hybridflow.lengths import balanced_order, packed_lengths
 from hybridflow.protocol import DataProto
 from hybridflow.reward import RewardResult
 from hybridflow.reward.shaping import apply_overlong_penalty
+from hybridflow.rollout.agent_server.branch_rows import expand_branches
 from hybridflow.rollout.agent_server.rollout import ROW_COLUMNS
 from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
 from hybridflow.trainer.loop.step_loop import Metrics
@@ -192,6 +194,7 @@ class Generation:
             batch = self.rollout(prompts, "train", step, metrics, round_index, meta)
             if self.estimator.needs_baseline:
                 batch.batch[REWARD_BASELINES] = self.greedy_baseline(prompts, step, timeline, round_index)
+            batch = expand_branches(batch)  # agent sessions' other branches: rows of their groups, trained too
         if scored:
             batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, timeline, shaped=True)
         return batch
@@ -222,6 +225,8 @@ class Generation:
             gen_input.union(prompts.select(batch_keys=[], non_tensor_batch_keys=present, deepcopy=True))
         request = gen_input.repeat(n, interleave=True)
         generated = self.call(request, step, metrics, sampling=sampling, round_index=round_index, meta=meta)
+        if sampling != "train":  # sessions' other branches are trained, not validated: the last is the answer
+            generated.non_tensor_batch.pop(AGENT_BRANCH_ROWS, None)
         return mark_generated(prompts.repeat(n, interleave=True).union(generated), step)
 
     def call(

@@ -26,11 +26,14 @@ from pathlib import Path
 import torch
 
 from hybridflow.algorithms import apply_kl_penalty, make_kl_controller
+from hybridflow.algorithms.branch_advantage import branch_advantages
 from hybridflow.algorithms.distillation import distillation_advantages
 from hybridflow.algorithms.rollout_correction import correction_diagnostics, rollout_correction
 from hybridflow.batch_keys import (
     ADVANTAGES,
+    BATCH_SCALE,
     DATA_SOURCE,
+    LAST_BRANCH,
     OLD_LOG_PROBS,
     OLD_POLICY,
     REF_LOG_PROB,
@@ -39,6 +42,7 @@ from hybridflow.batch_keys import (
     REWARD_BASELINES,
     ROLLOUT_IS_WEIGHTS,
     ROLLOUT_LOG_PROBS,
+    SESSION,
     TEACHER_LOG_PROB,
     TOKEN_LEVEL_REWARDS,
     TOKEN_LEVEL_SCORES,
@@ -49,8 +53,9 @@ from hybridflow.batch_keys import (
 from hybridflow.data import PromptDataLoader
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto, DataProtoFuture
+from hybridflow.rollout.agent_server.branch_rows import drop_fillers, pad_to_planned
 from hybridflow.trainer.loop.batch_source import BatchSource
-from hybridflow.trainer.loop.generation import Generation, Metrics, take_metrics
+from hybridflow.trainer.loop.generation import Generation, Metrics, rank_order, take_metrics
 from hybridflow.trainer.loop.step_loop import CheckpointParts
 from hybridflow.trainer.loop.weight_sync import WeightSync
 from hybridflow.trainer.services.metrics import (
@@ -177,6 +182,7 @@ class RLTrainer:
         if after_generation[0] is not None:
             self.measure_log_prob_mismatch(batch, metrics)
         with timeline.stage("adv", on_driver=True):
+            self.pad_branching_batch(batch)
             self.compute_advantage(batch, metrics)
             self.loss_masks_and_weights(batch, metrics)
         critic_update = groups.critic.update_critic.future(batch) if groups.critic is not None else None
@@ -186,6 +192,16 @@ class RLTrainer:
         if critic_update is not None:
             with timeline.stage("update_critic"):
                 take_metrics(critic_update.get(), metrics)
+        drop_fillers(batch)
+
+    def pad_branching_batch(self, batch: DataProto) -> None:
+        """A batch that agent sessions' branches made larger than planned: padded with inert rows to a whole
+        multiple of the planned batch (the update's mini-batches grow by it), in rank order again."""
+        planned = self.config.data.train_batch_size * self.config.actor_rollout_ref.rollout.n
+        scale = pad_to_planned(batch, planned)
+        if scale > 1:
+            batch.meta_info[BATCH_SCALE] = scale
+            batch.reorder(rank_order(batch, self.generation.actor_ranks))
 
     def step_metrics(self, batch: DataProto, timeline: StepTimeline, metrics: Metrics) -> None:
         """What the step's data and timeline say, at its end: lengths, scores, agent turns, each stage's
@@ -265,14 +281,27 @@ class RLTrainer:
         else:
             rewards = tensors[TOKEN_LEVEL_SCORES]
         tensors[TOKEN_LEVEL_REWARDS] = rewards
-        advantages, returns = self.estimator(
-            rewards,
-            tensors[RESPONSE_MASK].float(),
-            batch.non_tensor_batch[UID],
-            algorithm,
-            values=tensors.get(VALUES, None),
-            reward_baselines=tensors.get(REWARD_BASELINES, None),
-        )
+        if LAST_BRANCH in tensors.keys():  # agent sessions with several branches: each session counted once
+            advantages, returns = branch_advantages(
+                self.estimator,
+                rewards,
+                tensors[RESPONSE_MASK].float(),
+                batch.non_tensor_batch[UID],
+                algorithm,
+                sessions=batch.non_tensor_batch[SESSION],
+                last_branch=tensors[LAST_BRANCH],
+                values=tensors.get(VALUES, None),
+                reward_baselines=tensors.get(REWARD_BASELINES, None),
+            )
+        else:
+            advantages, returns = self.estimator(
+                rewards,
+                tensors[RESPONSE_MASK].float(),
+                batch.non_tensor_batch[UID],
+                algorithm,
+                values=tensors.get(VALUES, None),
+                reward_baselines=tensors.get(REWARD_BASELINES, None),
+            )
         if TEACHER_LOG_PROB in tensors.keys():  # on-policy distillation: the teacher's per-token signal
             advantages, distill_metrics = distillation_advantages(
                 advantages,

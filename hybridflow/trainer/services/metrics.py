@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridflow.algorithms import masked_mean, masked_var
 from hybridflow.batch_keys import (
     ADVANTAGES,
     AGENT_BRANCHES,
+    AGENT_GENERATED_TOKENS,
     AGENT_METRICS,
     AGENT_PARSE_FAILURES,
     AGENT_REQUESTS,
@@ -15,6 +17,7 @@ from hybridflow.batch_keys import (
     ATTENTION_MASK,
     ENTROPYS,
     GENERATED_MASK,
+    LAST_BRANCH,
     NUM_TURNS,
     OLD_LOG_PROBS,
     RESPONSE_MASK,
@@ -46,15 +49,17 @@ def data_metrics(batch: DataProto, response_length: int) -> dict[str, float]:
     """Scores, rewards, advantages, lengths, entropy and (with a critic) values of a step's batch.
 
     Lengths describe the responses as generated; advantages, returns, entropy and values the tokens
-    the updates trained on (``response_mask``, after any loss mask)."""
+    the updates trained on (``response_mask``, after any loss mask). Scores and rewards count samples: with agent
+    sessions trained on several branches, each session once (its last branch, which its reward was given for)."""
     tensors = batch.batch
     mask = tensors[RESPONSE_MASK].bool()
+    samples = tensors[LAST_BRANCH] if LAST_BRANCH in tensors.keys() else slice(None)
     sequence_mask = generated_mask(batch).bool().any(dim=1)
     response_lengths = response_tokens(batch).sum(dim=1).float()  # multi-turn: tool output included
     prompt_lengths = tensors[ATTENTION_MASK][:, :-response_length].sum(dim=1).float()
     metrics = {
-        **_stats("critic/score", tensors[TOKEN_LEVEL_SCORES].sum(dim=1)),
-        **_stats("critic/rewards", tensors[TOKEN_LEVEL_REWARDS].sum(dim=1)),
+        **_stats("critic/score", tensors[TOKEN_LEVEL_SCORES][samples].sum(dim=1)),
+        **_stats("critic/rewards", tensors[TOKEN_LEVEL_REWARDS][samples].sum(dim=1)),
         **_stats("critic/advantages", tensors[ADVANTAGES][mask]),
         **_stats("critic/returns", tensors[RETURNS][mask]),
         **_stats("response_length", response_lengths),
@@ -105,6 +110,11 @@ def agent_metrics(batch: DataProto) -> dict[str, float]:
     tensors = batch.batch
     if NUM_TURNS not in tensors.keys():
         return {}
+    branch_metrics = {}
+    if LAST_BRANCH in tensors.keys():  # sessions trained on several branches: the session metrics count sessions
+        branch_metrics = trained_branch_metrics(batch)
+        batch = batch[np.flatnonzero(tensors[LAST_BRANCH].cpu().numpy())]
+        tensors = batch.batch
     calls, errors = tensors[TOOL_CALLS].float(), tensors[TOOL_ERRORS].float()
     metrics = {
         **_stats("agent/num_turns", tensors[NUM_TURNS]),
@@ -116,7 +126,22 @@ def agent_metrics(batch: DataProto) -> dict[str, float]:
     reasons = list(batch.non_tensor_batch[STOP_REASON])
     for reason in sorted(set(reasons) | {"failed"}):
         metrics[f"agent/stop/{reason}"] = reasons.count(reason) / len(reasons)
-    return metrics | endpoint_metrics(batch)
+    return metrics | endpoint_metrics(batch) | branch_metrics
+
+
+def trained_branch_metrics(batch: DataProto) -> dict[str, float]:
+    """How much of what the sessions generated is trained: rows (branches) per session, and the share of every token
+    the model generated in the sessions, on all their branches, that is in the update (1.0 unless sessions failed or
+    ran past the response length)."""
+    tensors = batch.batch
+    last = tensors[LAST_BRANCH]
+    sessions = max(int(last.sum()), 1)
+    generated = float(tensors[AGENT_GENERATED_TOKENS][last].sum())
+    trained = float(generated_mask(batch).sum())
+    return {
+        "agent/trained_branches_per_session": len(batch) / sessions,
+        "agent/trained_token_share": trained / generated if generated else 1.0,
+    }
 
 
 def endpoint_metrics(batch: DataProto) -> dict[str, float]:

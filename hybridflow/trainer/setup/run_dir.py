@@ -90,15 +90,21 @@ def incompatible_keys(saved: Path, checkpoint: Path, config: HybridFlowConfig, p
 
 
 def _check_writable(run_dir: Path) -> None:
+    """Refuse a run directory this user cannot make or write, without making it: a refused run leaves nothing
+    behind. The probe goes into the directory if it exists, else into its nearest existing parent."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{time.time_ns()}"
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(existing))
+        probe = existing / f".write-test-{time.time_ns()}"
         probe.write_text("")
         probe.unlink()
     except OSError as error:
         raise ConfigError(
             "trainer.default_local_dir",
-            f"cannot write to {run_dir}: {error.strerror or error}",
+            f"cannot write to {run_dir}: {error.strerror or error}" + (f" ({existing})" if existing != run_dir else ""),
             "give a directory this user can write to",
         ) from None
 
@@ -116,6 +122,7 @@ class CheckedRunDir:
         """Tidy the directory and write the config; returns the checkpoint to resume from (or None). Call it once
         the run's other checks have passed too: from here on the directory changes."""
         try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
             _tidy(self.run_dir, self.checkpoints, self.checkpoint)
             (self.run_dir / CONFIG_FILE).write_text(self.config_yaml)
         except OSError as error:
