@@ -1,23 +1,29 @@
 """The Tinker REST API over the training service (FastAPI): each route reads its body (bounded, parsed, checked),
 calls the service, and answers JSON, or the protobuf the SDK asks for. Every request but the health check needs
-an API key (``X-API-Key``); every refusal is JSON ``{"error", "category"}`` with a 4xx status, and a client's
-error never reaches another's state (hybridflow/serve/service.py)."""
+an API key (``X-API-Key``); every refusal is JSON ``{"error", "category"}`` with a 4xx status (a 5xx only when the
+worker is gone), and a client's error never reaches another's state (hybridflow/serve/service.py). The routes'
+OpenAPI description (serve/openapi.py) is served at ``/api/v1/openapi.json``.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Security
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.security import APIKeyHeader
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
+from hybridflow.request_json import RequestJsonError, read_request_json
 from hybridflow.serve import messages as m
+from hybridflow.serve import openapi as doc
 from hybridflow.serve.futures import USER, ServiceError
 from hybridflow.serve.service import TrainingService
 from hybridflow.serve.wire import PROTOBUF, BadRequest, decode_forward_backward
@@ -54,14 +60,21 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             task.cancel()
             service.stop()
 
-    app = FastAPI(title="hybridflow training service (Tinker API)", lifespan=lifespan, openapi_url=None)
+    app = FastAPI(
+        title="hybridflow training service (Tinker API)",
+        lifespan=lifespan,
+        openapi_url=None,  # served below, behind the key
+        docs_url=None,
+        redoc_url=None,
+    )
     max_bytes = service.limits.max_body_bytes
+    api_key = APIKeyHeader(name="X-API-Key", scheme_name="APIKey", auto_error=False, description="a key of the service")
 
-    def owner_of(request: Request) -> str:
-        key = request.headers.get("x-api-key") or ""
+    async def owner_of(key: str | None = Security(api_key)) -> str:
+        """The owner of the request's key; 401 without a key of this service."""
         found = None
         for owner, known in api_keys.items():  # every key compared, in constant time
-            if hmac.compare_digest(key.encode(), known.encode()):
+            if hmac.compare_digest((key or "").encode(), known.encode()):
                 found = owner
         if found is None:
             raise ServiceError("a valid API key is required in the X-API-Key header", 401)
@@ -83,9 +96,9 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
         if request.headers.get("content-encoding"):
             raise ServiceError(f"content-encoding {request.headers['content-encoding']!r} is not taken; send it plain")
         try:
-            return model.model_validate(json.loads(body or b"{}"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ServiceError(f"the body is not valid JSON: {error}") from None
+            return model.model_validate(read_request_json(body or b"{}"))
+        except RequestJsonError as error:
+            raise ServiceError(str(error)) from None
         except ValidationError as error:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
             raise ServiceError(f"{model.__name__}: {problems}") from None
@@ -94,78 +107,115 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
         return refusal(error.status, str(error), "server" if error.status >= 500 else USER)
 
-    @app.exception_handler(404)
-    async def not_found(request: Request, error: Exception) -> JSONResponse:
-        return refusal(404, f"no endpoint {request.method} {request.url.path} in this service")
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            return refusal(404, f"no endpoint {request.method} {request.url.path} in this service")
+        if error.status_code == 405:
+            return refusal(405, f"{request.url.path} does not take {request.method}")
+        return refusal(error.status_code, str(error.detail), "server" if error.status_code >= 500 else USER)
 
-    @app.exception_handler(405)
-    async def wrong_method(request: Request, error: Exception) -> JSONResponse:
-        return refusal(405, f"{request.url.path} does not take {request.method}")
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors()[:5])
+        return refusal(400, f"the request is malformed: {problems}")
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error on %s", request.url.path)
         return refusal(500, f"the service failed on this request: {type(error).__name__}", "server")
 
-    @app.get(f"{API}/healthz")
+    @app.get(f"{API}/healthz", **doc.route("healthz", doc.Health, errors=(503,)))
     async def healthz():
         if service.worker_lost is not None:
             return refusal(503, service.worker_lost, "server")
         return {"status": "ok"}
 
-    @app.post(f"{API}/client/config")
-    async def client_config(request: Request) -> dict:
-        owner_of(request)
+    @app.get(f"{API}/openapi.json", include_in_schema=False)
+    async def openapi(owner: str = Security(owner_of)) -> dict:
+        return app.openapi()
+
+    @app.post(f"{API}/client/config", **doc.route("client_config", doc.ClientConfigReply, errors=(401, 413)))
+    async def client_config(request: Request, owner: str = Security(owner_of)):
         await body_bytes(request)
         return service.client_config()
 
-    @app.post(f"{API}/client/dynamic_config")
-    async def client_dynamic_config(request: Request) -> dict:
-        owner_of(request)
+    @app.post(
+        f"{API}/client/dynamic_config", **doc.route("client_dynamic_config", doc.DynamicConfigReply, errors=(401, 413))
+    )
+    async def client_dynamic_config(request: Request, owner: str = Security(owner_of)):
         await body_bytes(request)
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
-    @app.get(f"{API}/get_server_capabilities")
-    async def capabilities(request: Request) -> dict:
-        owner_of(request)
+    @app.get(
+        f"{API}/get_server_capabilities", **doc.route("get_server_capabilities", doc.CapabilitiesReply, errors=(401,))
+    )
+    async def capabilities(owner: str = Security(owner_of)):
         return service.capabilities()
 
-    @app.post(f"{API}/telemetry")
-    async def telemetry(request: Request) -> dict:
-        owner_of(request)
+    @app.post(f"{API}/telemetry", **doc.route("telemetry", doc.TelemetryReply, errors=(401, 413)))
+    async def telemetry(request: Request, owner: str = Security(owner_of)):
         await body_bytes(request)  # read and dropped: this service keeps no client telemetry
         return {"status": "accepted"}
 
-    @app.post(f"{API}/create_session")
-    async def create_session(request: Request) -> dict:
-        owner = owner_of(request)
+    session_links = {
+        "create_model": doc.link("create_model", session_id="session_id"),
+        "create_sampling_session": doc.link("create_sampling_session", session_id="session_id"),
+        "session_heartbeat": doc.link("session_heartbeat", session_id="session_id"),
+        "load_weights": doc.link("load_weights", session_id="session_id"),
+        "finish_session": doc.path_link("finish_session", "session_id", "session_id"),
+    }
+
+    @app.post(
+        f"{API}/create_session",
+        **doc.route("create_session", doc.SessionReply, body=m.CreateSession, links=session_links),
+    )
+    async def create_session(request: Request, owner: str = Security(owner_of)):
         return service.create_session(owner, await parsed(request, m.CreateSession))
 
-    @app.post(f"{API}/session_heartbeat")
-    async def heartbeat(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/session_heartbeat",
+        **doc.route("session_heartbeat", doc.HeartbeatReply, body=m.SessionRef, errors=(400, 401, 404, 413)),
+    )
+    async def heartbeat(request: Request, owner: str = Security(owner_of)):
         return service.heartbeat(owner, (await parsed(request, m.SessionRef)).session_id)
 
-    @app.post(f"{API}/sessions/{{session_id}}/finish")
-    async def finish_session(session_id: str, request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/sessions/{{session_id}}/finish",
+        **doc.route("finish_session", doc.FinishReply, errors=(401, 404, 413, 503)),
+    )
+    async def finish_session(session_id: str, request: Request, owner: str = Security(owner_of)):
         await body_bytes(request)
         service.end_session(service.session(owner, session_id))
         return {}
 
-    @app.post(f"{API}/create_model")
-    async def create_model(request: Request) -> dict:
-        owner = owner_of(request)
+    queued = (400, 401, 404, 413, 429, 503)  # the refusals of a request that waits for the worker
+    model_links = {
+        "retrieve_future": doc.link("retrieve_future", request_id="request_id"),
+        "get_info": doc.link("get_info", model_id="model_id"),
+        "optim_step": doc.link("optim_step", model_id="model_id"),
+        "save_weights": doc.link("save_weights", model_id="model_id"),
+        "save_weights_for_sampler": doc.link("save_weights_for_sampler", model_id="model_id"),
+        "load_weights": doc.link("load_weights", model_id="model_id"),
+    }
+    future_links = {"retrieve_future": model_links["retrieve_future"]}
+
+    @app.post(
+        f"{API}/create_model",
+        **doc.route("create_model", doc.ModelFuture, body=m.CreateModel, errors=queued, links=model_links),
+    )
+    async def create_model(request: Request, owner: str = Security(owner_of)):
         return service.create_model(owner, await parsed(request, m.CreateModel))
 
-    @app.post(f"{API}/get_info")
-    async def get_info(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(f"{API}/get_info", **doc.route("get_info", doc.InfoReply, body=m.ModelRef, errors=(400, 401, 404, 413)))
+    async def get_info(request: Request, owner: str = Security(owner_of)):
         return service.get_info(owner, (await parsed(request, m.ModelRef)).model_id)
 
-    @app.post(f"{API}/forward_backward")
-    async def forward_backward(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/forward_backward",
+        **doc.route("forward_backward", doc.ModelFuture, body="protobuf", errors=(*queued, 415), links=future_links),
+    )
+    async def forward_backward(request: Request, owner: str = Security(owner_of)):
         body = await body_bytes(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
         if content_type != PROTOBUF:
@@ -178,43 +228,73 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             raise ServiceError(str(error)) from None
         return service.forward_backward(owner, call)
 
-    @app.post(f"{API}/optim_step")
-    async def optim_step(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/optim_step",
+        **doc.route("optim_step", doc.ModelFuture, body=m.OptimStep, errors=queued, links=future_links),
+    )
+    async def optim_step(request: Request, owner: str = Security(owner_of)):
         return service.optim_step(owner, await parsed(request, m.OptimStep))
 
-    @app.post(f"{API}/save_weights")
-    async def save_weights(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/save_weights",
+        **doc.route("save_weights", doc.ModelFuture, body=m.SaveWeights, errors=queued, links=future_links),
+    )
+    async def save_weights(request: Request, owner: str = Security(owner_of)):
         return service.save_weights(owner, await parsed(request, m.SaveWeights))
 
-    @app.post(f"{API}/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/save_weights_for_sampler",
+        **doc.route(
+            "save_weights_for_sampler", doc.ModelFuture, body=m.SaveWeightsForSampler, errors=queued, links=future_links
+        ),
+    )
+    async def save_weights_for_sampler(request: Request, owner: str = Security(owner_of)):
         return service.save_weights_for_sampler(owner, await parsed(request, m.SaveWeightsForSampler))
 
-    @app.post(f"{API}/load_weights")
-    async def load_weights(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/load_weights",
+        **doc.route("load_weights", doc.ModelFuture, body=m.LoadWeights, errors=queued, links=model_links),
+    )
+    async def load_weights(request: Request, owner: str = Security(owner_of)):
         return service.load_weights(owner, await parsed(request, m.LoadWeights))
 
-    @app.post(f"{API}/create_sampling_session")
-    async def create_sampling_session(request: Request) -> dict:
-        owner = owner_of(request)
+    sampler_links = {
+        "asample": doc.link("asample", sampling_session_id="sampling_session_id"),
+        "get_sampler": doc.path_link("get_sampler", "sampler_id", "sampling_session_id"),
+    }
+
+    @app.post(
+        f"{API}/create_sampling_session",
+        **doc.route(
+            "create_sampling_session",
+            doc.SamplingSessionReply,
+            body=m.CreateSamplingSession,
+            errors=(400, 401, 404, 413),
+            links=sampler_links,
+        ),
+    )
+    async def create_sampling_session(request: Request, owner: str = Security(owner_of)):
         return service.create_sampling_session(owner, await parsed(request, m.CreateSamplingSession))
 
-    @app.get(f"{API}/samplers/{{sampler_id}}")
-    async def get_sampler(sampler_id: str, request: Request) -> dict:
-        return service.get_sampler(owner_of(request), sampler_id)
+    @app.get(f"{API}/samplers/{{sampler_id}}", **doc.route("get_sampler", doc.SamplerReply, errors=(401, 404)))
+    async def get_sampler(sampler_id: str, owner: str = Security(owner_of)):
+        return service.get_sampler(owner, sampler_id)
 
-    @app.post(f"{API}/asample")
-    async def asample(request: Request) -> dict:
-        owner = owner_of(request)
+    @app.post(
+        f"{API}/asample", **doc.route("asample", doc.SampleFuture, body=m.Sample, errors=queued, links=future_links)
+    )
+    async def asample(request: Request, owner: str = Security(owner_of)):
         return service.sample(owner, await parsed(request, m.Sample))
 
-    @app.post(f"{API}/retrieve_future")
-    async def retrieve_future(request: Request) -> Any:
-        owner = owner_of(request)
+    results = {"anyOf": [doc.ref(model) for model in doc.FUTURE_RESULTS]}
+
+    @app.post(
+        f"{API}/retrieve_future",
+        **doc.route(
+            "retrieve_future", results, body=m.RetrieveFuture, errors=(400, 401, 404, 406, 413), reply_protobuf=True
+        ),
+    )
+    async def retrieve_future(request: Request, owner: str = Security(owner_of)) -> Any:
         call = await parsed(request, m.RetrieveFuture)
         outcome = await service.retrieve(owner, call.request_id)
         if outcome is None:
@@ -227,4 +307,12 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             return Response(outcome.payload, media_type=PROTOBUF)
         return outcome.payload
 
+    def openapi_schema() -> dict:
+        if app.openapi_schema is None:
+            rank = service.config.model.max_lora_rank
+            served = service.served
+            app.openapi_schema = doc.schema_of(app, service.limits, served.name, served.vocab_size, rank)
+        return app.openapi_schema
+
+    app.openapi = openapi_schema  # type: ignore[method-assign]
     return app

@@ -41,6 +41,11 @@ from hybridflow.workers.adapter_service import BASE, AdapterSpec, SampleResult, 
 log = logging.getLogger("hybridflow.serve")
 
 MAX_SEQ_AHEAD = 100_000  # how far ahead of the next expected seq_id a request may arrive
+# The least a datum the SDK sends can weigh per token in the SDK's estimate of a forward_backward chunk (tinker 0.38.0,
+# training_client._estimate_datum_bytes_count_proto): its token (int32, 4 bytes), its target token (int64: the SDK's
+# tensors are int64 or float32) and at least one float32 loss input (weights, or advantages). A chunk within
+# ``tokens * SDK_MIN_BYTES_PER_TOKEN`` bytes holds at most ``tokens`` tokens.
+SDK_MIN_BYTES_PER_TOKEN = 4 + 8 + 4
 
 
 class Backend(Protocol):
@@ -53,6 +58,7 @@ class Backend(Protocol):
     def optim_step(self, key: str, **settings: Any) -> dict[str, float]: ...
     def save_adapter(self, key: str, directory: str, with_optimizer: bool) -> None: ...
     def load_adapter(self, key: str, directory: str, spec: AdapterSpec, with_optimizer: bool) -> None: ...
+    def forget_sampler(self, sampler: str) -> None: ...
     def sample(self, sampler: str, directory: str | None, spec: AdapterSpec | None, request: SampleSpec) -> Any: ...
 
 
@@ -135,13 +141,19 @@ class TrainingService:
 
     def client_config(self) -> dict:
         """The SDK's settings for this service: plain API keys, uncompressed bodies, and forward_backward calls
-        chunked within the request bounds (so a well-behaved client never meets them)."""
+        chunked within the request bounds (so a well-behaved client never meets them). The SDK takes a bound on a
+        chunk's datums and one on its estimated bytes, not on its tokens: the bytes told are few enough that a chunk
+        within them holds at most ``limits.max_tokens_per_request`` tokens (a single datum over them goes alone,
+        and holds at most ``max_tokens_per_datum``, which is no more), and half the body bound (room for protobuf's
+        framing, which the estimate leaves out)."""
+        limits = self.limits
+        chunk_bytes = min(limits.max_body_bytes // 2, limits.max_tokens_per_request * SDK_MIN_BYTES_PER_TOKEN)
         return {
             "pjwt_auth_enabled": False,
             "parallel_fwdbwd_chunks": True,
             "proto_compress_fwdbwd": False,
-            "fwdbwd_max_chunk_len": self.limits.max_datums_per_request,
-            "fwdbwd_max_chunk_bytes_count": self.limits.max_body_bytes // 2,
+            "fwdbwd_max_chunk_len": limits.max_datums_per_request,
+            "fwdbwd_max_chunk_bytes_count": chunk_bytes,
             "sample_use_retrieve_futures": False,
             "custom_loss_server_side": False,
             "sample_join_sampling_session": False,
@@ -423,7 +435,12 @@ class TrainingService:
         def write(scratch: Path) -> None:
             self.backend.save_adapter(model.id, str(scratch), with_optimizer)
 
-        return lambda: self.storage.save(saved, owner, meta, write, overwrite=overwrite)
+        def save() -> None:
+            self.storage.save(saved, owner, meta, write, overwrite=overwrite)
+            # a sampler of this path reads the new weights from now on, not what the worker holds of the old ones
+            self.backend.forget_sampler(saved.uri)
+
+        return save
 
     def save_weights(self, owner: str, request: m.SaveWeights) -> dict:
         def prepare(model: TrainingModel) -> Callable:
@@ -618,8 +635,10 @@ class TrainingService:
             raise ServiceError(f"{asked}: not served by this service (see docs/serve.md)", 400)
         tokens: list[int] = []
         for chunk in request.prompt.chunks:
-            if chunk.type != "encoded_text" or chunk.tokens is None:
+            if chunk.type != "encoded_text":
                 raise ServiceError(f"prompt chunk of type {chunk.type!r}: only text (encoded_text) is taken", 400)
+            if chunk.tokens is None:
+                raise ServiceError("a prompt chunk without tokens", 400)
             tokens.extend(chunk.tokens)
         if not 1 <= len(tokens) <= min(limits.max_tokens_per_datum, self.served.max_context):
             raise ServiceError(

@@ -173,6 +173,18 @@ class AdapterServiceWorker(Worker):
 
     # --- sampling ---
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def forget_sampler(self, sampler: str) -> None:
+        """Drop what is held of sampler ``sampler``'s weights (its adapter, and the rollout's copy if it serves
+        them): its path was saved again, and the next sample reads the new weights from it."""
+        if sampler == BASE:
+            return
+        if self.rollout_adapter == sampler:
+            self.rollout_adapter = None
+        if sampler in self.sampler_adapters:
+            del self.sampler_adapters[sampler]
+            self.slots.drop(sampler)
+
     def _sampler_state(self, sampler: str, directory: str | None, spec: AdapterSpec | None) -> AdapterState | None:
         """The sampler's adapter, loaded (and kept, a few at a time) from its saved directory; None: the base."""
         if sampler == BASE:

@@ -1,9 +1,12 @@
 import pytest
 from service_helpers import KEY, client, running_service
 
-# small bounds, so that the SDK chunks a forward_backward (out of order) and polls across short waits
+# small bounds, so that the SDK chunks a forward_backward (out of order, by datums and by tokens) and polls across
+# short waits
 SMALL = (
     "limits.max_datums_per_request=3",
+    "limits.max_tokens_per_request=1500",
+    "limits.max_tokens_per_datum=1024",
     "service.poll_timeout_s=0.5",
     "limits.max_samples_per_request=8",
     "limits.max_models=16",

@@ -341,3 +341,46 @@ def test_a_slow_result_is_polled_across_short_waits(service, clients):
 
     sequences = deserialize_sample_response(response.content).sequences
     assert [len(s.tokens) for s in sequences] == [1000] * 8  # stop=[]: no EOS stop, every response full length
+
+
+def test_a_save_under_a_used_name_is_what_new_samplers_read(service, clients):
+    """A loop that saves its sampler weights under one name ("latest") samples from the last save: the worker's
+    copy of a path's weights (for prompt log-probs, and the rollout engine's for sampling) goes with a new save."""
+    sc = clients()
+    tc = sc.create_lora_training_client(base_model=MODEL, rank=4, seed=13).result()
+    prompt = types.ModelInput.from_ints([5, 17, 99, 230, 41, 7, 300])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+
+    def read(path: str) -> tuple[list[float], list[float]]:
+        """What a new sampling client of ``path`` gives: the prompt's log-probs and a greedy sample's."""
+        sampler = sc.create_sampling_client(model_path=path).result()
+        sample = sampler.sample(prompt, num_samples=1, sampling_params=greedy).result().sequences[0]
+        return sampler.compute_logprobs(prompt).result()[1:], sample.logprobs
+
+    def step(seed: int) -> list[float]:
+        tc.forward_backward(batch(seed=seed), "cross_entropy").result()
+        tc.optim_step(adam()).result()
+        return forward(tc, [datum(prompt.to_ints())])[0]  # the training model's log-probs of the prompt
+
+    step(70)
+    latest = tc.save_weights_for_sampler("latest").result().path
+    before = read(latest)
+    now = step(71)
+    assert tc.save_weights_for_sampler("latest").result().path == latest
+    again = read(latest)
+    fresh = read(tc.save_weights_for_sampler("fresh").result().path)
+    assert not np.allclose(before[0], now, atol=1e-4)  # the second step moved the weights
+    np.testing.assert_allclose(again[0], now, atol=1e-5)
+    np.testing.assert_allclose(again[0], fresh[0], atol=1e-6)
+    np.testing.assert_allclose(again[1], fresh[1], atol=1e-6)  # the sample: the rollout's weights are the new ones
+
+
+def test_a_batch_the_sdk_chunks_by_its_rules_is_taken_whole(service, clients):
+    """The service tells the SDK the bytes of a chunk so that its chunks stay within limits.max_tokens_per_request
+    (1,500 here): seven datums of 600 tokens, three to a chunk by the datum bound alone (1,800 tokens), go as chunks
+    the service takes."""
+    tc = clients().create_lora_training_client(base_model=MODEL, rank=2, seed=14).result()
+    g = np.random.default_rng(15)
+    data = [datum(g.integers(3, 500, size=601).tolist()) for _ in range(7)]
+    result = tc.forward(data, "cross_entropy").result()
+    assert [len(lp) for lp in logprobs_of(result)] == [600] * 7

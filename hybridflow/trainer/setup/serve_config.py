@@ -41,8 +41,10 @@ class LimitsConfig:
 
     max_body_bytes: int  # largest request body
     max_datums_per_request: int  # datums in one forward_backward chunk
-    max_tokens_per_datum: int  # tokens of one datum or one sampling prompt
-    max_tokens_per_request: int  # tokens of all datums of one forward_backward chunk
+    max_tokens_per_datum: int  # tokens of one datum or one sampling prompt (at most max_tokens_per_request)
+    # tokens of all datums of one forward_backward chunk; the SDK is told a chunk's bytes so that its chunks stay
+    # within it (16 bytes a token, the least a datum weighs in the SDK's estimate)
+    max_tokens_per_request: int
     max_samples_per_request: int  # num_samples of one sample call
     max_samples_per_batch: int  # samples generated together (waiting requests of one sampler and settings batch up)
     max_new_tokens: int  # max_tokens of one sample call (and its default)
@@ -56,6 +58,12 @@ class LimitsConfig:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             require_positive(value, name)
+        require(
+            self.max_tokens_per_datum <= self.max_tokens_per_request,
+            "max_tokens_per_datum",
+            f"is {self.max_tokens_per_datum}, over max_tokens_per_request ({self.max_tokens_per_request}): a datum "
+            "alone in a chunk must fit in a request",
+        )
 
 
 @dataclass(kw_only=True)
