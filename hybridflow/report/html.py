@@ -36,6 +36,8 @@ SUMMARY = (
     ("agent/tool_call_rate", ""),
     ("agent/num_turns/mean", ""),
     ("agent/tool_error_rate", "min"),
+    ("agent/branches_per_session", ""),
+    ("agent/trained_token_share", "max"),
     ("timing_s/step", "min"),
     ("perf/tokens_per_second", "max"),
 )

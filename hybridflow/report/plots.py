@@ -117,6 +117,11 @@ FIGURES = (
             Panel("turns per sample", ("agent/num_turns/mean",), band=True),
             Panel("tool errors", ("agent/tool_error_rate", "agent/tool_errors_per_sample")),
             Panel("why conversations ended (fraction)", ("agent/stop/*",)),
+            Panel(
+                "agent sessions: branches started and trained per session",
+                ("agent/branches_per_session", "agent/trained_branches_per_session"),
+            ),
+            Panel("agent sessions: share of generated tokens in the update", ("agent/trained_token_share",)),
         ),
     ),
     FigureSpec(

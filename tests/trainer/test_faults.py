@@ -79,6 +79,7 @@ def fails_before_ray(args: list[str], capsys) -> str:
         (["actor_rollout_ref.actor.policy_loss.clip_ratio=-0.2"], "actor_rollout_ref.actor.policy_loss.clip_ratio"),
         (["trainer.default_local_dir=/sys/hybridflow-run"], "trainer.default_local_dir': cannot write to /sys"),
         (["reward_model.model.path=tiny-llama"], "reward_model.enable': is false, so the reward model at"),
+        (["critic.model.path=tiny-llama"], "algorithm.adv_estimator=grpo trains no critic, so critic.model.path="),
         (["data.train_files=[/no/such.parquet]"], "data.train_files': file '/no/such.parquet' does not exist"),
         (["no_such_section.key=1"], "no_such_section"),
         (

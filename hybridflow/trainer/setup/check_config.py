@@ -330,6 +330,13 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)
+    _check(  # a model given and not used: the run would train without the critic it names, without a word
+        plan.needs(Role.Critic) or not cfg.critic.model.path,
+        "critic.model.path",
+        f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} trains no critic, so critic.model.path="
+        f"{cfg.critic.model.path} would not be used",
+        "use an estimator with a critic (algorithm.adv_estimator=gae), or drop critic.model.path",
+    )
     _check_async(cfg)
     _check_lora(cfg, plan)
     overlong = cfg.reward.overlong_buffer
