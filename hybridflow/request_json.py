@@ -1,6 +1,7 @@
 """A request body's JSON as the services read it: bounded in depth, finite in its numbers, valid Unicode in its text.
 
-Python's ``json`` accepts what a service must refuse: ``NaN`` and ``Infinity`` (and ``1e400``, read as infinity),
+Python's ``json`` accepts what a service must refuse: ``NaN`` and ``Infinity`` (and ``1e400``, read as infinity, and
+integers past a float's range, on which ``float()`` raises),
 strings holding lone UTF-16 surrogates (``"\\ud800"``) that no tokenizer can encode, and nesting deep enough to raise
 ``RecursionError`` in whatever walks the value next. ``read_request_json`` refuses each with a ``RequestJsonError``
 whose message names the problem, so that both services (the agent endpoint and the training service) answer it as a
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 # Deeper than any real request (a tool's JSON Schema nests a few levels per property), far below the interpreter's
@@ -29,6 +31,13 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _float_sized_int(text: str) -> int:
+    value = int(text)
+    if abs(value) > sys.float_info.max:  # float() of it, which numeric checks do, would raise OverflowError
+        raise RequestJsonError(f"the number {text[:20]}... is out of range: numbers must be finite")
+    return value
+
+
 def _no_constant(name: str) -> Any:
     raise RequestJsonError(f"{name} is not JSON: numbers must be finite")
 
@@ -41,7 +50,7 @@ def read_request_json(body: bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     except UnicodeDecodeError as error:
         raise RequestJsonError(f"the body is not UTF-8: {error}") from None
     try:
-        value = json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+        value = json.loads(text, parse_float=_finite_float, parse_int=_float_sized_int, parse_constant=_no_constant)
     except RecursionError:
         raise RequestJsonError(
             f"the body is nested too deeply: at most {max_depth} levels of arrays and objects"

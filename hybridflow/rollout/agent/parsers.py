@@ -7,9 +7,9 @@
     </tool_call>
 
 One tag may hold a JSON list of such objects (SmolLM2 writes several calls that way): each is a call.
-A call that cannot be read (broken JSON, no name, arguments that are not an object, an empty list, a tag never
-closed) becomes a `MalformedCall` whose message goes back to the model as the tool's answer, so it
-can learn from it; it never stops the trajectory.
+A call that cannot be read (broken JSON, JSON nested too deeply to read, no name, arguments that are not an object,
+an empty list, a tag never closed) becomes a `MalformedCall` whose message goes back to the model as the tool's
+answer, so it can learn from it; it never stops the trajectory.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _call_of(call: Any, text: str) -> ParsedCall:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return MalformedCall(text, f"the arguments of {call['name']!r} must be a JSON object")
@@ -58,13 +58,15 @@ def _read_calls(body: str) -> list[ParsedCall]:
     """The calls of one tag: a JSON object, or a JSON list of them (SmolLM2 writes several calls so)."""
     try:
         value = json.loads(body)
+        if not isinstance(value, list):
+            return [_call_of(value, body)]
+        if not value:
+            return [MalformedCall(body, "the tool call is an empty list")]
+        return [_call_of(item, json.dumps(item)) for item in value]
     except json.JSONDecodeError as error:
         return [MalformedCall(body, f"the tool call is not valid JSON ({error.msg} at character {error.pos})")]
-    if not isinstance(value, list):
-        return [_call_of(value, body)]
-    if not value:
-        return [MalformedCall(body, "the tool call is an empty list")]
-    return [_call_of(item, json.dumps(item)) for item in value]
+    except RecursionError:  # JSON nested deeper than the interpreter reads
+        return [MalformedCall(body, "the tool call's JSON is nested too deeply")]
 
 
 def parse_hermes(text: str) -> list[ParsedCall]:

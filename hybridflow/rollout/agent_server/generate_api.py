@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.rollout.agent_server.errors import bad_request
-from hybridflow.rollout.agent_server.openai_api import check_model, refuse_unknown
+from hybridflow.rollout.agent_server.fields import boolean, check_model, integer, only, refuse_unknown, string
+from hybridflow.rollout.agent_server.openai_api import check_sampling
 
 _KEYS = {"model", "token_ids", "sampling_params", "cache_salt", "request_id", "priority", "features", "content_parts"}
 _SAMPLING_KEYS = {
@@ -42,7 +43,7 @@ _SAMPLING_KEYS = {
     "routed_experts_prompt_start",
 }
 # settings a request may only give at their neutral value (the run's sampling is fixed)
-_NEUTRAL = {"min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+_NEUTRAL = {"min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 @dataclass
@@ -76,26 +77,10 @@ def _token_ids(value: Any, name: str, vocab_size: int, *, allow_empty: bool = Fa
     return value
 
 
-def _number(params: dict[str, Any], name: str) -> float | None:
-    value = params.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad_request(f"sampling_params.{name} must be a number, got {value!r}", param=f"sampling_params.{name}")
-    return float(value)
-
-
 def _check_sampling(params: dict[str, Any], *, temperature: float, top_p: float, top_k: int) -> None:
-    for name, run_value in (("temperature", temperature), ("top_p", top_p)):
-        value = _number(params, name)
-        if value is not None and abs(value - run_value) > 1e-6:
-            raise bad_request(
-                f"sampling_params.{name}={value}: the run samples at {name}={run_value} (its importance weights "
-                f"assume it); omit it or pass {run_value}",
-                param=f"sampling_params.{name}",
-                code="unsupported_value",
-            )
-    value = params.get("top_k")
+    where = "sampling_params."
+    check_sampling(params, temperature, top_p, where)
+    value = integer(params, "top_k", where)
     if value is not None and value != top_k and not (top_k <= 0 and value in (-1, 0)):
         raise bad_request(
             f"sampling_params.top_k={value!r}: the run samples with top_k={top_k}; omit it",
@@ -103,32 +88,38 @@ def _check_sampling(params: dict[str, Any], *, temperature: float, top_p: float,
             code="unsupported_value",
         )
     for name, neutral in _NEUTRAL.items():
-        value = _number(params, name)
-        if value is not None and value != neutral:
-            raise bad_request(
-                f"sampling_params.{name}={value} is not supported (the run's sampling is fixed); omit it",
-                param=f"sampling_params.{name}",
-                code="unsupported_value",
-            )
-    if params.get("n") not in (None, 1):
+        only(params, name, neutral, "the run's sampling is fixed", where)
+    if integer(params, "min_tokens", where) not in (None, 0):
+        raise bad_request(
+            "sampling_params.min_tokens is not supported (the run's sampling is fixed); omit it",
+            param="sampling_params.min_tokens",
+            code="unsupported_value",
+        )
+    if integer(params, "n", where) not in (None, 1):
         raise bad_request(
             "sampling_params.n > 1 is not supported: each request is one turn of one trajectory",
             param="sampling_params.n",
             code="unsupported_value",
         )
-    if params.get("logprobs") not in (None, 0, 1) or isinstance(params.get("logprobs"), bool):
+    if integer(params, "logprobs", where) not in (None, 0, 1):
         raise bad_request(
             "sampling_params.logprobs: the sampled token's log-prob is always returned; top-k alternatives are not "
             "(pass 1 or omit it)",
             param="sampling_params.logprobs",
             code="unsupported_value",
         )
-    if params.get("stop"):
+    if params.get("stop") not in (None, []):
         raise bad_request(
             "sampling_params.stop: stop strings are not supported on the token route; use stop_token_ids",
             param="sampling_params.stop",
             code="unsupported_value",
         )
+    # accepted without effect, checked for their types
+    for name in ("seed", "routed_experts_prompt_start"):
+        integer(params, name, where)
+    for name in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+        boolean(params, name, where)
+    string(params, "reasoning_effort", where)
 
 
 def read_generate_request(
@@ -146,17 +137,17 @@ def read_generate_request(
                 code="unsupported_value",
             )
     check_model(body, model)
-    params = body.get("sampling_params") or {}
+    for key in ("cache_salt", "request_id"):
+        string(body, key)
+    integer(body, "priority")
+    params = body.get("sampling_params")
+    if params is None:
+        params = {}
     if not isinstance(params, dict):
         raise bad_request("'sampling_params' must be an object", param="sampling_params")
     refuse_unknown(params, _SAMPLING_KEYS, "sampling_params.")
     _check_sampling(params, temperature=temperature, top_p=top_p, top_k=top_k)
-    max_tokens = params.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
-        raise bad_request(
-            f"sampling_params.max_tokens must be a positive integer, got {max_tokens!r}",
-            param="sampling_params.max_tokens",
-        )
+    max_tokens = integer(params, "max_tokens", "sampling_params.", minimum=1)
     stop_ids = params.get("stop_token_ids")
     return TokenRequest(
         token_ids=_token_ids(body.get("token_ids"), "token_ids", vocab_size),

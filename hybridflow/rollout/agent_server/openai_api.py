@@ -16,10 +16,25 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.rollout.agent_server.errors import ApiError, bad_request
+from jsonschema import SchemaError
+from jsonschema.validators import Draft202012Validator, validator_for
+
+from hybridflow.request_json import RequestJsonError, read_request_json
+from hybridflow.rollout.agent_server.errors import bad_request
+from hybridflow.rollout.agent_server.fields import (
+    boolean,
+    check_model,
+    integer,
+    mapping,
+    number,
+    only,
+    refuse_unknown,
+    string,
+    strings,
+)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 # accepted and without effect on generation (bookkeeping fields clients send by default)
 _IGNORED_CHAT = {"user", "metadata", "store", "parallel_tool_calls", "stream_options", "seed", "prompt_cache_key"}
@@ -103,58 +118,54 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
-def refuse_unknown(body: dict[str, Any], known: set[str], where: str = "") -> None:
-    """400 naming the first key of ``body`` not in ``known`` (``where``: the object's path, e.g. "sampling_params.")."""
-    for key in body:
-        if key not in known:
-            raise bad_request(f"unknown parameter: {where}{key!r}", param=f"{where}{key}", code="unknown_parameter")
+SAMPLING_TOLERANCE = 1e-6  # how far a request's temperature or top_p may be from the run's
 
 
-def check_model(body: dict[str, Any], served: str) -> None:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request(
-            "'model' is required: the id /v1/models lists", param="model", code="missing_required_parameter"
-        )
-    if model != served:
-        raise ApiError(
-            404,
-            f"the model {model!r} does not exist; this endpoint serves {served!r}",
-            param="model",
-            code="model_not_found",
-        )
-
-
-def _check_sampling(body: dict[str, Any], temperature: float, top_p: float) -> None:
+def check_sampling(body: dict[str, Any], temperature: float, top_p: float, where: str = "") -> None:
+    """temperature and top_p: omitted, or the run's values (finite numbers: NaN compares unequal to nothing)."""
     for name, run_value in (("temperature", temperature), ("top_p", top_p)):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise bad_request(f"{name!r} must be a number", param=name)
-        if abs(float(value) - run_value) > 1e-6:
+        value = number(body, name, where)
+        if value is not None and not abs(value - run_value) <= SAMPLING_TOLERANCE:
             raise bad_request(
-                f"{name}={value}: the run samples at {name}={run_value} (its importance weights assume it); "
+                f"{where}{name}={value}: the run samples at {name}={run_value} (its importance weights assume it); "
                 f"omit {name!r} or pass {run_value}",
-                param=name,
+                param=f"{where}{name}",
                 code="unsupported_value",
             )
+
+
+def _check_chat_sampling(body: dict[str, Any], temperature: float, top_p: float) -> None:
+    check_sampling(body, temperature, top_p)
     for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise bad_request(
-                f"{name!r} is not supported (the run's sampling is fixed); omit it",
-                param=name,
-                code="unsupported_value",
-            )
+        only(body, name, 0.0, "the run's sampling is fixed")
+    if integer(body, "n") not in (None, 1):
+        raise bad_request(
+            "n > 1 is not supported: each request is one turn of one trajectory; send n requests",
+            param="n",
+            code="unsupported_value",
+        )
+    if integer(body, "top_logprobs") not in (None, 0):
+        raise bad_request(
+            "top_logprobs is not supported (the sampled token's log-prob is: logprobs=true)",
+            param="top_logprobs",
+            code="unsupported_value",
+        )
+    integer(body, "seed")  # accepted, without effect
+
+
+def _check_bookkeeping(body: dict[str, Any]) -> None:
+    """Fields clients send by default that change nothing here: checked for their types only."""
+    string(body, "user")
+    string(body, "prompt_cache_key")
+    boolean(body, "store")
+    boolean(body, "parallel_tool_calls")
+    metadata = mapping(body, "metadata")
+    if metadata is not None and not all(isinstance(value, str) for value in metadata.values()):
+        raise bad_request("'metadata' maps names to strings", param="metadata")
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise bad_request(f"{name!r} must be a positive integer, got {value!r}", param=name)
-    return value
+    return integer(body, name, minimum=1)
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -181,12 +192,18 @@ def _text_of(content: Any, where: str) -> str:
 
 
 def _canonical_arguments(arguments: Any, where: str) -> str:
-    """A tool call's arguments as canonical JSON text (so that a client's re-serialisation compares equal)."""
+    """A tool call's arguments (JSON text, or the object itself) as canonical JSON text (so that a client's
+    re-serialisation compares equal)."""
+    if arguments is not None and not isinstance(arguments, str | dict):
+        raise bad_request(f"{where}: the function's 'arguments' must be a JSON string", param=where)
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError:
-            return arguments  # kept as written: the model may have produced it so
+        if not arguments.strip():
+            arguments = {}
+        else:
+            try:
+                arguments = read_request_json(arguments.encode("utf-8"))
+            except RequestJsonError:
+                return arguments  # kept as written: the model may have produced it so (or it nests too deeply)
     return json.dumps(arguments, sort_keys=True, ensure_ascii=False)
 
 
@@ -198,8 +215,10 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
     function = call["function"]
     if not isinstance(function.get("name"), str):
         raise bad_request(f"{where}: the function's 'name' must be a string", param=where)
+    if not isinstance(call.get("id", ""), str | None):
+        raise bad_request(f"{where}: a tool call's 'id' must be a string", param=where)
     return {
-        "id": str(call.get("id") or ""),
+        "id": call.get("id") or "",
         "type": "function",
         "function": {"name": function["name"], "arguments": _canonical_arguments(function.get("arguments"), where)},
     }
@@ -217,12 +236,16 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
             raise bad_request(f"{where}: a message is an object with a role in {list(ROLES)}", param=where)
         role = "system" if message["role"] == "developer" else message["role"]
         normal: dict[str, Any] = {"role": role, "content": _text_of(message.get("content"), where)}
-        if role == "assistant" and message.get("tool_calls"):
-            if not isinstance(message["tool_calls"], list):
-                raise bad_request(f"{where}: tool_calls must be a list", param=where)
-            normal["tool_calls"] = [
-                _tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(message["tool_calls"])
-            ]
+        calls = message.get("tool_calls")
+        if not isinstance(calls, list | None):
+            raise bad_request(f"{where}: tool_calls must be a list", param=where)
+        calls = [_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(calls or [])]
+        if not isinstance(message.get("tool_call_id", ""), str | None):
+            raise bad_request(f"{where}: 'tool_call_id' must be a string", param=where)
+        if not isinstance(message.get("name", ""), str | None):
+            raise bad_request(f"{where}: 'name' must be a string", param=where)
+        if role == "assistant" and calls:  # (another role's calls are checked and not shown to the model)
+            normal["tool_calls"] = calls
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise bad_request(f"{where}: a tool message needs the 'tool_call_id' it answers", param=where)
@@ -231,9 +254,28 @@ def normalise_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def check_tools(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
+def check_parameters_schema(parameters: Any, where: str, name: str) -> None:
+    """The ``parameters`` of the function ``name`` (the tool at ``where``): a JSON Schema of type object, valid
+    against the metaschema of its ``$schema`` dialect (Draft 2020-12 when it names none)."""
+    problem = None
+    if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+        problem = "must be a JSON Schema of type 'object'"
+    elif not isinstance(parameters.get("$schema", ""), str):
+        problem = "names its dialect ('$schema') with a URI"
+    else:
+        try:
+            validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
+        except SchemaError as error:
+            at = "".join(f"[{p!r}]" for p in error.absolute_path)
+            problem = f"is not a valid JSON Schema: at parameters{at}: {error.message[:300]}"
+    if problem:
+        raise bad_request(f"{where}: the parameters of {name!r} {problem}", param=where, code="invalid_tool")
+
+
+def check_tools(tools: Any, param: str = "tools", *, flat: bool = False) -> list[dict[str, Any]]:
     """Tools as chat-completions function tools, each checked: a name of letters, digits, _ and - (64 at most), an
-    optional description, parameters a JSON schema object."""
+    optional description, parameters a JSON Schema of an object. flat: the Responses API's tools, which hold the
+    function's fields themselves (chat tools hold them in ``function``)."""
     if tools is None:
         return []
     if not isinstance(tools, list):
@@ -243,24 +285,25 @@ def check_tools(tools: Any, param: str = "tools") -> list[dict[str, Any]]:
         where = f"{param}[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function":
             raise bad_request(f"{where}: only tools of type 'function' are supported", param=where, code="invalid_tool")
-        function = tool.get("function", tool)  # the Responses API puts name and parameters on the tool itself
+        function = tool if flat else tool.get("function")
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise bad_request(f"{where}: a function tool needs a 'name'", param=where, code="invalid_tool")
-        if not _TOOL_NAME.match(function["name"]):
+            shape = "a 'name'" if flat else "a 'function' object with a 'name'"
+            raise bad_request(f"{where}: a function tool needs {shape}", param=where, code="invalid_tool")
+        name = function["name"]
+        if not _TOOL_NAME.fullmatch(name):
             raise bad_request(
-                f"{where}: the name {function['name']!r} must be 1-64 letters, digits, _ or -",
-                param=where,
-                code="invalid_tool",
+                f"{where}: the name {name!r} must be 1-64 letters, digits, _ or -", param=where, code="invalid_tool"
             )
-        parameters = function.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise bad_request(
-                f"{where}: 'parameters' must be a JSON schema of type 'object'", param=where, code="invalid_tool"
-            )
-        description = function.get("description") or ""
-        if not isinstance(description, str):
-            raise bad_request(f"{where}: 'description' must be a string", param=where, code="invalid_tool")
-        entry = {"name": function["name"], "description": description, "parameters": parameters}
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        check_parameters_schema(parameters, where, name)
+        description = function.get("description")
+        if not isinstance(description, str | None):
+            raise bad_request(f"{where} ({name!r}): 'description' must be a string", param=where, code="invalid_tool")
+        if not isinstance(function.get("strict"), bool | None):
+            raise bad_request(f"{where} ({name!r}): 'strict' must be a boolean", param=where, code="invalid_tool")
+        entry = {"name": name, "description": description or "", "parameters": parameters}
         out.append({"type": "function", "function": entry})
     names = [tool["function"]["name"] for tool in out]
     if len(set(names)) != len(names):
@@ -296,30 +339,23 @@ def read_chat_request(body: Any, *, model: str, temperature: float, top_p: float
     body = _require_object(body)
     refuse_unknown(body, _CHAT_KEYS)
     check_model(body, model)
-    if body.get("n") not in (None, 1):
-        raise bad_request(
-            "n > 1 is not supported: each request is one turn of one trajectory; send n requests",
-            param="n",
-            code="unsupported_value",
-        )
-    _check_sampling(body, temperature, top_p)
-    if body.get("top_logprobs") not in (None, 0):
-        raise bad_request(
-            "top_logprobs is not supported (the sampled token's log-prob is: logprobs=true)",
-            param="top_logprobs",
-            code="unsupported_value",
-        )
+    _check_chat_sampling(body, temperature, top_p)
+    _check_bookkeeping(body)
     tools = check_tools(body.get("tools"))
-    options = body.get("stream_options") or {}
+    options = mapping(body, "stream_options") or {}
+    refuse_unknown(options, {"include_usage", "include_obfuscation"}, "stream_options.")
+    include_usage = boolean(options, "include_usage", "stream_options.")
+    boolean(options, "include_obfuscation", "stream_options.")
+    max_completion_tokens, max_tokens = _positive_int(body, "max_completion_tokens"), _positive_int(body, "max_tokens")
     return TurnRequest(
         messages=normalise_messages(body.get("messages")),
         tools=tools,
         parse_tools=_tool_choice(body.get("tool_choice"), tools),
-        max_tokens=_positive_int(body, "max_completion_tokens") or _positive_int(body, "max_tokens"),
+        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
         stop=_stop(body.get("stop")),
-        logprobs=bool(body.get("logprobs")),
-        stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        logprobs=bool(boolean(body, "logprobs")),
+        stream=bool(boolean(body, "stream")),
+        include_usage=bool(include_usage),
     )
 
 
@@ -327,9 +363,7 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     """The Responses API's instructions and input items as chat messages: function_call items join the assistant
     message before them (one turn's text and calls), function_call_output items become tool messages."""
     messages: list[dict[str, Any]] = []
-    if body.get("instructions"):
-        if not isinstance(body["instructions"], str):
-            raise bad_request("'instructions' must be a string", param="instructions")
+    if string(body, "instructions"):
         messages.append({"role": "system", "content": body["instructions"]})
     items = body.get("input")
     if isinstance(items, str):
@@ -342,6 +376,9 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         if kind == "message":
             messages.append({"role": item.get("role"), "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
+            for name in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(name), str):
+                    raise bad_request(f"{where}: a function_call item needs the string {name!r}", param=where)
             call = {
                 "id": item.get("call_id"),
                 "type": "function",
@@ -353,6 +390,8 @@ def _responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise bad_request(f"{where}: a function_call_output item needs the string 'call_id'", param=where)
             output = item.get("output")
             text = output if isinstance(output, str) else _text_of(output, where)
             messages.append({"role": "tool", "content": text, "tool_call_id": item.get("call_id")})
@@ -370,7 +409,7 @@ def read_responses_request(body: Any, *, model: str, temperature: float, top_p: 
     body = _require_object(body)
     refuse_unknown(body, _RESPONSES_KEYS)
     check_model(body, model)
-    if body.get("stream"):
+    if boolean(body, "stream"):
         raise bad_request(
             "stream=true is not supported on /responses; use /chat/completions to stream",
             param="stream",
@@ -383,10 +422,16 @@ def read_responses_request(body: Any, *, model: str, temperature: float, top_p: 
                 param=name,
                 code="unsupported_value",
             )
-    _check_sampling(body, temperature, top_p)
-    if body.get("top_logprobs") not in (None, 0):
+    check_sampling(body, temperature, top_p)
+    if integer(body, "top_logprobs") not in (None, 0):
         raise bad_request("top_logprobs is not supported", param="top_logprobs", code="unsupported_value")
-    tools = check_tools(body.get("tools"))
+    _check_bookkeeping(body)
+    for name in ("text", "reasoning"):
+        mapping(body, name)
+    for name in ("service_tier", "truncation"):
+        string(body, name)
+    strings(body, "include")
+    tools = check_tools(body.get("tools"), flat=True)
     return TurnRequest(
         messages=normalise_messages(_responses_messages(body)),
         tools=tools,
@@ -442,13 +487,18 @@ def chat_chunks(reply: Reply, model: str, logprobs: bool, include_usage: bool) -
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         return {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
 
+    # every generated token's log-prob (tool-call markup and the end token included, as unstreamed) goes with the
+    # first chunk after the role: the content's, else the tool calls', else the finish's
+    pending = {"logprobs": _logprobs(reply)} if logprobs else {}
     chunks = [chunk({"role": "assistant", "content": ""})]
     if reply.content:
-        chunks.append(chunk({"content": reply.content}, logprobs=_logprobs(reply) if logprobs else None))
+        chunks.append(chunk({"content": reply.content}, **pending))
+        pending = {}
     if reply.tool_calls:
         calls = [{"index": i, **call} for i, call in enumerate(reply.tool_calls)]
-        chunks.append(chunk({"tool_calls": calls}))
-    chunks.append(chunk({}, reply.finish_reason))
+        chunks.append(chunk({"tool_calls": calls}, **pending))
+        pending = {}
+    chunks.append(chunk({}, reply.finish_reason, **pending))
     if include_usage:
         chunks.append({**head, "choices": [], "usage": _usage(reply)})
     return chunks

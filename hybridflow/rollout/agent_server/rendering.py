@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from hybridflow.request_json import RequestJsonError, read_request_json
 from hybridflow.rollout.agent.chat import ChatFormat
 
 _PROBE_TOOL = {
@@ -38,11 +39,7 @@ def tools_text(tools: list[dict[str, Any]]) -> str:
 
 def call_text(call: dict[str, Any]) -> str:
     """One tool call as the fallback format (and the hermes parser) writes it."""
-    arguments = call["function"]["arguments"]
-    try:
-        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        pass  # arguments the model wrote as they were
+    arguments = _as_object(call["function"]["arguments"])
     body = json.dumps({"name": call["function"]["name"], "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>{body}</tool_call>"
 
@@ -101,8 +98,11 @@ class MessageRenderer:
         return out
 
 
-def _as_object(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
+def _as_object(arguments: Any) -> Any:
+    """A call's arguments (JSON text) as their value; text that is not JSON (or nests too deeply), as it is."""
+    if not isinstance(arguments, str):
         return arguments
+    try:
+        return read_request_json(arguments.encode("utf-8"))
+    except RequestJsonError:
+        return arguments  # what the model wrote, as it was

@@ -10,25 +10,36 @@ are answered between the engine's steps, and turns of many sessions are decoded 
 
 Every request carries a key (``Authorization: Bearer <key>``): a session's own key, which names the session on
 the ``/v1`` routes and must match it on ``/sessions/{id}/v1`` routes. Every refusal is an OpenAI-style error body
-with its status; no request can stop the server or another session's sample.
+with its status (a 4xx: no request a client sends makes the endpoint fail; a 500 means a bug, and its connection
+stays open); no request can stop the server or another session's sample.
+
+``app.openapi()`` is the contract (schemas.py): every request body and answer, the statuses of each route and the
+bearer key. It is not served (``openapi_url=None``); tests/rollout/agent_server/test_endpoint_fuzz.py fuzzes the
+endpoint from it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import best_match
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridflow.request_json import RequestJsonError, read_request_json
+from hybridflow.rollout.agent_server import schemas
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError, bad_request
 from hybridflow.rollout.agent_server.generate_api import generate_reply, read_generate_request
@@ -70,12 +81,45 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
                 413, f"the body is over {max_bytes} bytes (rollout.agent.max_body_bytes)", code="body_too_large"
             )
     content_type = request.headers.get("content-type", "application/json").split(";")[0].strip()
-    if content_type != "application/json":
+    if content_type.lower() != "application/json":
         raise ApiError(415, f"the body must be application/json, not {content_type!r}", code="unsupported_media_type")
     try:
-        return json.loads(bytes(body))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise bad_request(f"the body is not valid JSON: {error}", code="invalid_json") from None
+        return read_request_json(bytes(body))
+    except RequestJsonError as error:
+        raise bad_request(str(error), code="invalid_json") from None
+
+
+_REWARD = Draft202012Validator(schemas.REWARD_REQUEST)
+
+
+def _check_reward(body: Any) -> None:
+    """An external agent's reward body as schemas.REWARD_REQUEST describes it (finite numbers, lists of ids)."""
+    error = best_match(_REWARD.iter_errors(body))
+    if error is not None:
+        at = "".join(f"[{p!r}]" for p in error.absolute_path)
+        raise bad_request(
+            "the body is {'reward': number, 'metrics': {name: number}, 'branches': [...]} or {'abandon': true}: "
+            f"at body{at}: {error.message[:300]}",
+            param=".".join(map(str, error.absolute_path)) or None,
+        )
+
+
+def _answered(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` with what it raises answered: an `ApiError` with its status, anything else (a bug, or the engine
+    lost) with a 500, on a connection that stays open (an exception left to Starlette closes it)."""
+
+    @functools.wraps(handler)
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as error:
+            return JSONResponse(error.body(), status_code=error.status)
+        except Exception as error:  # noqa: BLE001
+            logger.warning("agent endpoint: %s %s failed", request.method, request.url.path, exc_info=error)
+            body = ApiError(500, f"the endpoint failed: {type(error).__name__}: {error}", code="server_error").body()
+            return JSONResponse(body, status_code=500)
+
+    return endpoint
 
 
 def build_app(
@@ -92,6 +136,7 @@ def build_app(
     """The endpoint's routes over ``sessions`` and ``runner``."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     model = config.model_name
+    response_length = max_model_len - config.max_prompt_tokens  # a branch's budget of response tokens
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
@@ -107,15 +152,9 @@ def build_app(
         )
         return JSONResponse(ApiError(error.status_code, message, code="unknown_url").body(), error.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, error: Exception) -> JSONResponse:
-        logger.warning("agent endpoint: %s %s failed: %r", request.method, request.url.path, error)
-        body = ApiError(500, f"the endpoint failed: {type(error).__name__}: {error}", code="server_error").body()
-        return JSONResponse(body, status_code=500)
-
-    async def turn(request: Request, session_id: str | None, read: Callable[..., Any], run: Callable[..., Any]):
+    async def turn(request: Request, read: Callable[..., Any], run: Callable[..., Any]):
         """(the request read by ``read``, what ``run`` generated for it), with the session's bounds and lock."""
-        session = sessions.authorise(_bearer(request), session_id)
+        session = sessions.authorise(_bearer(request), request.path_params.get("session_id"))
         turn_request = read(await _json_body(request, config.max_body_bytes))
         sessions.admit(session)
         async with session.lock:
@@ -134,8 +173,8 @@ def build_app(
             body, model=model, vocab_size=vocab_size, temperature=temperature, top_p=top_p, top_k=top_k
         )
 
-    async def chat(request: Request, session_id: str | None = None):
-        turn_request, reply = await turn(request, session_id, read_chat, runner.run)
+    async def chat(request: Request) -> Response:
+        turn_request, reply = await turn(request, read_chat, runner.run)
         if not turn_request.stream:
             return JSONResponse(chat_completion(reply, model, turn_request.logprobs))
         chunks = chat_chunks(reply, model, turn_request.logprobs, turn_request.include_usage)
@@ -147,23 +186,23 @@ def build_app(
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def responses(request: Request, session_id: str | None = None):
-        turn_request, reply = await turn(request, session_id, read_responses, runner.run)
+    async def responses(request: Request) -> Response:
+        turn_request, reply = await turn(request, read_responses, runner.run)
         return JSONResponse(response_object(reply, model, turn_request.tools))
 
-    async def generate(request: Request, session_id: str | None = None):
-        _, reply = await turn(request, session_id, read_generate, runner.run_tokens)
+    async def generate(request: Request) -> Response:
+        _, reply = await turn(request, read_generate, runner.run_tokens)
         return JSONResponse(generate_reply(reply))
 
-    async def models(request: Request, session_id: str | None = None):
-        key = _bearer(request)
+    async def models(request: Request) -> Response:
+        key, session_id = _bearer(request), request.path_params.get("session_id")
         if session_id is not None:
             sessions.authorise(key, session_id)
         elif not sessions.known_key(key):
             raise ApiError(401, "a valid API key is required ('Authorization: Bearer <key>')", code="invalid_api_key")
         return JSONResponse(models_list(model, max_model_len))
 
-    async def claim(request: Request):
+    async def claim(request: Request) -> Response:
         session = sessions.claim(_bearer(request))
         if session is None:
             return Response(status_code=204)  # none waits now: ask again
@@ -172,21 +211,123 @@ def build_app(
             {"session_id": session.id, "base_url": base_url, "api_key": session.key, "row": session.row}
         )
 
-    async def reward(request: Request, session_id: str):
-        key = _bearer(request)
+    async def reward(request: Request) -> Response:
+        key, session_id = _bearer(request), request.path_params["session_id"]
         sessions.authorise(key, session_id)
-        sessions.finish(key, session_id, await _json_body(request, config.max_body_bytes))
+        body = await _json_body(request, config.max_body_bytes)
+        _check_reward(body)
+        sessions.finish(key, session_id, body)
         return JSONResponse({"session_id": session_id, "status": "closed"})
 
-    app.add_api_route("/v1/sessions/claim", claim, methods=["POST"])
-    app.add_api_route("/sessions/{session_id}/reward", reward, methods=["POST"])
-    app.add_api_route("/inference/v1/generate", generate, methods=["POST"])
-    app.add_api_route("/sessions/{session_id}/inference/v1/generate", generate, methods=["POST"])
+    chat_body = schemas.chat_request(model, temperature, top_p, response_length)
+    chat_answer = {"application/json": schemas.CHAT_COMPLETION, "text/event-stream": schemas.CHAT_EVENT}
+    responses_body = schemas.responses_request(model, temperature, top_p, response_length)
+    generate_body = schemas.generate_request(model, temperature, top_p, top_k, response_length, vocab_size)
+
+    def route(path: str, handler: Callable, method: str, summary: str, body: Any, answers: dict, refusals: tuple):
+        """``handler`` at ``path``, described in the OpenAPI document: its body, its answers and refusals."""
+        responses: dict[int | str, Any] = {
+            status: {"description": description, "content": {"application/json": {"schema": schemas.ERROR}}}
+            for status, description in refusals
+        }
+        for status, (description, content) in answers.items():
+            responses[status] = {"description": description}
+            if content:
+                responses[status]["content"] = {media: {"schema": schema} for media, schema in content.items()}
+        extra: dict[str, Any] = {"security": [{"key": []}], "responses": responses}
+        if "{session_id}" in path:
+            extra["parameters"] = [{"name": "session_id", "in": "path", "required": True, "schema": schemas.STRING}]
+        if body is not None:
+            extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        app.add_api_route(
+            path,
+            _answered(handler),
+            methods=[method],
+            summary=summary,
+            openapi_extra=extra,
+            response_class=JSONResponse,
+        )
+
+    turn_refusals = (*_REFUSED, (410, "the session has ended"), (429, "a session's bound reached"))
+    route(
+        "/v1/sessions/claim",
+        claim,
+        "POST",
+        "a waiting session, with the run's key",
+        None,
+        {200: ("the session", {"application/json": schemas.CLAIMED}), 204: ("none waits now", None)},
+        ((401, "not the run's key"), _FAILED),
+    )
+    route(
+        "/sessions/{session_id}/reward",
+        reward,
+        "POST",
+        "an external session's reward, which ends it",
+        schemas.REWARD_REQUEST,
+        {200: ("the session ended", {"application/json": schemas.REWARDED})},
+        (*_REFUSED, (409, "the session's agent is the run's function"), (410, "the session has ended")),
+    )
+    for path in ("/inference/v1/generate", "/sessions/{session_id}/inference/v1/generate"):
+        route(
+            path,
+            generate,
+            "POST",
+            "a turn from token ids",
+            generate_body,
+            {200: ("the generated ids", {"application/json": schemas.GENERATE_REPLY})},
+            turn_refusals,
+        )
     for prefix in ("/v1", "/sessions/{session_id}/v1"):
-        app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
-        app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
-        app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+        route(
+            f"{prefix}/chat/completions",
+            chat,
+            "POST",
+            "an assistant turn",
+            chat_body,
+            {200: ("the turn (streamed: server-sent events)", chat_answer)},
+            turn_refusals,
+        )
+        route(
+            f"{prefix}/responses",
+            responses,
+            "POST",
+            "an assistant turn (Responses API)",
+            responses_body,
+            {200: ("the turn", {"application/json": schemas.RESPONSE})},
+            turn_refusals,
+        )
+        route(
+            f"{prefix}/models",
+            models,
+            "GET",
+            "the model served",
+            None,
+            {200: ("the model", {"application/json": schemas.MODELS})},
+            tuple(r for r in (*_REFUSED, (410, "the session has ended")) if r[0] not in (400, 413, 415)),
+        )
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app
+
+
+_FAILED = (500, "the endpoint failed (a bug, or the engine was lost)")
+_REFUSED = (
+    (400, "a bad request: the error names the parameter"),
+    (401, "no key, or not a key of the endpoint's"),
+    (403, "another session's key"),
+    (404, "no such session, or another model"),
+    (413, "the body is over rollout.agent.max_body_bytes"),
+    (415, "the body is not application/json"),
+    _FAILED,
+)
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """The endpoint's OpenAPI document, with its bearer key (a session's, or the run's to claim sessions)."""
+    if app.openapi_schema is None:
+        document = get_openapi(title="hybridflow agent endpoint", version="1", routes=app.routes)
+        document.setdefault("components", {})["securitySchemes"] = {"key": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = document
+    return app.openapi_schema
 
 
 class AgentServer:

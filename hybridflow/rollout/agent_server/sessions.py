@@ -24,6 +24,16 @@ from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError
 
 
+def _finite_number(value: Any) -> bool:
+    """A JSON number (not a bool) that is finite as a float (an int past a float's range is not)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def agents_of(config: AgentServerConfig) -> str:
     """The run's agents as its settings name them, for messages: a function, external agents or a verifiers
     environment."""
@@ -211,12 +221,10 @@ class SessionTable:
             outcome: Any = RuntimeError(f"{agents_of(self.config)} gave the session up{detail}")
         else:
             reward, metrics = body.get("reward"), body.get("metrics") or {}
-            if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
+            if not _finite_number(reward):
                 raise ApiError(400, f"'reward' must be a finite number, got {reward!r}", param="reward",
                                code="invalid_value")  # fmt: skip
-            if not isinstance(metrics, dict) or not all(
-                isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in metrics.values()
-            ):
+            if not isinstance(metrics, dict) or not all(_finite_number(v) for v in metrics.values()):
                 raise ApiError(400, "'metrics' must map names to finite numbers", param="metrics", code="invalid_value")
             outcome = {"reward": float(reward), **{str(k): float(v) for k, v in metrics.items()}}
             if body.get("branches") is not None:  # the agent's own record of its trajectories, checked against ours

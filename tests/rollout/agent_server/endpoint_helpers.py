@@ -1,10 +1,11 @@
 """What the agent endpoint's tests share: a request engine that answers with scripted turns, the rollout over it,
-and rows to run agents on."""
+rows to run agents on, and the endpoint served alone (`LiveEndpoint`) for tests that are the client themselves."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -12,8 +13,14 @@ import numpy as np
 
 from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, INDEX, RAW_PROMPT, REWARD_MODEL
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.agent.chat import ChatFormat
+from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
 from hybridflow.rollout.agent_server.config import AgentServerConfig
+from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
+from hybridflow.rollout.agent_server.server import AgentServer, build_app
+from hybridflow.rollout.agent_server.sessions import Session, SessionTable
+from hybridflow.rollout.agent_server.turns import TurnRunner
 from hybridflow.rollout.base import Rollout, SamplingParams
 from hybridflow.rollout.requests import RequestEngine, RequestStats, TurnOutput
 from hybridflow.trainer.setup.config import default_config
@@ -116,3 +123,71 @@ def rows(questions: list[str], answers: list[str] | None = None, extra: list[dic
 
 def params(max_new_tokens: int = 256) -> SamplingParams:
     return SamplingParams(do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=max_new_tokens, seed=0)
+
+
+class LiveEndpoint:
+    """The endpoint served by a thread of its own over a scripted engine, for tests that talk to it directly (the
+    openai SDK, httpx, schemathesis) with keys of sessions they open. ``response_length``: each branch's budget."""
+
+    def __init__(self, tokenizer, scripts: dict[int, list[str]], *, response_length: int = 64, **changes):
+        self.config = agent_config("", **changes)
+        self.backend = ScriptedBackend(tokenizer, scripts, self.config.max_branches_per_session)
+        self.run_key = "hf-run-test-key"
+        self.table = SessionTable(self.config, self.run_key)
+        renderer = MessageRenderer(ChatFormat(tokenizer, self.backend.eos_token_ids, "tool"))
+        runner = TurnRunner(
+            self.backend.engine,
+            renderer,
+            TOOL_CALL_FORMATS["hermes"],
+            response_length=response_length,
+            max_prompt_tokens=self.config.max_prompt_tokens,
+        )
+        self.app = build_app(
+            self.config,
+            self.table,
+            runner,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=-1,
+            max_model_len=self.config.max_prompt_tokens + response_length,
+            vocab_size=len(tokenizer),
+        )
+        self.server = AgentServer(self.config, self.app)
+        self.loop = asyncio.new_event_loop()
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._serve(),), daemon=True)
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with self.server.running():
+            self._ready.set()
+            await self._stop.wait()
+
+    def __enter__(self) -> LiveEndpoint:
+        self._thread.start()
+        if not self._ready.wait(timeout=30):
+            raise RuntimeError("the endpoint did not start")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+        self.loop.close()
+
+    @property
+    def base_url(self) -> str:
+        return self.server.base_url
+
+    def open_session(self, *, external: bool = False) -> Session:
+        """A new session (its own scripted turns: ``scripts[index]``, none: "nothing more")."""
+
+        async def open_one() -> Session:
+            index = self.table.opened
+            self.backend.engine.scripts.setdefault(index, [])
+            return self.table.open(index, {"index": index}, external=external)
+
+        return asyncio.run_coroutine_threadsafe(open_one(), self.loop).result(timeout=30)
+
+    def session_url(self, session: Session) -> str:
+        return f"{self.base_url}/sessions/{session.id}/v1"

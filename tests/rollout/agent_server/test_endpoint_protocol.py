@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
-from endpoint_helpers import EOS, params, rows, scripted_rollout
+from endpoint_helpers import EOS, LiveEndpoint, params, rows, scripted_rollout
 from user_agents import CALCULATOR
 
 from hybridflow.batch_keys import (
@@ -213,3 +215,111 @@ def test_external_agents_in_another_process_claim_sessions_and_post_rewards(toke
         "reward after close": 410,
     }
     assert not list(endpoint_dir.glob("*.json"))  # the address went with the endpoint
+
+
+GOOD = {"model": "policy", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def _post_raw(http, url: str, key: str, body: bytes):
+    return http.post(url, content=body, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+
+
+def test_bodies_json_cannot_express_get_400_and_the_connection_stays_up(tokenizer):
+    """JSON nested 50,000 deep (under the body bound), a lone surrogate in a message, NaN and 1e400: each a 400
+    in the OpenAI error shape on the same connection, which then answers a good request."""
+    deep = b'{"model": "policy", "messages": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    bodies = {
+        "nested": deep,
+        "lone surrogate": b'{"model": "policy", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+        "surrogate in a key": b'{"model": "policy", "messages": [{"role": "user", "content": "x", "\\udfff": 1}]}',
+        "NaN": b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        "1e400": b'{"model": "policy", "messages": [{"role": "user", "content": "x"}], "temperature": 1e400}',
+    }
+    with LiveEndpoint(tokenizer, {0: [f"fine{EOS}"]}) as endpoint, httpx.Client(timeout=30) as http:
+        session = endpoint.open_session()
+        url = f"{endpoint.session_url(session)}/chat/completions"
+        for name, body in bodies.items():
+            response = _post_raw(http, url, session.key, body)
+            assert response.status_code == 400, (name, response.text)
+            error = response.json()["error"]
+            assert error["code"] == "invalid_json" and error["type"] == "invalid_request_error", name
+        response = http.post(url, json=GOOD, headers={"Authorization": f"Bearer {session.key}"})
+        assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "fine"
+        root = f"{endpoint.base_url}/sessions/{session.id}"
+        for route in ("/v1/responses", "/inference/v1/generate"):
+            response = _post_raw(http, f"{root}{route}", session.key, deep)
+            assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "says"),
+    [
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}},
+                        },
+                    }
+                ]
+            },
+            "tools[0]",
+            "'f'",
+        ),  # noqa: E501
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "required": "x"}}}
+                ]
+            },
+            "tools[0]",
+            "'g'",
+        ),  # noqa: E501
+        ({"temperature": "1.0"}, "temperature", "number"),
+        ({"stream": "false"}, "stream", "boolean"),
+        ({"stream": 1}, "stream", "boolean"),
+        ({"stream_options": "include_usage"}, "stream_options", "object"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", "boolean"),
+        ({"logprobs": "true"}, "logprobs", "boolean"),
+        ({"n": True}, "n", "integer"),
+        ({"max_tokens": 8.0}, "max_tokens", "integer"),
+        ({"top_logprobs": False}, "top_logprobs", "integer"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_not_coerced(tokenizer, change, param, says):
+    with LiveEndpoint(tokenizer, {}) as endpoint, httpx.Client(timeout=30) as http:
+        session = endpoint.open_session()
+        response = http.post(
+            f"{endpoint.session_url(session)}/chat/completions",
+            json={**GOOD, **change},
+            headers={"Authorization": f"Bearer {session.key}"},
+        )
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and says in error["message"], error
+        assert endpoint.backend.engine.calls == []  # refused before anything was generated
+
+
+@pytest.mark.parametrize("turn", [f"{CALL}{EOS}", EOS, f"Computing {CALL}{EOS}", f"plain text{EOS}"])
+def test_streamed_log_probs_cover_every_token_as_unstreamed_ones_do(tokenizer, turn):
+    """A turn of only tool calls, or of nothing but the end token, streams one log-prob per generated token: the
+    same as the same turn unstreamed (the openai SDK reads both)."""
+    with LiveEndpoint(tokenizer, {0: [turn], 1: [turn]}, response_length=128) as endpoint:
+        streamed_session, whole_session = endpoint.open_session(), endpoint.open_session()
+        kwargs = {"model": "policy", "messages": GOOD["messages"], "tools": [CALCULATOR], "logprobs": True}
+        client = openai.OpenAI(base_url=endpoint.session_url(whole_session), api_key=whole_session.key, max_retries=0)
+        whole = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+        client = openai.OpenAI(
+            base_url=endpoint.session_url(streamed_session), api_key=streamed_session.key, max_retries=0
+        )
+        streamed = []
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                streamed += choice.logprobs.content if choice.logprobs and choice.logprobs.content else []
+    n = len(tokenizer.encode(turn, add_special_tokens=False))
+    assert len(whole) == n
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
+    assert [e.logprob for e in whole] == pytest.approx([-(k + 1) / 100 for k in range(n)])

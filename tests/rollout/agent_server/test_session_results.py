@@ -49,6 +49,7 @@ def test_giving_up_names_the_agents_the_run_set(config, named):
         ({"reward": float("inf")}, "reward"),
         ({"reward": float("nan")}, "reward"),
         ({"reward": True}, "reward"),
+        ({"reward": 10**400}, "reward"),
         ({"reward": 1.0, "metrics": {"turns": float("inf")}}, "metrics"),
     ],
 )
