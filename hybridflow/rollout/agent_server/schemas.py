@@ -318,67 +318,56 @@ _REPLY_CALL = obj(
 )
 _REPLY_CALL_FIELDS = {**_REPLY_CALL, "properties": {**_REPLY_CALL["properties"], "index": INTEGER}}
 _FINISH = {"enum": ["stop", "length", "tool_calls"]}
-CHAT_COMPLETION = obj(
-    {
-        "id": STRING,
-        "object": {"const": "chat.completion"},
-        "created": INTEGER,
-        "model": STRING,
-        "choices": {
-            "type": "array",
-            "minItems": 1,
-            "maxItems": 1,
-            "items": obj(
+
+
+def _completion(kind: str, choice: Schema, choices: Schema, required: tuple[str, ...]) -> Schema:
+    """A chat completion object (``kind``: chat.completion or its chunk) holding at most one ``choice``."""
+    fields = {"id": STRING, "object": {"const": kind}, "created": INTEGER, "model": STRING}
+    return obj({**fields, "choices": {"type": "array", **choices, "items": choice}, "usage": _USAGE}, required)
+
+
+CHAT_COMPLETION = _completion(
+    "chat.completion",
+    obj(
+        {
+            "index": {"const": 0},
+            "message": obj(
                 {
-                    "index": {"const": 0},
-                    "message": obj(
-                        {
-                            "role": {"const": "assistant"},
-                            "content": {"type": ["string", "null"]},
-                            "tool_calls": {"type": "array", "minItems": 1, "items": _REPLY_CALL},
-                        },
-                        ("role", "content"),
-                    ),
-                    "finish_reason": _FINISH,
-                    "logprobs": _LOGPROBS,
+                    "role": {"const": "assistant"},
+                    "content": {"type": ["string", "null"]},
+                    "tool_calls": {"type": "array", "minItems": 1, "items": _REPLY_CALL},
                 },
-                ("index", "message", "finish_reason", "logprobs"),
+                ("role", "content"),
             ),
+            "finish_reason": _FINISH,
+            "logprobs": _LOGPROBS,
         },
-        "usage": _USAGE,
-    },
+        ("index", "message", "finish_reason", "logprobs"),
+    ),
+    {"minItems": 1, "maxItems": 1},
     ("id", "object", "created", "model", "choices", "usage"),
 )
-CHAT_CHUNK = obj(
-    {
-        "id": STRING,
-        "object": {"const": "chat.completion.chunk"},
-        "created": INTEGER,
-        "model": STRING,
-        "choices": {
-            "type": "array",
-            "maxItems": 1,
-            "items": obj(
+CHAT_CHUNK = _completion(
+    "chat.completion.chunk",
+    obj(
+        {
+            "index": {"const": 0},
+            "delta": obj(
                 {
-                    "index": {"const": 0},
-                    "delta": obj(
-                        {
-                            "role": {"const": "assistant"},
-                            "content": STRING,
-                            "tool_calls": {
-                                "type": "array",
-                                "items": {"allOf": [_REPLY_CALL_FIELDS, {"required": ["index"]}]},
-                            },
-                        }
-                    ),
-                    "finish_reason": {"enum": ["stop", "length", "tool_calls", None]},
-                    "logprobs": _LOGPROBS,
-                },
-                ("index", "delta", "finish_reason"),
+                    "role": {"const": "assistant"},
+                    "content": STRING,
+                    "tool_calls": {
+                        "type": "array",
+                        "items": {"allOf": [_REPLY_CALL_FIELDS, {"required": ["index"]}]},
+                    },
+                }
             ),
+            "finish_reason": {"enum": ["stop", "length", "tool_calls", None]},
+            "logprobs": _LOGPROBS,
         },
-        "usage": _USAGE,
-    },
+        ("index", "delta", "finish_reason"),
+    ),
+    {"maxItems": 1},
     ("id", "object", "created", "model", "choices"),
 )
 # each server-sent event of a streamed turn: `data: <a chat.completion.chunk>`, the last `data: [DONE]`
