@@ -131,10 +131,6 @@ def _collect_list(outputs: list, spec: CollectSpec) -> list:
     return list(outputs)
 
 
-def _collect_first(outputs: list, spec: CollectSpec) -> Any:
-    return outputs[0]
-
-
 def _collect_proto(outputs: list, spec: CollectSpec) -> DataProto:
     for rank, output in enumerate(outputs):
         if not isinstance(output, DataProto):

@@ -46,11 +46,6 @@ class ModelShape:
     def params(self) -> int:
         return self.layer_params + self.embedding_params
 
-    @property
-    def matmul_params(self) -> int:
-        """Weights multiplied per token (the input embedding is a lookup)."""
-        return self.layer_params + self.vocab * self.hidden
-
     def adapter_params(self, rank: int, targets: tuple[str, ...] = ()) -> int:
         """LoRA's trained weights at ``rank``: r x (inputs + outputs) of each adapted projection of every layer
         (``targets``: their names; empty: every linear layer of the decoder)."""

@@ -88,7 +88,7 @@ def test_first_two_steps_equal_the_hand_made_schedule(local_ray, arithmetic_file
             )
         )
     )
-    monkeypatch.setattr(mode_parts, "sync_parts", both_batches_first)
+    monkeypatch.setitem(mode_parts.PARTS, "sync", both_batches_first)
     train_main.run(load_config(overrides(arithmetic_files, reference_dir)))
 
     got, want = records(async_dir), records(reference_dir)

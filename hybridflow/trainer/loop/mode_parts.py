@@ -19,7 +19,7 @@ from hybridflow.trainer.loop.rl_trainer import RLTrainer
 from hybridflow.trainer.loop.weight_link import link_actor_to_rollout
 from hybridflow.trainer.loop.weight_sync import PushEvery, SameWeights, TransferEachStep, WeightSync
 from hybridflow.trainer.setup.config import HybridFlowConfig
-from hybridflow.trainer.setup.modes import training_mode
+from hybridflow.trainer.setup.modes import FULLY_ASYNC, ONE_STEP_OFF, SYNC, mode_names, training_mode
 from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_plan import RunPlan
 
@@ -36,11 +36,38 @@ class ModeInputs:
     total_steps: int
 
 
+ModeParts = Callable[[ModeInputs], tuple[BatchSource, WeightSync]]
+PARTS: dict[str, ModeParts] = {}  # mode name -> the builder of its parts
+
+
+def register_mode_parts(name: str) -> Callable[[ModeParts], ModeParts]:
+    """Register the builder of mode ``name``'s parts (the mode itself: trainer/setup/modes.py)."""
+    training_mode(name)  # the mode must be registered first: its facts are read before any part is built
+
+    def register(build: ModeParts) -> ModeParts:
+        if name in PARTS:
+            raise ValueError(f"the parts of training mode '{name}' are already registered")
+        PARTS[name] = build
+        return build
+
+    return register
+
+
+def mode_parts(name: str) -> ModeParts:
+    """The builder of mode ``name``'s (BatchSource, WeightSync)."""
+    if name not in PARTS:
+        raise ValueError(f"training mode '{name}' has no parts registered (register_mode_parts); with parts: "
+                         f"{', '.join(m for m in mode_names() if m in PARTS)}")  # fmt: skip
+    return PARTS[name]
+
+
+@register_mode_parts(SYNC)
 def sync_parts(inputs: ModeInputs) -> tuple[BatchSource, WeightSync]:
     total_epochs = inputs.config.trainer.total_epochs
     return GenerateNow(inputs.generation, inputs.groups, inputs.loader, total_epochs), SameWeights()
 
 
+@register_mode_parts(ONE_STEP_OFF)
 def one_step_off_parts(inputs: ModeInputs) -> tuple[BatchSource, WeightSync]:
     config = inputs.config
     source = GenerateAhead(
@@ -53,6 +80,7 @@ def one_step_off_parts(inputs: ModeInputs) -> tuple[BatchSource, WeightSync]:
     return source, TransferEachStep(link_actor_to_rollout(inputs.groups, inputs.plan, config.trainer.async_training))
 
 
+@register_mode_parts(FULLY_ASYNC)
 def fully_async_parts(inputs: ModeInputs) -> tuple[BatchSource, WeightSync]:
     config, groups, generation = inputs.config, inputs.groups, inputs.generation
     settings = config.trainer.async_training
@@ -99,5 +127,5 @@ def rl_trainer(
     inputs = ModeInputs(
         config=config, plan=plan, groups=groups, generation=generation, loader=loader, total_steps=total_steps
     )
-    source, weights = training_mode(config.trainer.async_training.mode).build_parts(inputs)
+    source, weights = mode_parts(config.trainer.async_training.mode)(inputs)
     return RLTrainer(config, plan, groups, generation, source, weights, loader, val_batches)

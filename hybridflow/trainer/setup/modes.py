@@ -6,14 +6,14 @@ driver reads: whether generation runs on a pool of its own (the rollout role; th
 the planner read it) and how many policy versions a batch may lag the weights it trains (check_config
 requires a correction when it may).
 
-The parts are built by a function named "module:function" and imported on first use (trainer/loop/mode_parts.py
-for the built-in modes), so this module imports nothing of the machinery: the config reads the names from
-here. A new mode is one more ``TrainingMode`` registered with ``register_training_mode``.
+This module holds the facts, which the config, the checks, the run plan and the planner read without any of the
+machinery; the parts are registered by the layer that builds them (trainer/loop/mode_parts.py,
+``register_mode_parts``), so every import points down the layers. A new mode is one ``TrainingMode`` registered
+here with ``register_training_mode`` and its parts' builder registered there.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +25,6 @@ class TrainingMode:
     summary: str  # one line, for help and error messages
     rollout_apart: bool  # generation on the rollout role's own pool (else the hybrid actor generates)
     lag: Callable[[Any], int]  # the async_training settings -> the most versions a batch lags the policy it trains
-    parts: str  # "module:function": (ModeInputs) -> (BatchSource, WeightSync)
-
-    def build_parts(self, inputs: Any) -> tuple[Any, Any]:
-        module, function = self.parts.split(":")
-        return getattr(importlib.import_module(module), function)(inputs)
 
 
 SYNC = "sync"
@@ -62,7 +57,6 @@ register_training_mode(
         summary="generate, then train, both on the actor's pool (the hybrid engine switches its layout)",
         rollout_apart=False,
         lag=lambda settings: 0,
-        parts="hybridflow.trainer.loop.mode_parts:sync_parts",
     )
 )
 register_training_mode(
@@ -72,7 +66,6 @@ register_training_mode(
         "trains step k (trainer/loop/generate_ahead.py)",
         rollout_apart=True,
         lag=lambda settings: 1,
-        parts="hybridflow.trainer.loop.mode_parts:one_step_off_parts",
     )
 )
 register_training_mode(
@@ -82,6 +75,5 @@ register_training_mode(
         "(trainer/loop/async_queue.py)",
         rollout_apart=True,
         lag=lambda settings: settings.max_staleness,
-        parts="hybridflow.trainer.loop.mode_parts:fully_async_parts",
     )
 )
