@@ -1,13 +1,15 @@
-"""What the supervised commands share (``hybridflow sft``, ``hybridflow dpo``): the checks of a one-pool run, the run
-directory, the model built once the checks passed, one worker group on one pool, and the step loop.
+"""What the supervised commands share (``hybridflow sft``, ``dpo``, ``rm``): the command itself (its usage, its
+arguments, its checks), the checks of a one-pool run, the run directory, the model built once the checks passed, one
+worker group on one pool, and the step loop.
 
-Each command gives its config (the sections ``data``, ``model``, ``engine``, ``optim`` and ``trainer`` in the same
-shapes), its data sets, its worker and its trainer; everything else is written here once.
+Each command is a ``SupervisedCommand``: its config (the sections ``data``, ``model``, ``engine``, ``optim`` and
+``trainer`` in the same shapes), its data set, its worker and its trainer; everything else is written here once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,8 @@ from hybridflow.trainer.setup.check_config import (
     check_lora_targets,
     local_cluster_cpus,
 )
-from hybridflow.trainer.setup.config import ConfigError, to_yaml
+from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
+from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
 from hybridflow.trainer.setup.run_plan import (
@@ -212,3 +215,59 @@ def run_supervised(
                 tracking.finish()
         finally:
             pool.release(keep_processes=finished)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SupervisedCommand:
+    """One supervised command: what differs between ``hybridflow sft``, ``dpo`` and ``rm``."""
+
+    name: str  # the command's name, and its pool's
+    unit: str  # what the batch sizes count: "samples" or "pairs"
+    config_class: type
+    default_config: Path
+    load_config: Callable[..., Any]  # (overrides, config file) -> the config
+    about: str  # the usage's paragraph: what it trains, on which rows, an example; "{defaults}": the default file
+    dataset_class: type
+    worker_class: type
+    # (config, plan, group, train loader, val loader or None) -> the trainer of the step loop
+    make_trainer: Callable[[Any, SupervisedPlan, RayWorkerGroup, Any, Any], Any]
+    worker_kwargs: Callable[[Any], dict] = lambda config: {}  # the objective's own settings for its worker
+    describe: Callable[[Any], str] | None = None  # the run's first line names it (None: the command's name)
+    check_own: Callable[[Any], None] = lambda config: None  # checks of its own, before the shared ones
+
+    def check(self, config: Any) -> SupervisedPlan:
+        """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's config
+        and builds nothing."""
+        self.check_own(config)
+        return check_supervised_config(config, self.name, self.unit)
+
+    def run(self, config: Any) -> dict[str, float]:
+        plan = self.check(config)
+        return run_supervised(
+            config,
+            plan,
+            what=self.describe(config) if self.describe else self.name,
+            dataset_class=self.dataset_class,
+            worker_class=self.worker_class,
+            worker_kwargs=self.worker_kwargs(config),
+            make_trainer=lambda group, train, val: self.make_trainer(config, plan, group, train, val),
+        )
+
+    def usage(self) -> str:
+        sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections(self.config_class))
+        command = f"hybridflow {self.name}"
+        return f"""usage: {command} [--config FILE] [--debug] key=value ...
+       {command} --help [SECTION]{" " * (9 - len(self.name))}every key of SECTION with its default and help
+
+{self.about.format(defaults=self.default_config)}
+config sections:
+{sections}
+"""
+
+    def main(self, argv: list[str] | None = None) -> int:
+        """``hybridflow <name> [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
+        args = list(sys.argv[1:] if argv is None else argv)
+        parsed = config_command_args(args, self.name, self.usage, self.config_class, self.default_config)
+        if parsed is not None:
+            self.run(self.load_config(*parsed))
+        return 0
