@@ -8,7 +8,7 @@
 #   WHEELS=dir ...                                            # first install the wheels in dir (a machine without PyPI)
 #   PARTS=2 SIZES="1024:128 --profile" RUNS=none ...          # only the update's timing, profiled at that size
 #
-# What one H100 gave is in docs/performance.md, section 20.
+# What one H100 gave is in docs/results.md (the H100 rows).
 set -u
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}; OUT=${OUT:-/tmp/cuda_smoke}; mkdir -p "$OUT"

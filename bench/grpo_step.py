@@ -1,7 +1,7 @@
 """One GRPO step: hybridflow against TRL's `GRPOTrainer` on the same workload (run by hand, not a test).
 
     .venv/bin/python bench/grpo_step.py                  # every setting: ~25 min of runs and waits on 2 cores
-    .venv/bin/python bench/grpo_step.py --write-doc      # ... and rewrite docs/performance_grpo_step.md
+    .venv/bin/python bench/grpo_step.py --write-doc      # ... and rewrite docs/log/grpo_step.md
     .venv/bin/python bench/grpo_step.py --rollout native --layouts 1x2 --trl-precision bf16 --steps 3  # quicker
     # any hybridflow key:
     .venv/bin/python bench/grpo_step.py --override actor_rollout_ref.actor.use_remove_padding=false
@@ -251,9 +251,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--retries", type=int, default=2, help="repeats of a run disturbed by other work")
     parser.add_argument("--wait", type=float, default=1800, help="seconds to wait for it before measuring anyway")
     parser.add_argument("--work", default="", help="directory for data, runs and logs (default: a new temporary one)")
-    parser.add_argument(
-        "--write-doc", action="store_true", help="rewrite docs/performance_grpo_step.md with this run's tables"
-    )
+    parser.add_argument("--write-doc", action="store_true", help="rewrite docs/log/grpo_step.md with this run's tables")
     parser.add_argument(
         "--report-only",
         action="store_true",
@@ -273,7 +271,7 @@ def report_only(args) -> None:
     if args.write_doc:
         started = time.strftime("%Y-%m-%d %H:%M %Z", time.localtime((Path(args.work) / "arithmetic").stat().st_mtime))
         command = "python bench/grpo_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:] if a != "--report-only")
-        print(f"wrote {write_doc(REPO / 'docs' / 'performance_grpo_step.md', measured, command, started, args)}")
+        print(f"wrote {write_doc(REPO / 'docs' / 'log' / 'grpo_step.md', measured, command, started, args)}")
 
 
 def main() -> None:
@@ -316,7 +314,7 @@ def main() -> None:
     command = "python bench/grpo_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_report(measured)
     if args.write_doc:
-        path = write_doc(REPO / "docs" / "performance_grpo_step.md", measured, command.strip(), started, args)
+        path = write_doc(REPO / "docs" / "log" / "grpo_step.md", measured, command.strip(), started, args)
         print(f"wrote {path}")
 
 

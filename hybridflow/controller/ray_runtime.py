@@ -34,7 +34,7 @@ def kernel_cache_env(capacity: int) -> dict[str, str]:
     """Bound the two caches of compiled CPU kernels that torch keeps per input shape (oneDNN's primitive
     cache and ideep's LRU cache, 1024 entries each by default). Packed batches change shape every step,
     so with the defaults every step adds kernels until both caches are full: a worker's resident memory
-    kept growing for some 50 steps (bench/kernel_caches.py, bench/memory.py, docs/performance.md §5).
+    kept growing for some 50 steps (bench/kernel_caches.py, bench/memory.py, docs/results.md).
     A step reuses its own shapes across layers, so a small cache loses no speed, while no cache costs
     time (bench/kernel_caches.py). Capacity must be >= 1: ideep crashes the process at 0."""
     return {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(capacity), "LRU_CACHE_CAPACITY": str(capacity)}

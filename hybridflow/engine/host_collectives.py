@@ -2,7 +2,7 @@
 
 On CPU, FSDP2 gathers weights and reduce-scatters gradients with gloo, which moves every byte through a TCP
 socket on the loopback device: the demo's update (2 ranks on one host) spent a third of its time there
-(docs/performance.md, §17). Ranks on one host can instead read each other's memory. Each rank maps a file in
+(docs/results.md). Ranks on one host can instead read each other's memory. Each rank maps a file in
 /dev/shm (unlinked once every rank has mapped it, so nothing is left behind when a process dies), and FSDP2
 writes its collective inputs straight into it (``allocate`` hands out views of the mapping):
 

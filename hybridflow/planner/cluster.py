@@ -2,7 +2,7 @@
 
 GPU presets use published figures (dense bf16 tensor-core peak, HBM bandwidth, NVLink per direction,
 one InfiniBand port per GPU) scaled by efficiencies typical of LLM training and decoding; the CPU
-preset is this project's 2-core machine, one device per core, from docs/performance.md's measurements,
+preset is this project's 2-core machine, one device per core, from docs/results.md's measurements,
 or this machine's own once ``hybridflow plan --calibrate`` has measured it (planner/calibrate.py measures;
 the coefficients are stored and read here).
 """

@@ -11,7 +11,7 @@
 - engine.py    Engine: the continuous-batching loop, shared prefill of identical prompts
 - rollout.py   NativeRollout: the `Rollout` interface (a drop-in for HFRollout)
 
-docs/performance.md has the measurements against transformers' `generate`.
+docs/results.md has the measurements against transformers' `generate`.
 """
 
 from hybridflow.rollout.native.config import NativeEngineConfig

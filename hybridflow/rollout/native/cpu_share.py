@@ -4,7 +4,7 @@ torch splits each op evenly over its threads and waits for the slowest. A thread
 process also wants runs at half speed and is descheduled for whole time slices, and every one of the
 hundreds of ops in a decode step waits for it: with one of this machine's two cores kept busy, the engine
 generated 3.8x slower on 2 threads than idle, but only 1.6x slower on 1 thread (bench/rollout.py --workloads
-64x64 --backends native --busy-cores 1, with --threads 2 and 1; docs/performance.md). So while generating,
+64x64 --backends native --busy-cores 1, with --threads 2 and 1; docs/results.md). So while generating,
 `ThreadGovernor.tick` looks every `interval_s` at how much CPU the other processes took since its last look
 (/proc/stat's busy time of all CPUs less this process's own) and sets torch to the cores left, between 1 and
 the thread count it started with, which it restores at the end. On this machine the engine's tokens and

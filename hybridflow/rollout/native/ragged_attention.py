@@ -3,7 +3,7 @@
 In multi-turn rollout a slot is allocated for the longest conversation the turn budget allows, while the
 conversations decoding at any moment are much shorter; torch's batched matmuls over whole rows read
 (and multiply) every preallocated position, and over a slice of the rows they copy it first
-(docs/performance.md §11). A small C++ kernel (csrc/ragged_decode.cpp, compiled on first use with
+(docs/results.md). A small C++ kernel (csrc/ragged_decode.cpp, compiled on first use with
 torch's extension builder, then cached) reads keys and values in place, position 0..length-1 of each
 slot, and sums products in float32; torch's softmax runs between its two passes.
 

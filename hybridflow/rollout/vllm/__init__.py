@@ -6,7 +6,7 @@
 - kv_cache.py  CacheMemory: freeing the KV cache between generations (sleep mode, or the storage on CPU)
 - rollout.py   VllmRollout: the `Rollout` interface over vLLM's offline engine, in the worker's process
 
-Importing this package does not import vLLM; building a `VllmRollout` does. docs/performance.md
+Importing this package does not import vLLM; building a `VllmRollout` does. docs/results.md
 compares it with the native engine.
 """
 
