@@ -26,14 +26,15 @@ def branch_advantages(
     index: np.ndarray,
     config: AdvantageConfig,
     *,
-    sessions: np.ndarray,
-    last_branch: torch.Tensor,
+    sessions: np.ndarray | None,
+    last_branch: torch.Tensor | None,
     values: torch.Tensor | None = None,
     reward_baselines: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """(advantages, returns) (B, T) of rows of which ``last_branch`` (B,) marks one per session (``sessions``: (B,)
-    the session of each row; a row whose session has no last branch, e.g. padding, gets 0)."""
-    if not estimator.needs_groups:
+    the session of each row; a row whose session has no last branch, e.g. padding, gets 0). Without them (a batch
+    of no agent sessions) every row is a sample of its own: the estimator's."""
+    if last_branch is None or sessions is None or not estimator.needs_groups:
         return estimator(token_level_rewards, response_mask, index, config, values, reward_baselines)
     rows = torch.nonzero(last_branch, as_tuple=False).squeeze(1)
     picked = rows.cpu().numpy()

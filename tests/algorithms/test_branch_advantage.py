@@ -67,3 +67,7 @@ def test_without_other_branches_it_is_the_estimator_itself(name):
     expected_adv, expected_ret = estimator(rewards, mask, index, advantage_config())
     torch.testing.assert_close(adv, expected_adv)
     torch.testing.assert_close(ret, expected_ret)
+    # a batch of no agent sessions (no session columns) is the estimator's too
+    adv, ret = branch_advantages(estimator, rewards, mask, index, advantage_config(), sessions=None, last_branch=None)
+    torch.testing.assert_close(adv, expected_adv)
+    torch.testing.assert_close(ret, expected_ret)

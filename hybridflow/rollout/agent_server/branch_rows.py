@@ -38,6 +38,7 @@ from hybridflow.batch_keys import (
     RESPONSES,
     ROLLOUT_LOG_PROBS,
     SESSION,
+    STOP_REASON,
     TOKEN_LEVEL_SCORES,
     UID,
 )
@@ -108,32 +109,24 @@ def expand_branches(batch: DataProto) -> DataProto:
     uids = batch.non_tensor_batch[UID]
     batch.non_tensor_batch[SESSION] = np.array([f"{uids[i]}/{i}" for i in range(size)], dtype=object)
     batch.batch[LAST_BRANCH] = torch.ones(size, dtype=torch.bool)
-    parts = []
-    for i in range(size):
-        parts.append(batch[np.array([i])])
-        payload = payloads[i]
-        if not payload:
-            continue
-        count = len(payload["non_tensors"][next(iter(payload["non_tensors"]))])
-        rows = batch[np.full(count, i)]
-        for key, value in payload["tensors"].items():
-            rows.batch[key] = value.to(rows.batch[key].device if key in rows.batch.keys() else value.device)
-        if GENERATED_MASK in rows.batch.keys():  # marked on the generated batch: each branch's own tokens
-            rows.batch[GENERATED_MASK] = rows.batch[RESPONSE_MASK].clone()
-        for key, value in payload["non_tensors"].items():
-            rows.non_tensor_batch[key] = value
-        rows.batch[LAST_BRANCH] = torch.zeros(count, dtype=torch.bool)
-        parts.append(rows)
-    expanded = DataProto.concat(parts)
+    counts = np.array([len(p["non_tensors"][STOP_REASON]) if p else 0 for p in payloads], dtype=np.int64)
+    if not counts.any():
+        return batch
+    # one gather: each row, then as many copies of it as it has other branches, which its payload then overwrites
+    expanded = batch[np.repeat(np.arange(size), 1 + counts)]
+    starts = np.concatenate([[0], np.cumsum(1 + counts)[:-1]])
+    tensors, objects = expanded.batch, expanded.non_tensor_batch
+    for i in np.flatnonzero(counts):
+        rows = slice(int(starts[i]) + 1, int(starts[i] + 1 + counts[i]))
+        for key, value in payloads[i]["tensors"].items():
+            tensors[key][rows] = value.to(tensors[key].device)
+        for key, value in payloads[i]["non_tensors"].items():
+            objects[key][rows] = value
+        tensors[LAST_BRANCH][rows] = False
+        if GENERATED_MASK in tensors.keys():  # marked on the generated batch: each branch's own tokens
+            tensors[GENERATED_MASK][rows] = tensors[RESPONSE_MASK][rows]
     expanded.meta_info = dict(batch.meta_info)
     return expanded
-
-
-def branch_counts(batch: DataProto) -> tuple[int, int]:
-    """(rows that are sessions' last branches, rows of their other branches) of an expanded batch."""
-    last = batch.batch[LAST_BRANCH]
-    fillers = int((batch.non_tensor_batch[SESSION] == FILLER_SESSION).sum())
-    return int(last.sum()), len(batch) - int(last.sum()) - fillers
 
 
 def pad_to_planned(batch: DataProto, planned: int) -> int:

@@ -164,10 +164,6 @@ def _check_bookkeeping(body: dict[str, Any]) -> None:
         raise bad_request("'metadata' maps names to strings", param="metadata")
 
 
-def _positive_int(body: dict[str, Any], name: str) -> int | None:
-    return integer(body, name, minimum=1)
-
-
 def _text_of(content: Any, where: str) -> str:
     """A message content as text: a string, or a list of text parts (input_text / output_text / text)."""
     if content is None:
@@ -346,7 +342,8 @@ def read_chat_request(body: Any, *, model: str, temperature: float, top_p: float
     refuse_unknown(options, {"include_usage", "include_obfuscation"}, "stream_options.")
     include_usage = boolean(options, "include_usage", "stream_options.")
     boolean(options, "include_obfuscation", "stream_options.")
-    max_completion_tokens, max_tokens = _positive_int(body, "max_completion_tokens"), _positive_int(body, "max_tokens")
+    max_completion_tokens = integer(body, "max_completion_tokens", minimum=1)
+    max_tokens = integer(body, "max_tokens", minimum=1)
     return TurnRequest(
         messages=normalise_messages(body.get("messages")),
         tools=tools,
@@ -436,7 +433,7 @@ def read_responses_request(body: Any, *, model: str, temperature: float, top_p: 
         messages=normalise_messages(_responses_messages(body)),
         tools=tools,
         parse_tools=_tool_choice(body.get("tool_choice"), tools),
-        max_tokens=_positive_int(body, "max_output_tokens"),
+        max_tokens=integer(body, "max_output_tokens", minimum=1),
         stop=[],
         logprobs=False,
         stream=False,

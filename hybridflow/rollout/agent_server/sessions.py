@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import math
 import secrets
 import time
 from collections import deque
@@ -22,16 +21,7 @@ from typing import Any
 
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError
-
-
-def _finite_number(value: Any) -> bool:
-    """A JSON number (not a bool) that is finite as a float (an int past a float's range is not)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
+from hybridflow.rollout.agent_server.fields import is_finite_number
 
 
 def agents_of(config: AgentServerConfig) -> str:
@@ -221,10 +211,10 @@ class SessionTable:
             outcome: Any = RuntimeError(f"{agents_of(self.config)} gave the session up{detail}")
         else:
             reward, metrics = body.get("reward"), body.get("metrics") or {}
-            if not _finite_number(reward):
+            if not is_finite_number(reward):
                 raise ApiError(400, f"'reward' must be a finite number, got {reward!r}", param="reward",
                                code="invalid_value")  # fmt: skip
-            if not isinstance(metrics, dict) or not all(_finite_number(v) for v in metrics.values()):
+            if not isinstance(metrics, dict) or not all(is_finite_number(v) for v in metrics.values()):
                 raise ApiError(400, "'metrics' must map names to finite numbers", param="metrics", code="invalid_value")
             outcome = {"reward": float(reward), **{str(k): float(v) for k, v in metrics.items()}}
             if body.get("branches") is not None:  # the agent's own record of its trajectories, checked against ours

@@ -26,8 +26,7 @@ The run directory's checkpoints export (hybridflow export) to a model directory.
 """
 
 
-def dpo_trainer(config: DPOConfig, plan, group, train, val) -> DPOTrainer:
-    val_batches = (lambda: iter(val)) if val else None
+def dpo_trainer(config: DPOConfig, plan, group, train, val_batches) -> DPOTrainer:
     return DPOTrainer(
         group, plan.pool, plan.layout.dp, train, val_batches, config.algorithm, total_epochs=config.trainer.total_epochs
     )

@@ -40,8 +40,7 @@ def check_rm_rows(config: RMConfig) -> None:
         )
 
 
-def rm_trainer(config: RMConfig, plan, group, train, val) -> RewardModelTrainer:
-    val_batches = (lambda: iter(val)) if val else None
+def rm_trainer(config: RMConfig, plan, group, train, val_batches) -> RewardModelTrainer:
     return RewardModelTrainer(
         group, plan.pool, plan.layout.dp, train, val_batches, total_epochs=config.trainer.total_epochs
     )

@@ -26,8 +26,7 @@ starts from (actor_rollout_ref.model.path=...).
 """
 
 
-def sft_trainer(config: SFTConfig, plan, group, train, val) -> SFTTrainer:
-    val_batches = (lambda: iter(val)) if val else None
+def sft_trainer(config: SFTConfig, plan, group, train, val_batches) -> SFTTrainer:
     return SFTTrainer(group, plan.pool, plan.layout.dp, train, val_batches, total_epochs=config.trainer.total_epochs)
 
 

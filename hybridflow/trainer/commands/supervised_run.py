@@ -229,7 +229,7 @@ class SupervisedCommand:
     about: str  # the usage's paragraph: what it trains, on which rows, an example; "{defaults}": the default file
     dataset_class: type
     worker_class: type
-    # (config, plan, group, train loader, val loader or None) -> the trainer of the step loop
+    # (config, plan, group, train loader, val batches: a callable giving an iterator, or None) -> the loop's trainer
     make_trainer: Callable[[Any, SupervisedPlan, RayWorkerGroup, Any, Any], Any]
     worker_kwargs: Callable[[Any], dict] = lambda config: {}  # the objective's own settings for its worker
     describe: Callable[[Any], str] | None = None  # the run's first line names it (None: the command's name)
@@ -250,7 +250,9 @@ class SupervisedCommand:
             dataset_class=self.dataset_class,
             worker_class=self.worker_class,
             worker_kwargs=self.worker_kwargs(config),
-            make_trainer=lambda group, train, val: self.make_trainer(config, plan, group, train, val),
+            make_trainer=lambda group, train, val: self.make_trainer(
+                config, plan, group, train, (lambda: iter(val)) if val else None
+            ),
         )
 
     def usage(self) -> str:

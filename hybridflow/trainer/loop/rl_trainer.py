@@ -281,27 +281,17 @@ class RLTrainer:
         else:
             rewards = tensors[TOKEN_LEVEL_SCORES]
         tensors[TOKEN_LEVEL_REWARDS] = rewards
-        if LAST_BRANCH in tensors.keys():  # agent sessions with several branches: each session counted once
-            advantages, returns = branch_advantages(
-                self.estimator,
-                rewards,
-                tensors[RESPONSE_MASK].float(),
-                batch.non_tensor_batch[UID],
-                algorithm,
-                sessions=batch.non_tensor_batch[SESSION],
-                last_branch=tensors[LAST_BRANCH],
-                values=tensors.get(VALUES, None),
-                reward_baselines=tensors.get(REWARD_BASELINES, None),
-            )
-        else:
-            advantages, returns = self.estimator(
-                rewards,
-                tensors[RESPONSE_MASK].float(),
-                batch.non_tensor_batch[UID],
-                algorithm,
-                values=tensors.get(VALUES, None),
-                reward_baselines=tensors.get(REWARD_BASELINES, None),
-            )
+        advantages, returns = branch_advantages(  # agent sessions with several branches: each counted once
+            self.estimator,
+            rewards,
+            tensors[RESPONSE_MASK].float(),
+            batch.non_tensor_batch[UID],
+            algorithm,
+            sessions=batch.non_tensor_batch.get(SESSION),
+            last_branch=tensors.get(LAST_BRANCH, None),
+            values=tensors.get(VALUES, None),
+            reward_baselines=tensors.get(REWARD_BASELINES, None),
+        )
         if TEACHER_LOG_PROB in tensors.keys():  # on-policy distillation: the teacher's per-token signal
             advantages, distill_metrics = distillation_advantages(
                 advantages,

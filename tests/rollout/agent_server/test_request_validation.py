@@ -190,12 +190,12 @@ def _refused_or_read(read, body, schema):
         "model": MODEL,
         "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[" * 5000}}]}],
     }
-)  # noqa: E501
+)
 def test_the_chat_reader_reads_or_refuses_with_a_4xx(body):
     schema = schemas.chat_request(MODEL, TEMPERATURE, TOP_P, BUDGET)
     request = _refused_or_read(
         lambda b: read_chat_request(b, model=MODEL, temperature=TEMPERATURE, top_p=TOP_P), body, schema
-    )  # noqa: E501
+    )
     if not isinstance(request, ApiError):
         assert isinstance(request.stream, bool) and isinstance(request.logprobs, bool)
         assert request.max_tokens is None or (type(request.max_tokens) is int and request.max_tokens >= 1)
@@ -208,7 +208,7 @@ def test_the_responses_reader_reads_or_refuses_with_a_4xx(body):
     schema = schemas.responses_request(MODEL, TEMPERATURE, TOP_P, BUDGET)
     _refused_or_read(
         lambda b: read_responses_request(b, model=MODEL, temperature=TEMPERATURE, top_p=TOP_P), body, schema
-    )  # noqa: E501
+    )
 
 
 @FAST
@@ -218,7 +218,7 @@ def test_the_token_reader_reads_or_refuses_with_a_4xx(body):
     request = _refused_or_read(
         lambda b: read_generate_request(
             b, model=MODEL, vocab_size=VOCAB, temperature=TEMPERATURE, top_p=TOP_P, top_k=TOP_K
-        ),  # noqa: E501
+        ),
         body,
         schema,
     )
@@ -252,16 +252,16 @@ def test_the_token_reader_reads_or_refuses_with_a_4xx(body):
                 ]
             },
             "tools[0]",
-        ),  # noqa: E501
+        ),
         ({"messages": [{"role": "user", "content": "x", "tool_calls": "none"}]}, "messages[0]"),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"id": 7, "function": {"name": "f"}}]}]},
             "messages[0].tool_calls[0]",
-        ),  # noqa: E501
+        ),
         (
             {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]},
             "messages[0].tool_calls[0]",
-        ),  # noqa: E501
+        ),
     ],
 )
 def test_the_chat_reader_checks_types_and_does_not_coerce(change, param):
@@ -324,14 +324,14 @@ def test_a_temperature_of_nan_is_refused_even_from_a_reader_that_lets_it_through
         st.sampled_from(["", "hi"]),
         st.integers(0, 2),
     )
-)  # noqa: E501
+)
 def test_streamed_chunks_carry_the_log_probs_of_the_whole_completion(shape):
     n, text, calls = shape
     reply = Reply(
         content=text or None,
         tool_calls=[
             {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(calls)
-        ],  # noqa: E501
+        ],
         finish_reason="tool_calls" if calls else "stop",
         tokens=[f"t{k}" for k in range(n)],
         log_probs=[-k / 10 for k in range(n)],
