@@ -6,10 +6,11 @@
     .venv/bin/python bench/same_numbers.py compare /tmp/same/before /tmp/same/after
 
 Each run is a real ``hybridflow train`` (or ``sft``) command on its own local Ray cluster, deterministic in its
-seed: the demo's config for 2 steps with validation, PPO with a critic and KL in the reward, GRPO with a KL loss
-on separate pools, multi-turn agent loops with the calculator tool, t=2/tg=2, one step off, fully async at
-η = 0 and η = 2, LoRA and SFT. ``compare`` reads both sides' metrics.jsonl and prints every metric that differs
-(wall-clock measurements aside: times, memory, the asynchronous modes' waits); it exits 1 if any does.
+seed: the demo's config for 2 steps with validation, PPO with a critic and KL in the reward, GRPO with a KL loss on
+separate pools, multi-turn agent loops with the calculator tool, t=2/tg=2, one step off, fully async at η = 0 and η
+= 2, LoRA, distillation (tiny-qwen2 teaching tiny-llama), SFT, DPO and the reward model. ``compare`` reads both
+sides' metrics.jsonl and prints every metric that differs (wall-clock measurements aside: times, memory, the
+asynchronous modes' waits); it exits 1 if any does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import subprocess
 import sys
 import time
@@ -67,6 +69,18 @@ def runs(data: Path) -> dict[str, list[str]]:
     calculator = [
         f"data.train_files=[{data}/calculator/train.parquet]",
         f"data.val_files=[{data}/calculator/test.parquet]",
+    ]
+    pairs = [
+        f"data.train_files=[{data}/pairs/train.jsonl]",
+        f"data.val_files=[{data}/pairs/test.jsonl]",
+        "data.train_batch_size=4",
+        "data.val_batch_size=8",
+        "engine.micro_batch_size_per_gpu=2",  # one pair a micro-batch
+        "engine.fsdp.param_dtype=fp32",
+        "optim.lr=2e-3",
+        "trainer.total_training_steps=4",
+        "trainer.test_freq=2",
+        "trainer.save_freq=4",
     ]
     demo = ["train", "--config", "examples/grpo_arithmetic_smollm2.yaml", *arithmetic]
     tiny = ["train", *arithmetic, *TINY]
@@ -126,6 +140,13 @@ def runs(data: Path) -> dict[str, list[str]]:
             "actor_rollout_ref.actor.use_kl_loss=true",
             "trainer.save_freq=3",
         ],
+        "distillation": [
+            *tiny,
+            "teacher.model.path=tiny-qwen2",
+            "teacher.fsdp.param_dtype=fp32",
+            "algorithm.distillation.coef=1.0",
+            "algorithm.distillation.reward_coef=0.5",
+        ],
         "sft": [
             "sft",
             f"data.train_files=[{data}/calculator_gold/train.parquet]",
@@ -139,10 +160,29 @@ def runs(data: Path) -> dict[str, list[str]]:
             "trainer.test_freq=2",
             "trainer.save_freq=4",
         ],
+        "dpo": ["dpo", *pairs, "algorithm.beta=0.5"],
+        "dpo_ipo_lora": ["dpo", *pairs, "algorithm.loss_type=ipo", "model.lora.rank=4", "model.lora.alpha=8"],
+        "rm": ["rm", *pairs],
     }
 
 
+def sum_pairs(count: int, seed: int) -> list[dict]:
+    """Sums with the right answer chosen and a wrong one rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        wrong = a + b + rng.choice([-2, -1, 1, 2])
+        prompt = [{"role": "user", "content": f"What is {a} + {b}?"}]
+        rows.append({"prompt": prompt, "chosen": f"{a} + {b} = {a + b}", "rejected": f"{a} + {b} = {wrong}"})
+    return rows
+
+
 def write_data(data: Path) -> None:
+    (data / "pairs").mkdir(parents=True, exist_ok=True)
+    for name, count, seed in (("train", 16, 0), ("test", 8, 1)):
+        lines = (json.dumps(row) for row in sum_pairs(count, seed))
+        (data / "pairs" / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
     tasks = [
         ("arithmetic", "arithmetic", []),
         ("calculator", "calculator", []),

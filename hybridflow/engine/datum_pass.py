@@ -1,13 +1,16 @@
-"""Forward (and backward) passes over datums: token sequences with a target token at every position.
+"""Forward (and backward) passes over datums: token sequences with a target token at every position, through the
+packed forward every training pass uses (engine/forward.py).
 
 A datum is the Tinker API's unit (``algorithms/datum_losses.py``): ``tokens`` (N,) and per-position inputs, among
 them ``target_tokens`` (N,), the token each position is scored on (usually the next one, but any token). The pass
 reads the log-probability of each target under the model, the loss per token, and with a backward pass adds the
 summed loss's gradient to the parameters' gradients: calls accumulate until the optimizer step, as the API says.
 
-Datums are run in micro-batches of consecutive datums whose padded size (rows x longest) stays within a token
-budget, right-padded; padding changes nothing on the real tokens, so the micro-batching changes no result beyond
-float rounding.
+Datums become rows of the RL step's layout (``datum_rows``): a one-token prompt (the datum's first token), then the
+rest of its tokens and one filler token as the "response", whose N labels are the targets: the output at position i
+(0 <= i < N) predicts response label i, which is ``target_tokens[i]``. The filler is an input nothing reads (causal
+attention keeps it out of every earlier position). Micro-batches hold at most a budget of real tokens; packing runs
+no padding, so the micro-batching changes no result beyond float rounding.
 """
 
 from __future__ import annotations
@@ -19,8 +22,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybridflow.algorithms import log_probs_from_logits
 from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
+from hybridflow.engine.dynamic_batch import group_by_tokens, split_by_groups
+from hybridflow.engine.forward import response_log_probs
+from hybridflow.protocol import DataProto
+
+FILLER = 0  # the token after a datum's last one: an input nothing reads
 
 
 @dataclass(frozen=True)
@@ -37,45 +45,30 @@ class DatumOutput:
     elementwise_loss: np.ndarray  # (N,) float32: the loss of each position (summed into the loss)
 
 
-def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive datums grouped so that rows x longest row stays within ``max_tokens`` (a datum longer than that
-    runs alone)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index, length in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, length) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(index)
-        longest = max(longest, length)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def target_log_probs(model: nn.Module, tokens: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(targets[b, t] | tokens[b, : t + 1]) for right-padded rows (B, T), in fp32."""
-    position_ids = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-    logits = model(input_ids=tokens, attention_mask=mask, position_ids=position_ids, use_cache=False).logits
-    return log_probs_from_logits(logits.float(), targets)
-
-
-def _padded(datums: Sequence[Datum], names: Sequence[str], device: torch.device) -> tuple[torch.Tensor, ...]:
+def datum_rows(datums: Sequence[Datum], names: Sequence[str], device: torch.device) -> DataProto:
+    """The datums as rows of the RL layout (B, 1 + R), R the longest datum: see the module docstring. Besides the
+    layout's columns, each loss input in ``names`` is a (B, R) float column, 0 on padding."""
     rows, longest = len(datums), max(len(d.tokens) for d in datums)
-    tokens = torch.zeros(rows, longest, dtype=torch.long)
-    mask = torch.zeros(rows, longest, dtype=torch.long)
+    input_ids = torch.full((rows, 1 + longest), FILLER, dtype=torch.long)
+    attention_mask = torch.zeros(rows, 1 + longest, dtype=torch.long)
     targets = torch.zeros(rows, longest, dtype=torch.long)
     inputs = {name: torch.zeros(rows, longest, dtype=torch.float32) for name in names}
     for row, datum in enumerate(datums):
         n = len(datum.tokens)
-        tokens[row, :n] = torch.tensor(datum.tokens, dtype=torch.long)
-        mask[row, :n] = 1
-        targets[row, :n] = torch.tensor(datum.inputs[TARGET_TOKENS], dtype=torch.long)
+        input_ids[row, :n] = torch.as_tensor(datum.tokens, dtype=torch.long)
+        attention_mask[row, : n + 1] = 1  # the datum's tokens and the filler
+        targets[row, :n] = torch.as_tensor(datum.inputs[TARGET_TOKENS], dtype=torch.long)
         for name in names:
-            inputs[name][row, :n] = torch.tensor(datum.inputs[name], dtype=torch.float32)
-    move = lambda t: t.to(device)  # noqa: E731
-    return move(tokens), move(mask), move(targets), {k: move(v) for k, v in inputs.items()}
+            inputs[name][row, :n] = torch.as_tensor(datum.inputs[name], dtype=torch.float32)
+    columns = {
+        INPUT_IDS: input_ids,
+        ATTENTION_MASK: attention_mask,
+        POSITION_IDS: (attention_mask.cumsum(dim=-1) - 1).clamp(min=0),
+        RESPONSES: targets,
+        RESPONSE_MASK: attention_mask[:, 1:].clone(),
+        **inputs,
+    }
+    return DataProto.from_dict({key: value.to(device) for key, value in columns.items()})
 
 
 def run_datums(
@@ -91,16 +84,17 @@ def run_datums(
 ) -> tuple[list[DatumOutput], float]:
     """Each datum's log-probs and per-token loss, and the summed loss; with ``backward`` the gradient of
     ``loss_scale`` x the summed loss is added to the parameters' gradients (``loss_scale``: the data-parallel size,
-    whose average FSDP takes)."""
+    whose average FSDP takes). Micro-batches hold at most ``max_tokens`` real tokens (a longer datum runs alone)."""
     loss = DATUM_LOSSES[loss_name]
+    rows = datum_rows(datums, loss.inputs, device)
     outputs: list[DatumOutput | None] = [None] * len(datums)
     total = 0.0
-    for group in micro_batches([len(d.tokens) for d in datums], max_tokens):
-        part = [datums[i] for i in group]
-        tokens, mask, targets, inputs = _padded(part, loss.inputs, device)
+    groups = [sorted(group) for group in group_by_tokens([len(d.tokens) + 1 for d in datums], max_tokens)]
+    for group, micro in zip(groups, split_by_groups(rows, groups)):
+        mask = micro.batch[RESPONSE_MASK]
         with torch.set_grad_enabled(backward):
-            logprobs = target_log_probs(model, tokens, mask, targets)
-            per_token = loss.fn(logprobs, inputs, mask.float(), settings)
+            logprobs, _ = response_log_probs(model, micro, remove_padding=True)
+            per_token = loss.fn(logprobs, {name: micro.batch[name] for name in loss.inputs}, mask.float(), settings)
             summed = per_token.sum()
             if backward:
                 (summed * loss_scale).backward()

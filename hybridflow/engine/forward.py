@@ -15,6 +15,7 @@ of at most that many real tokens (``dynamic_batch.py``), and return rows in the 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPO
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import pack, packed_forward
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
+from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
 
 
@@ -108,6 +110,21 @@ def response_values(model: nn.Module, batch: DataProto, remove_padding: bool = F
     return _to_rows(values[..., 0].float(), valid)
 
 
+def _batched(
+    compute: Callable[[DataProto], torch.Tensor | tuple],
+    data: DataProto,
+    micro_batch_size: int,
+    remove_padding: bool,
+    max_token_len: int | None,
+) -> list:
+    """``compute`` on each micro-batch of ``data`` (``micro_batch_size`` rows, or with ``max_token_len`` at most that
+    many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
+    ``restore_order``."""
+    sharing = packed_prompt_sharing(data, remove_padding)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
+    return [compute(micro) for micro in split_by_groups(data, groups)], groups
+
+
 @torch.no_grad()
 def batched_log_probs(
     model: nn.Module,
@@ -119,17 +136,14 @@ def batched_log_probs(
     remove_padding: bool = False,
     max_token_len: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad.
-
-    ``max_token_len``: micro-batches by token count instead of ``micro_batch_size`` rows; a
-    collective under data parallelism (every rank runs as many micro-batches).
-    """
-    sharing = packed_prompt_sharing(data, remove_padding)
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
-    parts = [
-        response_log_probs(model, micro, temperature, with_entropy, remove_padding)
-        for micro in split_by_groups(data, groups)
-    ]
+    """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``)."""
+    parts, groups = _batched(
+        lambda micro: response_log_probs(model, micro, temperature, with_entropy, remove_padding),
+        data,
+        micro_batch_size,
+        remove_padding,
+        max_token_len,
+    )
     log_probs = restore_order([p[0] for p in parts], groups)
     entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None
     return log_probs, entropy
@@ -145,7 +159,64 @@ def batched_values(
     max_token_len: int | None = None,
 ) -> torch.Tensor:
     """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
-    sharing = packed_prompt_sharing(data, remove_padding)
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
-    parts = [response_values(model, micro, remove_padding) for micro in split_by_groups(data, groups)]
+    compute = lambda micro: response_values(model, micro, remove_padding)  # noqa: E731
+    parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
+    return restore_order(parts, groups)
+
+
+def score_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B,) each row's scored column: its rightmost real token that is not the pad token (0 if none)."""
+    scored = attention_mask.bool() & (input_ids != pad_token_id)
+    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+    return (columns * scored).argmax(dim=1)
+
+
+def head_module(model: nn.Module) -> nn.Module:
+    """The score head (under LoRA: peft's wrapper of it, whose output is the trained copy's)."""
+    names = [name for name, _ in model.named_modules() if name.split(".")[-1] == HEAD_NAME]
+    if not names:
+        raise ValueError(f"{type(model).__name__} has no {HEAD_NAME!r} head: not a sequence classifier")
+    return model.get_submodule(min(names, key=len))
+
+
+def sequence_scores(model: nn.Module, batch: DataProto, pad_token_id: int, remove_padding: bool) -> torch.Tensor:
+    """(B,) fp32: a sequence classifier's score of each row, at its last token that is not the pad token.
+
+    This is transformers' ``*ForSequenceClassification`` rule, which the RL reward worker relies on. The padded pass
+    takes the score from the model's own output; the packed pass runs the real tokens only (rows sharing their first
+    tokens compute them once) and reads the head's output at the same tokens."""
+    tensors = batch.batch
+    ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
+    if not remove_padding:
+        return (
+            model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False)
+            .logits[:, 0]
+            .float()
+        )
+    packed = pack(ids, mask, tensors[POSITION_IDS], tensors[RESPONSES].shape[1])
+    outputs: list[torch.Tensor] = []
+    hook = head_module(model).register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
+    try:
+        packed_forward(model, packed)  # its pooled output reads one token of the whole pack: the head's is used
+    finally:
+        hook.remove()
+    token_scores = outputs[-1][0, :, 0]  # (N,) the head's output at every packed token
+    columns = score_columns(ids, mask, pad_token_id)
+    slots = (mask.long().cumsum(dim=1) - 1).gather(1, columns.unsqueeze(1))  # the scored token among its row's
+    return token_scores[packed.segments.index.gather(1, slots).squeeze(1)].float()
+
+
+@torch.no_grad()
+def batched_scores(
+    model: nn.Module,
+    data: DataProto,
+    micro_batch_size: int,
+    pad_token_id: int,
+    *,
+    remove_padding: bool = False,
+    max_token_len: int | None = None,
+) -> torch.Tensor:
+    """Sequence scores of a whole batch, (B,); micro-batches as in ``batched_log_probs``."""
+    compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding)  # noqa: E731
+    parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
     return restore_order(parts, groups)

@@ -9,7 +9,7 @@ import torch
 
 from hybridflow.algorithms.datum_losses import loss_settings
 from hybridflow.engine.adapter_slots import ATTN, MLP, UNEMBED, AdapterSlots
-from hybridflow.engine.datum_pass import Datum, micro_batches, run_datums
+from hybridflow.engine.datum_pass import Datum, run_datums
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
 from hybridflow.models import load_causal_lm
 
@@ -174,6 +174,28 @@ def test_creation_is_refused_outside_the_slot(tiny_path):
         loss_settings("cross_entropy", {"clip_low_threshold": 0.5})
 
 
-def test_micro_batches_stay_within_the_token_budget():
-    assert micro_batches([4, 4, 4, 10, 2], max_tokens=12) == [[0, 1, 2], [3], [4]]
-    assert micro_batches([20], max_tokens=8) == [[0]]
+def test_the_packed_datum_pass_gives_each_target_s_log_prob_and_micro_batching_changes_nothing(tiny_path):
+    """Each datum's log-probs are log p(target_i | tokens[: i + 1]) from one plain forward of the datum alone (targets
+    other than the next token too), and a budget of one datum per micro-batch gives the outputs and gradients of one
+    micro-batch of all."""
+    model = load_causal_lm(tiny_path, dtype=torch.float32)
+    data = datums(model.config.vocab_size, seed=5, count=4)
+    data[1] = Datum(data[1].tokens, {**data[1].inputs, "target_tokens": data[1].inputs["target_tokens"][::-1].copy()})
+    data.append(Datum(np.array([7]), {"target_tokens": np.array([9]), "weights": np.array([1.0])}))  # one token
+    results = []
+    for budget in (1, 1000):
+        model.zero_grad(set_to_none=True)
+        outputs, loss = run_datums(model, data, "cross_entropy", {}, backward=True, max_tokens=budget, device=CPU)
+        results.append((outputs, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    with torch.no_grad():
+        for datum, output in zip(data, results[0][0]):
+            log_probs = torch.log_softmax(model(input_ids=torch.as_tensor(datum.tokens).unsqueeze(0)).logits[0].float(), dim=-1)
+            expected = log_probs[torch.arange(len(datum.tokens)), torch.tensor(datum.inputs["target_tokens"])]
+            np.testing.assert_allclose(output.logprobs, expected.numpy(), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(output.elementwise_loss, -datum.inputs["weights"] * output.logprobs, atol=1e-6)
+    (alone, alone_loss, alone_grads), (together, together_loss, together_grads) = results
+    assert alone_loss == pytest.approx(together_loss, rel=1e-6)
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    for name, grad in alone_grads.items():
+        torch.testing.assert_close(grad, together_grads[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.algorithms import LossAggregation
+from hybridflow.algorithms.objectives.direct_preference import DPO_LOSS, DirectPreference
 from hybridflow.algorithms.preference import PreferenceConfig
 from hybridflow.batch_keys import ANSWER_LOG_PROB, METRICS, REF_ANSWER_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK
 from hybridflow.data.io import write_rows
@@ -17,7 +18,7 @@ from hybridflow.data.preference_dataset import CHOSEN, REJECTED, PreferenceDatas
 from hybridflow.data.token_rows import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
 from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.engine.preference import DPO_LOSS, PreferenceEngine
+from hybridflow.engine.supervised import SupervisedEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
 from tests.data.test_preference_dataset import CONFIG as DATA
 from tests.engine.test_sft_engine import ENGINE, OPTIM  # fp32, no clipping, AdamW linear in the gradient
@@ -52,12 +53,12 @@ def perturbed(model):
     return other.eval().requires_grad_(False)
 
 
-def engine(model, reference, preference=DPO, **changes) -> PreferenceEngine:
-    return PreferenceEngine(
+def engine(model, reference, preference=DPO, **changes) -> SupervisedEngine:
+    return SupervisedEngine(
         TrainedModel.build(model, OPTIM, 10),
         dataclasses.replace(ENGINE, **changes),
         OPTIM,
-        preference,
+        DirectPreference(preference),
         reference=reference,
     )
 
@@ -85,7 +86,7 @@ def hand_loss(model, reference, dataset, beta) -> torch.Tensor:
     return torch.stack(losses).mean()
 
 
-def batch_with_reference(dpo: PreferenceEngine, dataset):
+def batch_with_reference(dpo: SupervisedEngine, dataset):
     data = dataset.collate(dataset.pairs)
     data.meta_info["global_step"] = 1
     return data.union(dpo.reference_log_probs(data))

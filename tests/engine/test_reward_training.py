@@ -11,12 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from hybridflow.algorithms import LossAggregation
+from hybridflow.algorithms.objectives.bradley_terry import RM_LOSS, BradleyTerry
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, METRICS, RESPONSE_MASK, SEQUENCE_SCORE
 from hybridflow.data.io import write_rows
 from hybridflow.data.reward_pairs import RewardPairDataset
+from hybridflow.engine.forward import score_columns
 from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.engine.reward_training import RM_LOSS, RewardTrainingEngine, score_columns
+from hybridflow.engine.supervised import SupervisedEngine
 from hybridflow.models import load_reward_model, load_tokenizer
 from tests.data.test_preference_dataset import CONFIG as DATA
 from tests.engine.test_preference_engine import PAIRS
@@ -37,11 +39,12 @@ def reward_model(reward_model_dir):
     return load_reward_model(reward_model_dir, dtype=torch.float32)
 
 
-def engine(model, **changes) -> RewardTrainingEngine:
-    return RewardTrainingEngine(
+def engine(model, **changes) -> SupervisedEngine:
+    return SupervisedEngine(
         TrainedModel.build(model, OPTIM, 10),
         dataclasses.replace(ENGINE, **changes),
         OPTIM,
+        BradleyTerry(),
         pad_token_id=model.config.pad_token_id,
     )
 

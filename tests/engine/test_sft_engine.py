@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridflow.algorithms import LossAggregation
+from hybridflow.algorithms.objectives import OBJECTIVES
 from hybridflow.batch_keys import LOSS_TOKENS, METRICS, NLL_SUM, RESPONSE_MASK
 from hybridflow.batch_keys import SFT_LOSS as LOSS
 from hybridflow.data import SFTDataset
@@ -14,7 +15,7 @@ from hybridflow.data.io import write_rows
 from hybridflow.data.sft_dataset import LOSS_MASK, PROMPT_IDS, RESPONSE_IDS
 from hybridflow.engine.config import FSDPConfig, SFTEngineConfig
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.sft import SFTEngine
+from hybridflow.engine.supervised import SupervisedEngine
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.trainer.setup.sft_config import load_sft_config
 
@@ -62,10 +63,12 @@ def batch(tmp_path_factory, tiny_path):
     return dataset, dataset.collate(dataset.rows)
 
 
-def engine(tiny_path, **changes) -> SFTEngine:
+def engine(tiny_path, **changes) -> SupervisedEngine:
     torch.manual_seed(0)
     model = load_causal_lm(tiny_path, dtype=torch.float32)
-    return SFTEngine(TrainedModel.build(model, OPTIM, 10), dataclasses.replace(ENGINE, **changes), OPTIM)
+    return SupervisedEngine(
+        TrainedModel.build(model, OPTIM, 10), dataclasses.replace(ENGINE, **changes), OPTIM, OBJECTIVES.get("sft")()
+    )
 
 
 def independent_nll(model, dataset) -> list[tuple[float, int]]:

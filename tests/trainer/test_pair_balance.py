@@ -8,7 +8,11 @@ import torch
 
 from hybridflow.batch_keys import ATTENTION_MASK
 from hybridflow.protocol import DataProto
-from hybridflow.trainer.loop.preference_trainer import pair_balanced
+from hybridflow.trainer.loop.supervised_trainer import unit_order
+
+
+def pair_balanced(batch: DataProto, dp: int) -> DataProto:
+    return batch.reorder(unit_order(batch, dp, unit=2))
 
 
 def batch_of_pairs(pairs: int, seed: int) -> DataProto:

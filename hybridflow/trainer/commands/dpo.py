@@ -12,10 +12,8 @@ import sys
 
 from hybridflow.data import PreferenceDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
-from hybridflow.trainer.loop.preference_trainer import DPOTrainer
 from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig, load_dpo_config
 from hybridflow.validation import run_command, split_debug_flag
-from hybridflow.workers.preference import PreferenceWorker
 
 ABOUT = """Direct preference optimisation: the model learns to prefer each pair's chosen answer over its rejected one,
 relative to the reference (the starting model; under LoRA the model with its adapters off). Rows hold a "prompt"
@@ -26,12 +24,6 @@ The run directory's checkpoints export (hybridflow export) to a model directory.
 """
 
 
-def dpo_trainer(config: DPOConfig, plan, group, train, val_batches) -> DPOTrainer:
-    return DPOTrainer(
-        group, plan.pool, plan.layout.dp, train, val_batches, config.algorithm, total_epochs=config.trainer.total_epochs
-    )
-
-
 DPO = SupervisedCommand(
     name="dpo",
     unit="pairs",
@@ -40,9 +32,8 @@ DPO = SupervisedCommand(
     load_config=load_dpo_config,
     about=ABOUT,
     dataset_class=PreferenceDataset,
-    worker_class=PreferenceWorker,
-    make_trainer=dpo_trainer,
-    worker_kwargs=lambda config: {"preference": config.algorithm},
+    objective="dpo",
+    settings=lambda config: config.algorithm,
     describe=lambda config: f"dpo ({config.algorithm.loss_type}, beta {config.algorithm.beta})",
 )
 check_dpo_config, run, main = DPO.check, DPO.run, DPO.main

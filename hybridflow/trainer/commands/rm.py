@@ -14,11 +14,9 @@ import sys
 
 from hybridflow.data.reward_pairs import RewardPairDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
-from hybridflow.trainer.loop.preference_trainer import RewardModelTrainer
 from hybridflow.trainer.setup.config import ConfigError
 from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig, load_rm_config
 from hybridflow.validation import run_command, split_debug_flag
-from hybridflow.workers.reward_training import RewardTrainingWorker
 
 ABOUT = """Reward-model training: the model (a backbone with a scalar head) learns to score each pair's chosen
 answer above its rejected one (the Bradley-Terry loss, minus the pair's margin with data.margin_key). Rows are as for
@@ -40,12 +38,6 @@ def check_rm_rows(config: RMConfig) -> None:
         )
 
 
-def rm_trainer(config: RMConfig, plan, group, train, val_batches) -> RewardModelTrainer:
-    return RewardModelTrainer(
-        group, plan.pool, plan.layout.dp, train, val_batches, total_epochs=config.trainer.total_epochs
-    )
-
-
 RM = SupervisedCommand(
     name="rm",
     unit="pairs",
@@ -54,8 +46,7 @@ RM = SupervisedCommand(
     load_config=load_rm_config,
     about=ABOUT,
     dataset_class=RewardPairDataset,
-    worker_class=RewardTrainingWorker,
-    make_trainer=rm_trainer,
+    objective="rm",
     describe=lambda config: "reward model (Bradley-Terry)",
     check_own=check_rm_rows,
 )

@@ -12,10 +12,8 @@ import sys
 
 from hybridflow.data import SFTDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
-from hybridflow.trainer.loop.sft_trainer import SFTTrainer
 from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
 from hybridflow.validation import run_command, split_debug_flag
-from hybridflow.workers.sft import SFTWorker
 
 ABOUT = """Supervised fine-tuning: the loss on the assistant turns of conversations (a "messages" column), or on the
 answers of prompt/response pairs. Every key has its default in {defaults}; a --config file holds
@@ -26,10 +24,6 @@ starts from (actor_rollout_ref.model.path=...).
 """
 
 
-def sft_trainer(config: SFTConfig, plan, group, train, val_batches) -> SFTTrainer:
-    return SFTTrainer(group, plan.pool, plan.layout.dp, train, val_batches, total_epochs=config.trainer.total_epochs)
-
-
 SFT = SupervisedCommand(
     name="sft",
     unit="samples",
@@ -38,8 +32,7 @@ SFT = SupervisedCommand(
     load_config=load_sft_config,
     about=ABOUT,
     dataset_class=SFTDataset,
-    worker_class=SFTWorker,
-    make_trainer=sft_trainer,
+    objective="sft",
 )
 check_sft_config, run, main = SFT.check, SFT.run, SFT.main
 

@@ -3,7 +3,9 @@ arguments, its checks), the checks of a one-pool run, the run directory, the mod
 worker group on one pool, and the step loop.
 
 Each command is a ``SupervisedCommand``: its config (the sections ``data``, ``model``, ``engine``, ``optim`` and
-``trainer`` in the same shapes), its data set, its worker and its trainer; everything else is written here once.
+``trainer`` in the same shapes), its data set and its objective (algorithms/objectives/) with the objective's config
+section; the worker (workers/supervised.py), the trainer (loop/supervised_trainer.py) and everything else are
+written here once.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from hybridflow.algorithms.objectives import OBJECTIVES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_tokenizer
 from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
+from hybridflow.trainer.loop.supervised_trainer import SupervisedTrainer
 from hybridflow.trainer.services.tracking import Tracking, check_loggers
 from hybridflow.trainer.setup.check_config import (
     check_cluster,
@@ -42,6 +46,7 @@ from hybridflow.trainer.setup.run_plan import (
     resolve_model_dir,
     total_training_steps,
 )
+from hybridflow.workers.supervised import SupervisedWorker
 
 # keys whose change makes a run directory's checkpoints mean something else: the model (the state's shapes; DPO's
 # reference) and what the loader's saved position counts
@@ -138,17 +143,17 @@ def run_supervised(
     *,
     what: str,
     dataset_class: Callable[..., Any],
-    worker_class: type,
-    worker_kwargs: dict[str, Any],
-    make_trainer: Callable[[RayWorkerGroup, PromptDataLoader, PromptDataLoader | None], Any],
+    objective: str,
+    settings: Any = None,
 ) -> dict[str, float]:
     """The run: its directory checked (``SUPERVISED_STATE_KEYS``: a change refused), the model built, the data read
     (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``), then the worker group on its pool and
     the step loop.
 
-    ``worker_class`` is built with the model, engine, optim, model path, layout, step count and seed, and
-    ``worker_kwargs``; ``make_trainer(group, train, val)`` gives the loop's trainer; ``what`` names the run in the
-    line printed before Ray starts."""
+    ``objective``: the registered objective's name, ``settings`` its config section (None where it has none);
+    ``what`` names the run in the line printed before Ray starts."""
+    chosen = OBJECTIVES.get(objective)
+    objective_part = chosen(settings) if settings is not None else chosen()
     trainer_config = config.trainer
     config_yaml = to_yaml(config)
     run_dir = check_run_directory(
@@ -170,7 +175,7 @@ def run_supervised(
         f"tokens) on {trainer_config.world_size} workers; run dir {plan.run_dir}"
     )
     worker = RoleSpec(
-        worker_class,
+        SupervisedWorker,
         kwargs=dict(
             model=config.model,
             engine=config.engine,
@@ -179,7 +184,7 @@ def run_supervised(
             layout=plan.layout,
             total_training_steps=steps,
             seed=trainer_config.seed,
-            **worker_kwargs,
+            objective=objective_part,
         ),
     )
     joined = trainer_config.ray_address
@@ -201,7 +206,15 @@ def run_supervised(
             group = RayWorkerGroup(pool, worker, name=plan.pool)
             tracking = Tracking(trainer_config.logger, plan.run_dir, dataclasses.asdict(config))
             loop = StepLoop(
-                make_trainer(group, train_loader, val_loader),
+                SupervisedTrainer(
+                    objective_part,
+                    group,
+                    plan.pool,
+                    plan.layout.dp,
+                    train_loader,
+                    (lambda: iter(val_loader)) if val_loader is not None else None,
+                    total_epochs=trainer_config.total_epochs,
+                ),
                 schedule=run_schedule(trainer_config, steps, has_validation=val_loader is not None),
                 run_dir=plan.run_dir,
                 tracking=tracking,
@@ -228,10 +241,8 @@ class SupervisedCommand:
     load_config: Callable[..., Any]  # (overrides, config file) -> the config
     about: str  # the usage's paragraph: what it trains, on which rows, an example; "{defaults}": the default file
     dataset_class: type
-    worker_class: type
-    # (config, plan, group, train loader, val batches: a callable giving an iterator, or None) -> the loop's trainer
-    make_trainer: Callable[[Any, SupervisedPlan, RayWorkerGroup, Any, Any], Any]
-    worker_kwargs: Callable[[Any], dict] = lambda config: {}  # the objective's own settings for its worker
+    objective: str  # the registered objective (algorithms/objectives/)
+    settings: Callable[[Any], Any] = lambda config: None  # (config) -> the objective's config section, or None
     describe: Callable[[Any], str] | None = None  # the run's first line names it (None: the command's name)
     check_own: Callable[[Any], None] = lambda config: None  # checks of its own, before the shared ones
 
@@ -248,11 +259,8 @@ class SupervisedCommand:
             plan,
             what=self.describe(config) if self.describe else self.name,
             dataset_class=self.dataset_class,
-            worker_class=self.worker_class,
-            worker_kwargs=self.worker_kwargs(config),
-            make_trainer=lambda group, train, val: self.make_trainer(
-                config, plan, group, train, (lambda: iter(val)) if val else None
-            ),
+            objective=self.objective,
+            settings=self.settings(config),
         )
 
     def usage(self) -> str:
