@@ -74,12 +74,12 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m hybridflow.trainer.setup.config_help --check
+	$(PY) -m hybridflow.config_yamls --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
-	$(PY) -m hybridflow.trainer.setup.config_help
+	$(PY) -m hybridflow.config_yamls
 
 # The tests run in TEST_PROCESSES pytest processes (pytest-xdist), each taking whole files: a file's tests share
 # their module's fixtures (one Ray cluster, one set of runs), in the order tests/conftest.py gives (the longest files

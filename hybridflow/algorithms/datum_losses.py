@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 TARGET_TOKENS = "target_tokens"
@@ -28,6 +29,21 @@ ADVANTAGES = "advantages"
 PPO_CLIP_LOW = "clip_low_threshold"
 PPO_CLIP_HIGH = "clip_high_threshold"
 PPO_DEFAULTS = {PPO_CLIP_LOW: 0.8, PPO_CLIP_HIGH: 1.2}  # on the ratio: 1 - 0.2 and 1 + 0.2
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One sequence: ``tokens`` (N,) int, ``inputs`` the loss's per-position arrays (N,), ``target_tokens`` too."""
+
+    tokens: np.ndarray
+    inputs: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class DatumOutput:
+    logprobs: np.ndarray  # (N,) float32: log p(target_tokens[i] | tokens[: i + 1])
+    elementwise_loss: np.ndarray  # (N,) float32: the loss of each position (summed into the loss)
+
 
 DatumLossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, Mapping[str, float]], torch.Tensor]
 

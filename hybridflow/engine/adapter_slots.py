@@ -25,23 +25,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hybridflow.engine.lora import ADAPTER, base_name
 from hybridflow.engine.optim import FUSED_DEVICES
-from hybridflow.models.adapters import LORA_A, LORA_B, adapter_name
+from hybridflow.models.adapters import LORA_A, LORA_B, adapter_name, layer_part
 
-ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"  # the parts of a model an adapter may adapt
 ADAPTER_FILE = "adapter_model.safetensors"  # peft's file and parameter names: peft and vLLM load it as it is
 OPTIMIZER_FILE = "optimizer.safetensors"
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def layer_part(layer: str) -> str | None:
-    """Which part of the model a linear layer (its plain name) belongs to: attention, MLP, or the output head."""
-    if ".self_attn." in layer:
-        return ATTN
-    if ".mlp." in layer:
-        return MLP
-    if layer == "lm_head":
-        return UNEMBED
-    return None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

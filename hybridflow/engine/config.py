@@ -51,10 +51,10 @@ class FSDPConfig:
 
 @dataclass(kw_only=True)
 class UpdateConfig:
-    """What the actor's and the critic's updates share (engine/update.py reads it): mini-batches, micro-batches,
-    epochs, loss aggregation, gradient clipping, the optimizer and FSDP2. Each role adds its own fields."""
+    """What the actor's and the critic's updates share (engine/update.py reads it): micro-batches, epochs, loss
+    aggregation, gradient clipping, the optimizer and FSDP2. Each role adds its own fields; the mini-batch is the
+    caller's (the run plan's split of ``ppo_mini_batch_size``, trainer/setup/config.py)."""
 
-    ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
     ppo_micro_batch_size_per_gpu: int  # samples per forward/backward on one rank (gradient accumulation)
     ppo_epochs: int  # passes over the batch per training step
     shuffle: bool  # shuffle samples between mini-batches (seeded)
@@ -77,7 +77,6 @@ class UpdateConfig:
     def __post_init__(self) -> None:
         require_positive_fields(
             self,
-            "ppo_mini_batch_size",
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
             "tensor_model_parallel_size",
@@ -176,7 +175,6 @@ class SFTEngineConfig:
     def update_config(self, optim: OptimConfig) -> UpdateConfig:
         """The shared update loop's settings (engine/update.py) for one optimizer step per batch, token-mean loss."""
         return UpdateConfig(
-            ppo_mini_batch_size=1,  # not read: the caller gives the mini-batch (a rank's whole batch)
             ppo_micro_batch_size_per_gpu=self.micro_batch_size_per_gpu,
             ppo_epochs=1,
             shuffle=False,

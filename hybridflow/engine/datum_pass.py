@@ -16,33 +16,17 @@ no padding, so the micro-batching changes no result beyond float rounding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
-from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS
+from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS, Datum, DatumOutput
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from hybridflow.engine.dynamic_batch import group_by_tokens, split_by_groups
 from hybridflow.engine.forward import response_log_probs
 from hybridflow.protocol import DataProto
 
 FILLER = 0  # the token after a datum's last one: an input nothing reads
-
-
-@dataclass(frozen=True)
-class Datum:
-    """One sequence: ``tokens`` (N,) int, ``inputs`` the loss's per-position arrays (N,), ``target_tokens`` too."""
-
-    tokens: np.ndarray
-    inputs: Mapping[str, np.ndarray]
-
-
-@dataclass(frozen=True)
-class DatumOutput:
-    logprobs: np.ndarray  # (N,) float32: log p(target_tokens[i] | tokens[: i + 1])
-    elementwise_loss: np.ndarray  # (N,) float32: the loss of each position (summed into the loss)
 
 
 def datum_rows(datums: Sequence[Datum], names: Sequence[str], device: torch.device) -> DataProto:

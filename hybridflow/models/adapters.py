@@ -7,6 +7,7 @@ from __future__ import annotations
 
 LORA_A = "lora_A"
 LORA_B = "lora_B"
+ATTN, MLP, UNEMBED = "attn", "mlp", "unembed"  # the parts of a model an adapter may adapt
 
 
 def adapter_name(layer: str, part: str) -> str:
@@ -20,3 +21,14 @@ def split_adapter_name(name: str) -> tuple[str, str]:
     if part not in (LORA_A, LORA_B) or not layer:
         raise ValueError(f"{name!r} names no LoRA adapter (expected '<layer>.{LORA_A}' or '<layer>.{LORA_B}')")
     return layer, part
+
+
+def layer_part(layer: str) -> str | None:
+    """Which part of the model a linear layer (its plain name) belongs to: attention, MLP, or the output head."""
+    if ".self_attn." in layer:
+        return ATTN
+    if ".mlp." in layer:
+        return MLP
+    if layer == "lm_head":
+        return UNEMBED
+    return None

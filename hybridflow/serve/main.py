@@ -18,15 +18,17 @@ from pathlib import Path
 import uvicorn
 from transformers import AutoConfig
 
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.serve.app import build_app
+from hybridflow.serve.config import SERVE_DEFAULT_CONFIG, ServeConfig, load_serve_config
 from hybridflow.serve.service import ServedModel, TrainingService
 from hybridflow.serve.storage import owner_of
+from hybridflow.trainer.setup.cluster import check_local_cluster, ray_for_run
 from hybridflow.trainer.setup.config import ConfigError, config_sections, default_config
 from hybridflow.trainer.setup.config_help import config_command_args
+from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_plan import model_dir_or_name, resolve_model_dir
-from hybridflow.trainer.setup.serve_config import SERVE_DEFAULT_CONFIG, ServeConfig, load_serve_config
 from hybridflow.validation import reading_file, run_command, split_debug_flag
 from hybridflow.workers.adapter_service import AdapterServiceWorker
 
@@ -89,11 +91,14 @@ class WorkerBackend:
 
 def serve(config: ServeConfig) -> None:
     model_dir_or_name(config.model.path, "model.path")  # a ConfigError before anything starts
+    placement = Placement({POOL: [1]}, {})
+    if not config.worker.ray_address:
+        check_local_cluster(config.worker, placement, section="worker")
     keys = api_keys(config)
     directory = resolve_model_dir(config.model.path, "model.path")
     rollout = dataclasses.replace(default_config().actor_rollout_ref.rollout, name="native", dtype=config.sampler.dtype)
     worker = config.worker
-    with ray_session(worker.ray_address or None, None if worker.ray_address else int(worker.cpus_per_worker) + 1):
+    with ray_for_run(worker, placement, section="worker"):
         pool = RayResourcePool(
             [1],
             use_gpu=worker.device == "cuda",

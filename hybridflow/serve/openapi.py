@@ -18,8 +18,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from hybridflow.serve import messages as m
+from hybridflow.serve.config import LimitsConfig
 from hybridflow.serve.wire import PROTOBUF
-from hybridflow.trainer.setup.serve_config import LimitsConfig
 
 REF = "#/components/schemas/{model}"
 _MODELS: dict[str, type[BaseModel]] = {}  # every model a route names, by name: written into the components

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms.datum_losses import TARGET_TOKENS, WEIGHTS, loss_settings
+from hybridflow.algorithms.datum_losses import TARGET_TOKENS, WEIGHTS, Datum, DatumOutput, loss_settings
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.adapter_slots import AdapterSlots, AdapterState
 from hybridflow.engine.config import FSDPConfig
-from hybridflow.engine.datum_pass import Datum, DatumOutput, run_datums
+from hybridflow.engine.datum_pass import run_datums
 from hybridflow.engine.fsdp import grad_norm_and_clip
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, adapters_off
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.algorithms.datum_losses import loss_settings
-from hybridflow.engine.adapter_slots import ATTN, MLP, UNEMBED, AdapterSlots
-from hybridflow.engine.datum_pass import Datum, run_datums
+from hybridflow.algorithms.datum_losses import Datum, loss_settings
+from hybridflow.engine.adapter_slots import AdapterSlots
+from hybridflow.engine.datum_pass import run_datums
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
 from hybridflow.models import load_causal_lm
+from hybridflow.models.adapters import ATTN, MLP, UNEMBED
 
 CPU = torch.device("cpu")
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
@@ -189,7 +190,9 @@ def test_the_packed_datum_pass_gives_each_target_s_log_prob_and_micro_batching_c
         results.append((outputs, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     with torch.no_grad():
         for datum, output in zip(data, results[0][0]):
-            log_probs = torch.log_softmax(model(input_ids=torch.as_tensor(datum.tokens).unsqueeze(0)).logits[0].float(), dim=-1)
+            log_probs = torch.log_softmax(
+                model(input_ids=torch.as_tensor(datum.tokens).unsqueeze(0)).logits[0].float(), dim=-1
+            )
             expected = log_probs[torch.arange(len(datum.tokens)), torch.tensor(datum.inputs["target_tokens"])]
             np.testing.assert_allclose(output.logprobs, expected.numpy(), atol=1e-5, rtol=1e-5)
             np.testing.assert_allclose(output.elementwise_loss, -datum.inputs["weights"] * output.logprobs, atol=1e-6)

@@ -12,8 +12,8 @@ from tinker.lib.public_interfaces.training_client import TrainingClient
 
 from hybridflow.serve import messages as m
 from hybridflow.serve.app import build_app
+from hybridflow.serve.config import load_serve_config
 from hybridflow.serve.service import ServedModel, TrainingService
-from hybridflow.trainer.setup.serve_config import load_serve_config
 from hybridflow.validation import ConfigError
 
 KEY = "tml-hybridflow-test-key-a"

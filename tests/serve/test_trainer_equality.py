@@ -31,8 +31,9 @@ from hybridflow.data.sft_dataset import SFTDataset
 from hybridflow.data.tasks import write_task
 from hybridflow.data.tasks.arithmetic import make_rows
 from hybridflow.data.token_rows import token_mean_batch
-from hybridflow.engine.adapter_slots import ADAPTER_FILE, ATTN, MLP
+from hybridflow.engine.adapter_slots import ADAPTER_FILE
 from hybridflow.models import load_tokenizer, resolve_model_path
+from hybridflow.models.adapters import ATTN, MLP
 from hybridflow.serve.storage import META_FILE, owner_of
 from hybridflow.trainer.services.rollout_data import read_rollout_data
 from hybridflow.trainer.setup.sft_config import load_sft_config

@@ -27,7 +27,7 @@ def test_every_key_has_help():
 
 def test_the_default_yaml_comments_are_the_dataclass_help():
     text = DEFAULT_CONFIG.read_text()
-    assert yaml_with_help(text, key_help()) == text, "run: python -m hybridflow.trainer.setup.config_help"
+    assert yaml_with_help(text, key_help()) == text, "run: python -m hybridflow.config_yamls"
 
 
 def test_comments_are_rewritten_and_values_kept():

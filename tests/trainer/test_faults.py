@@ -149,7 +149,7 @@ def test_a_joined_cluster_too_small_fails_before_placement():
     from ray.cluster_utils import Cluster
 
     from hybridflow.controller import start_ray
-    from hybridflow.trainer.setup.check_config import check_cluster
+    from hybridflow.trainer.setup.cluster import check_cluster
     from hybridflow.trainer.setup.config import ConfigError, load_config
     from hybridflow.trainer.setup.run_plan import make_run_plan
 

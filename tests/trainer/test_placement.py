@@ -3,7 +3,7 @@
 import pytest
 
 from hybridflow.controller import Role
-from hybridflow.trainer.setup.check_config import pool_processes_per_node
+from hybridflow.trainer.setup.cluster import pool_processes_per_node
 from hybridflow.trainer.setup.config import ConfigError, load_config
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_plan import make_run_plan

@@ -21,7 +21,7 @@ import torch
 from transformers import GenerationConfig
 
 from hybridflow.algorithms.objectives import OBJECTIVES
-from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec, ray_session
+from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -30,12 +30,10 @@ from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
 from hybridflow.trainer.loop.supervised_trainer import SupervisedTrainer
 from hybridflow.trainer.services.tracking import Tracking, check_loggers
 from hybridflow.trainer.setup.check_config import (
-    check_cluster,
     check_files,
-    check_local_cluster,
     check_lora_targets,
-    local_cluster_cpus,
 )
+from hybridflow.trainer.setup.cluster import check_local_cluster, ray_for_run
 from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import Placement
@@ -187,11 +185,8 @@ def run_supervised(
             objective=objective_part,
         ),
     )
-    joined = trainer_config.ray_address
     # the workers' tuning settings come with their pool (below), on any cluster
-    with ray_session(joined or None, None if joined else local_cluster_cpus(trainer_config, plan.placement)):
-        if joined:
-            check_cluster(trainer_config, plan.placement)
+    with ray_for_run(trainer_config, plan.placement):
         pool = RayResourcePool(
             plan.placement.pools[plan.pool],
             use_gpu=trainer_config.device == "cuda",

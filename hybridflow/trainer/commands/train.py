@@ -10,7 +10,7 @@ import sys
 
 from rich.console import Console
 
-from hybridflow.controller import Role, RoleSpec, ray_session
+from hybridflow.controller import Role, RoleSpec
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.data.dataset import read_prompt_rows
 from hybridflow.data.tasks.verifiers_env import check_environment_rows
@@ -24,11 +24,10 @@ from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
 from hybridflow.trainer.services.tracking import Tracking
 from hybridflow.trainer.setup.check_config import (
     check_agent_names,
-    check_cluster,
     check_config,
     check_teacher_tokenizer,
-    local_cluster_cpus,
 )
+from hybridflow.trainer.setup.cluster import ray_for_run
 from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import build_groups
@@ -167,11 +166,8 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         soft_wrap=True,  # one line, the path whole, whatever the console's width
     )
 
-    joined = config.trainer.ray_address
     # the workers' tuning settings come with their pools (placement.build_groups), on any cluster
-    with ray_session(joined or None, None if joined else local_cluster_cpus(config.trainer, placement)):
-        if joined:
-            check_cluster(config.trainer, placement)
+    with ray_for_run(config.trainer, placement):
         groups = build_role_groups(config, plan, total_steps)
         finished = False
         try:

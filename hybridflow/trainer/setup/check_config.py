@@ -12,11 +12,8 @@ builds or loads a model: a model's shape comes from its config (a built-in's fro
 
 from __future__ import annotations
 
-import math
-import os
 from pathlib import Path
 
-import ray
 import torch
 
 from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimator
@@ -28,9 +25,9 @@ from hybridflow.models.tokenizer_match import tokenizer_differences
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
 from hybridflow.trainer.services.tracking import check_loggers
-from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, RunConfig
+from hybridflow.trainer.setup.cluster import check_local_cluster
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig
 from hybridflow.trainer.setup.modes import FULLY_ASYNC, training_mode
-from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_plan import RunPlan, make_run_plan, model_config
 from hybridflow.validation import InvalidSetting, UserError
 
@@ -238,86 +235,6 @@ def _check_batch_shaping(cfg: HybridFlowConfig) -> None:
         "algorithm.distillation.reward_coef=0 the rewards are not in the advantage: it would drop samples the teacher "
         "has something to say about",
         "filter_groups.enable=false, or mix in the task reward (algorithm.distillation.reward_coef > 0)",
-    )
-
-
-def local_cluster_cpus(trainer: RunConfig, placement: Placement) -> int:
-    """Logical CPUs of the local Ray cluster: ``trainer.ray_num_cpus``, or (0) the machine's cores raised
-    to what the workers of every pool reserve (threads per worker bound the real CPU use, so a small
-    machine may host more ranks than it has cores)."""
-    reserved = math.ceil(placement.processes * trainer.cpus_per_worker)
-    return trainer.ray_num_cpus or max(os.cpu_count() or 1, reserved)
-
-
-def check_local_cluster(trainer: RunConfig, plan: Placement) -> None:
-    """A local Ray cluster is this one machine: the workers must fit on it (a joined cluster: check_cluster)."""
-    _check(
-        trainer.nnodes == 1,
-        "trainer.nnodes",
-        f"{trainer.nnodes} nodes asked for, but a local Ray cluster is this one machine",
-        "set trainer.nnodes=1, or join a cluster of that many nodes with trainer.ray_address",
-    )
-    for name, nodes in plan.pools.items():
-        _check(
-            len(nodes) == 1,
-            f"trainer.resource_pool_spec.{name}",
-            f"pool '{name}' spans {len(nodes)} nodes, but a local Ray cluster is this one machine",
-            "give one process count per pool, e.g. [2], or join a cluster with trainer.ray_address",
-        )
-    cores = os.cpu_count() or 1
-    _check(
-        trainer.cpus_per_worker <= (trainer.ray_num_cpus or cores),
-        "trainer.cpus_per_worker",
-        f"each rank asks for {trainer.cpus_per_worker} CPUs, but this machine has {cores} cores"
-        + (f" and trainer.ray_num_cpus={trainer.ray_num_cpus}" if trainer.ray_num_cpus else ""),
-        f"set trainer.cpus_per_worker to at most {trainer.ray_num_cpus or cores}",
-    )
-    reserved = plan.processes * trainer.cpus_per_worker
-    _check(
-        reserved <= local_cluster_cpus(trainer, plan),
-        "trainer.ray_num_cpus",
-        f"{plan.processes} ranks in pools {plan.pools} x {trainer.cpus_per_worker} CPUs = {reserved} do not fit "
-        f"in {trainer.ray_num_cpus}",
-        "raise trainer.ray_num_cpus, or set it to 0 (sized to the workers)",
-    )
-    if trainer.device == "cuda":
-        gpus = torch.cuda.device_count()
-        _check(
-            plan.processes <= gpus,
-            "trainer.placement",
-            f"the pools {plan.pools} hold {plan.processes} ranks that need a GPU each; {gpus} are visible",
-            f"use at most {gpus} ranks over all pools (fewer per pool, or colocate roles)",
-        )
-
-
-def pool_processes_per_node(plan: Placement) -> list[int]:
-    """Processes on node i summed over the pools (a pool's i-th entry is on the cluster's i-th node)."""
-    width = max(len(nodes) for nodes in plan.pools.values())
-    return [sum(nodes[i] for nodes in plan.pools.values() if i < len(nodes)) for i in range(width)]
-
-
-def check_cluster(trainer: RunConfig, placement: Placement) -> None:
-    """After joining a Ray cluster (``trainer.ray_address``): enough live nodes, each able to hold one
-    node's share of ranks, so a bad request fails now rather than after the placement timeout."""
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    _check(
-        len(nodes) >= trainer.nnodes,
-        "trainer.nnodes",
-        f"{trainer.nnodes} nodes asked for; the Ray cluster at {trainer.ray_address} has {len(nodes)}",
-        f"set trainer.nnodes to at most {len(nodes)}, or add nodes to the cluster",
-    )
-    per_node = pool_processes_per_node(placement)
-    busiest = max(per_node)
-    need_cpus = busiest * trainer.cpus_per_worker
-    need_gpus = busiest if trainer.device == "cuda" else 0
-    fitting = [r for r in nodes if r.get("CPU", 0) >= need_cpus and r.get("GPU", 0) >= need_gpus]
-    _check(
-        len(fitting) >= len(per_node),
-        "trainer.cpus_per_worker",
-        f"each of {len(per_node)} nodes must hold up to {busiest} ranks (all pools) x {trainer.cpus_per_worker} CPUs"
-        + (f" and {need_gpus} GPUs" if need_gpus else "")
-        + f"; the cluster's nodes have {[(r.get('CPU', 0), r.get('GPU', 0)) for r in nodes]} (CPUs, GPUs)",
-        "lower trainer.cpus_per_worker or trainer.n_workers_per_node",
     )
 
 

@@ -24,7 +24,7 @@ from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBas
 
 from hybridflow.algorithms import AlgorithmConfig
 from hybridflow.data import DataConfig
-from hybridflow.engine.config import CriticConfig
+from hybridflow.engine.config import ActorConfig, CriticConfig
 from hybridflow.reward import CustomRewardFunctionConfig, RewardConfig
 from hybridflow.trainer.asynchronous.staleness import check_push_schedule
 from hybridflow.trainer.services.tracking import KNOWN_LOGGERS
@@ -181,10 +181,37 @@ class TrainerConfig(RunConfig):
 
 
 @dataclass(kw_only=True)
+class ActorSection(ActorConfig):
+    """The actor's section: the engine's update settings, and the mini-batch the run plan splits each step into."""
+
+    ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self.ppo_mini_batch_size, "ppo_mini_batch_size")
+
+
+@dataclass(kw_only=True)
+class CriticSection(CriticConfig):
+    """The critic's section: the engine's update settings, and the mini-batch the run plan splits each step into."""
+
+    ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require_positive(self.ppo_mini_batch_size, "ppo_mini_batch_size")
+
+
+@dataclass(kw_only=True)
+class PolicySection(ActorRolloutRefConfig):
+    actor: ActorSection  # the policy's training side
+
+
+@dataclass(kw_only=True)
 class HybridFlowConfig:
     data: DataConfig
-    actor_rollout_ref: ActorRolloutRefConfig
-    critic: CriticConfig
+    actor_rollout_ref: PolicySection
+    critic: CriticSection
     reward_model: RewardModelConfig
     teacher: TeacherConfig
     custom_reward_function: CustomRewardFunctionConfig

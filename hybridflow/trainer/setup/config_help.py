@@ -16,7 +16,6 @@ import functools
 import inspect
 import io
 import re
-import sys
 import textwrap
 import tokenize
 import typing
@@ -180,42 +179,3 @@ def _strip_comment(rest: str) -> str:
         elif char == "#" and quote is None and (index == 0 or rest[index - 1] == " "):
             return rest[:index].rstrip()
     return rest.rstrip()
-
-
-def default_yamls() -> list[tuple[Path, type]]:
-    """Each default YAML with the config dataclass it fills: RL's, the SFT, DPO and reward-model trainers', and the
-    training service's."""
-    from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig
-    from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig
-    from hybridflow.trainer.setup.serve_config import SERVE_DEFAULT_CONFIG, ServeConfig
-    from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
-
-    return [
-        (Path(DEFAULT_CONFIG), HybridFlowConfig),
-        (SFT_DEFAULT_CONFIG, SFTConfig),
-        (DPO_DEFAULT_CONFIG, DPOConfig),
-        (RM_DEFAULT_CONFIG, RMConfig),
-        (SERVE_DEFAULT_CONFIG, ServeConfig),
-    ]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Rewrite the default YAMLs' comments from the dataclasses (``--check``: exit 1 if they differ)."""
-    args = sys.argv[1:] if argv is None else argv
-    differ = 0
-    for path, root in default_yamls():
-        text = path.read_text()
-        wanted = yaml_with_help(text, key_help(root))
-        if wanted == text:
-            continue
-        if "--check" in args:
-            print(f"{path}: comments differ from the dataclasses; run python -m {__spec__.name}")
-            differ = 1
-        else:
-            path.write_text(wanted)
-            print(f"rewrote the comments of {path}")
-    return differ
-
-
-if __name__ == "__main__":
-    sys.exit(main())

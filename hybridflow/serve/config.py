@@ -11,7 +11,7 @@ from hybridflow.engine.config import FSDPConfig
 from hybridflow.trainer.setup.config import load_config
 from hybridflow.validation import require, require_choice, require_positive
 
-SERVE_DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "config" / "serve.yaml"
+SERVE_DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "config" / "serve.yaml"
 DEVICES = ("cpu", "cuda")
 
 
@@ -103,10 +103,14 @@ class ServeWorkerConfig:
     cpus_per_worker: float  # CPUs reserved for the worker in the Ray placement group
     threads_per_worker: int  # torch threads of the worker (0: cpus_per_worker, at least 1)
     ray_address: str  # join this Ray cluster ("": start a local one)
+    ray_num_cpus: int  # logical CPUs of a local Ray cluster (0: the machine's cores, or what the worker reserves)
     placement_timeout_s: float  # how long to wait for Ray to place the worker before failing
     seed: int  # seeds the engine (sampling seeds come with each request)
 
+    nnodes = 1  # the service's one worker is on one node (trainer/setup/cluster.py reads it)
+
     def __post_init__(self) -> None:
+        require(self.ray_num_cpus >= 0, "ray_num_cpus", f"must be >= 0, got {self.ray_num_cpus}")
         require_choice(self.device, DEVICES, "device")
         require_positive(self.cpus_per_worker, "cpus_per_worker")
         require(self.threads_per_worker >= 0, "threads_per_worker", f"must be >= 0, got {self.threads_per_worker}")
