@@ -7,10 +7,11 @@ Several worker groups may share a pool: each actor takes ``1 / max_colocate_coun
 
 from __future__ import annotations
 
-import enum
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -20,16 +21,57 @@ from hybridflow.controller.kept_processes import KeptPool, keeper
 GIVE_WAY_AFTER_S = 1.0  # a pool not placed by then has kept processes end, one pool at a time, until it is
 
 
-class Role(enum.StrEnum):
-    """The model roles of an RL dataflow: the one vocabulary for them. A role's value is the name
-    its worker group goes by (in errors, in a colocated process, in the trainer's ``RoleGroups``)."""
+class _Roles(type):
+    def __iter__(cls) -> Iterator[Role]:
+        return iter(list(cls._known.values()))
 
-    ActorRollout = "actor_rollout"
-    RefPolicy = "ref"
-    Critic = "critic"
-    RewardModel = "reward_model"
-    Rollout = "rollout"  # generation on a pool of its own (asynchronous training); otherwise the actor generates
-    Teacher = "teacher"  # on-policy distillation: a frozen model scoring the policy's samples
+
+class Role(str, metaclass=_Roles):
+    """A model role of an RL dataflow: the one vocabulary for them. A role is its name, the name its worker group goes
+    by (in errors, in a colocated process, in the trainer's ``RoleGroups``). The built-in roles are this class's
+    attributes; ``Role.register(name)`` adds one (its part says the rest: trainer/setup/role_parts.py), and
+    ``Role(name)`` is a known role or a ValueError naming the known ones. Iterating the class gives them in order."""
+
+    _known: ClassVar[dict[str, Role]] = {}
+    ActorRollout: ClassVar[Role]
+    RefPolicy: ClassVar[Role]
+    Critic: ClassVar[Role]
+    RewardModel: ClassVar[Role]
+    Rollout: ClassVar[Role]
+    Teacher: ClassVar[Role]
+
+    def __new__(cls, name: str) -> Role:
+        role = cls._known.get(name)
+        if role is None:
+            raise ValueError(f"unknown role {name!r}; known: {', '.join(cls._known)}")
+        return role
+
+    @classmethod
+    def register(cls, name: str) -> Role:
+        """The role ``name``, added if it is new (registering a known name gives that role)."""
+        if name not in cls._known:
+            if not name or not name.isidentifier():
+                raise ValueError(f"a role's name is a Python identifier (a group's name), got {name!r}")
+            cls._known[name] = str.__new__(cls, name)
+        return cls._known[name]
+
+    @property
+    def value(self) -> str:
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"Role({str(self)!r})"
+
+    def __reduce__(self) -> tuple:  # a worker process may not have registered it: it is registered there too
+        return (Role.register, (str(self),))
+
+
+Role.ActorRollout = Role.register("actor_rollout")
+Role.RefPolicy = Role.register("ref")
+Role.Critic = Role.register("critic")
+Role.RewardModel = Role.register("reward_model")
+Role.Rollout = Role.register("rollout")  # generation on a pool of its own (asynchronous training); else the actor's
+Role.Teacher = Role.register("teacher")  # on-policy distillation: a frozen model scoring the policy's samples
 
 
 class ResourcePool:
@@ -171,7 +213,7 @@ class ResourcePoolManager:
     pools: dict[str, RayResourcePool] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
-        unknown = {r.name: p for r, p in self.role_to_pool.items() if p not in self.pool_spec}
+        unknown = {str(r): p for r, p in self.role_to_pool.items() if p not in self.pool_spec}
         if unknown:
             raise ValueError(f"roles {unknown} name pools that pool_spec does not define ({sorted(self.pool_spec)})")
 
@@ -187,7 +229,7 @@ class ResourcePoolManager:
 
     def get_pool(self, role: Role) -> RayResourcePool:
         if role not in self.role_to_pool:
-            raise KeyError(f"role {role.name} has no resource pool; assigned: {[r.name for r in self.role_to_pool]}")
+            raise KeyError(f"role {role} has no resource pool; assigned: {[str(r) for r in self.role_to_pool]}")
         if not self.pools:
             self.create_pools()
         return self.pools[self.role_to_pool[role]]

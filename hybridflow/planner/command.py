@@ -17,10 +17,12 @@ from omegaconf import OmegaConf
 
 from hybridflow.controller import Role
 from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset, save_calibration
-from hybridflow.planner.cost import PHASES
+from hybridflow.planner.cost import phases
 from hybridflow.planner.search import Plan, plan_run
 from hybridflow.planner.workload import Workload, workload_from_config
 from hybridflow.trainer.setup.modes import ONE_STEP_OFF, SYNC, training_mode
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS
+from hybridflow.trainer.setup.run_plan import TG_KEY
 from hybridflow.validation import UserError
 
 FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", "--out": "FILE"}
@@ -31,27 +33,17 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
     """The plan as nested config keys: pools per node, each role's pool, each model's layout; a plan with the
     rollout apart keeps ``apart_mode`` (the config's asynchronous mode, one_step_off or fully_async)."""
     pools, role_pool = {}, {}
-    actor_rollout_ref: dict = {}
-    critic: dict = {}
-    teacher: dict = {}
+    layouts: dict = {}  # each role's tensor-parallel size under its part's key, nested
     for device_set in plan.sets:
         name = device_set.roles[0].value
         per_node = min(device_set.devices, cluster.devices_per_node)
         pools[name] = [per_node] * (device_set.devices // per_node)
         for role, layout in device_set.layouts.items():
             role_pool[role.value] = name
-            if role is Role.ActorRollout:
-                actor_rollout_ref["actor"] = {"tensor_model_parallel_size": layout.t}
-                if not plan.overlapped:
-                    actor_rollout_ref["rollout"] = {"tensor_model_parallel_size": layout.tg}
-            elif role is Role.Rollout:
-                actor_rollout_ref["rollout"] = {"tensor_model_parallel_size": layout.tg}
-            elif role is Role.RefPolicy:
-                actor_rollout_ref["ref"] = {"tensor_model_parallel_size": layout.t}
-            elif role is Role.Critic:
-                critic["tensor_model_parallel_size"] = layout.t
-            elif role is Role.Teacher:
-                teacher["tensor_model_parallel_size"] = layout.t
+            if ROLE_PARTS[role].tensor_parallel_key:
+                _set(layouts, ROLE_PARTS[role].tensor_parallel_key, layout.t)
+            if role is Role.Rollout or (role is Role.ActorRollout and not plan.overlapped):
+                _set(layouts, TG_KEY, layout.tg)
     overrides: dict = {
         "trainer": {
             "placement": "custom",
@@ -62,13 +54,16 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
             "role_pool": role_pool,
             "async_training": {"mode": apart_mode if plan.overlapped else SYNC},
         },
-        "actor_rollout_ref": actor_rollout_ref,
     }
-    if critic:
-        overrides["critic"] = critic
-    if teacher:
-        overrides["teacher"] = teacher
-    return overrides
+    return {**overrides, **layouts}
+
+
+def _set(tree: dict, key: str, value: int) -> None:
+    """``tree[a][b][c] = value`` for the key "a.b.c"."""
+    *sections, last = key.split(".")
+    for section in sections:
+        tree = tree.setdefault(section, {})
+    tree[last] = value
 
 
 def mode_comparison(workload: Workload, best: Plan, cluster: ClusterSpec) -> str:
@@ -178,7 +173,7 @@ def main(args: list[str]) -> int:
     top = _count(flags, "--top", 5)
     print(
         f"{len(plans)} feasible plans on {cluster.devices} x {cluster.name}; phases: "
-        + ", ".join("+".join(p) for p in PHASES)
+        + ", ".join("+".join(p) for p in phases())
     )
     print(plans_table(plans, top))
     print(mode_comparison(workload, plans[0], cluster))

@@ -35,22 +35,20 @@ from hybridflow.hybrid_engine.regroup import predicted_switch_bytes
 from hybridflow.hybrid_engine.transfer_plan import predicted_transfer_bytes
 from hybridflow.planner.cluster import ClusterSpec
 from hybridflow.planner.workload import ModelShape, Workload
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 
 TRAINED = (Role.ActorRollout, Role.Critic)
-ROLE_STAGES: dict[Role, tuple[str, ...]] = {
-    Role.ActorRollout: ("gen", "old_log_prob", "update_actor"),
-    Role.RefPolicy: ("ref",),
-    Role.Critic: ("values", "update_critic"),
-    Role.RewardModel: ("rm",),
-    Role.Rollout: ("gen", "weight_transfer"),  # one step off: the actor then only trains
-    Role.Teacher: ("teacher",),  # on-policy distillation: a scoring pass like the reference's
-}
-# the dataflow's phases: stages of one phase on different device sets run at the same time
-PHASES: tuple[tuple[str, ...], ...] = (
-    ("gen",),
-    ("old_log_prob", "ref", "teacher", "values", "rm"),
-    ("update_actor", "update_critic"),
-)
+UPDATES = ("update_actor", "update_critic")
+
+
+def phases() -> tuple[tuple[str, ...], ...]:
+    """The dataflow's phases: stages of one phase on different device sets run at the same time. Generation; then
+    the old log-probs with every role's scoring pass (the reference's, the values, the reward model's, the
+    teacher's: each role's part names its stages, trainer/setup/role_parts.py); then the updates."""
+    scoring = [
+        stage for part in ROLE_PARTS.values() for stage in part.stages if stage not in ("gen", "weight_transfer")
+    ]
+    return (("gen",), tuple(dict.fromkeys(stage for stage in scoring if stage not in UPDATES)), UPDATES)
 
 
 def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
@@ -133,7 +131,7 @@ def update_seconds(
 
 
 def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> dict:
-    """Seconds of each of ``role``'s stages (ROLE_STAGES) in ``layout``."""
+    """Seconds of each of ``role``'s stages (its part's) in ``layout``."""
     if role is Role.ActorRollout:
         seconds = {
             "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
@@ -154,7 +152,7 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
             "values": pass_seconds(shape, layout, workload, cluster, backward=False),
             "update_critic": update_seconds(role, shape, layout, workload, cluster, epochs=workload.critic_epochs),
         }
-    stage = ROLE_STAGES[role][0]
+    stage = ROLE_PARTS[role].stages[0]  # a frozen model's scoring pass
     return {stage: pass_seconds(shape, layout, workload, cluster, backward=False)}
 
 

@@ -21,7 +21,7 @@ from functools import cache
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import ClusterSpec
-from hybridflow.planner.cost import PHASES, layouts_for, memory_bytes, stage_seconds
+from hybridflow.planner.cost import layouts_for, memory_bytes, phases, stage_seconds
 from hybridflow.planner.workload import Workload
 
 
@@ -44,7 +44,7 @@ class DeviceSet:
 class Plan:
     sets: tuple[DeviceSet, ...]
     seconds: float  # predicted seconds per step
-    phase_seconds: tuple[float, ...]  # per phase of PHASES, then the weight transfer (one step off)
+    phase_seconds: tuple[float, ...]  # per phase of phases(), then the weight transfer (one step off)
 
     @property
     def overlapped(self) -> bool:
@@ -149,11 +149,11 @@ def evaluate_set(workload: Workload, cluster: ClusterSpec, layouts: dict[Role, L
 def step_plan(sets: list[DeviceSet], overlapped: bool = False) -> Plan:
     """A step's seconds: per phase the busiest set, summed over the phases; ``overlapped`` (one step off
     policy): generation beside the scoring and update phases, then the weight transfer."""
-    phases = tuple(max(sum(s.stage_seconds.get(stage, 0.0) for stage in phase) for s in sets) for phase in PHASES)
+    per_phase = tuple(max(sum(s.stage_seconds.get(stage, 0.0) for stage in phase) for s in sets) for phase in phases())
     transfer = max(s.stage_seconds.get("weight_transfer", 0.0) for s in sets)
-    generation, *training = phases
-    seconds = max(generation, sum(training)) + transfer if overlapped else sum(phases)
-    return Plan(tuple(sets), seconds, (*phases, transfer))
+    generation, *training = per_phase
+    seconds = max(generation, sum(training)) + transfer if overlapped else sum(per_phase)
+    return Plan(tuple(sets), seconds, (*per_phase, transfer))
 
 
 def plan_run(workload: Workload, cluster: ClusterSpec) -> list[Plan]:

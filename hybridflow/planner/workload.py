@@ -147,6 +147,7 @@ def workload_from_config(config) -> Workload:
     is built or loaded) and its batch."""
     from hybridflow.algorithms import get_adv_estimator
     from hybridflow.models import model_config
+    from hybridflow.trainer.setup.role_parts import ROLE_PARTS
     from hybridflow.trainer.setup.roles import needed_roles
     from hybridflow.trainer.setup.run_plan import RunPaths
 
@@ -154,17 +155,9 @@ def workload_from_config(config) -> Workload:
     arr = config.actor_rollout_ref
     roles = tuple(needed_roles(config, get_adv_estimator(config.algorithm.adv_estimator)))
     paths = RunPaths.resolve(config, roles)
-    names = {  # as the config names them (for the plan's printout), and where their configs are
-        Role.ActorRollout: (arr.model.path, paths.actor_model),
-        Role.RefPolicy: (arr.model.path, paths.actor_model),
-        Role.Critic: (config.critic.model.path or arr.model.path, paths.critic_model),
-        Role.RewardModel: (config.reward_model.model.path, paths.reward_model),
-        Role.Rollout: (arr.model.path, paths.actor_model),
-        Role.Teacher: (config.teacher.model.path, paths.teacher_model),
-    }
     models = {}
-    for role in roles:
-        name, directory = names[role]
+    for role in roles:  # as the config names it (for the plan's printout), and its directory (its part's)
+        name, directory = ROLE_PARTS[role].model(config, paths)
         models[role] = shape_from_hf(model_config(directory), str(name))
     adapters = {}
     for role, lora in ((Role.ActorRollout, arr.model.lora), (Role.Critic, config.critic.model.lora)):

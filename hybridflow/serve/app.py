@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request, Security
@@ -36,13 +36,68 @@ NO_RETRY = {"x-should-retry": "false"}  # the SDK's HTTP client retries some cod
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
+API_KEY = APIKeyHeader(name="X-API-Key", scheme_name="APIKey", auto_error=False, description="a key of the service")
+QUEUED = (400, 401, 404, 413, 429, 503)  # the refusals of a request that waits for the worker
+FUTURE_LINKS = {"retrieve_future": doc.link("retrieve_future", request_id="request_id")}
+MODEL_LINKS = {  # where a model request's answer leads
+    **FUTURE_LINKS,
+    "get_info": doc.link("get_info", model_id="model_id"),
+    "optim_step": doc.link("optim_step", model_id="model_id"),
+    "save_weights": doc.link("save_weights", model_id="model_id"),
+    "save_weights_for_sampler": doc.link("save_weights_for_sampler", model_id="model_id"),
+    "load_weights": doc.link("load_weights", model_id="model_id"),
+}
+
+
 def refusal(status: int, message: str, category: str = USER) -> JSONResponse:
     headers = NO_RETRY if status < 500 and status not in (408, 429) else None
     return JSONResponse({"error": message, "category": category, "detail": message}, status, headers=headers)
 
 
-def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
-    """The API over ``service``; ``api_keys``: owner name -> key."""
+class RequestReader:
+    """What every route reads first: the caller's key (its owner) and the body, within the service's bounds."""
+
+    def __init__(self, max_bytes: int, api_keys: dict[str, str]):
+        self.max_bytes = max_bytes
+        self.api_keys = api_keys  # owner name -> key
+
+    async def owner_of(self, key: str | None = Security(API_KEY)) -> str:
+        """The owner of the request's key; 401 without a key of this service."""
+        found = None
+        for owner, known in self.api_keys.items():  # every key compared, in constant time
+            if hmac.compare_digest((key or "").encode(), known.encode()):
+                found = owner
+        if found is None:
+            raise ServiceError("a valid API key is required in the X-API-Key header", 401)
+        return found
+
+    async def body_bytes(self, request: Request) -> bytes:
+        max_bytes = self.max_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+            raise ServiceError(f"the body is {declared} bytes; at most {max_bytes} (limits.max_body_bytes)", 413)
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_bytes:
+                raise ServiceError(f"the body is over {max_bytes} bytes (limits.max_body_bytes)", 413)
+        return bytes(body)
+
+    async def parsed(self, request: Request, model: type[RequestT]) -> RequestT:
+        body = await self.body_bytes(request)
+        if request.headers.get("content-encoding"):
+            raise ServiceError(f"content-encoding {request.headers['content-encoding']!r} is not taken; send it plain")
+        try:
+            return model.model_validate(read_request_json(body or b"{}"))
+        except RequestJsonError as error:
+            raise ServiceError(str(error)) from None
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
+            raise ServiceError(f"{model.__name__}: {problems}") from None
+
+
+def _lifespan(service: TrainingService) -> Callable:
+    """The service's start and stop with the server's, and the expiry of silent sessions while it runs."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -60,48 +115,36 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             task.cancel()
             service.stop()
 
+    return lifespan
+
+
+def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
+    """The API over ``service``; ``api_keys``: owner name -> key."""
     app = FastAPI(
         title="hybridflow training service (Tinker API)",
-        lifespan=lifespan,
+        lifespan=_lifespan(service),
         openapi_url=None,  # served below, behind the key
         docs_url=None,
         redoc_url=None,
     )
-    max_bytes = service.limits.max_body_bytes
-    api_key = APIKeyHeader(name="X-API-Key", scheme_name="APIKey", auto_error=False, description="a key of the service")
+    reader = RequestReader(service.limits.max_body_bytes, api_keys)
+    _error_handlers(app)
+    for routes in (_service_routes, _session_routes, _training_routes, _weights_routes, _sampling_routes):
+        routes(app, service, reader)
 
-    async def owner_of(key: str | None = Security(api_key)) -> str:
-        """The owner of the request's key; 401 without a key of this service."""
-        found = None
-        for owner, known in api_keys.items():  # every key compared, in constant time
-            if hmac.compare_digest((key or "").encode(), known.encode()):
-                found = owner
-        if found is None:
-            raise ServiceError("a valid API key is required in the X-API-Key header", 401)
-        return found
+    def openapi_schema() -> dict:
+        if app.openapi_schema is None:
+            rank = service.config.model.max_lora_rank
+            served = service.served
+            app.openapi_schema = doc.schema_of(app, service.limits, served.name, served.vocab_size, rank)
+        return app.openapi_schema
 
-    async def body_bytes(request: Request) -> bytes:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise ServiceError(f"the body is {declared} bytes; at most {max_bytes} (limits.max_body_bytes)", 413)
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > max_bytes:
-                raise ServiceError(f"the body is over {max_bytes} bytes (limits.max_body_bytes)", 413)
-        return bytes(body)
+    app.openapi = openapi_schema  # type: ignore[method-assign]
+    return app
 
-    async def parsed(request: Request, model: type[RequestT]) -> RequestT:
-        body = await body_bytes(request)
-        if request.headers.get("content-encoding"):
-            raise ServiceError(f"content-encoding {request.headers['content-encoding']!r} is not taken; send it plain")
-        try:
-            return model.model_validate(read_request_json(body or b"{}"))
-        except RequestJsonError as error:
-            raise ServiceError(str(error)) from None
-        except ValidationError as error:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
-            raise ServiceError(f"{model.__name__}: {problems}") from None
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every refusal in the one error shape, and any failure a 500 that names no more than its type."""
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, error: ServiceError) -> JSONResponse:
@@ -125,6 +168,10 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
         log.exception("unhandled error on %s", request.url.path)
         return refusal(500, f"the service failed on this request: {type(error).__name__}", "server")
 
+
+def _service_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
+    """The service itself: health, its OpenAPI document, the SDK's settings, capabilities, telemetry."""
+
     @app.get(f"{API}/healthz", **doc.route("healthz", doc.Health, errors=(503,)))
     async def healthz():
         if service.worker_lost is not None:
@@ -132,32 +179,35 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
         return {"status": "ok"}
 
     @app.get(f"{API}/openapi.json", include_in_schema=False)
-    async def openapi(owner: str = Security(owner_of)) -> dict:
+    async def openapi(owner: str = Security(reader.owner_of)) -> dict:
         return app.openapi()
 
     @app.post(f"{API}/client/config", **doc.route("client_config", doc.ClientConfigReply, errors=(401, 413)))
-    async def client_config(request: Request, owner: str = Security(owner_of)):
-        await body_bytes(request)
+    async def client_config(request: Request, owner: str = Security(reader.owner_of)):
+        await reader.body_bytes(request)
         return service.client_config()
 
     @app.post(
         f"{API}/client/dynamic_config", **doc.route("client_dynamic_config", doc.DynamicConfigReply, errors=(401, 413))
     )
-    async def client_dynamic_config(request: Request, owner: str = Security(owner_of)):
-        await body_bytes(request)
+    async def client_dynamic_config(request: Request, owner: str = Security(reader.owner_of)):
+        await reader.body_bytes(request)
         return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
 
     @app.get(
         f"{API}/get_server_capabilities", **doc.route("get_server_capabilities", doc.CapabilitiesReply, errors=(401,))
     )
-    async def capabilities(owner: str = Security(owner_of)):
+    async def capabilities(owner: str = Security(reader.owner_of)):
         return service.capabilities()
 
     @app.post(f"{API}/telemetry", **doc.route("telemetry", doc.TelemetryReply, errors=(401, 413)))
-    async def telemetry(request: Request, owner: str = Security(owner_of)):
-        await body_bytes(request)  # read and dropped: this service keeps no client telemetry
+    async def telemetry(request: Request, owner: str = Security(reader.owner_of)):
+        await reader.body_bytes(request)  # read and dropped: this service keeps no client telemetry
         return {"status": "accepted"}
 
+
+def _session_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
+    """Sessions: started, kept alive, finished."""
     session_links = {
         "create_model": doc.link("create_model", session_id="session_id"),
         "create_sampling_session": doc.link("create_sampling_session", session_id="session_id"),
@@ -170,53 +220,46 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
         f"{API}/create_session",
         **doc.route("create_session", doc.SessionReply, body=m.CreateSession, links=session_links),
     )
-    async def create_session(request: Request, owner: str = Security(owner_of)):
-        return service.create_session(owner, await parsed(request, m.CreateSession))
+    async def create_session(request: Request, owner: str = Security(reader.owner_of)):
+        return service.create_session(owner, await reader.parsed(request, m.CreateSession))
 
     @app.post(
         f"{API}/session_heartbeat",
         **doc.route("session_heartbeat", doc.HeartbeatReply, body=m.SessionRef, errors=(400, 401, 404, 413)),
     )
-    async def heartbeat(request: Request, owner: str = Security(owner_of)):
-        return service.heartbeat(owner, (await parsed(request, m.SessionRef)).session_id)
+    async def heartbeat(request: Request, owner: str = Security(reader.owner_of)):
+        return service.heartbeat(owner, (await reader.parsed(request, m.SessionRef)).session_id)
 
     @app.post(
         f"{API}/sessions/{{session_id}}/finish",
         **doc.route("finish_session", doc.FinishReply, errors=(401, 404, 413, 503)),
     )
-    async def finish_session(session_id: str, request: Request, owner: str = Security(owner_of)):
-        await body_bytes(request)
+    async def finish_session(session_id: str, request: Request, owner: str = Security(reader.owner_of)):
+        await reader.body_bytes(request)
         service.end_session(service.session(owner, session_id))
         return {}
 
-    queued = (400, 401, 404, 413, 429, 503)  # the refusals of a request that waits for the worker
-    model_links = {
-        "retrieve_future": doc.link("retrieve_future", request_id="request_id"),
-        "get_info": doc.link("get_info", model_id="model_id"),
-        "optim_step": doc.link("optim_step", model_id="model_id"),
-        "save_weights": doc.link("save_weights", model_id="model_id"),
-        "save_weights_for_sampler": doc.link("save_weights_for_sampler", model_id="model_id"),
-        "load_weights": doc.link("load_weights", model_id="model_id"),
-    }
-    future_links = {"retrieve_future": model_links["retrieve_future"]}
+
+def _training_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
+    """Training models: created, described, trained, saved and loaded (each a future)."""
 
     @app.post(
         f"{API}/create_model",
-        **doc.route("create_model", doc.ModelFuture, body=m.CreateModel, errors=queued, links=model_links),
+        **doc.route("create_model", doc.ModelFuture, body=m.CreateModel, errors=QUEUED, links=MODEL_LINKS),
     )
-    async def create_model(request: Request, owner: str = Security(owner_of)):
-        return service.create_model(owner, await parsed(request, m.CreateModel))
+    async def create_model(request: Request, owner: str = Security(reader.owner_of)):
+        return service.create_model(owner, await reader.parsed(request, m.CreateModel))
 
     @app.post(f"{API}/get_info", **doc.route("get_info", doc.InfoReply, body=m.ModelRef, errors=(400, 401, 404, 413)))
-    async def get_info(request: Request, owner: str = Security(owner_of)):
-        return service.get_info(owner, (await parsed(request, m.ModelRef)).model_id)
+    async def get_info(request: Request, owner: str = Security(reader.owner_of)):
+        return service.get_info(owner, (await reader.parsed(request, m.ModelRef)).model_id)
 
     @app.post(
         f"{API}/forward_backward",
-        **doc.route("forward_backward", doc.ModelFuture, body="protobuf", errors=(*queued, 415), links=future_links),
+        **doc.route("forward_backward", doc.ModelFuture, body="protobuf", errors=(*QUEUED, 415), links=FUTURE_LINKS),
     )
-    async def forward_backward(request: Request, owner: str = Security(owner_of)):
-        body = await body_bytes(request)
+    async def forward_backward(request: Request, owner: str = Security(reader.owner_of)):
+        body = await reader.body_bytes(request)
         content_type = request.headers.get("content-type", "").split(";")[0].strip()
         if content_type != PROTOBUF:
             raise ServiceError(f"forward_backward takes a {PROTOBUF} body (the SDK's), not {content_type!r}", 415)
@@ -230,34 +273,41 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
 
     @app.post(
         f"{API}/optim_step",
-        **doc.route("optim_step", doc.ModelFuture, body=m.OptimStep, errors=queued, links=future_links),
+        **doc.route("optim_step", doc.ModelFuture, body=m.OptimStep, errors=QUEUED, links=FUTURE_LINKS),
     )
-    async def optim_step(request: Request, owner: str = Security(owner_of)):
-        return service.optim_step(owner, await parsed(request, m.OptimStep))
+    async def optim_step(request: Request, owner: str = Security(reader.owner_of)):
+        return service.optim_step(owner, await reader.parsed(request, m.OptimStep))
+
+
+def _weights_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
+    """A model's weights saved (for training on, or for sampling) and loaded (each a future)."""
 
     @app.post(
         f"{API}/save_weights",
-        **doc.route("save_weights", doc.ModelFuture, body=m.SaveWeights, errors=queued, links=future_links),
+        **doc.route("save_weights", doc.ModelFuture, body=m.SaveWeights, errors=QUEUED, links=FUTURE_LINKS),
     )
-    async def save_weights(request: Request, owner: str = Security(owner_of)):
-        return service.save_weights(owner, await parsed(request, m.SaveWeights))
+    async def save_weights(request: Request, owner: str = Security(reader.owner_of)):
+        return service.save_weights(owner, await reader.parsed(request, m.SaveWeights))
 
     @app.post(
         f"{API}/save_weights_for_sampler",
         **doc.route(
-            "save_weights_for_sampler", doc.ModelFuture, body=m.SaveWeightsForSampler, errors=queued, links=future_links
+            "save_weights_for_sampler", doc.ModelFuture, body=m.SaveWeightsForSampler, errors=QUEUED, links=FUTURE_LINKS
         ),
     )
-    async def save_weights_for_sampler(request: Request, owner: str = Security(owner_of)):
-        return service.save_weights_for_sampler(owner, await parsed(request, m.SaveWeightsForSampler))
+    async def save_weights_for_sampler(request: Request, owner: str = Security(reader.owner_of)):
+        return service.save_weights_for_sampler(owner, await reader.parsed(request, m.SaveWeightsForSampler))
 
     @app.post(
         f"{API}/load_weights",
-        **doc.route("load_weights", doc.ModelFuture, body=m.LoadWeights, errors=queued, links=model_links),
+        **doc.route("load_weights", doc.ModelFuture, body=m.LoadWeights, errors=QUEUED, links=MODEL_LINKS),
     )
-    async def load_weights(request: Request, owner: str = Security(owner_of)):
-        return service.load_weights(owner, await parsed(request, m.LoadWeights))
+    async def load_weights(request: Request, owner: str = Security(reader.owner_of)):
+        return service.load_weights(owner, await reader.parsed(request, m.LoadWeights))
 
+
+def _sampling_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
+    """Sampling sessions, samples, and the futures' results."""
     sampler_links = {
         "asample": doc.link("asample", sampling_session_id="sampling_session_id"),
         "get_sampler": doc.path_link("get_sampler", "sampler_id", "sampling_session_id"),
@@ -273,18 +323,18 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             links=sampler_links,
         ),
     )
-    async def create_sampling_session(request: Request, owner: str = Security(owner_of)):
-        return service.create_sampling_session(owner, await parsed(request, m.CreateSamplingSession))
+    async def create_sampling_session(request: Request, owner: str = Security(reader.owner_of)):
+        return service.create_sampling_session(owner, await reader.parsed(request, m.CreateSamplingSession))
 
     @app.get(f"{API}/samplers/{{sampler_id}}", **doc.route("get_sampler", doc.SamplerReply, errors=(401, 404)))
-    async def get_sampler(sampler_id: str, owner: str = Security(owner_of)):
+    async def get_sampler(sampler_id: str, owner: str = Security(reader.owner_of)):
         return service.get_sampler(owner, sampler_id)
 
     @app.post(
-        f"{API}/asample", **doc.route("asample", doc.SampleFuture, body=m.Sample, errors=queued, links=future_links)
+        f"{API}/asample", **doc.route("asample", doc.SampleFuture, body=m.Sample, errors=QUEUED, links=FUTURE_LINKS)
     )
-    async def asample(request: Request, owner: str = Security(owner_of)):
-        return service.sample(owner, await parsed(request, m.Sample))
+    async def asample(request: Request, owner: str = Security(reader.owner_of)):
+        return service.sample(owner, await reader.parsed(request, m.Sample))
 
     results = {"anyOf": [doc.ref(model) for model in doc.FUTURE_RESULTS]}
 
@@ -294,8 +344,8 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
             "retrieve_future", results, body=m.RetrieveFuture, errors=(400, 401, 404, 406, 413), reply_protobuf=True
         ),
     )
-    async def retrieve_future(request: Request, owner: str = Security(owner_of)) -> Any:
-        call = await parsed(request, m.RetrieveFuture)
+    async def retrieve_future(request: Request, owner: str = Security(reader.owner_of)) -> Any:
+        call = await reader.parsed(request, m.RetrieveFuture)
         outcome = await service.retrieve(owner, call.request_id)
         if outcome is None:
             return {"type": "try_again", "request_id": call.request_id, "queue_state": "active"}
@@ -306,13 +356,3 @@ def build_app(service: TrainingService, api_keys: dict[str, str]) -> FastAPI:
                 raise ServiceError(f"this result is protobuf: ask for it with 'Accept: {PROTOBUF}'", 406)
             return Response(outcome.payload, media_type=PROTOBUF)
         return outcome.payload
-
-    def openapi_schema() -> dict:
-        if app.openapi_schema is None:
-            rank = service.config.model.max_lora_rank
-            served = service.served
-            app.openapi_schema = doc.schema_of(app, service.limits, served.name, served.vocab_size, rank)
-        return app.openapi_schema
-
-    app.openapi = openapi_schema  # type: ignore[method-assign]
-    return app

@@ -179,23 +179,3 @@ def _stops(stop: str | list | None) -> tuple[list[int] | None, list[str]]:
     if all(isinstance(s, str) for s in stop):
         return None, [s for s in stop if s]
     return [int(s) for s in stop], []
-
-
-def _batch_key(sampler: Sampler, spec: SampleSpec) -> tuple:
-    """Samples with equal keys run as one generation: the same weights and every setting but prompt, count, seed."""
-    stops = None if spec.stop_token_ids is None else tuple(spec.stop_token_ids)
-    settings = (spec.max_tokens, spec.temperature, spec.top_p, spec.top_k, stops, tuple(spec.stop_strings))
-    return (sampler.key, sampler.directory, *settings)
-
-
-def _stops(stop: str | list | None) -> tuple[list[int] | None, list[str]]:
-    """(stop token ids: None for the model's EOS, [] for none; stop strings)."""
-    if stop is None:
-        return None, []
-    if isinstance(stop, str):
-        return None, [stop]
-    if not stop:
-        return [], []
-    if all(isinstance(s, str) for s in stop):
-        return None, [s for s in stop if s]
-    return [int(s) for s in stop], []

@@ -260,7 +260,7 @@ def test_resource_pool_manager_maps_roles_to_shared_pools():
         pool_spec={"global": [2]}, role_to_pool={Role.ActorRollout: "global", Role.Critic: "global"}, **shared
     )
     assert manager.get_pool(Role.ActorRollout) is manager.get_pool(Role.Critic)
-    with pytest.raises(KeyError, match="RewardModel"):
+    with pytest.raises(KeyError, match="role reward_model has no resource pool"):
         manager.get_pool(Role.RewardModel)
     with pytest.raises(ValueError, match="pool_spec does not define"):
         ResourcePoolManager(pool_spec={"a": [1]}, role_to_pool={Role.Critic: "b"}, **shared)

@@ -7,8 +7,8 @@ import pytest
 
 from hybridflow.models import resolve_model_path
 from hybridflow.models.tokenizer_match import tokenizer_differences
-from hybridflow.trainer.setup.check_config import check_teacher_tokenizer
 from hybridflow.trainer.setup.config import ConfigError, load_config
+from hybridflow.trainer.setup.role_parts import check_teacher_tokenizer
 from hybridflow.trainer.setup.run_plan import make_run_plan
 
 

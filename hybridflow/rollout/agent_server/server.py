@@ -122,22 +122,115 @@ def _answered(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Re
     return endpoint
 
 
-def build_app(
-    config: AgentServerConfig,
-    sessions: SessionTable,
-    runner: TurnRunner,
-    *,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    max_model_len: int,
-    vocab_size: int,
-) -> FastAPI:
-    """The endpoint's routes over ``sessions`` and ``runner``."""
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    model = config.model_name
-    response_length = max_model_len - config.max_prompt_tokens  # a branch's budget of response tokens
+class AgentEndpoint:
+    """The endpoint's handlers over ``sessions`` and ``runner``: each reads its request within the session's bounds,
+    runs the turn, and answers in its API's shape; the sampling defaults are the run's."""
 
+    def __init__(
+        self,
+        config: AgentServerConfig,
+        sessions: SessionTable,
+        runner: TurnRunner,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_model_len: int,
+        vocab_size: int,
+    ):
+        self.config, self.sessions, self.runner = config, sessions, runner
+        self.model = config.model_name
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
+        self.max_model_len, self.vocab_size = max_model_len, vocab_size
+        self.response_length = max_model_len - config.max_prompt_tokens  # a branch's budget of response tokens
+
+    async def turn(self, request: Request, read: Callable[..., Any], run: Callable[..., Any]):
+        """(the request read by ``read``, what ``run`` generated for it), with the session's bounds and lock."""
+        session = self.sessions.authorise(_bearer(request), request.path_params.get("session_id"))
+        turn_request = read(await _json_body(request, self.config.max_body_bytes))
+        self.sessions.admit(session)
+        async with session.lock:
+            if session.closed:
+                raise ApiError(410, f"session {session.id!r} has ended (its sample is done)", code="session_closed")
+            return turn_request, await run(session, turn_request)
+
+    def read_chat(self, body: Any) -> TurnRequest:
+        return read_chat_request(body, model=self.model, temperature=self.temperature, top_p=self.top_p)
+
+    def read_responses(self, body: Any) -> TurnRequest:
+        return read_responses_request(body, model=self.model, temperature=self.temperature, top_p=self.top_p)
+
+    def read_generate(self, body: Any):
+        return read_generate_request(
+            body,
+            model=self.model,
+            vocab_size=self.vocab_size,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+    async def chat(self, request: Request) -> Response:
+        turn_request, reply = await self.turn(request, self.read_chat, self.runner.run)
+        if not turn_request.stream:
+            return JSONResponse(chat_completion(reply, self.model, turn_request.logprobs))
+        chunks = chat_chunks(reply, self.model, turn_request.logprobs, turn_request.include_usage)
+
+        async def events() -> AsyncIterator[str]:
+            for chunk in chunks:
+                yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def responses(self, request: Request) -> Response:
+        turn_request, reply = await self.turn(request, self.read_responses, self.runner.run)
+        return JSONResponse(response_object(reply, self.model, turn_request.tools))
+
+    async def generate(self, request: Request) -> Response:
+        _, reply = await self.turn(request, self.read_generate, self.runner.run_tokens)
+        return JSONResponse(generate_reply(reply))
+
+    async def models(self, request: Request) -> Response:
+        key, session_id = _bearer(request), request.path_params.get("session_id")
+        if session_id is not None:
+            self.sessions.authorise(key, session_id)
+        elif not self.sessions.known_key(key):
+            raise ApiError(401, "a valid API key is required ('Authorization: Bearer <key>')", code="invalid_api_key")
+        return JSONResponse(models_list(self.model, self.max_model_len))
+
+    async def claim(self, request: Request) -> Response:
+        session = self.sessions.claim(_bearer(request))
+        if session is None:
+            return Response(status_code=204)  # none waits now: ask again
+        base_url = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"
+        return JSONResponse(
+            {"session_id": session.id, "base_url": base_url, "api_key": session.key, "row": session.row}
+        )
+
+    async def reward(self, request: Request) -> Response:
+        key, session_id = _bearer(request), request.path_params["session_id"]
+        self.sessions.authorise(key, session_id)
+        body = await _json_body(request, self.config.max_body_bytes)
+        _check_reward(body)
+        self.sessions.finish(key, session_id, body)
+        return JSONResponse({"session_id": session_id, "status": "closed"})
+
+
+def build_app(config: AgentServerConfig, sessions: SessionTable, runner: TurnRunner, **sampling: Any) -> FastAPI:
+    """The endpoint's routes over ``sessions`` and ``runner``; ``sampling``: the run's temperature, top_p, top_k,
+    max_model_len and vocab_size (``AgentEndpoint``)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    _error_handlers(app)
+    for path, handler, method, summary, body, answers, refusals in _routes(
+        AgentEndpoint(config, sessions, runner, **sampling)
+    ):
+        _route(app, path, handler, method, summary, body, answers, refusals)
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError) -> JSONResponse:
         return JSONResponse(error.body(), status_code=error.status)
@@ -152,161 +245,70 @@ def build_app(
         )
         return JSONResponse(ApiError(error.status_code, message, code="unknown_url").body(), error.status_code)
 
-    async def turn(request: Request, read: Callable[..., Any], run: Callable[..., Any]):
-        """(the request read by ``read``, what ``run`` generated for it), with the session's bounds and lock."""
-        session = sessions.authorise(_bearer(request), request.path_params.get("session_id"))
-        turn_request = read(await _json_body(request, config.max_body_bytes))
-        sessions.admit(session)
-        async with session.lock:
-            if session.closed:
-                raise ApiError(410, f"session {session.id!r} has ended (its sample is done)", code="session_closed")
-            return turn_request, await run(session, turn_request)
 
-    def read_chat(body: Any) -> TurnRequest:
-        return read_chat_request(body, model=model, temperature=temperature, top_p=top_p)
-
-    def read_responses(body: Any) -> TurnRequest:
-        return read_responses_request(body, model=model, temperature=temperature, top_p=top_p)
-
-    def read_generate(body: Any):
-        return read_generate_request(
-            body, model=model, vocab_size=vocab_size, temperature=temperature, top_p=top_p, top_k=top_k
-        )
-
-    async def chat(request: Request) -> Response:
-        turn_request, reply = await turn(request, read_chat, runner.run)
-        if not turn_request.stream:
-            return JSONResponse(chat_completion(reply, model, turn_request.logprobs))
-        chunks = chat_chunks(reply, model, turn_request.logprobs, turn_request.include_usage)
-
-        async def events() -> AsyncIterator[str]:
-            for chunk in chunks:
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    async def responses(request: Request) -> Response:
-        turn_request, reply = await turn(request, read_responses, runner.run)
-        return JSONResponse(response_object(reply, model, turn_request.tools))
-
-    async def generate(request: Request) -> Response:
-        _, reply = await turn(request, read_generate, runner.run_tokens)
-        return JSONResponse(generate_reply(reply))
-
-    async def models(request: Request) -> Response:
-        key, session_id = _bearer(request), request.path_params.get("session_id")
-        if session_id is not None:
-            sessions.authorise(key, session_id)
-        elif not sessions.known_key(key):
-            raise ApiError(401, "a valid API key is required ('Authorization: Bearer <key>')", code="invalid_api_key")
-        return JSONResponse(models_list(model, max_model_len))
-
-    async def claim(request: Request) -> Response:
-        session = sessions.claim(_bearer(request))
-        if session is None:
-            return Response(status_code=204)  # none waits now: ask again
-        base_url = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"
-        return JSONResponse(
-            {"session_id": session.id, "base_url": base_url, "api_key": session.key, "row": session.row}
-        )
-
-    async def reward(request: Request) -> Response:
-        key, session_id = _bearer(request), request.path_params["session_id"]
-        sessions.authorise(key, session_id)
-        body = await _json_body(request, config.max_body_bytes)
-        _check_reward(body)
-        sessions.finish(key, session_id, body)
-        return JSONResponse({"session_id": session_id, "status": "closed"})
-
-    chat_body = schemas.chat_request(model, temperature, top_p, response_length)
+def _routes(endpoint: AgentEndpoint) -> list[tuple]:
+    """Every route: (path, handler, method, summary, request body schema, answers, refusals)."""
+    e, model, length = endpoint, endpoint.model, endpoint.response_length
+    chat_body = schemas.chat_request(model, e.temperature, e.top_p, length)
     chat_answer = {"application/json": schemas.CHAT_COMPLETION, "text/event-stream": schemas.CHAT_EVENT}
-    responses_body = schemas.responses_request(model, temperature, top_p, response_length)
-    generate_body = schemas.generate_request(model, temperature, top_p, top_k, response_length, vocab_size)
-
-    def route(path: str, handler: Callable, method: str, summary: str, body: Any, answers: dict, refusals: tuple):
-        """``handler`` at ``path``, described in the OpenAPI document: its body, its answers and refusals."""
-        responses: dict[int | str, Any] = {
-            status: {"description": description, "content": {"application/json": {"schema": schemas.ERROR}}}
-            for status, description in refusals
-        }
-        for status, (description, content) in answers.items():
-            responses[status] = {"description": description}
-            if content:
-                responses[status]["content"] = {media: {"schema": schema} for media, schema in content.items()}
-        extra: dict[str, Any] = {"security": [{"key": []}], "responses": responses}
-        if "{session_id}" in path:
-            extra["parameters"] = [{"name": "session_id", "in": "path", "required": True, "schema": schemas.STRING}]
-        if body is not None:
-            extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-        app.add_api_route(
-            path,
-            _answered(handler),
-            methods=[method],
-            summary=summary,
-            openapi_extra=extra,
-            response_class=JSONResponse,
-        )
-
+    responses_body = schemas.responses_request(model, e.temperature, e.top_p, length)
+    generate_body = schemas.generate_request(model, e.temperature, e.top_p, e.top_k, length, e.vocab_size)
     turn_refusals = (*_REFUSED, (410, "the session has ended"), (429, "a session's bound reached"))
-    route(
-        "/v1/sessions/claim",
-        claim,
-        "POST",
-        "a waiting session, with the run's key",
-        None,
-        {200: ("the session", {"application/json": schemas.CLAIMED}), 204: ("none waits now", None)},
-        ((401, "not the run's key"), _FAILED),
-    )
-    route(
-        "/sessions/{session_id}/reward",
-        reward,
-        "POST",
-        "an external session's reward, which ends it",
-        schemas.REWARD_REQUEST,
-        {200: ("the session ended", {"application/json": schemas.REWARDED})},
-        (*_REFUSED, (409, "the session's agent is the run's function"), (410, "the session has ended")),
-    )
+    json_answer = lambda description, schema: {200: (description, {"application/json": schema})}  # noqa: E731
+    routes = [
+        (
+            "/v1/sessions/claim", e.claim, "POST", "a waiting session, with the run's key", None,
+            {**json_answer("the session", schemas.CLAIMED), 204: ("none waits now", None)},
+            ((401, "not the run's key"), _FAILED),
+        ),
+        (
+            "/sessions/{session_id}/reward", e.reward, "POST", "an external session's reward, which ends it",
+            schemas.REWARD_REQUEST, json_answer("the session ended", schemas.REWARDED),
+            (*_REFUSED, (409, "the session's agent is the run's function"), (410, "the session has ended")),
+        ),
+    ]  # fmt: skip
     for path in ("/inference/v1/generate", "/sessions/{session_id}/inference/v1/generate"):
-        route(
-            path,
-            generate,
-            "POST",
-            "a turn from token ids",
-            generate_body,
-            {200: ("the generated ids", {"application/json": schemas.GENERATE_REPLY})},
-            turn_refusals,
-        )
+        answer = json_answer("the generated ids", schemas.GENERATE_REPLY)
+        routes.append((path, e.generate, "POST", "a turn from token ids", generate_body, answer, turn_refusals))
+    models_refusals = tuple(r for r in (*_REFUSED, (410, "the session has ended")) if r[0] not in (400, 413, 415))
     for prefix in ("/v1", "/sessions/{session_id}/v1"):
-        route(
-            f"{prefix}/chat/completions",
-            chat,
-            "POST",
-            "an assistant turn",
-            chat_body,
-            {200: ("the turn (streamed: server-sent events)", chat_answer)},
-            turn_refusals,
-        )
-        route(
-            f"{prefix}/responses",
-            responses,
-            "POST",
-            "an assistant turn (Responses API)",
-            responses_body,
-            {200: ("the turn", {"application/json": schemas.RESPONSE})},
-            turn_refusals,
-        )
-        route(
-            f"{prefix}/models",
-            models,
-            "GET",
-            "the model served",
-            None,
-            {200: ("the model", {"application/json": schemas.MODELS})},
-            tuple(r for r in (*_REFUSED, (410, "the session has ended")) if r[0] not in (400, 413, 415)),
-        )
-    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
-    return app
+        routes += [
+            (
+                f"{prefix}/chat/completions", e.chat, "POST", "an assistant turn", chat_body,
+                {200: ("the turn (streamed: server-sent events)", chat_answer)}, turn_refusals,
+            ),
+            (
+                f"{prefix}/responses", e.responses, "POST", "an assistant turn (Responses API)", responses_body,
+                json_answer("the turn", schemas.RESPONSE), turn_refusals,
+            ),
+            (
+                f"{prefix}/models", e.models, "GET", "the model served", None,
+                json_answer("the model", schemas.MODELS), models_refusals,
+            ),
+        ]  # fmt: skip
+    return routes
+
+
+def _route(
+    app: FastAPI, path: str, handler: Callable, method: str, summary: str, body: Any, answers: dict, refusals: tuple
+) -> None:
+    """``handler`` at ``path``, described in the OpenAPI document: its body, its answers and refusals."""
+    responses: dict[int | str, Any] = {
+        status: {"description": description, "content": {"application/json": {"schema": schemas.ERROR}}}
+        for status, description in refusals
+    }
+    for status, (description, content) in answers.items():
+        responses[status] = {"description": description}
+        if content:
+            responses[status]["content"] = {media: {"schema": schema} for media, schema in content.items()}
+    extra: dict[str, Any] = {"security": [{"key": []}], "responses": responses}
+    if "{session_id}" in path:
+        extra["parameters"] = [{"name": "session_id", "in": "path", "required": True, "schema": schemas.STRING}]
+    if body is not None:
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+    app.add_api_route(
+        path, _answered(handler), methods=[method], summary=summary, openapi_extra=extra, response_class=JSONResponse
+    )
 
 
 _FAILED = (500, "the endpoint failed (a bug, or the engine was lost)")

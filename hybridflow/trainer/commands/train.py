@@ -25,74 +25,30 @@ from hybridflow.trainer.services.tracking import Tracking
 from hybridflow.trainer.setup.check_config import (
     check_agent_names,
     check_config,
-    check_teacher_tokenizer,
 )
 from hybridflow.trainer.setup.cluster import ray_for_run
 from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import build_groups
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_dir import check_run_dir
 from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
 from hybridflow.validation import ConfigError, run_command, split_debug_flag
 from hybridflow.verifiers_runner.launch import EnvironmentRunnerError, verifiers_python
-from hybridflow.workers import (
-    ActorRolloutWorker,
-    ActorWorker,
-    CriticWorker,
-    RefPolicyWorker,
-    RewardModelWorker,
-    RolloutWorker,
-    TeacherWorker,
-)
 
 
 def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dict[Role, RoleSpec]:
-    """Each needed role's worker class and the keyword arguments it is built with on every rank: its config
-    section, and from the plan its layout and the files it reads."""
-    seed, arr, paths = config.trainer.seed, config.actor_rollout_ref, plan.paths
-    actor = dict(config=arr, model_path=paths.actor_model, layout=plan.actor_layout)
-    actor.update(mini_batch_per_rank=plan.mini_batch_per_rank[Role.ActorRollout])
-    actor.update(total_training_steps=total_steps, seed=seed)
-    files = dict(tool_config=paths.tool_config, default_agent=paths.default_agent)
-    if plan.needs(Role.Rollout):  # generation apart: the actor only trains
-        specs = {Role.ActorRollout: RoleSpec(ActorWorker, kwargs=actor)}
-        rollout = dict(config=arr, model_path=paths.actor_model, layout=plan.layouts[Role.Rollout], **files)
-        specs[Role.Rollout] = RoleSpec(RolloutWorker, kwargs=rollout)
-    else:
-        specs = {Role.ActorRollout: RoleSpec(ActorRolloutWorker, kwargs=actor | files)}
-    if plan.needs(Role.RefPolicy):
-        specs[Role.RefPolicy] = RoleSpec(
-            RefPolicyWorker,
-            kwargs=dict(config=arr, model_path=paths.actor_model, layout=plan.layouts[Role.RefPolicy], seed=seed),
-        )
-    if plan.needs(Role.Teacher):
-        teacher = dict(config=config.teacher, model_path=paths.teacher_model, layout=plan.layouts[Role.Teacher])
-        teacher.update(temperature=arr.rollout.temperature, seed=seed)
-        specs[Role.Teacher] = RoleSpec(TeacherWorker, kwargs=teacher)
-    if plan.needs(Role.Critic):
-        specs[Role.Critic] = RoleSpec(
-            CriticWorker,
-            kwargs=dict(
-                config=config.critic,
-                model_path=paths.critic_model,
-                layout=plan.layouts[Role.Critic],
-                mini_batch_per_rank=plan.mini_batch_per_rank[Role.Critic],
-                total_training_steps=total_steps,
-                seed=seed,
-            ),
-        )
-    if plan.needs(Role.RewardModel):
-        specs[Role.RewardModel] = RoleSpec(
-            RewardModelWorker,
-            kwargs=dict(
-                config=config.reward_model,
-                model_path=paths.reward_model,
-                policy_model_path=paths.actor_model,
-                seed=seed,
-            ),
-        )
-    return specs
+    """Each needed role's worker class and the keyword arguments it is built with on every rank (its part's)."""
+    return {role: ROLE_PARTS[role].worker(config, plan, total_steps) for role in plan.roles}
+
+
+def check_role_parts(config: HybridFlowConfig, plan: RunPlan) -> None:
+    """The checks of each needed role's own (its part's), once its models are built."""
+    for role in plan.roles:
+        check = ROLE_PARTS[role].check
+        if check is not None:
+            check(config, plan)
 
 
 def run_tool_schemas(config: HybridFlowConfig, plan: RunPlan) -> list[dict] | None:
@@ -141,7 +97,7 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
     custom_fn = load_custom_reward_fn(custom.path, custom.name) if custom.path else None
     check_rows(config, custom_fn)
     plan = plan.with_models()  # built-in models into the cache (the first time: a conversion)
-    check_teacher_tokenizer(config, plan)
+    check_role_parts(config, plan)
     tokenizer = load_tokenizer(plan.paths.actor_model)
     data = config.data
     tool_schemas = run_tool_schemas(config, plan)

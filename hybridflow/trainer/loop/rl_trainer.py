@@ -167,12 +167,9 @@ class RLTrainer:
         """Everything of a step after generation: log-probs, values, advantages, the updates."""
         groups = self.groups
         # the stages that read only the responses, issued at once: where their pools differ, they run together
-        after_generation = [
-            self.old_log_probs(batch, step, metrics),
-            groups.ref.compute_ref_log_prob.future(batch) if groups.ref is not None else None,
-            groups.teacher.compute_teacher_log_prob.future(batch) if groups.teacher is not None else None,
-            groups.critic.compute_values.future(batch) if groups.critic is not None else None,
-        ]
+        # (the old log-probs, then each role's scoring pass: the reference's, the critic's values, the teacher's, ...)
+        after_generation = [self.old_log_probs(batch, step, metrics)]
+        after_generation += [getattr(group, method).future(batch) for group, method in groups.scoring_passes()]
         if TOKEN_LEVEL_SCORES not in batch.batch.keys():
             batch.batch[TOKEN_LEVEL_SCORES] = self.score(batch, metrics, timeline, shaped=True)
         with timeline.stage("log-probs and values"):

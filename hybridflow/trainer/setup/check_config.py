@@ -21,7 +21,6 @@ from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
-from hybridflow.models.tokenizer_match import tokenizer_differences
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend
 from hybridflow.trainer.services.tracking import check_loggers
@@ -280,22 +279,6 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     except ImportError as error:
         raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
     return plan
-
-
-def check_teacher_tokenizer(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """A teacher shares the student's tokenizer (vocabulary, special tokens, chat template): it scores the student's
-    token ids. Read from the models' directories, so after ``plan.with_models()`` (before Ray starts)."""
-    if not plan.needs(Role.Teacher):
-        return
-    differences = tokenizer_differences(plan.paths.actor_model, plan.paths.teacher_model)
-    _check(
-        not differences,
-        "teacher.model.path",
-        f"the teacher {cfg.teacher.model.path} does not share the tokenizer of the student "
-        f"{cfg.actor_rollout_ref.model.path}, and it scores the student's token ids: " + "; ".join(differences),
-        "distil from a teacher of the student's family (the same tokenizer and chat template); off-policy "
-        "distillation (hybridflow distill-data, then hybridflow sft) works across tokenizers",
-    )
 
 
 def check_agent_names(cfg: HybridFlowConfig, rows: list[dict]) -> None:

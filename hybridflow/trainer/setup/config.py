@@ -181,8 +181,9 @@ class TrainerConfig(RunConfig):
 
 
 @dataclass(kw_only=True)
-class ActorSection(ActorConfig):
-    """The actor's section: the engine's update settings, and the mini-batch the run plan splits each step into."""
+class MiniBatchSplit:
+    """How the run plan splits each step's batch into optimizer steps (it reads this; the engine is given each
+    mini-batch)."""
 
     ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
 
@@ -192,14 +193,13 @@ class ActorSection(ActorConfig):
 
 
 @dataclass(kw_only=True)
-class CriticSection(CriticConfig):
-    """The critic's section: the engine's update settings, and the mini-batch the run plan splits each step into."""
+class ActorSection(MiniBatchSplit, ActorConfig):
+    """The actor's section: the engine's update settings and the run plan's mini-batch."""
 
-    ppo_mini_batch_size: int  # prompts per optimizer step (multiplied by rollout.n samples), over all ranks
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require_positive(self.ppo_mini_batch_size, "ppo_mini_batch_size")
+@dataclass(kw_only=True)
+class CriticSection(MiniBatchSplit, CriticConfig):
+    """The critic's section: the engine's update settings and the run plan's mini-batch."""
 
 
 @dataclass(kw_only=True)

@@ -29,18 +29,8 @@ from dataclasses import dataclass
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig
-from hybridflow.trainer.setup.roles import RoleGroups, needs_reference
-
-ROLE_NAMES = tuple(role.value for role in Role)
-
-_GROUPS = {
-    Role.ActorRollout: "actor",
-    Role.RefPolicy: "actor",
-    Role.Critic: "critic",
-    Role.RewardModel: "critic",
-    Role.Rollout: "rollout",
-    Role.Teacher: "critic",  # scores the samples while the actor computes its old log-probs
-}
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS, needs_reference
+from hybridflow.trainer.setup.roles import RoleGroups
 
 
 @dataclass(frozen=True)
@@ -76,7 +66,7 @@ def _presets(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement:
     if trainer.placement == "all_colocate":
         return Placement({"global": per_pool}, {role: "global" for role in roles})
     if trainer.placement == "group_colocate":
-        role_pool = {role: _GROUPS[role] for role in roles}
+        role_pool = {role: ROLE_PARTS[role].pool for role in roles}
         return Placement({name: list(per_pool) for name in dict.fromkeys(role_pool.values())}, role_pool)
     if trainer.placement == "separate":
         return Placement({role.value: list(per_pool) for role in roles}, {role: role.value for role in roles})
@@ -115,8 +105,8 @@ def _custom_plan(config: HybridFlowConfig, roles: tuple[Role, ...]) -> Placement
                 "e.g. [2] for 2 processes on one node",
             )
     for role_name, pool in mapping.items():
-        if role_name not in ROLE_NAMES:
-            raise ConfigError(f"trainer.role_pool.{role_name}", "no such role", f"roles are {', '.join(ROLE_NAMES)}")
+        if role_name not in ROLE_PARTS:
+            raise ConfigError(f"trainer.role_pool.{role_name}", "no such role", f"roles are {', '.join(ROLE_PARTS)}")
         if pool not in spec:
             raise ConfigError(
                 f"trainer.role_pool.{role_name}",

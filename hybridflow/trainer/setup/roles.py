@@ -1,4 +1,4 @@
-"""Which roles a run needs, and the worker groups that play them (by the ``Role`` vocabulary)."""
+"""Which roles a run needs (their parts: role_parts.py), and the worker groups that play them."""
 
 from __future__ import annotations
 
@@ -9,42 +9,23 @@ from dataclasses import dataclass, field
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role
 from hybridflow.trainer.setup.config import HybridFlowConfig
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 
 
 def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> list[Role]:
-    """The actor always; the reference for a KL term (unless the actor trains LoRA adapters: then the actor
-    with its adapters off is the reference); the critic for an estimator that needs values; the reward model
-    when enabled; the rollout role when generation runs apart from the actor (async modes)."""
-    roles = [Role.ActorRollout]
-    if needs_reference(config) and not config.actor_rollout_ref.model.lora.enabled:
-        roles.append(Role.RefPolicy)
-    if estimator.needs_values:
-        roles.append(Role.Critic)
-    if config.reward_model.enable:
-        roles.append(Role.RewardModel)
-    if config.trainer.async_training.rollout_apart:
-        roles.append(Role.Rollout)
-    if config.teacher.enabled:
-        roles.append(Role.Teacher)
-    return roles
-
-
-def needs_reference(config: HybridFlowConfig) -> bool:
-    """Whether a KL term needs the reference policy's log-probs."""
-    return config.algorithm.use_kl_in_reward or config.actor_rollout_ref.actor.use_kl_loss
+    """The roles a run needs, in their parts' order (role_parts.py: the actor always; the reference for a KL term
+    unless the actor trains LoRA adapters; the critic for an estimator that needs values; the reward model when
+    enabled; the rollout role when generation runs apart; the teacher when one is given)."""
+    return [role for role, part in ROLE_PARTS.items() if part.needed(config, estimator)]
 
 
 @dataclass(kw_only=True)
 class RoleGroups:
-    """The worker groups of a run, one field per Role (roles a config does not need are None), and
-    the resource pool each runs on."""
+    """The worker groups of a run by role (``of``; the built-in roles also by name: ``critic``, ``teacher``, ...;
+    None for a role the run does not need), and the resource pool each runs on. ``ref`` is the group that computes
+    the reference log-probs: the reference's, or a LoRA actor's (adapters off)."""
 
-    actor_rollout: RayWorkerGroup
-    ref: RayWorkerGroup | None  # computes the reference log-probs: the ref role's group, or a LoRA actor's
-    critic: RayWorkerGroup | None
-    reward_model: RayWorkerGroup | None
-    rollout: RayWorkerGroup | None  # generation apart from the actor (async modes); None: the actor generates
-    teacher: RayWorkerGroup | None  # on-policy distillation's teacher
+    groups: dict[Role, RayWorkerGroup]
     pool_of: dict[Role, str]
     resource_pools: list[RayResourcePool] = field(default_factory=list)  # what the groups were placed in
 
@@ -58,16 +39,47 @@ class RoleGroups:
         resource_pools: Sequence[RayResourcePool] = (),
     ) -> RoleGroups:
         """``reference_on_actor``: the actor computes the reference log-probs (LoRA, adapters off)."""
-        return cls(
-            actor_rollout=groups[Role.ActorRollout],
-            ref=groups[Role.ActorRollout] if reference_on_actor else groups.get(Role.RefPolicy),
-            critic=groups.get(Role.Critic),
-            reward_model=groups.get(Role.RewardModel),
-            rollout=groups.get(Role.Rollout),
-            teacher=groups.get(Role.Teacher),
-            pool_of=dict(pool_of),
-            resource_pools=list(resource_pools),
-        )
+        by_role = dict(groups)
+        if reference_on_actor:
+            by_role[Role.RefPolicy] = by_role[Role.ActorRollout]
+        return cls(groups=by_role, pool_of=dict(pool_of), resource_pools=list(resource_pools))
+
+    def of(self, role: Role) -> RayWorkerGroup | None:
+        return self.groups.get(role)
+
+    @property
+    def actor_rollout(self) -> RayWorkerGroup:
+        return self.groups[Role.ActorRollout]
+
+    @property
+    def ref(self) -> RayWorkerGroup | None:
+        return self.of(Role.RefPolicy)
+
+    @property
+    def critic(self) -> RayWorkerGroup | None:
+        return self.of(Role.Critic)
+
+    @property
+    def reward_model(self) -> RayWorkerGroup | None:
+        return self.of(Role.RewardModel)
+
+    @property
+    def rollout(self) -> RayWorkerGroup | None:
+        """Generation apart from the actor (async modes); None: the actor generates."""
+        return self.of(Role.Rollout)
+
+    @property
+    def teacher(self) -> RayWorkerGroup | None:
+        return self.of(Role.Teacher)
+
+    def scoring_passes(self) -> list[tuple[RayWorkerGroup, str]]:
+        """(group, method) of each role that scores every batch after generation (its part's ``scores``), in the
+        parts' order."""
+        return [
+            (self.groups[role], part.scores)
+            for role, part in ROLE_PARTS.items()
+            if part.scores and self.groups.get(role) is not None
+        ]
 
     def release(self, keep_processes: bool = True) -> None:
         """Give the resource pools back to the Ray cluster; Ray ends the worker processes placed in them. A run
@@ -92,12 +104,8 @@ class RoleGroups:
 
     def by_pool(self) -> dict[str, RayWorkerGroup]:
         """One group per pool (the roles of a pool share its processes, so any of them stands for it)."""
-        groups = {Role.ActorRollout: self.actor_rollout, Role.RefPolicy: self.ref, Role.Critic: self.critic}
-        groups[Role.RewardModel] = self.reward_model
-        groups[Role.Rollout] = self.rollout
-        groups[Role.Teacher] = self.teacher
         pools: dict[str, RayWorkerGroup] = {}
-        for role, group in groups.items():
-            if group is not None and role in self.pool_of:  # a LoRA actor's reference has no pool of its own
+        for role, group in self.groups.items():
+            if role in self.pool_of:  # a LoRA actor's reference has no pool of its own
                 pools.setdefault(self.pool_of[role], group)
         return pools

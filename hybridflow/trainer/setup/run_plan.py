@@ -32,6 +32,7 @@ from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, TrainerConfig
 from hybridflow.trainer.setup.placement import Placement, place_roles
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -167,13 +168,11 @@ def model_config(path: str) -> PretrainedConfig:
 
 
 def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
-    """Each role whose layers can split over ranks: (its config key, the size)."""
-    arr = config.actor_rollout_ref
+    """Each role whose layers can split over ranks (its part names the key): (its config key, the size)."""
     return {
-        Role.ActorRollout: ("actor_rollout_ref.actor.tensor_model_parallel_size", arr.actor.tensor_model_parallel_size),
-        Role.RefPolicy: ("actor_rollout_ref.ref.tensor_model_parallel_size", arr.ref.tensor_model_parallel_size),
-        Role.Critic: ("critic.tensor_model_parallel_size", config.critic.tensor_model_parallel_size),
-        Role.Teacher: ("teacher.tensor_model_parallel_size", config.teacher.tensor_model_parallel_size),
+        role: (part.tensor_parallel_key, part.tensor_parallel_size(config))
+        for role, part in ROLE_PARTS.items()
+        if part.tensor_parallel_key
     }
 
 
@@ -241,9 +240,6 @@ def role_layouts(
 ) -> dict[Role, LayoutShape]:
     """Each role's layout over its pool: tensor parallelism over t ranks (its key), FSDP2 over the rest,
     and for the actor generation groups of tg; ConfigError when a size does not fit the pool or the model."""
-    model_of = {Role.ActorRollout: paths.actor_model, Role.RefPolicy: paths.actor_model}
-    model_of[Role.Critic] = paths.critic_model
-    model_of[Role.Teacher] = paths.teacher_model
     sizes = tensor_parallel_keys(config)
     layouts = {}
     for role in roles:
@@ -255,8 +251,8 @@ def role_layouts(
                 f"{t} does not divide the {world} ranks of pool '{placement.role_pool[role]}' ({role.value})",
                 "choose a divisor of the pool's ranks",
             )
-        if role in model_of:
-            check_splits_evenly(model_of[role], t, key)  # then also over tg, which divides t
+        if role in sizes:
+            check_splits_evenly(ROLE_PARTS[role].model(config, paths)[1], t, key)  # then also over tg, which divides t
         if role is Role.ActorRollout:
             layouts[role] = _actor_layout(config, world // t, t)
         elif role is Role.Rollout:
