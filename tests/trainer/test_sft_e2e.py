@@ -19,7 +19,7 @@ import ray
 from hybridflow.cli import main as cli
 from hybridflow.data.io import write_rows
 from hybridflow.data.tasks import write_task
-from hybridflow.trainer.services.checkpoint import is_complete
+from hybridflow.trainer.services.checkpoint_check import is_complete
 
 pytestmark = pytest.mark.slow
 

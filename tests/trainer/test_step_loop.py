@@ -9,7 +9,7 @@ import pytest
 
 from hybridflow.run_files import TIMELINE_FILE, read_spans
 from hybridflow.trainer.loop.step_loop import CheckpointParts, Schedule, StepLoop
-from hybridflow.trainer.services.checkpoint import MANIFEST, is_complete
+from hybridflow.trainer.services.checkpoint_check import MANIFEST, is_complete
 from hybridflow.trainer.services.tracking import Tracking
 
 DATA = [3.0, 1.0, 4.0, 1.0, 5.0, 9.0, 2.0, 6.0]

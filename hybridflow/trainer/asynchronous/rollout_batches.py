@@ -19,7 +19,8 @@ _PROMPT_LEADING = {INPUT_IDS: None, PROMPTS: None, ATTENTION_MASK: 0, POSITION_I
 
 
 def prompt_width(batch: DataProto) -> int:
-    return batch.batch[PROMPTS].shape[1]
+    """The prompt columns of rollouts (their ``prompts``), or of prompt rows (all their columns)."""
+    return batch.batch[PROMPTS if PROMPTS in batch.batch.keys() else INPUT_IDS].shape[1]
 
 
 def left_pad_prompts(batch: DataProto, width: int, pad_token_id: int) -> DataProto:
@@ -31,6 +32,8 @@ def left_pad_prompts(batch: DataProto, width: int, pad_token_id: int) -> DataPro
         return batch
     padded = batch.select(batch_keys=list(batch.batch.keys()))  # a new TensorDict: the input keeps its columns
     for key, value in _PROMPT_LEADING.items():
+        if key not in batch.batch.keys():  # prompt rows have no ``prompts`` column: their input ids are the prompt
+            continue
         column = batch.batch[key]
         fill = pad_token_id if value is None else value
         padding = torch.full((column.shape[0], extra), fill, dtype=column.dtype, device=column.device)
@@ -39,6 +42,7 @@ def left_pad_prompts(batch: DataProto, width: int, pad_token_id: int) -> DataPro
 
 
 def concat_rollouts(batches: Sequence[DataProto], pad_token_id: int) -> DataProto:
-    """The rows of all rollout batches, in order, with their prompts padded to the widest."""
+    """The rows of all rollout batches (or prompt rows of different loader batches), in order, with their prompts
+    padded to the widest."""
     width = max(prompt_width(batch) for batch in batches)
     return DataProto.concat([left_pad_prompts(batch, width, pad_token_id) for batch in batches])

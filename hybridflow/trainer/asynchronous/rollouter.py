@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, INTERRUPTED, POSITION_IDS, RESPONSES, TOKEN_VERSIONS, UID
+from hybridflow.batch_keys import INTERRUPTED, RESPONSES, TOKEN_VERSIONS, UID
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.asynchronous.partial_rollout import (
     OpenGroup,
@@ -59,25 +59,6 @@ class Taken:
     wait_s: float  # how long the trainer waited for them
     queue_depth: int  # finished groups in the queue when the step began
     dropped: int  # groups taken out over the staleness bound (their prompts requeued)
-
-
-def left_pad(prompt: DataProto, width: int, pad_token_id: int) -> DataProto:
-    """A prompt row (or rows) left-padded to ``width`` columns."""
-    extra = width - prompt.batch[INPUT_IDS].shape[1]
-    if extra == 0:
-        return prompt
-    padded = prompt.select(deepcopy=True)
-    for key, fill in ((INPUT_IDS, pad_token_id), (ATTENTION_MASK, 0), (POSITION_IDS, 0)):
-        column = prompt.batch[key]
-        padding = column.new_full((column.shape[0], extra), fill)
-        padded.batch[key] = torch.cat([padding, column], dim=1)
-    return padded
-
-
-def join_prompts(rows: list[DataProto], pad_token_id: int) -> DataProto:
-    """Prompt rows from different loader batches (different left padding) as one batch."""
-    width = max(row.batch[INPUT_IDS].shape[1] for row in rows)
-    return DataProto.concat([left_pad(row, width, pad_token_id) for row in rows])
 
 
 class Rollouter:
@@ -258,7 +239,7 @@ class Rollouter:
         if not self.backlog:
             return None
         rows = [self.backlog.popleft() for _ in range(min(size, len(self.backlog)))]
-        return join_prompts(rows, self.pad_token_id)
+        return concat_rollouts(rows, self.pad_token_id)
 
     def _groups(
         self, batch: DataProto, prompts: DataProto, version: int, chunk: int

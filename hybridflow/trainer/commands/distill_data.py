@@ -77,14 +77,8 @@ def _check_out(parser: ArgumentParser, out: Path, force: bool) -> None:
         parser.error(f"--out {out} exists: give another path, or --force to replace it")
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hybridflow.batch_keys import EXTRA_INFO
-    from hybridflow.data.scored_pairs import pairs_from_samples
-    from hybridflow.rollout.base import SamplingParams
-    from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
-
-    parser = _parser()
-    args = parser.parse_args(argv)
+def _check_args(parser, args) -> Path:
+    """Every argument checked before a model is loaded (an error names it); the output path."""
     if args.format == "pairs" and (args.samples < 2 or args.keep != "all"):
         parser.error("--format pairs needs --samples 2 or more and --keep all: a pair is two answers to one prompt")
     counts = (("--n", args.n), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens))
@@ -97,6 +91,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name a built-in task or give --data FILE (one of the two)")
     out = Path(args.out).expanduser()
     _check_out(parser, out, args.force)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybridflow.batch_keys import EXTRA_INFO
+    from hybridflow.data.scored_pairs import pairs_from_samples
+    from hybridflow.rollout.base import SamplingParams
+    from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    out = _check_args(parser, args)
 
     start = time.time()
     rows = scorable_rows(parser, task=args.task, data=args.data, n=args.n, split=args.split, seed=args.seed)

@@ -35,14 +35,11 @@ from hybridflow.engine.lora import ADAPTER
 from hybridflow.models import load_causal_lm, load_reward_model
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.run_files import ACTOR_STATE, ADAPTER_FILES, HF_FILES
-from hybridflow.trainer.services.checkpoint import (
+from hybridflow.trainer.services.checkpoint import STEP_DIR, CheckpointError, CheckpointManager, CheckpointNotFound
+from hybridflow.trainer.services.checkpoint_check import (
     COMPLETE,
     MANIFEST,
-    STEP_DIR,
     TRAINER_STATE,
-    CheckpointError,
-    CheckpointManager,
-    CheckpointNotFound,
     role_problems,
     warn_if_unverified,
 )

@@ -22,12 +22,8 @@ from collections import defaultdict
 from hybridflow.validation import ArgumentParser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES, TOOL_CALLS
+def measure_parser():
     from hybridflow.data.tasks import TASKS
-    from hybridflow.rollout.base import SamplingParams
-    from hybridflow.tools import load_tools
-    from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
 
     parser = ArgumentParser(prog="hybridflow measure", description=__doc__)
     parser.add_argument("task", nargs="?", choices=sorted(TASKS), help="a built-in task (or give --data)")
@@ -40,6 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample", action="store_true", help="sample at temperature 1 instead of greedy")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--show", type=int, default=5, help="print this many responses")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybridflow.rollout.base import SamplingParams
+    from hybridflow.tools import load_tools
+    from hybridflow.trainer.commands.generation_rows import is_multi_turn, load_generator, scorable_rows
+
+    parser = measure_parser()
     args = parser.parse_args(argv)
     for flag, value in (("--n", args.n), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
@@ -54,7 +59,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the {args.task} rows run an agent loop: give its tools with --tools FILE")
     tools = load_tools(args.tools) if multi_turn else None
     generator = load_generator(args.model, args.dtype, rows, multi_turn=multi_turn, tools=tools)
-    tokenizer = generator.tokenizer
     if args.sample:
         params = SamplingParams(
             do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=args.max_new_tokens, seed=args.seed
@@ -62,9 +66,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         params = SamplingParams.greedy(max_new_tokens=args.max_new_tokens, seed=args.seed)
     loaded = time.time()
-
     batch, result = generator.generate(params)
     done = time.time()
+    accs = print_accuracy(args, generator.tokenizer, batch, result, multi_turn)
+    print(
+        f"{args.task or args.data} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
+        f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}"
+        f"{tool_calls(batch, accs) if multi_turn else ''}); load {loaded - start:.1f}s, generate+score "
+        f"{done - loaded:.1f}s"
+    )
+    return 0
+
+
+def print_accuracy(args, tokenizer, batch, result, multi_turn: bool) -> list[float]:
+    """The first ``args.show`` responses and the accuracy by level (or data source); each prompt's accuracy."""
+    from hybridflow.batch_keys import DATA_SOURCE, EXTRA_INFO, RESPONSE_MASK, RESPONSES
 
     by_level = defaultdict(list)
     sources = batch.non_tensor_batch[DATA_SOURCE]
@@ -82,16 +98,15 @@ def main(argv: list[str] | None = None) -> int:
             f"  {level}: {sum(accs) / len(accs):.2f} (mean score {sum(level_scores) / len(level_scores):.2f}, "
             f"{len(accs)} prompts)"
         )
-    accs = [float(a) for a in result.extra["acc"]]
-    calls = ""
-    if multi_turn:
-        called = (batch.batch[TOOL_CALLS] > 0).tolist()
-        unaided = [acc for acc, call in zip(accs, called) if not call]
-        rate = sum(called) / len(called)
-        calls = f", tool-call rate {rate:.2f}, {sum(unaided):.0f} of {len(unaided)} right without a call"
-    print(
-        f"{args.task or args.data} accuracy of {args.model}: {sum(accs) / len(accs):.3f} on {len(accs)} test prompts "
-        f"({'sampled at T=1' if args.sample else 'greedy'}, {args.max_new_tokens} new tokens, {args.dtype}{calls}); "
-        f"load {loaded - start:.1f}s, generate+score {done - loaded:.1f}s"
+    return [float(a) for a in result.extra["acc"]]
+
+
+def tool_calls(batch, accs: list[float]) -> str:
+    """How often an agent loop called a tool, and what it got right without one."""
+    from hybridflow.batch_keys import TOOL_CALLS
+
+    called = (batch.batch[TOOL_CALLS] > 0).tolist()
+    unaided = [acc for acc, call in zip(accs, called) if not call]
+    return (
+        f", tool-call rate {sum(called) / len(called):.2f}, {sum(unaided):.0f} of {len(unaided)} right without a call"
     )
-    return 0

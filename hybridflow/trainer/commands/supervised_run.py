@@ -26,9 +26,9 @@ from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_tokenizer
-from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
+from hybridflow.trainer.loop.step_loop import fit_run
 from hybridflow.trainer.loop.supervised_trainer import SupervisedTrainer
-from hybridflow.trainer.services.tracking import Tracking, check_loggers
+from hybridflow.trainer.services.tracking import check_loggers
 from hybridflow.trainer.setup.check_config import (
     check_files,
     check_lora_targets,
@@ -146,12 +146,9 @@ def run_supervised(
 ) -> dict[str, float]:
     """The run: its directory checked (``SUPERVISED_STATE_KEYS``: a change refused), the model built, the data read
     (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``), then the worker group on its pool and
-    the step loop.
-
-    ``objective``: the registered objective's name, ``settings`` its config section (None where it has none);
-    ``what`` names the run in the line printed before Ray starts."""
-    chosen = OBJECTIVES.get(objective)
-    objective_part = chosen(settings) if settings is not None else chosen()
+    the step loop. ``objective``: the registered objective's name, ``settings`` its config section (None where it
+    has none); ``what`` names the run in the line printed before Ray starts."""
+    objective_part = OBJECTIVES.get(objective)(*([settings] if settings is not None else []))
     trainer_config = config.trainer
     config_yaml = to_yaml(config)
     run_dir = check_run_directory(
@@ -172,57 +169,51 @@ def run_supervised(
         f"hybridflow: {what} for {steps} steps ({len(dataset)} {dataset.unit}, {dataset.trained_tokens()} trained "
         f"tokens) on {trainer_config.world_size} workers; run dir {plan.run_dir}"
     )
-    worker = RoleSpec(
-        SupervisedWorker,
-        kwargs=dict(
-            model=config.model,
-            engine=config.engine,
-            optim=config.optim,
-            model_path=plan.model_path,
-            layout=plan.layout,
-            total_training_steps=steps,
-            seed=trainer_config.seed,
-            objective=objective_part,
-        ),
-    )
-    # the workers' tuning settings come with their pool (below), on any cluster
+    worker = supervised_worker(config, plan, objective_part, steps)
+    # the workers' tuning settings come with their pool, on any cluster
     with ray_for_run(trainer_config, plan.placement):
-        pool = RayResourcePool(
-            plan.placement.pools[plan.pool],
-            use_gpu=trainer_config.device == "cuda",
-            cpus_per_worker=trainer_config.cpus_per_worker,
-            threads_per_worker=trainer_config.threads_per_worker or None,
-            ready_timeout_s=trainer_config.placement_timeout_s,
-            name=plan.pool,
-            worker_env=tuning_env(trainer_config.cpu_kernel_cache_capacity),
-        )
+        pool = one_pool(trainer_config, plan.placement.pools[plan.pool], plan.pool)
         finished = False
         try:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
             group = RayWorkerGroup(pool, worker, name=plan.pool)
-            tracking = Tracking(trainer_config.logger, plan.run_dir, dataclasses.asdict(config))
-            loop = StepLoop(
-                SupervisedTrainer(
-                    objective_part,
-                    group,
-                    plan.pool,
-                    plan.layout.dp,
-                    train_loader,
-                    (lambda: iter(val_loader)) if val_loader is not None else None,
-                    total_epochs=trainer_config.total_epochs,
-                ),
-                schedule=run_schedule(trainer_config, steps, has_validation=val_loader is not None),
+            val_batches = (lambda: iter(val_loader)) if val_loader is not None else None
+            trainer = SupervisedTrainer(
+                objective_part, group, plan.pool, plan.layout.dp, train_loader, val_batches,
+                total_epochs=trainer_config.total_epochs,
+            )  # fmt: skip
+            result = fit_run(
+                trainer,
+                trainer_config,
+                total_steps=steps,
                 run_dir=plan.run_dir,
-                tracking=tracking,
-                max_ckpt_to_keep=trainer_config.max_ckpt_to_keep,
+                record=dataclasses.asdict(config),
+                has_validation=val_loader is not None,
+                resume_from=checkpoint,
             )
-            try:
-                result = loop.fit(resume_from=checkpoint)
-                finished = True
-                return result
-            finally:
-                tracking.finish()
+            finished = True
+            return result
         finally:
             pool.release(keep_processes=finished)
+
+
+def supervised_worker(config: Any, plan: SupervisedPlan, objective: Any, steps: int) -> RoleSpec:
+    """The worker of a supervised run (workers/supervised.py) and its arguments, the same on every rank."""
+    settings = dict(model=config.model, engine=config.engine, optim=config.optim, model_path=plan.model_path)
+    settings.update(layout=plan.layout, total_training_steps=steps, seed=config.trainer.seed, objective=objective)
+    return RoleSpec(SupervisedWorker, kwargs=settings)
+
+
+def one_pool(trainer: Any, nodes: list[int], name: str) -> RayResourcePool:
+    """A pool of ``nodes`` processes per node with the ``trainer`` section's resources and tuning."""
+    return RayResourcePool(
+        nodes,
+        use_gpu=trainer.device == "cuda",
+        cpus_per_worker=trainer.cpus_per_worker,
+        threads_per_worker=trainer.threads_per_worker or None,
+        ready_timeout_s=trainer.placement_timeout_s,
+        name=name,
+        worker_env=tuning_env(trainer.cpu_kernel_cache_capacity),
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,7 @@ from hybridflow.reward.manager import CustomRewardFn
 from hybridflow.rollout.agent_server.rollout import load_agent_function
 from hybridflow.tools import load_tools
 from hybridflow.trainer.loop.mode_parts import rl_trainer
-from hybridflow.trainer.loop.step_loop import StepLoop, run_schedule
-from hybridflow.trainer.services.tracking import Tracking
+from hybridflow.trainer.loop.step_loop import fit_run
 from hybridflow.trainer.setup.check_config import (
     check_agent_names,
     check_config,
@@ -127,22 +126,18 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
         groups = build_role_groups(config, plan, total_steps)
         finished = False
         try:
-            tracking = Tracking(config.trainer.logger, plan.paths.run_dir, dataclasses.asdict(config))
             val_batches = (lambda: iter(val_loader)) if val_loader else None
-            trainer = rl_trainer(config, plan, groups, reward_fn, train_loader, val_batches, total_steps)
-            loop = StepLoop(
-                trainer,
-                schedule=run_schedule(config.trainer, total_steps, has_validation=val_loader is not None),
+            result = fit_run(
+                rl_trainer(config, plan, groups, reward_fn, train_loader, val_batches, total_steps),
+                config.trainer,
+                total_steps=total_steps,
                 run_dir=plan.paths.run_dir,
-                tracking=tracking,
-                max_ckpt_to_keep=config.trainer.max_ckpt_to_keep,
+                record=dataclasses.asdict(config),
+                has_validation=val_loader is not None,
+                resume_from=checkpoint,
             )
-            try:
-                result = loop.fit(resume_from=checkpoint)
-                finished = True
-                return result
-            finally:
-                tracking.finish()
+            finished = True
+            return result
         finally:  # on a Ray cluster this run did not start, its workers and their CPUs must not outlive it
             groups.release(keep_processes=finished)
 

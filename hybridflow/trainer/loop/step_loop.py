@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Protocol
 
 from hybridflow.run_files import TIMELINE_FILE
-from hybridflow.trainer.services.checkpoint import CheckpointManager, read_trainer_state
+from hybridflow.trainer.services.checkpoint import CheckpointManager
+from hybridflow.trainer.services.checkpoint_check import read_trainer_state
 from hybridflow.trainer.services.progress import RunProgress
 from hybridflow.trainer.services.timeline import StepTimeline
 from hybridflow.trainer.services.tracking import Tracking
@@ -96,6 +97,29 @@ def run_schedule(trainer: RunConfig, total_steps: int, *, has_validation: bool) 
         val_before_train=trainer.val_before_train,
         has_validation=has_validation,
     )
+
+
+def fit_run(
+    trainer: Trainer,
+    run: RunConfig,
+    *,
+    total_steps: int,
+    run_dir: Path,
+    record: dict,
+    has_validation: bool,
+    resume_from: Path | None,
+) -> dict[str, float]:
+    """A command's run of ``trainer`` to its end: the schedule from its ``trainer`` section (``run``), its trackers
+    (``record``: the config they log), finished whatever happens; the last step's metrics."""
+    tracking = Tracking(run.logger, run_dir, record)
+    schedule = run_schedule(run, total_steps, has_validation=has_validation)
+    loop = StepLoop(
+        trainer, schedule=schedule, run_dir=run_dir, tracking=tracking, max_ckpt_to_keep=run.max_ckpt_to_keep
+    )
+    try:
+        return loop.fit(resume_from=resume_from)
+    finally:
+        tracking.finish()
 
 
 class StepLoop:

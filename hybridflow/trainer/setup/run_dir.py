@@ -28,12 +28,8 @@ from hybridflow.run_files import (
     TRAINED_PROMPTS_FILE,
     keep_records_up_to,
 )
-from hybridflow.trainer.services.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    CheckpointNotFound,
-    read_trainer_state,
-)
+from hybridflow.trainer.services.checkpoint import CheckpointError, CheckpointManager, CheckpointNotFound
+from hybridflow.trainer.services.checkpoint_check import read_trainer_state
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, RunConfig, to_yaml
 from hybridflow.trainer.setup.run_plan import RunPlan
 
