@@ -13,18 +13,14 @@ from rich.console import Console
 from hybridflow.controller import Role, RoleSpec
 from hybridflow.data import PromptDataLoader, RLHFDataset
 from hybridflow.data.dataset import read_prompt_rows
-from hybridflow.data.tasks.verifiers_env import check_environment_rows
 from hybridflow.models import load_tokenizer
 from hybridflow.reward import RewardManager, check_scorable, load_custom_reward_fn
 from hybridflow.reward.manager import CustomRewardFn
-from hybridflow.rollout.agent_server.rollout import load_agent_function
+from hybridflow.rollout.row_checks import check_rollout_rows
 from hybridflow.tools import load_tools
 from hybridflow.trainer.loop.mode_parts import rl_trainer
 from hybridflow.trainer.loop.step_loop import fit_run
-from hybridflow.trainer.setup.check_config import (
-    check_agent_names,
-    check_config,
-)
+from hybridflow.trainer.setup.check_config import check_config
 from hybridflow.trainer.setup.cluster import ray_for_run
 from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
 from hybridflow.trainer.setup.config_help import config_command_args
@@ -33,8 +29,7 @@ from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_dir import check_run_dir
 from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
-from hybridflow.validation import ConfigError, run_command, split_debug_flag
-from hybridflow.verifiers_runner.launch import EnvironmentRunnerError, verifiers_python
+from hybridflow.validation import run_command, split_debug_flag
 
 
 def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dict[Role, RoleSpec]:
@@ -63,29 +58,17 @@ def build_role_groups(config: HybridFlowConfig, plan: RunPlan, total_steps: int)
 
 
 def check_rows(config: HybridFlowConfig, custom_fn: CustomRewardFn | None) -> None:
-    """The data's rows, before any model is built: each has its columns, a scorer for its data source (or the
-    custom reward function scores the first), and names agent loops that exist."""
+    """The data's rows, before any model is built: each rollout feature's checks of them (agent functions,
+    environments, agent loops), and unless the user's agents return the rewards, a scorer for each row's data source
+    (or the custom reward function scores the first)."""
     data = config.data
     rows = read_prompt_rows(data.train_files, data)[0]
     if data.val_files:
         rows += read_prompt_rows(data.val_files, data, key="data.val_files")[0]
     rollout = config.actor_rollout_ref.rollout
-    if rollout.agent.enabled:  # the user's agents return the rewards: their function must load
-        try:
-            if rollout.agent.function:
-                load_agent_function(rollout.agent.function)
-        except (ImportError, AttributeError, FileNotFoundError, TypeError) as error:
-            raise ConfigError("actor_rollout_ref.rollout.agent.function", str(error)) from None
-        settings = rollout.agent.verifiers
-        if settings.env:  # the environment loads in its venv and the rows name its tasks
-            try:
-                python = verifiers_python(settings.python)
-                check_environment_rows(settings.env, settings.args, settings.path, python, rows)
-            except (ValueError, EnvironmentRunnerError) as error:
-                raise ConfigError("actor_rollout_ref.rollout.agent.verifiers", str(error)) from None
-        return
-    check_scorable(rows, custom_fn, multi_turn=rollout.multi_turn.enable)
-    check_agent_names(config, rows)
+    check_rollout_rows(rollout, rows)
+    if not rollout.agent.enabled:
+        check_scorable(rows, custom_fn, multi_turn=rollout.multi_turn.enable)
 
 
 def run(config: HybridFlowConfig) -> dict[str, float]:

@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimator
-from hybridflow.batch_keys import AGENT_NAME
 from hybridflow.controller import Role
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
@@ -279,27 +278,6 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     except ImportError as error:
         raise ConfigError("trainer.logger", str(error), "install the package or drop the logger") from None
     return plan
-
-
-def check_agent_names(cfg: HybridFlowConfig, rows: list[dict]) -> None:
-    """Rows that name an agent loop need multi-turn rollout, and every loop named must exist (checked once
-    per name, before Ray starts)."""
-    names = sorted({str(row.get(AGENT_NAME) or "") for row in rows} - {""})
-    if not names:
-        return
-    _check(
-        cfg.actor_rollout_ref.rollout.multi_turn.enable,
-        "actor_rollout_ref.rollout.multi_turn.enable",
-        f"the data names agent loops ({', '.join(names)}) in its agent_name column, but multi-turn rollout is off",
-        "set actor_rollout_ref.rollout.multi_turn.enable=true",
-    )
-    from hybridflow.rollout.agent.loops import agent_loop_class
-
-    for name in names:
-        try:
-            agent_loop_class(name)
-        except (KeyError, TypeError, ValueError, ImportError, AttributeError, FileNotFoundError) as error:
-            raise ConfigError("data (agent_name column)", str(error).strip("'\"")) from None
 
 
 def _check_custom_reward(path: str, name: str) -> None:
