@@ -1,13 +1,22 @@
 """A learned reward model: a sequence classifier reading the conversation in its own chat template
-(data/reward_text.py: the rendering ``hybridflow rm`` trains on)."""
+(data/reward_text.py: the rendering ``hybridflow rm`` trains on), scored by the packed forward every pass runs."""
 
 from __future__ import annotations
 
 import torch
 
-from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
+from hybridflow.batch_keys import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    POSITION_IDS,
+    RAW_PROMPT,
+    RESPONSE_MASK,
+    RESPONSES,
+    RM_SCORES,
+)
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.data.reward_text import reward_model_text, scored_conversation
+from hybridflow.engine.forward import batched_scores
 from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import RewardModelConfig
@@ -21,6 +30,14 @@ def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torc
     last = (response_mask.sum(dim=1) - 1).clamp(min=0)
     token_scores[torch.arange(len(scores), device=device), last] = scores.to(device, torch.float32)
     return token_scores * (response_mask.sum(dim=1, keepdim=True) > 0)
+
+
+def text_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DataProto:
+    """Right-padded token rows (B, L) in the training batch's layout, for the one packed forward every pass runs
+    (engine/forward.py): a one-token "prompt" and the rest as the "response" (a score reads no labels)."""
+    position_ids = (attention_mask.long().cumsum(dim=1) - 1).clamp(min=0)
+    columns = {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, POSITION_IDS: position_ids}
+    return DataProto.from_dict({**columns, RESPONSES: input_ids[:, 1:]})
 
 
 class RewardModelWorker(Worker):
@@ -50,18 +67,16 @@ class RewardModelWorker(Worker):
     def compute_rm_score(self, data: DataProto) -> DataProto:
         if RAW_PROMPT not in data.non_tensor_batch:
             raise KeyError("the reward model needs the chat messages of each prompt in non-tensor key 'raw_prompt'")
-        texts = self._conversations(data)
-        scores = []
-        for start in range(0, len(texts), self.config.micro_batch_size_per_gpu):
-            chunk = texts[start : start + self.config.micro_batch_size_per_gpu]
-            encoded = self.tokenizer(
-                chunk,
-                return_tensors="pt",
-                padding=True,
-                truncation=True,
-                max_length=self.config.max_length,
-                add_special_tokens=False,
-            ).to(self.device)
-            scores.append(self.model(**encoded).logits[:, 0].float())
-        rm_scores = last_token_scores(torch.cat(scores), data.batch[RESPONSE_MASK])
+        encoded = self.tokenizer(
+            self._conversations(data),
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=self.config.max_length,
+            add_special_tokens=False,
+        )
+        rows = text_rows(encoded["input_ids"], encoded["attention_mask"]).to(self.device)
+        pad = self.model.config.get_text_config().pad_token_id
+        scores = batched_scores(self.model, rows, self.config.micro_batch_size_per_gpu, pad, remove_padding=True)
+        rm_scores = last_token_scores(scores, data.batch[RESPONSE_MASK])
         return DataProto.from_dict({RM_SCORES: rm_scores})
