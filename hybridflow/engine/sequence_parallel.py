@@ -1,0 +1,68 @@
+"""Ulysses sequence parallelism's exchange (DeepSpeed-Ulysses, arXiv 2309.14509): the ranks of an sp group each
+hold a slice of a packed sequence, and attention needs every token of its rows. Before attention an all-to-all
+turns (heads, this rank's tokens) into (this rank's heads, every token); after it the inverse turns the output back.
+Everything else in a layer is per token and runs on the slice.
+
+``all_to_all`` is differentiable: its backward is the inverse exchange, so gradients reach the slice each token came
+from. ``heads_for_sp`` repeats key/value heads when a GQA model has fewer than sp of them: each kv head is repeated
+consecutively, so after the exchange rank r's query heads meet their own kv head (tiling would pair the wrong kv head
+with half the ranks' queries, silently). The repeat's backward sums the replicas' gradients: the exact GQA gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _exchange(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"dimension {scatter_dim} of {tuple(x.shape)} does not split over {world} ranks")
+    send = torch.stack(
+        [part.contiguous() for part in x.chunk(world, dim=scatter_dim)]
+    )  # (world, ...): part i to rank i
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)  # received[i]: rank i's part for this rank
+    return torch.cat(received.unbind(0), dim=gather_dim)  # rank order: rank i's slice of the gathered dimension
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """``x`` split into ``sp`` equal parts along ``scatter_dim``, part i sent to rank i, and the parts received from
+    every rank concatenated along ``gather_dim`` in rank order (differentiable; one rank: ``x`` itself)."""
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+def heads_for_sp(kv: torch.Tensor, heads_dim: int, sp: int) -> torch.Tensor:
+    """Key/value heads repeated, each consecutively, up to a multiple of ``sp`` (unchanged when they already split
+    over sp); ValueError when neither divides the other."""
+    heads = kv.shape[heads_dim]
+    if heads % sp == 0:
+        return kv
+    if sp % heads:
+        raise ValueError(f"{heads} key/value heads cannot be shared by {sp} sequence-parallel ranks: use an sp that "
+                         "divides them or that they divide")  # fmt: skip
+    return kv.repeat_interleave(sp // heads, dim=heads_dim)
+
+
+def gather_sequence_scatter_heads(x: torch.Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int):
+    """(…, all heads, this rank's tokens, …) -> (…, this rank's heads, every token, …)."""
+    return all_to_all(x, group, scatter_dim=head_dim, gather_dim=seq_dim)
+
+
+def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int):
+    """The inverse: (…, this rank's heads, every token, …) -> (…, all heads, this rank's tokens, …)."""
+    return all_to_all(x, group, scatter_dim=seq_dim, gather_dim=head_dim)
