@@ -14,16 +14,20 @@ of at most that many real tokens (``dynamic_batch.py``), and return rows in the 
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn as distributed_nn
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
-from hybridflow.engine.packing import pack, packed_forward
+from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
@@ -49,27 +53,74 @@ def _accepts_logits_to_keep(model: nn.Module) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-def response_outputs(
-    model: nn.Module, batch: DataProto, remove_padding: bool = False
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The model's outputs (``.logits``) that predict the response tokens, and where they go.
+@dataclass(frozen=True)
+class ResponseShard:
+    """Under sequence parallelism: which of the M kept outputs this rank computed (the rest are other sp ranks')."""
 
-    Padded: (B, R, C) for every response position, and None. Packed: (M, C) for the M real
-    response tokens only (row-major over (B, R)), and their (B, R) mask; a causal LM's head then
-    runs on those M positions only (``logits_to_keep``), not on the prompts and padding.
+    mine: torch.Tensor  # (M,) bool
+    group: dist.ProcessGroup
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's (M_r, ...) values -> every rank's (M, ...), summed over the sp group (differentiable: the
+        backward sums every rank's gradient, so each local value receives sp times the gradient of the loss every rank
+        computes alike; FSDP's mean over the dp x sp ranks divides it back)."""
+        full = values.new_zeros((self.mine.shape[0], *values.shape[1:]))
+        full = full.index_put((self.mine.nonzero()[:, 0],), values)
+        return distributed_nn.all_reduce(full, group=self.group)
+
+
+def response_outputs(
+    model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, ResponseShard | None]:
+    """The model's outputs (``.logits``) that predict the response tokens, where they go, and whose they are.
+
+    Padded: (B, R, C) for every response position, None, None. Packed: (M, C) for the M real response tokens only
+    (row-major over (B, R)), their (B, R) mask, and None; a causal LM's head then runs on those M positions only
+    (``logits_to_keep``), not on the prompts and padding. With ``sp_group`` (Ulysses, packed only): this rank runs
+    its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if not remove_padding:
+        if sp > 1:
+            raise ValueError("sequence parallelism runs on packed rows: set use_remove_padding=true")
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-        return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None
+        return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None
     packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], response_length)
     keep = packed.response_index[
         packed.response_valid
     ]  # (M,) packed positions; rows sharing a prompt share its last one
+    if sp > 1:
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group)
+        return outputs, packed.response_valid, shard
     if _accepts_logits_to_keep(model):
-        return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid
-    return packed_forward(model, packed)[0, keep], packed.response_valid
+        return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid, None
+    return packed_forward(model, packed)[0, keep], packed.response_valid, None
+
+
+def _sharded_outputs(
+    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, ResponseShard]:
+    """This rank's slice of the packed tokens through the model (every rank's slice as long: the sequence padded to a
+    multiple of sp), and its outputs among ``keep``."""
+    sp, rank = dist.get_world_size(group), dist.get_rank(group)
+    total = packed.input_ids.shape[1]
+    per_rank = -(-total // sp)
+    start = rank * per_rank
+    pad = per_rank * sp - total
+
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.pad(x, (0, pad))[:, start : start + per_rank]
+
+    local = dataclasses.replace(packed, input_ids=mine(packed.input_ids), position_ids=mine(packed.position_ids))
+    shards = SequenceShards(group, total, per_rank * sp)
+    held = (keep >= start) & (keep < start + per_rank)
+    if _accepts_logits_to_keep(model):
+        outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
+    else:
+        outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
+    return outputs, ResponseShard(held, group)
 
 
 def _to_rows(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -86,28 +137,36 @@ def response_log_probs(
     with_entropy: bool = False,
     remove_padding: bool = False,
     entropy_grad: bool = True,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(response token), entropy or None), each (B, R) in fp32; 0 on response padding when packed.
 
-    ``entropy_grad=False``: the entropy is a metric only, computed outside the autograd graph.
+    ``entropy_grad=False``: the entropy is a metric only, computed outside the autograd graph. ``sp_group``: Ulysses
+    sequence parallelism over its ranks (every rank gets every row's values).
     """
-    logits, valid = response_outputs(model, batch, remove_padding)
+    logits, valid, shard = response_outputs(model, batch, remove_padding, sp_group)
     if temperature != 1.0:
         logits = logits / temperature
     responses = batch.batch[RESPONSES]
     labels = responses if valid is None else responses[valid]
-    log_probs = _to_rows(log_probs_from_logits(logits, labels), valid)
+    whole = (lambda x: x) if shard is None else shard.whole
+    if shard is not None:
+        labels = labels[shard.mine]
+    log_probs = _to_rows(whole(log_probs_from_logits(logits, labels)), valid)
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = _to_rows(entropy_from_logits(logits), valid)
+            entropy = _to_rows(whole(entropy_from_logits(logits)), valid)
     return log_probs, entropy
 
 
-def response_values(model: nn.Module, batch: DataProto, remove_padding: bool = False) -> torch.Tensor:
+def response_values(
+    model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token: (B, R) in fp32."""
-    values, valid = response_outputs(model, batch, remove_padding)  # (B, R, 1) or (M, 1)
-    return _to_rows(values[..., 0].float(), valid)
+    values, valid, shard = response_outputs(model, batch, remove_padding, sp_group)  # (B, R, 1) or (M, 1)
+    values = values[..., 0].float()
+    return _to_rows(values if shard is None else shard.whole(values), valid)
 
 
 def _batched(

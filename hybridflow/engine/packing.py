@@ -40,11 +40,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.engine.sequence_parallel import (
+    gather_heads_scatter_sequence,
+    gather_sequence_scatter_heads,
+    heads_for_sp,
+)
 from hybridflow.lengths import prompt_leaders
 
 PACKED_ATTENTION = "packed_sdpa"
@@ -125,9 +131,13 @@ def packed_sdpa_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     packed_segments: Segments | None = None,
+    sequence_shards: SequenceShards | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Causal attention within each packed row: query (1, H, N, d), key/value (1, Hkv, N, d) -> (1, N, H, d)."""
+    """Causal attention within each packed row: query (1, H, N, d), key/value (1, Hkv, N, d) -> (1, N, H, d).
+    ``sequence_shards``: this rank holds a slice of the packed tokens (Ulysses, ``ulysses_attention``)."""
+    if sequence_shards is not None:
+        return ulysses_attention(module, query, key, value, dropout, scaling, packed_segments, sequence_shards)
     if packed_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if attention_mask is not None or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
@@ -152,6 +162,40 @@ def packed_sdpa_attention(
         )  # (b, H, L, d)
     out = out.transpose(1, 2).flatten(0, 1).index_select(0, packed_segments.real)  # (N, H, d)
     return out.unsqueeze(0), None
+
+
+@dataclass(frozen=True)
+class SequenceShards:
+    """A packed sequence over the ranks of an sp group: ``padded`` tokens (the ``total`` real ones, then padding to a
+    multiple of sp), rank r holding the r-th ``padded / sp`` of them."""
+
+    group: dist.ProcessGroup
+    total: int
+    padded: int
+
+
+def ulysses_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout: float,
+    scaling: float | None,
+    segments: Segments,
+    shards: SequenceShards,
+) -> tuple[torch.Tensor, None]:
+    """Packed attention on a slice of the tokens: query (1, H, N/sp, d), key/value (1, Hkv, N/sp, d) -> (1, N/sp, H,
+    d). Heads are exchanged for tokens (engine/sequence_parallel.py), so each rank attends with H/sp heads over every
+    token of every row (``segments`` describe the whole sequence), then the output is exchanged back."""
+    group, sp = shards.group, dist.get_world_size(shards.group)
+
+    def every_token(x: torch.Tensor) -> torch.Tensor:  # (1, heads, N/sp, d) -> (1, heads/sp, N, d), padding dropped
+        return gather_sequence_scatter_heads(x, group, seq_dim=2, head_dim=1)[:, :, : shards.total]
+
+    q, k, v = every_token(query), every_token(heads_for_sp(key, 1, sp)), every_token(heads_for_sp(value, 1, sp))
+    out, _ = packed_sdpa_attention(module, q, k, v, None, dropout, scaling, packed_segments=segments)  # (1, N, H/sp, d)
+    out = nn.functional.pad(out, (0, 0, 0, 0, 0, shards.padded - shards.total))
+    return gather_heads_scatter_sequence(out, group, seq_dim=1, head_dim=2), None
 
 
 MATMUL_ATTENTION_MAX_SCORES = 1 << 26  # 64 M scores (256 MB in float32): above that, SDPA
@@ -194,13 +238,21 @@ def use_packed_attention(model: nn.Module) -> None:
     model.config._attn_implementation = PACKED_ATTENTION
 
 
-def packed_forward(model: nn.Module, packed: PackedBatch, logits_to_keep: torch.Tensor | None = None) -> torch.Tensor:
+def packed_forward(
+    model: nn.Module,
+    packed: PackedBatch,
+    logits_to_keep: torch.Tensor | None = None,
+    shards: SequenceShards | None = None,
+) -> torch.Tensor:
     """The model's output (``.logits``) on a packed batch: (1, N, C), or (1, M, C) at the M
-    packed positions ``logits_to_keep`` (for models whose forward takes it)."""
+    packed positions ``logits_to_keep`` (for models whose forward takes it). ``shards``: this rank runs its slice of
+    the tokens (``input_ids`` and ``position_ids`` of ``packed`` are the slice; ``logits_to_keep`` indexes it)."""
     use_packed_attention(model)
     calls = _packed_calls
     ids = packed.input_ids
     extra = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
+    if shards is not None:
+        extra["sequence_shards"] = shards
     # An all-ones 2-D mask: transformers then skips both the packed-sequence detection (its dense
     # (N, N) mask) and any mask at all, and the layers get ``packed_segments`` instead.
     output = model(

@@ -1,0 +1,108 @@
+"""The packed forward under Ulysses sequence parallelism (engine/forward.py ``sp_group``), 4 gloo processes, fp32, two
+model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats them; tiny-qwen2: tied embeddings):
+every rank runs its slice of the packed tokens, and the log-probs and entropy of every row equal one process's
+unsplit pass, and the gradients summed over the sp group, over sp, equal its gradients (FSDP's mean over the
+dp x sp ranks divides by sp in training). The batch packs rows of very different lengths: two sharing a prompt, a
+one-token response, and a total that no sp divides (padding)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
+from hybridflow.engine.forward import response_log_probs
+from hybridflow.models import load_causal_lm, resolve_model_path
+from hybridflow.protocol import DataProto
+
+WORLD = 4
+FAMILIES = ("tiny-llama", "tiny-qwen2")
+PROMPTS, RESPONSE_LENGTHS = (5, 5, 3, 1), (6, 3, 1, 4)  # rows 0 and 1 share their prompt: 22 packed tokens
+
+
+def batch(vocab: int) -> DataProto:
+    generator = torch.Generator().manual_seed(0)
+    width_p, width_r = max(PROMPTS), max(RESPONSE_LENGTHS)
+    ids = torch.zeros(len(PROMPTS), width_p + width_r, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    shared = torch.randint(3, vocab, (PROMPTS[0],), generator=generator)
+    for row, (prompt, answer) in enumerate(zip(PROMPTS, RESPONSE_LENGTHS)):
+        ids[row, width_p - prompt : width_p] = (
+            shared if row < 2 else torch.randint(3, vocab, (prompt,), generator=generator)
+        )
+        ids[row, width_p : width_p + answer] = torch.randint(3, vocab, (answer,), generator=generator)
+        mask[row, width_p - prompt : width_p + answer] = 1
+    position_ids = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    columns = {INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: position_ids, RESPONSES: ids[:, width_p:]}
+    return DataProto.from_dict({**columns, RESPONSE_MASK: mask[:, width_p:]})
+
+
+def step(model, data: DataProto, group) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Log-probs, entropy and the gradients of a loss weighing both by fixed random weights."""
+    model.zero_grad(set_to_none=True)
+    log_probs, entropy = response_log_probs(model, data, with_entropy=True, remove_padding=True, sp_group=group)
+    weights = torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
+    ((log_probs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return log_probs.detach(), entropy.detach(), grads
+
+
+def _ranks(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
+    try:
+        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        results = {}
+        for family in FAMILIES:
+            model = load_causal_lm(str(resolve_model_path(family)), dtype=torch.float32)
+            data = batch(model.config.vocab_size)
+            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
+                log_probs, entropy, grads = step(model, data, group)
+                for grad in grads.values():
+                    dist.all_reduce(grad, group=group)
+                results[family, sp] = (log_probs, entropy, {name: grad / sp for name, grad in grads.items()})
+        torch.save(results, f"{out}-{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    for family in FAMILIES:
+        resolve_model_path(family)  # built once, here, before the processes read it
+    directory = tmp_path_factory.mktemp("ulysses_forward")
+    mp.spawn(_ranks, args=(str(directory / "init"), str(directory / "out")), nprocs=WORLD)
+    return [torch.load(directory / f"out-{rank}.pt") for rank in range(WORLD)]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_log_probs_entropy_and_gradients_equal_the_unsplit_pass(ranks, family, sp):
+    model = load_causal_lm(str(resolve_model_path(family)), dtype=torch.float32)
+    data = batch(model.config.vocab_size)
+    log_probs, entropy, grads = step(model, data, None)
+    mask = data.batch[RESPONSE_MASK].bool()
+    for rank in range(WORLD):
+        got_log_probs, got_entropy, got_grads = ranks[rank][family, sp]
+        torch.testing.assert_close(got_log_probs[mask], log_probs[mask], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_entropy[mask], entropy[mask], atol=1e-5, rtol=1e-5)
+        assert not got_log_probs[~mask].any()  # 0 on response padding, as unsplit
+        assert got_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=f"rank {rank}: {name}")
+
+
+def test_a_padded_pass_refuses_sequence_parallelism():
+    model = load_causal_lm(str(resolve_model_path("tiny-llama")), dtype=torch.float32)
+
+    class TwoRanks:  # stands for a group of two (the check comes before any collective)
+        pass
+
+    import hybridflow.engine.forward as forward
+
+    original = forward.dist.get_world_size
+    forward.dist.get_world_size = lambda group=None: 2
+    try:
+        with pytest.raises(ValueError, match="sequence parallelism runs on packed rows"):
+            response_log_probs(model, batch(model.config.vocab_size), remove_padding=False, sp_group=TwoRanks())
+    finally:
+        forward.dist.get_world_size = original
