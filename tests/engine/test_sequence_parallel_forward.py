@@ -1,9 +1,9 @@
 """The packed forward under Ulysses sequence parallelism (engine/forward.py ``sp_group``), 4 gloo processes, fp32, two
 model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats them; tiny-qwen2: tied embeddings):
 every rank runs its slice of the packed tokens, and the log-probs and entropy of every row equal one process's
-unsplit pass, and the gradients summed over the sp group, over sp, equal its gradients (FSDP's mean over the
-dp x sp ranks divides by sp in training). The batch packs rows of very different lengths: two sharing a prompt, a
-one-token response, and a total that no sp divides (padding)."""
+unsplit pass, so do a critic's values, and the gradients summed over the sp group, over sp, equal its gradients
+(relative 1e-5; FSDP's mean over the dp x sp ranks divides by sp in training). The batch packs rows of very
+different lengths: two sharing a prompt, a one-token response, and a total that no sp divides (padding)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from hybridflow.engine.forward import response_log_probs
-from hybridflow.models import load_causal_lm, resolve_model_path
+from hybridflow.engine.forward import response_log_probs, response_values
+from hybridflow.models import load_causal_lm, load_critic, resolve_model_path
 from hybridflow.protocol import DataProto
 
 WORLD = 4
@@ -47,6 +47,23 @@ def step(model, data: DataProto, group) -> tuple[torch.Tensor, torch.Tensor, dic
     return log_probs.detach(), entropy.detach(), grads
 
 
+def critic(family: str):
+    """The family's backbone with a value head, the head drawn at random (a checkpoint without one gets zeros)."""
+    model = load_critic(str(resolve_model_path(family)), dtype=torch.float32)
+    head = [p for name, p in model.named_parameters() if name.startswith("score.")]
+    with torch.no_grad():
+        for parameter in head:
+            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+    return model
+
+
+def value_step(model, data: DataProto, group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    values = response_values(model, data, remove_padding=True, sp_group=group)
+    (values * torch.randn(values.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+    return values.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
 def _ranks(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=WORLD)
     try:
@@ -60,9 +77,20 @@ def _ranks(rank: int, init: str, out: str) -> None:
                 for grad in grads.values():
                     dist.all_reduce(grad, group=group)
                 results[family, sp] = (log_probs, entropy, {name: grad / sp for name, grad in grads.items()})
+            values_model = critic(family)
+            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
+                values, grads = value_step(values_model, data, group)
+                for grad in grads.values():
+                    dist.all_reduce(grad, group=group)
+                results[family, sp, "values"] = (values, {name: grad / sp for name, grad in grads.items()})
         torch.save(results, f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| over the whole tensor (a gradient's rounding is relative to its size, not each entry's)."""
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +116,23 @@ def test_log_probs_entropy_and_gradients_equal_the_unsplit_pass(ranks, family, s
         assert not got_log_probs[~mask].any()  # 0 on response padding, as unsplit
         assert got_grads.keys() == grads.keys()
         for name, grad in grads.items():
-            torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=f"rank {rank}: {name}")
+            assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_critic_values_and_their_gradients_equal_the_unsplit_pass(ranks, family, sp):
+    model = critic(family)
+    data = batch(model.config.vocab_size)
+    values, grads = value_step(model, data, None)
+    mask = data.batch[RESPONSE_MASK].bool()
+    assert values[mask].abs().min() > 0  # a head that gives values
+    for rank in range(WORLD):
+        got_values, got_grads = ranks[rank][family, sp, "values"]
+        torch.testing.assert_close(got_values[mask], values[mask], atol=1e-5, rtol=1e-5)
+        assert got_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
 
 
 def test_a_padded_pass_refuses_sequence_parallelism():
