@@ -99,23 +99,27 @@ def response_outputs(
     return packed_forward(model, packed)[0, keep], packed.response_valid, None
 
 
-def _sharded_outputs(
-    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
-) -> tuple[torch.Tensor, ResponseShard]:
-    """This rank's slice of the packed tokens through the model (every rank's slice as long: the sequence padded to a
-    multiple of sp), and its outputs among ``keep``."""
+def _local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBatch, SequenceShards, int]:
+    """This rank's slice of the packed tokens (every rank's as long: the sequence padded to a multiple of sp), the
+    shards the attention exchanges over, and the slice's first packed position."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     total = packed.input_ids.shape[1]
     per_rank = -(-total // sp)
     start = rank * per_rank
-    pad = per_rank * sp - total
 
     def mine(x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.pad(x, (0, pad))[:, start : start + per_rank]
+        return nn.functional.pad(x, (0, per_rank * sp - total))[:, start : start + per_rank]
 
     local = dataclasses.replace(packed, input_ids=mine(packed.input_ids), position_ids=mine(packed.position_ids))
-    shards = SequenceShards(group, total, per_rank * sp)
-    held = (keep >= start) & (keep < start + per_rank)
+    return local, SequenceShards(group, total, per_rank * sp), start
+
+
+def _sharded_outputs(
+    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, ResponseShard]:
+    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``."""
+    local, shards, start = _local_slice(packed, group)
+    held = (keep >= start) & (keep < start + local.input_ids.shape[1])
     if _accepts_logits_to_keep(model):
         outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
     else:
@@ -238,31 +242,50 @@ def head_module(model: nn.Module) -> nn.Module:
     return model.get_submodule(min(names, key=len))
 
 
-def sequence_scores(model: nn.Module, batch: DataProto, pad_token_id: int, remove_padding: bool) -> torch.Tensor:
+def sequence_scores(
+    model: nn.Module,
+    batch: DataProto,
+    pad_token_id: int,
+    remove_padding: bool,
+    sp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     """(B,) fp32: a sequence classifier's score of each row, at its last token that is not the pad token.
 
     This is transformers' ``*ForSequenceClassification`` rule, which the RL reward worker relies on. The padded pass
     takes the score from the model's own output; the packed pass runs the real tokens only (rows sharing their first
-    tokens compute them once) and reads the head's output at the same tokens."""
+    tokens compute them once) and reads the head's output at the same tokens; with ``sp_group`` (Ulysses) each rank
+    runs its slice and gives the scores of the rows whose scored token it holds."""
     tensors = batch.batch
     ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
     if not remove_padding:
+        if sp > 1:
+            raise ValueError("sequence parallelism runs on packed rows: set use_remove_padding=true")
         return (
             model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False)
             .logits[:, 0]
             .float()
         )
     packed = pack(ids, mask, tensors[POSITION_IDS], tensors[RESPONSES].shape[1])
+    columns = score_columns(ids, mask, pad_token_id)
+    slots = (mask.long().cumsum(dim=1) - 1).gather(1, columns.unsqueeze(1))  # the scored token among its row's
+    positions = packed.segments.index.gather(1, slots).squeeze(1)  # (B,) its packed position
+    shards, start = None, 0
+    if sp > 1:
+        packed, shards, start = _local_slice(packed, sp_group)
     outputs: list[torch.Tensor] = []
     hook = head_module(model).register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
     try:
-        packed_forward(model, packed)  # its pooled output reads one token of the whole pack: the head's is used
+        packed_forward(
+            model, packed, shards=shards
+        )  # its pooled output reads one token of the pack: the head's is used
     finally:
         hook.remove()
-    token_scores = outputs[-1][0, :, 0]  # (N,) the head's output at every packed token
-    columns = score_columns(ids, mask, pad_token_id)
-    slots = (mask.long().cumsum(dim=1) - 1).gather(1, columns.unsqueeze(1))  # the scored token among its row's
-    return token_scores[packed.segments.index.gather(1, slots).squeeze(1)].float()
+    token_scores = outputs[-1][0, :, 0]  # the head's output at every packed token (of this rank's slice)
+    if shards is None:
+        return token_scores[positions].float()
+    held = (positions >= start) & (positions < start + packed.input_ids.shape[1])
+    return ResponseShard(held, sp_group).whole(token_scores[positions[held] - start].float())
 
 
 @torch.no_grad()

@@ -1,9 +1,10 @@
 """The packed forward under Ulysses sequence parallelism (engine/forward.py ``sp_group``), 4 gloo processes, fp32, two
 model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats them; tiny-qwen2: tied embeddings):
 every rank runs its slice of the packed tokens, and the log-probs and entropy of every row equal one process's
-unsplit pass, so do a critic's values, and the gradients summed over the sp group, over sp, equal its gradients
-(relative 1e-5; FSDP's mean over the dp x sp ranks divides by sp in training). The batch packs rows of very
-different lengths: two sharing a prompt, a one-token response, and a total that no sp divides (padding)."""
+unsplit pass, so do a critic's values and a reward model's scores, and the gradients summed over the sp group, over
+sp, equal its gradients (relative 1e-5; FSDP's mean over the dp x sp ranks divides by sp in training). The batch
+packs rows of very different lengths: two sharing a prompt, a one-token response, and a total that no sp divides
+(padding)."""
 
 import pytest
 import torch
@@ -11,8 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from hybridflow.engine.forward import response_log_probs, response_values
-from hybridflow.models import load_causal_lm, load_critic, resolve_model_path
+from hybridflow.engine.forward import response_log_probs, response_values, sequence_scores
+from hybridflow.models import load_causal_lm, load_critic, load_reward_model, resolve_model_path
 from hybridflow.protocol import DataProto
 
 WORLD = 4
@@ -47,9 +48,9 @@ def step(model, data: DataProto, group) -> tuple[torch.Tensor, torch.Tensor, dic
     return log_probs.detach(), entropy.detach(), grads
 
 
-def critic(family: str):
-    """The family's backbone with a value head, the head drawn at random (a checkpoint without one gets zeros)."""
-    model = load_critic(str(resolve_model_path(family)), dtype=torch.float32)
+def critic(family: str, load=load_critic):
+    """The family's backbone with a value (or score) head, drawn at random (a checkpoint without one gets zeros)."""
+    model = load(str(resolve_model_path(family)), dtype=torch.float32)
     head = [p for name, p in model.named_parameters() if name.startswith("score.")]
     with torch.no_grad():
         for parameter in head:
@@ -62,6 +63,13 @@ def value_step(model, data: DataProto, group) -> tuple[torch.Tensor, dict[str, t
     values = response_values(model, data, remove_padding=True, sp_group=group)
     (values * torch.randn(values.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
     return values.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def score_step(model, data: DataProto, group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    scores = sequence_scores(model, data, model.config.pad_token_id, remove_padding=True, sp_group=group)
+    (scores * torch.randn(scores.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
+    return scores.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
 def _ranks(rank: int, init: str, out: str) -> None:
@@ -83,6 +91,12 @@ def _ranks(rank: int, init: str, out: str) -> None:
                 for grad in grads.values():
                     dist.all_reduce(grad, group=group)
                 results[family, sp, "values"] = (values, {name: grad / sp for name, grad in grads.items()})
+            scores_model = critic(family, load_reward_model)
+            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
+                scores, grads = score_step(scores_model, data, group)
+                for grad in grads.values():
+                    dist.all_reduce(grad, group=group)
+                results[family, sp, "scores"] = (scores, {name: grad / sp for name, grad in grads.items()})
         torch.save(results, f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -130,6 +144,20 @@ def test_critic_values_and_their_gradients_equal_the_unsplit_pass(ranks, family,
     for rank in range(WORLD):
         got_values, got_grads = ranks[rank][family, sp, "values"]
         torch.testing.assert_close(got_values[mask], values[mask], atol=1e-5, rtol=1e-5)
+        assert got_grads.keys() == grads.keys()
+        for name, grad in grads.items():
+            assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reward_model_scores_and_their_gradients_equal_the_unsplit_pass(ranks, family, sp):
+    model = critic(family, load_reward_model)
+    scores, grads = score_step(model, batch(model.config.vocab_size), None)
+    assert scores.abs().min() > 0 and len(set(scores.tolist())) == len(scores)
+    for rank in range(WORLD):
+        got_scores, got_grads = ranks[rank][family, sp, "scores"]
+        torch.testing.assert_close(got_scores, scores, atol=1e-5, rtol=1e-5)
         assert got_grads.keys() == grads.keys()
         for name, grad in grads.items():
             assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
