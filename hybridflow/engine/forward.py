@@ -179,7 +179,7 @@ def _batched(
     micro_batch_size: int,
     remove_padding: bool,
     max_token_len: int | None,
-) -> list:
+) -> tuple[list, list[list[int]]]:
     """``compute`` on each micro-batch of ``data`` (``micro_batch_size`` rows, or with ``max_token_len`` at most that
     many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
     ``restore_order``."""

@@ -38,38 +38,52 @@ def batch(vocab: int) -> DataProto:
     return DataProto.from_dict({**columns, RESPONSE_MASK: mask[:, width_p:]})
 
 
-def step(model, data: DataProto, group) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """Log-probs, entropy and the gradients of a loss weighing both by fixed random weights."""
-    model.zero_grad(set_to_none=True)
+def with_random_head(load):
+    """A loader of the family's backbone with a value (or score) head drawn at random (a checkpoint without one gets
+    zeros, which would make every value 0)."""
+
+    def loaded(path: str):
+        model = load(path, dtype=torch.float32)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.startswith("score."):
+                    parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
+        return model
+
+    return loaded
+
+
+def token_outputs(model, data: DataProto, group) -> list[torch.Tensor]:
     log_probs, entropy = response_log_probs(model, data, with_entropy=True, remove_padding=True, sp_group=group)
-    weights = torch.randn(log_probs.shape, generator=torch.Generator().manual_seed(1))
-    ((log_probs * weights).sum() + (entropy * weights.flip(0)).sum()).backward()
+    return [log_probs, entropy]
+
+
+def values(model, data: DataProto, group) -> list[torch.Tensor]:
+    return [response_values(model, data, remove_padding=True, sp_group=group)]
+
+
+def scores(model, data: DataProto, group) -> list[torch.Tensor]:
+    return [sequence_scores(model, data, model.config.pad_token_id, remove_padding=True, sp_group=group)]
+
+
+# each pass: how its model loads, and what it computes (every output weighed by fixed random weights into the loss)
+PASSES = {
+    "log-probs and entropy": (lambda path: load_causal_lm(path, dtype=torch.float32), token_outputs),
+    "critic values": (with_random_head(load_critic), values),
+    "reward-model scores": (with_random_head(load_reward_model), scores),
+}
+
+
+def step(kind: str, family: str, group) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], DataProto]:
+    """The pass's outputs and the gradients of a loss weighing them by fixed random weights (and the batch)."""
+    load, compute = PASSES[kind]
+    model = load(str(resolve_model_path(family)))
+    data = batch(model.config.vocab_size)
+    outputs = compute(model, data, group)
+    generator = torch.Generator().manual_seed(1)
+    sum((out * torch.randn(out.shape, generator=generator)).sum() for out in outputs).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    return log_probs.detach(), entropy.detach(), grads
-
-
-def critic(family: str, load=load_critic):
-    """The family's backbone with a value (or score) head, drawn at random (a checkpoint without one gets zeros)."""
-    model = load(str(resolve_model_path(family)), dtype=torch.float32)
-    head = [p for name, p in model.named_parameters() if name.startswith("score.")]
-    with torch.no_grad():
-        for parameter in head:
-            parameter.copy_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(2)))
-    return model
-
-
-def value_step(model, data: DataProto, group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    values = response_values(model, data, remove_padding=True, sp_group=group)
-    (values * torch.randn(values.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
-    return values.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
-def score_step(model, data: DataProto, group) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    model.zero_grad(set_to_none=True)
-    scores = sequence_scores(model, data, model.config.pad_token_id, remove_padding=True, sp_group=group)
-    (scores * torch.randn(scores.shape, generator=torch.Generator().manual_seed(4))).sum().backward()
-    return scores.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return [out.detach() for out in outputs], grads, data
 
 
 def _ranks(rank: int, init: str, out: str) -> None:
@@ -77,26 +91,13 @@ def _ranks(rank: int, init: str, out: str) -> None:
     try:
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         results = {}
-        for family in FAMILIES:
-            model = load_causal_lm(str(resolve_model_path(family)), dtype=torch.float32)
-            data = batch(model.config.vocab_size)
-            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
-                log_probs, entropy, grads = step(model, data, group)
-                for grad in grads.values():
-                    dist.all_reduce(grad, group=group)
-                results[family, sp] = (log_probs, entropy, {name: grad / sp for name, grad in grads.items()})
-            values_model = critic(family)
-            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
-                values, grads = value_step(values_model, data, group)
-                for grad in grads.values():
-                    dist.all_reduce(grad, group=group)
-                results[family, sp, "values"] = (values, {name: grad / sp for name, grad in grads.items()})
-            scores_model = critic(family, load_reward_model)
-            for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
-                scores, grads = score_step(scores_model, data, group)
-                for grad in grads.values():
-                    dist.all_reduce(grad, group=group)
-                results[family, sp, "scores"] = (scores, {name: grad / sp for name, grad in grads.items()})
+        for kind in PASSES:
+            for family in FAMILIES:
+                for sp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
+                    outputs, grads, _ = step(kind, family, group)
+                    for grad in grads.values():
+                        dist.all_reduce(grad, group=group)
+                    results[kind, family, sp] = (outputs, {name: grad / sp for name, grad in grads.items()})
         torch.save(results, f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -118,63 +119,27 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_log_probs_entropy_and_gradients_equal_the_unsplit_pass(ranks, family, sp):
-    model = load_causal_lm(str(resolve_model_path(family)), dtype=torch.float32)
-    data = batch(model.config.vocab_size)
-    log_probs, entropy, grads = step(model, data, None)
-    mask = data.batch[RESPONSE_MASK].bool()
+@pytest.mark.parametrize("kind", PASSES)
+def test_outputs_and_gradients_equal_the_unsplit_pass(ranks, kind, family, sp):
+    outputs, grads, data = step(kind, family, None)
+    # per row (scores) or per response token (the rest): the padding is 0 on both sides
+    mask = data.batch[RESPONSE_MASK].bool() if outputs[0].dim() == 2 else torch.ones(len(data), dtype=torch.bool)
+    assert all(out[mask].abs().min() > 0 for out in outputs)  # real values to compare (a zero head gives none)
     for rank in range(WORLD):
-        got_log_probs, got_entropy, got_grads = ranks[rank][family, sp]
-        torch.testing.assert_close(got_log_probs[mask], log_probs[mask], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_entropy[mask], entropy[mask], atol=1e-5, rtol=1e-5)
-        assert not got_log_probs[~mask].any()  # 0 on response padding, as unsplit
+        got_outputs, got_grads = ranks[rank][kind, family, sp]
+        for got, want in zip(got_outputs, outputs, strict=True):
+            torch.testing.assert_close(got[mask], want[mask], atol=1e-5, rtol=1e-5)
+            assert not got[~mask].any()
         assert got_grads.keys() == grads.keys()
         for name, grad in grads.items():
             assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
 
 
-@pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_critic_values_and_their_gradients_equal_the_unsplit_pass(ranks, family, sp):
-    model = critic(family)
-    data = batch(model.config.vocab_size)
-    values, grads = value_step(model, data, None)
-    mask = data.batch[RESPONSE_MASK].bool()
-    assert values[mask].abs().min() > 0  # a head that gives values
-    for rank in range(WORLD):
-        got_values, got_grads = ranks[rank][family, sp, "values"]
-        torch.testing.assert_close(got_values[mask], values[mask], atol=1e-5, rtol=1e-5)
-        assert got_grads.keys() == grads.keys()
-        for name, grad in grads.items():
-            assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
-
-
-@pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("family", FAMILIES)
-def test_reward_model_scores_and_their_gradients_equal_the_unsplit_pass(ranks, family, sp):
-    model = critic(family, load_reward_model)
-    scores, grads = score_step(model, batch(model.config.vocab_size), None)
-    assert scores.abs().min() > 0 and len(set(scores.tolist())) == len(scores)
-    for rank in range(WORLD):
-        got_scores, got_grads = ranks[rank][family, sp, "scores"]
-        torch.testing.assert_close(got_scores, scores, atol=1e-5, rtol=1e-5)
-        assert got_grads.keys() == grads.keys()
-        for name, grad in grads.items():
-            assert relative_error(got_grads[name], grad) < 1e-5, f"rank {rank}: {name}"
-
-
-def test_a_padded_pass_refuses_sequence_parallelism():
+def test_a_padded_pass_refuses_sequence_parallelism(monkeypatch):
+    """The refusal comes before any collective: a group that claims two ranks is enough to meet it."""
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     model = load_causal_lm(str(resolve_model_path("tiny-llama")), dtype=torch.float32)
-
-    class TwoRanks:  # stands for a group of two (the check comes before any collective)
-        pass
-
-    import hybridflow.engine.forward as forward
-
-    original = forward.dist.get_world_size
-    forward.dist.get_world_size = lambda group=None: 2
-    try:
-        with pytest.raises(ValueError, match="sequence parallelism runs on packed rows"):
-            response_log_probs(model, batch(model.config.vocab_size), remove_padding=False, sp_group=TwoRanks())
-    finally:
-        forward.dist.get_world_size = original
+    with pytest.raises(ValueError, match="sequence parallelism runs on packed rows"):
+        response_log_probs(model, batch(model.config.vocab_size), remove_padding=False, sp_group=object())
+    with pytest.raises(ValueError, match="sequence parallelism runs on packed rows"):
+        sequence_scores(model, batch(model.config.vocab_size), 0, remove_padding=False, sp_group=object())

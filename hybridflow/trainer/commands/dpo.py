@@ -26,7 +26,6 @@ The run directory's checkpoints export (hybridflow export) to a model directory.
 
 DPO = SupervisedCommand(
     name="dpo",
-    unit="pairs",
     config_class=DPOConfig,
     default_config=DPO_DEFAULT_CONFIG,
     load_config=load_dpo_config,

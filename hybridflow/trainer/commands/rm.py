@@ -40,7 +40,6 @@ def check_rm_rows(config: RMConfig) -> None:
 
 RM = SupervisedCommand(
     name="rm",
-    unit="pairs",
     config_class=RMConfig,
     default_config=RM_DEFAULT_CONFIG,
     load_config=load_rm_config,

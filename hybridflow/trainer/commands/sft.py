@@ -26,7 +26,6 @@ starts from (actor_rollout_ref.model.path=...).
 
 SFT = SupervisedCommand(
     name="sft",
-    unit="samples",
     config_class=SFTConfig,
     default_config=SFT_DEFAULT_CONFIG,
     load_config=load_sft_config,

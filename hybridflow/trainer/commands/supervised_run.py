@@ -148,7 +148,7 @@ def run_supervised(
     (``dataset_class(files, tokenizer, config.data, generation_eos=, key=)``), then the worker group on its pool and
     the step loop. ``objective``: the registered objective's name, ``settings`` its config section (None where it
     has none); ``what`` names the run in the line printed before Ray starts."""
-    objective_part = OBJECTIVES.get(objective)(*([settings] if settings is not None else []))
+    objective_part = OBJECTIVES.get(objective)(settings)
     trainer_config = config.trainer
     config_yaml = to_yaml(config)
     run_dir = check_run_directory(
@@ -221,7 +221,6 @@ class SupervisedCommand:
     """One supervised command: what differs between ``hybridflow sft``, ``dpo`` and ``rm``."""
 
     name: str  # the command's name, and its pool's
-    unit: str  # what the batch sizes count: "samples" or "pairs"
     config_class: type
     default_config: Path
     load_config: Callable[..., Any]  # (overrides, config file) -> the config
@@ -236,7 +235,8 @@ class SupervisedCommand:
         """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's config
         and builds nothing."""
         self.check_own(config)
-        return check_supervised_config(config, self.name, self.unit)
+        unit = "pairs" if OBJECTIVES.get(self.objective).paired else "samples"  # what data.train_batch_size counts
+        return check_supervised_config(config, self.name, unit)
 
     def run(self, config: Any) -> dict[str, float]:
         plan = self.check(config)
