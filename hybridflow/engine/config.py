@@ -59,6 +59,9 @@ class UpdateConfig:
     ppo_epochs: int  # passes over the batch per training step
     shuffle: bool  # shuffle samples between mini-batches (seeded)
     tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor; the actor's t); FSDP2 over the rest
+    # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
+    # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    ulysses_sequence_parallel_size: int
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
@@ -80,6 +83,7 @@ class UpdateConfig:
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
             "tensor_model_parallel_size",
+            "ulysses_sequence_parallel_size",
             "ppo_max_token_len_per_gpu",
             "grad_clip",
         )
@@ -125,12 +129,16 @@ class RefConfig:
     use_dynamic_bsz: bool  # micro-batches by token count (log_prob_max_token_len_per_gpu) instead of sample count
     log_prob_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per micro-batch on one rank
     tensor_model_parallel_size: int  # ranks that split each decoder layer of this model (DTensor); FSDP2 over the rest
+    # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
+    # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    ulysses_sequence_parallel_size: int
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
         require_positive(self.log_prob_micro_batch_size_per_gpu, "log_prob_micro_batch_size_per_gpu")
         require_positive(self.log_prob_max_token_len_per_gpu, "log_prob_max_token_len_per_gpu")
         require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
+        require_positive(self.ulysses_sequence_parallel_size, "ulysses_sequence_parallel_size")
 
 
 @dataclass(kw_only=True)
@@ -160,6 +168,9 @@ class SFTEngineConfig:
     use_dynamic_bsz: bool  # micro-batches by token count (max_token_len_per_gpu) instead of sample count
     max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
     tensor_model_parallel_size: int  # ranks that split each decoder layer (DTensor); FSDP2 over the rest
+    # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
+    # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    ulysses_sequence_parallel_size: int
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
     # FSDP2: free each layer's gathered weights after its forward (true) or keep them through the micro-batches of a
     # step (false: one all-gather and cast per step instead of two per micro-batch; the whole model is held in
@@ -169,7 +180,12 @@ class SFTEngineConfig:
 
     def __post_init__(self) -> None:
         require_positive_fields(
-            self, "micro_batch_size_per_gpu", "max_token_len_per_gpu", "tensor_model_parallel_size", "grad_clip"
+            self,
+            "micro_batch_size_per_gpu",
+            "max_token_len_per_gpu",
+            "tensor_model_parallel_size",
+            "ulysses_sequence_parallel_size",
+            "grad_clip",
         )
 
     def update_config(self, optim: OptimConfig) -> UpdateConfig:
@@ -179,6 +195,7 @@ class SFTEngineConfig:
             ppo_epochs=1,
             shuffle=False,
             tensor_model_parallel_size=self.tensor_model_parallel_size,
+            ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
             use_remove_padding=self.use_remove_padding,
             use_dynamic_bsz=self.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=self.max_token_len_per_gpu,

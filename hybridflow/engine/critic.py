@@ -17,6 +17,7 @@ from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_values, pass_work, response_values
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -24,11 +25,18 @@ from hybridflow.protocol import DataProto
 class CriticEngine:
     """A sharded value model with its optimizer and learning-rate schedule."""
 
-    def __init__(self, trained: TrainedModel, config: CriticConfig, dp_group: dist.ProcessGroup | None = None):
-        self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
+    def __init__(
+        self,
+        trained: TrainedModel,
+        config: CriticConfig,
+        dp_group: dist.ProcessGroup | None = None,
+        sp_group: dist.ProcessGroup | None = None,
+    ):
+        self.dp_group = dp_group  # the ranks that split the rows (None: all); tp and sp peers share rows
+        self.sp_group = sp_group  # Ulysses: the ranks that split each micro-batch's tokens (None: none)
         self.trained = trained
         self.config = config
-        self.meter = PassMeter(trained.model)  # measures the device's peak FLOP/s once per process
+        self.meter = PassMeter(trained.model, sp_size(sp_group))  # measures the device's peak FLOP/s once per process
 
     @property
     def model(self) -> nn.Module:
@@ -46,6 +54,7 @@ class CriticEngine:
             cfg.forward_micro_batch_size_per_gpu,
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.forward_max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            sp_group=self.sp_group,
         )
         work = pass_work(data, cfg.use_remove_padding)
         metrics = self.meter.metrics("values", work, time.perf_counter() - start, training=False)
@@ -53,7 +62,7 @@ class CriticEngine:
 
     def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
         batch = micro.batch
-        vpreds = response_values(self.model, micro, self.config.use_remove_padding)
+        vpreds = response_values(self.model, micro, self.config.use_remove_padding, self.sp_group)
         loss, metrics = compute_value_loss(
             vpreds, batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK], self.config.cliprange_value, agg
         )

@@ -119,14 +119,17 @@ def flops_metrics(name: str, flops: float, seconds: float, peak: float) -> dict[
 class PassMeter:
     """Times one role's passes and reports their FLOP/s against the peak measured at start-up."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, sequence_parallel: int = 1):
         self.flops = model_flops(model).per_rank(tensor_parallel_size(model))
+        self.sequence_parallel = sequence_parallel  # ranks that split each pass's tokens (and attention heads)
         self.peak = peak_flops(model_device(model))
 
     def metrics(self, name: str, work: PassWork, seconds: float, training: bool, repeats: int = 1) -> dict[str, float]:
         """Metrics of a pass over ``work`` (``repeats`` times, e.g. epochs)."""
         lengths, head_tokens = work
-        flops = repeats * (
-            self.flops.training(lengths, head_tokens) if training else self.flops.forward(lengths, head_tokens)
+        flops = (
+            repeats
+            * (self.flops.training(lengths, head_tokens) if training else self.flops.forward(lengths, head_tokens))
+            / self.sequence_parallel
         )
         return {**flops_metrics(name, flops, seconds, self.peak), "perf/peak_tflops": self.peak / 1e12}

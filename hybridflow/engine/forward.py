@@ -21,13 +21,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn as distributed_nn
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
+from hybridflow.engine.sequence_parallel import sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
@@ -66,7 +66,7 @@ class ResponseShard:
         computes alike; FSDP's mean over the dp x sp ranks divides it back)."""
         full = values.new_zeros((self.mine.shape[0], *values.shape[1:]))
         full = full.index_put((self.mine.nonzero()[:, 0],), values)
-        return distributed_nn.all_reduce(full, group=self.group)
+        return sum_over(full, self.group)
 
 
 def response_outputs(
@@ -198,10 +198,12 @@ def batched_log_probs(
     *,
     remove_padding: bool = False,
     max_token_len: int | None = None,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``)."""
+    """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``); ``sp_group``:
+    Ulysses over its ranks, which all hold ``data``."""
     parts, groups = _batched(
-        lambda micro: response_log_probs(model, micro, temperature, with_entropy, remove_padding),
+        lambda micro: response_log_probs(model, micro, temperature, with_entropy, remove_padding, sp_group=sp_group),
         data,
         micro_batch_size,
         remove_padding,
@@ -220,9 +222,10 @@ def batched_values(
     *,
     remove_padding: bool = False,
     max_token_len: int | None = None,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Values of a whole batch, (B, R); micro-batches as in ``batched_log_probs``."""
-    compute = lambda micro: response_values(model, micro, remove_padding)  # noqa: E731
+    """Values of a whole batch, (B, R); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
+    compute = lambda micro: response_values(model, micro, remove_padding, sp_group)  # noqa: E731
     parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
     return restore_order(parts, groups)
 
@@ -297,8 +300,9 @@ def batched_scores(
     *,
     remove_padding: bool = False,
     max_token_len: int | None = None,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """Sequence scores of a whole batch, (B,); micro-batches as in ``batched_log_probs``."""
-    compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding)  # noqa: E731
+    """Sequence scores of a whole batch, (B,); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
+    compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding, sp_group)  # noqa: E731
     parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
     return restore_order(parts, groups)

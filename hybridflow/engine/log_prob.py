@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.engine.config import ActorConfig, RefConfig
@@ -24,10 +25,11 @@ def log_prob_pass(
     pass_name: str,
     temperature: float,
     with_entropy: bool,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Log-probs of ``data``'s response tokens and their entropy (None unless ``with_entropy``), (B, R)
     each, without grad; and the pass's metrics ``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``,
-    ``perf/peak_tflops``."""
+    ``perf/peak_tflops``. ``sp_group``: Ulysses sequence parallelism over its ranks (which all hold ``data``)."""
     model.eval()
     start = time.perf_counter()
     log_probs, entropy = batched_log_probs(
@@ -38,6 +40,7 @@ def log_prob_pass(
         with_entropy,
         remove_padding=config.use_remove_padding,
         max_token_len=config.log_prob_max_token_len_per_gpu if config.use_dynamic_bsz else None,
+        sp_group=sp_group,
     )
     work = pass_work(data, config.use_remove_padding)
     metrics = meter.metrics(pass_name, work, time.perf_counter() - start, training=False)

@@ -28,6 +28,7 @@ from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import response_log_probs
 from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -57,12 +58,19 @@ class FirstPass:
 class PolicyEngine:
     """A sharded policy model with its optimizer and learning-rate schedule."""
 
-    def __init__(self, trained: TrainedModel, config: ActorConfig, dp_group: dist.ProcessGroup | None = None):
-        self.dp_group = dp_group  # the ranks that split the rows (None: all); tensor-parallel peers share rows
+    def __init__(
+        self,
+        trained: TrainedModel,
+        config: ActorConfig,
+        dp_group: dist.ProcessGroup | None = None,
+        sp_group: dist.ProcessGroup | None = None,
+    ):
+        self.dp_group = dp_group  # the ranks that split the rows (None: all); tp and sp peers share rows
+        self.sp_group = sp_group  # Ulysses: the ranks that split each micro-batch's tokens (None: none)
         self.trained = trained
         self.config = config
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
-        self.meter = PassMeter(trained.model)  # measures the device's peak FLOP/s once per process
+        self.meter = PassMeter(trained.model, sp_size(sp_group))  # measures the device's peak FLOP/s once per process
 
     @property
     def model(self) -> nn.Module:
@@ -79,6 +87,7 @@ class PolicyEngine:
             pass_name="log_prob",
             temperature=temperature,
             with_entropy=with_entropy,
+            sp_group=self.sp_group,
         )
         tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
@@ -97,6 +106,7 @@ class PolicyEngine:
             with_entropy=entropy_in_loss or first_pass is not None,
             remove_padding=cfg.use_remove_padding,
             entropy_grad=entropy_in_loss,
+            sp_group=self.sp_group,
         )
         if first_pass is not None:
             first_pass.record(batch[_ROW], log_prob.detach(), entropy.detach())

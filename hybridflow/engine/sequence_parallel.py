@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 class _AllToAll(torch.autograd.Function):
@@ -24,6 +25,27 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         return _exchange(grad.contiguous(), ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
+class _SumOver(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        total = grad.contiguous().clone()
+        dist.all_reduce(total, group=ctx.group)
+        return total, None
+
+
+def sum_over(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``x`` summed over the ranks of ``group`` (differentiable: the backward sums every rank's gradient of the sum, so
+    when every rank computes the same loss from it each rank's ``x`` receives sp times that loss's gradient)."""
+    return _SumOver.apply(x, group)
 
 
 def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -66,3 +88,14 @@ def gather_sequence_scatter_heads(x: torch.Tensor, group: dist.ProcessGroup, *, 
 def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int):
     """The inverse: (…, this rank's heads, every token, …) -> (…, all heads, this rank's tokens, …)."""
     return all_to_all(x, group, scatter_dim=seq_dim, gather_dim=head_dim)
+
+
+def row_mesh(device: torch.device, dp: int, sp: int) -> DeviceMesh:
+    """The (dp, sp) mesh over the process group's ranks: rank = dp_index * sp + sp_index. Rows split over "dp"; the
+    sp ranks of one dp index hold the same rows and split each micro-batch's tokens."""
+    return init_device_mesh(device.type, (dp, sp), mesh_dim_names=("dp", "sp"))
+
+
+def sp_size(group: dist.ProcessGroup | None) -> int:
+    """The ranks of a sequence-parallel group (None: 1, no sequence parallelism)."""
+    return dist.get_world_size(group) if group is not None else 1

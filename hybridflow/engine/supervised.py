@@ -32,6 +32,7 @@ from hybridflow.engine.forward import (
 )
 from hybridflow.engine.lora import adapters_off
 from hybridflow.engine.optim import OptimConfig, TrainedModel
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -44,7 +45,8 @@ def pair_units(data: DataProto) -> list[int]:
 class SupervisedEngine:
     """A sharded model under ``objective``, its optimizer and learning-rate schedule; ``reference``: the frozen model
     of an objective with a reference (None: this model with its adapters off); ``pad_token_id``: the padding a
-    sequence score skips; ``dp_group``: the ranks that split the rows (None: all; tensor-parallel peers share rows)."""
+    sequence score skips; ``dp_group``: the ranks that split the rows (None: all; tensor- and sequence-parallel peers
+    share rows); ``sp_group``: Ulysses, the ranks that split each micro-batch's tokens (None: none)."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class SupervisedEngine:
         reference: nn.Module | None = None,
         pad_token_id: int | None = None,
         dp_group: dist.ProcessGroup | None = None,
+        sp_group: dist.ProcessGroup | None = None,
     ):
         self.trained = trained
         self.config = config
@@ -63,8 +66,9 @@ class SupervisedEngine:
         self.reference = reference
         self.pad_token_id = pad_token_id
         self.dp_group = dp_group
+        self.sp_group = sp_group
         self.update_config = config.update_config(optim)
-        self.meter = PassMeter(trained.model)
+        self.meter = PassMeter(trained.model, sp_size(sp_group))
 
     @property
     def model(self) -> nn.Module:
@@ -84,8 +88,10 @@ class SupervisedEngine:
         """The objective's forward on a micro-batch, with gradients."""
         remove_padding = self.config.use_remove_padding
         if self.objective.output == SEQUENCE_SCORES:
-            return ForwardOutputs(scores=sequence_scores(self.model, micro, self.pad_token_id, remove_padding))
-        return ForwardOutputs(log_probs=response_log_probs(self.model, micro, remove_padding=remove_padding)[0])
+            scores = sequence_scores(self.model, micro, self.pad_token_id, remove_padding, self.sp_group)
+            return ForwardOutputs(scores=scores)
+        log_probs = response_log_probs(self.model, micro, remove_padding=remove_padding, sp_group=self.sp_group)[0]
+        return ForwardOutputs(log_probs=log_probs)
 
     def _all_rows(self, model: nn.Module, data: DataProto, output: str) -> torch.Tensor:
         """``output`` for every row of ``data``, micro-batch by micro-batch without gradients."""
@@ -94,6 +100,7 @@ class SupervisedEngine:
         batching = dict(
             remove_padding=cfg.use_remove_padding,
             max_token_len=cfg.max_token_len_per_gpu if cfg.use_dynamic_bsz else None,
+            sp_group=self.sp_group,
         )
         if output == SEQUENCE_SCORES:
             return batched_scores(model, data, cfg.micro_batch_size_per_gpu, self.pad_token_id, **batching)

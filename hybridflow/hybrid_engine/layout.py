@@ -33,9 +33,9 @@ class ActorLayouts:
     def build(cls, device: torch.device, shape: LayoutShape) -> ActorLayouts:
         """Every rank of the default process group calls this with the same shape (it creates groups)."""
         if shape.world != dist.get_world_size():
-            raise ValueError(f"a layout of {shape.dp} x {shape.t} ranks over {dist.get_world_size()} processes")
+            raise ValueError(f"a layout of {shape.world} ranks over {dist.get_world_size()} processes")
         device_type = device.type
-        training = training_mesh(device, shape.dp, shape.t)  # the same table as shape.training_ranks()
+        training = training_mesh(device, shape.fsdp, shape.t)  # the same table as shape.training_ranks()
         generation = DeviceMesh(device_type, shape.generation_ranks(), mesh_dim_names=("dp", "tp"))
         gather = DeviceMesh(device_type, shape.gather_ranks(), mesh_dim_names=("shard", "gather"))
         gather_group = gather["gather"].get_group() if shape.micro_dp > 1 else None

@@ -1,12 +1,17 @@
-"""The shape of a model's layout over its ranks: dp x t training ranks that generate in groups of tg.
+"""The shape of a model's layout over its ranks: dp x sp x t training ranks that generate in groups of tg.
 
 The one layout type of the project: the planner costs candidate shapes (planner/cost.py), and the
 hybrid actor builds its device meshes from one (layout.py's ``ActorLayouts``). This module holds
-no device-mesh code. Rank tables, with m = t / tg (regroup.py says why the groups are these):
+no device-mesh code. Rank tables, with m = t / tg and f = dp * sp, the ranks FSDP2 shards over (regroup.py says
+why the groups are these):
 
-    training   (dp, t)            ranks.view(dp, t)
-    gather     (dp * tg, m)       ranks.view(dp * tg, m)                      row: one generation shard
-    generation (dp * m, tg)       ranks.view(dp, tg, m).transpose(1, 2)       row: ranks generating together
+    training   (f, t)             ranks.view(f, t)
+    rows       (dp, sp)           ranks.view(dp, sp)     (t = 1)              row: ranks holding the same rows
+    gather     (f * tg, m)        ranks.view(f * tg, m)                       row: one generation shard
+    generation (f * m, tg)        ranks.view(f, tg, m).transpose(1, 2)        row: ranks generating together
+
+Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and
+the whole layer (FSDP2 shards over them too); it does not combine with t > 1 yet.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ from hybridflow.hybrid_engine.regroup import Regrouping
 
 @dataclass(frozen=True)
 class LayoutShape:
-    """dp x t training ranks (FSDP2 over dp, tensor parallelism over t) generating in groups of tg."""
+    """dp x sp x t training ranks (rows split over dp, each micro-batch's sequence over sp, each layer over t;
+    FSDP2 over dp x sp) generating in groups of tg."""
 
     dp: int
     t: int
     tg: int
+    sp: int = 1
 
     def __post_init__(self) -> None:
         Regrouping(t=self.t, tg=self.tg)  # the one check that tg divides t
+        if self.sp > 1 and self.t > 1:
+            raise ValueError(
+                f"sequence parallelism (sp={self.sp}) with tensor parallelism (t={self.t}) is not supported: "
+                "each sequence-parallel rank holds whole layers"
+            )
 
     @classmethod
     def over(cls, devices: int, t: int = 1, tg: int = 1) -> LayoutShape:
@@ -38,8 +50,13 @@ class LayoutShape:
 
     @property
     def world(self) -> int:
-        """Ranks (devices) of the layout, dp * t."""
-        return self.dp * self.t
+        """Ranks (devices) of the layout, dp * sp * t."""
+        return self.dp * self.sp * self.t
+
+    @property
+    def fsdp(self) -> int:
+        """The ranks FSDP2 shards each parameter over, dp * sp (sequence-parallel peers hold their own shards)."""
+        return self.dp * self.sp
 
     @property
     def micro_dp(self) -> int:
@@ -47,11 +64,11 @@ class LayoutShape:
         return self.t // self.tg
 
     def training_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.dp, self.t)
+        return torch.arange(self.world).view(self.fsdp, self.t)
 
     def gather_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.dp * self.tg, self.micro_dp)
+        return torch.arange(self.world).view(self.fsdp * self.tg, self.micro_dp)
 
     def generation_ranks(self) -> torch.Tensor:
-        grid = torch.arange(self.world).view(self.dp, self.tg, self.micro_dp)
-        return grid.transpose(1, 2).reshape(self.dp * self.micro_dp, self.tg)
+        grid = torch.arange(self.world).view(self.fsdp, self.tg, self.micro_dp)
+        return grid.transpose(1, 2).reshape(self.fsdp * self.micro_dp, self.tg)

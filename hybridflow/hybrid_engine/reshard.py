@@ -49,7 +49,9 @@ class SwitchReport:
 
     def predicted(self, shape: LayoutShape) -> float:
         """What ``received`` must be by the paper's formulas."""
-        return predicted_switch_bytes(self.split, self.whole, dp=shape.dp, t=shape.t, tg=shape.tg, method="hybridflow")
+        return predicted_switch_bytes(
+            self.split, self.whole, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow"
+        )
 
 
 def tensor_parallel_dim(tensor: DTensor) -> int | None:

@@ -255,7 +255,7 @@ def plan_transfer(
     if bucket_bytes < 1 or element_size < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} and element_size={element_size} must be positive")
     specs = tuple(p if isinstance(p, ParamSpec) else ParamSpec(p[0], tuple(p[1]), p[2]) for p in params)
-    dp, t = actor.dp, actor.t
+    dp, t = actor.fsdp, actor.t  # the ranks holding FSDP shards (sequence-parallel ones too)
     pairs: dict[tuple[int, int], list[Piece]] = {}
     for receiver in range(replicas * tg):
         replica, j = divmod(receiver, tg)

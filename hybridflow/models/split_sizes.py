@@ -35,6 +35,23 @@ def check_split_sizes(size: int, key: str, *, heads: int, kv_heads: int, interme
         )
 
 
+def shares_heads(size: int, *, heads: int, kv_heads: int) -> bool:
+    """Whether ``size`` Ulysses ranks can share the attention heads: each rank attends with whole query heads (``size``
+    divides them), and the key/value heads split over the ranks or are repeated up to them (one divides the other)."""
+    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
+
+
+def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
+    """ValueError naming ``key`` when ``size`` Ulysses ranks cannot share the attention heads (``shares_heads``)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not shares_heads(size, heads=heads, kv_heads=kv_heads):
+        raise ValueError(
+            f"{key}={size} cannot share the model's attention heads (num_attention_heads={heads}, "
+            f"num_key_value_heads={kv_heads}): choose a divisor of {heads} that {kv_heads} divides or that divides it"
+        )
+
+
 def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
     """``check_split_sizes`` with the sizes of a Hugging Face config."""
     check_split_sizes(

@@ -1,14 +1,16 @@
 """The cost model: seconds of each stage and bytes of memory per device, for one model in one layout.
 
-A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x t
-ranks, FSDP over dp and tensor parallelism over t; the actor generates in groups of tg.
+A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x sp x t
+ranks, rows split over dp, each micro-batch's tokens over sp (Ulysses), each layer over t, FSDP over dp x sp;
+the actor generates in groups of tg.
 
 Kinds of work (per device, one step):
 - training and scoring passes are compute-bound: (2 forward, 6 forward + backward) x the weights a rank
   multiplies (1/t of the decoder, the whole LM head) x its tokens, plus causal attention, at
   ``flops x train_efficiency``; tensor parallelism adds 2 (forward) or 4 (forward + backward)
-  all-reduces of the activations per layer per micro-batch; FSDP's parameter gathers overlap compute
-  (the pass takes the longer of the two);
+  all-reduces of the activations per layer per micro-batch, and Ulysses 4 (forward) or 8 all-to-alls of a rank's
+  slice of them (query, key, value in, the attention's output back; the key and value counted at the query's size);
+  FSDP's parameter gathers overlap compute (the pass takes the longer of the two);
 - generation is bound by reading the weights and KV cache once per decode step (``memory_bandwidth x
   decode_efficiency``) or by compute, whichever is slower, plus 2 all-reduces per layer per step
   when tg > 1; prefill is compute;
@@ -21,8 +23,8 @@ models (with LoRA: 16 bytes per adapter weight, the frozen base in bf16), fp32 w
 all sharded over every rank of the model (FSDP over dp, tensor parallelism over t); the actor's bf16
 generation copy (1/tg of the decoder, whole embeddings); and the largest transient: activations of a
 micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti et al. 2022, over t; with gradient
-checkpointing each layer's bf16 input and one layer's activations) and its fp32 logits, or the KV cache of
-the rank's generation group.
+checkpointing each layer's bf16 input and one layer's activations) and its fp32 logits, all over sp (a rank holds
+its slice of the tokens), or the KV cache of the rank's generation group.
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ def _collective(cluster: ClusterSpec, size: int, nbytes: float) -> float:
     return cluster.collective_latency + nbytes * 2 * (size - 1) / size / cluster.link_bandwidth(size)
 
 
+def _all_to_all(cluster: ClusterSpec, size: int, nbytes: float) -> float:
+    """One all-to-all among ``size`` devices, each holding ``nbytes`` and keeping 1/size of them."""
+    if size == 1:
+        return 0.0
+    return cluster.collective_latency + nbytes * (size - 1) / size / cluster.link_bandwidth(size)
+
+
 def pass_seconds(
     shape: ModelShape,
     layout: LayoutShape,
@@ -77,14 +86,17 @@ def pass_seconds(
         factor = 4
     weights = shape.layer_params / layout.t + shape.vocab * shape.hidden
     attention = 2 * shape.layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
-    compute = factor * rows * length * (weights + attention) / (cluster.flops * cluster.train_efficiency)
-    gather = 2 * shape.params / layout.t * (layout.dp - 1) / layout.dp / cluster.link_bandwidth(layout.world)
+    rate = cluster.flops * cluster.train_efficiency
+    compute = factor * rows * length * (weights + attention) / layout.sp / rate  # a rank runs 1/sp of the tokens
+    shards = layout.fsdp
+    gather = 2 * shape.params / layout.t * (shards - 1) / shards / cluster.link_bandwidth(layout.world)
     micro_batches = ceil(rows / workload.micro_batch)
     per_layer = 4 if backward else 2
     activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
     tp = micro_batches * shape.layers * per_layer * _collective(cluster, layout.t, activation)
+    sp = micro_batches * shape.layers * 2 * per_layer * _all_to_all(cluster, layout.sp, activation / layout.sp)
     overhead = micro_batches * shape.layers * cluster.layer_overhead * (3 if backward else 1)
-    return epochs * (max(compute, gather * (3 if backward else 1)) + tp + overhead)
+    return epochs * (max(compute, gather * (3 if backward else 1)) + tp + sp + overhead)
 
 
 def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> float:
@@ -110,7 +122,12 @@ def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workloa
 def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
     """The actor's switch to generation: the regrouped switch's bytes over the link (bf16)."""
     received = predicted_switch_bytes(
-        2 * shape.layer_params, 2 * shape.embedding_params, dp=layout.dp, t=layout.t, tg=layout.tg, method="hybridflow"
+        2 * shape.layer_params,
+        2 * shape.embedding_params,
+        dp=layout.fsdp,
+        t=layout.t,
+        tg=layout.tg,
+        method="hybridflow",
     )
     return received / cluster.link_bandwidth(layout.world)
 
@@ -166,14 +183,15 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
         static = (2 * shape.params + 16 * workload.adapters[role]) / shard
     length = workload.prompt_length + workload.response_length
     micro = min(workload.micro_batch, ceil(workload.samples / layout.dp))
-    logits = 4 * micro * length * shape.vocab
-    layer_activations = 34 * micro * length * shape.hidden / layout.t
+    tokens = micro * length / layout.sp  # a rank's slice of the micro-batch's tokens
+    logits = 4 * tokens * shape.vocab
+    layer_activations = 34 * tokens * shape.hidden / layout.t
     if role in TRAINED and workload.gradient_checkpointing:  # layer inputs, and one layer recomputed at a time
-        transient = 2 * micro * length * shape.hidden * shape.layers + layer_activations + logits
+        transient = 2 * tokens * shape.hidden * shape.layers + layer_activations + logits
     elif role in TRAINED:  # every layer's activations are kept for the backward
         transient = layer_activations * shape.layers + logits
     else:  # a forward keeps about one layer's
-        transient = 4 * micro * length * shape.hidden + logits
+        transient = 4 * tokens * shape.hidden + logits
     if role is Role.ActorRollout and not workload.rollout_apart:  # the hybrid actor also holds the generator
         copy, kv_cache = _generation_memory(shape, layout, workload)
         static, transient = static + copy, max(transient, kv_cache)
@@ -191,11 +209,15 @@ def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workloa
 
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
-    node; the actor's tg divides t; the reward model is data-parallel only."""
-    sizes = [t for t in range(1, min(devices, cluster.devices_per_node) + 1) if devices % t == 0]
-    sizes = [t for t in sizes if shape.splits_over(t)] if role is not Role.RewardModel else [1]
-    if role is Role.ActorRollout:
-        return [LayoutShape.over(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0]
+    node; the actor's tg divides t; with t = 1, Ulysses over sp ranks of a node that share the heads; the reward
+    model is data-parallel only."""
+    in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
+    if role is Role.RewardModel:
+        return [LayoutShape.over(devices)]
+    sizes = [t for t in in_node if shape.splits_over(t)]
     if role is Role.Rollout:  # replicas of tg ranks
         return [LayoutShape.over(devices, tg, tg) for tg in sizes]
-    return [LayoutShape.over(devices, t) for t in sizes]
+    sequence = [LayoutShape(dp=devices // sp, t=1, tg=1, sp=sp) for sp in in_node[1:] if shape.shares_heads(sp)]
+    if role is Role.ActorRollout:
+        return [LayoutShape.over(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0] + sequence
+    return [LayoutShape.over(devices, t) for t in sizes] + sequence

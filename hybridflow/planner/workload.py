@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.controller import Role
-from hybridflow.models.split_sizes import indivisible_sizes
+from hybridflow.models.split_sizes import indivisible_sizes, shares_heads
 from hybridflow.trainer.setup.modes import training_mode
 
 
@@ -68,6 +68,10 @@ class ModelShape:
     def splits_over(self, t: int) -> bool:
         """Whole query and key/value heads and equal MLP slices on each of t ranks (models/split_sizes.py)."""
         return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
+
+    def shares_heads(self, sp: int) -> bool:
+        """Whether sp Ulysses ranks can share the attention heads (models/split_sizes.py)."""
+        return shares_heads(sp, heads=self.heads, kv_heads=self.kv_heads)
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelShape:

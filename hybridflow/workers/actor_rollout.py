@@ -42,9 +42,9 @@ from hybridflow.protocol import DataProto
 from hybridflow.run_files import ACTOR_STATE
 from hybridflow.workers.config import ActorRolloutRefConfig
 from hybridflow.workers.generation import build_generator, call_sampling
-from hybridflow.workers.sharded_model import build_trainable, save_policy_state
+from hybridflow.workers.sharded_model import RoleMeshes, build_trainable, save_policy_state
 
-TRAIN_MESH = "actor_train"  # the (dp, tp) training layout: compute_log_prob and update_actor split rows over dp
+TRAIN_MESH = "actor_train"  # the training rows (RoleMeshes.rows): compute_log_prob and update_actor split them over dp
 GENERATE_MESH = "actor_generate"  # the generation layout: generate_sequences splits prompts over its dp
 
 
@@ -71,9 +71,8 @@ class ActorWorker(Worker):
         # training: t ranks split each layer and see the same rows, FSDP2 over the dp ranks;
         # generation (the hybrid actor's): groups of tg ranks split each layer and see the same prompts
         self.layouts = ActorLayouts.build(self.device, layout)
-        mesh = self.layouts.training
-        self.register_dispatch_mesh(TRAIN_MESH, mesh)
-        self.dp_size = mesh["dp"].size()
+        meshes = RoleMeshes.build(self.device, layout, self.layouts.training)
+        self.register_dispatch_mesh(TRAIN_MESH, meshes.rows)
         trained = build_trainable(
             load_causal_lm,
             model_path,
@@ -83,11 +82,13 @@ class ActorWorker(Worker):
             self.device,
             seed,
             total_training_steps,
-            mesh,
+            meshes.training,
         )
-        self.actor = PolicyEngine(trained, config.actor, dp_group=mesh["dp"].get_group())
+        self.actor = PolicyEngine(trained, config.actor, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
         # LoRA: the reference policy is this model with its adapters off (no second copy of the weights)
-        self.reference = FrozenPolicyEngine(trained.model, config.ref) if config.model.lora.enabled else None
+        self.reference = None
+        if config.model.lora.enabled:
+            self.reference = FrozenPolicyEngine(trained.model, config.ref, sp_group=meshes.sp_group)
         self.generation_dtype = parse_dtype(config.rollout.dtype, self.device)  # what generation weights are in
 
     # ---- the weight transfer to a rollout role on its own pool (asynchronous modes) ----------------

@@ -10,14 +10,13 @@ from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.critic import CriticEngine
-from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_critic
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import CRITIC_STATE
-from hybridflow.workers.sharded_model import build_trainable
+from hybridflow.workers.sharded_model import RoleMeshes, build_trainable
 
-CRITIC_MESH = "critic"  # the critic's (dp, tp) layout: compute_values and update_critic split rows over dp
+CRITIC_MESH = "critic"  # the critic's rows (RoleMeshes.rows): compute_values and update_critic split them over dp
 
 
 class CriticWorker(Worker):
@@ -37,9 +36,8 @@ class CriticWorker(Worker):
         self.config = config
         self.mini_batch_per_rank = mini_batch_per_rank  # samples per optimizer step on this rank (the run plan's)
         self.seed = seed
-        mesh = training_mesh(self.device, layout.dp, layout.t)
-        self.register_dispatch_mesh(CRITIC_MESH, mesh)
-        self.dp_size = mesh["dp"].size()
+        meshes = RoleMeshes.build(self.device, layout)
+        self.register_dispatch_mesh(CRITIC_MESH, meshes.rows)
         trained = build_trainable(
             load_critic,
             model_path,
@@ -49,9 +47,9 @@ class CriticWorker(Worker):
             self.device,
             seed,
             total_training_steps,
-            mesh,
+            meshes.training,
         )
-        self.critic = CriticEngine(trained, config, dp_group=mesh["dp"].get_group())
+        self.critic = CriticEngine(trained, config, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, directory: str) -> None:

@@ -5,14 +5,13 @@ from __future__ import annotations
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import FrozenPolicyEngine
-from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import ActorRolloutRefConfig
-from hybridflow.workers.sharded_model import build_sharded
+from hybridflow.workers.sharded_model import RoleMeshes, build_sharded
 
-REF_MESH = "ref"  # the reference's (dp, tp) layout: compute_ref_log_prob splits rows over dp
+REF_MESH = "ref"  # the reference's rows (RoleMeshes.rows): compute_ref_log_prob splits them over dp
 
 
 class RefPolicyWorker(Worker):
@@ -21,19 +20,19 @@ class RefPolicyWorker(Worker):
     def __init__(self, *, config: ActorRolloutRefConfig, model_path: str, layout: LayoutShape, seed: int):
         super().__init__()
         self.config = config
-        mesh = training_mesh(self.device, layout.dp, layout.t)
-        self.register_dispatch_mesh(REF_MESH, mesh)
+        meshes = RoleMeshes.build(self.device, layout)
+        self.register_dispatch_mesh(REF_MESH, meshes.rows)
         self.model = build_sharded(
             load_causal_lm,
             model_path,
             config.ref.fsdp,
             self.device,
             seed,
-            mesh,
+            meshes.training,
             gradient_checkpointing=config.model.enable_gradient_checkpointing,
         ).eval()
         self.model.requires_grad_(False)
-        self.ref = FrozenPolicyEngine(self.model, config.ref)
+        self.ref = FrozenPolicyEngine(self.model, config.ref, sp_group=meshes.sp_group)
 
     @register(dispatch_mode=mesh_compute_proto(REF_MESH))
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:

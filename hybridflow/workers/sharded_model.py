@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -17,7 +19,9 @@ from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.tensor_parallel import apply_tensor_parallel
+from hybridflow.engine.sequence_parallel import row_mesh
+from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models.dtypes import parse_dtype
 from hybridflow.models.loading import enable_activation_checkpointing
 from hybridflow.run_files import ADAPTER_FILES, HF_FILES
@@ -28,6 +32,34 @@ def quiet_libraries() -> None:
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+
+@dataclass(frozen=True)
+class RoleMeshes:
+    """A trained or scored role's meshes over its ranks: ``training`` (dp x sp, t), which FSDP2 and tensor parallelism
+    shard the model over, and ``rows``, which dispatch splits the rows over along its "dp" dimension: the training
+    mesh itself, or under Ulysses (dp, sp), whose sp ranks hold the same rows and split each micro-batch's tokens."""
+
+    training: DeviceMesh
+    rows: DeviceMesh
+
+    @classmethod
+    def build(cls, device: torch.device, layout: LayoutShape, training: DeviceMesh | None = None) -> RoleMeshes:
+        """Every rank of the group calls this alike (it creates process groups); ``training``: one already built."""
+        if training is None:
+            training = training_mesh(device, layout.fsdp, layout.t)
+        rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp)
+        return cls(training=training, rows=rows)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The ranks that split the rows (tensor- and sequence-parallel peers hold the same ones)."""
+        return self.rows["dp"].get_group()
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that split each micro-batch's tokens (None: no sequence parallelism)."""
+        return self.rows["sp"].get_group() if "sp" in (self.rows.mesh_dim_names or ()) else None
 
 
 def build_sharded(

@@ -23,13 +23,12 @@ from hybridflow.engine.config import SFTEngineConfig, TrainedModelConfig
 from hybridflow.engine.memory import peak_memory_gb
 from hybridflow.engine.optim import OptimConfig
 from hybridflow.engine.supervised import SupervisedEngine
-from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, load_reward_model, load_tokenizer
 from hybridflow.procfs import resident_gb
 from hybridflow.protocol import DataProto
 from hybridflow.run_files import ACTOR_STATE
-from hybridflow.workers.sharded_model import build_sharded, build_trainable, save_policy_state
+from hybridflow.workers.sharded_model import RoleMeshes, build_sharded, build_trainable, save_policy_state
 
 SUPERVISED_MESH = "supervised"  # the (dp, tp) layout: every call splits rows over dp
 
@@ -58,15 +57,15 @@ class SupervisedWorker(Worker):
         self.seed = seed
         self.model_path = model_path
         self.tokenizer = load_tokenizer(model_path)
-        self.mesh = training_mesh(self.device, layout.dp, layout.t)
-        self.register_dispatch_mesh(SUPERVISED_MESH, self.mesh)
+        meshes = RoleMeshes.build(self.device, layout)
+        self.register_dispatch_mesh(SUPERVISED_MESH, meshes.rows)
         load_model = MODEL_LOADERS[objective.model]
         trained = build_trainable(
-            load_model, model_path, model, engine.fsdp, optim, self.device, seed, total_training_steps, self.mesh
+            load_model, model_path, model, engine.fsdp, optim, self.device, seed, total_training_steps, meshes.training
         )
         reference = None
         if objective.reference and not model.lora.enabled:
-            reference = build_sharded(load_model, model_path, engine.fsdp, self.device, seed, self.mesh)
+            reference = build_sharded(load_model, model_path, engine.fsdp, self.device, seed, meshes.training)
             reference = reference.eval().requires_grad_(False)
         self.engine = SupervisedEngine(
             trained,
@@ -75,7 +74,8 @@ class SupervisedWorker(Worker):
             objective,
             reference=reference,
             pad_token_id=trained.model.config.get_text_config().pad_token_id,  # a score skips it (load_reward_model)
-            dp_group=self.mesh["dp"].get_group(),
+            dp_group=meshes.dp_group,
+            sp_group=meshes.sp_group,
         )
 
     @register(dispatch_mode=mesh_compute_proto(SUPERVISED_MESH))

@@ -6,14 +6,13 @@ from hybridflow.batch_keys import TEACHER_LOG_PROB
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.reference import FrozenPolicyEngine
-from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import TeacherConfig
-from hybridflow.workers.sharded_model import build_sharded
+from hybridflow.workers.sharded_model import RoleMeshes, build_sharded
 
-TEACHER_MESH = "teacher"  # the teacher's (dp, tp) layout: compute_teacher_log_prob splits rows over dp
+TEACHER_MESH = "teacher"  # the teacher's rows (RoleMeshes.rows): compute_teacher_log_prob splits them over dp
 
 
 class TeacherWorker(Worker):
@@ -23,11 +22,13 @@ class TeacherWorker(Worker):
     def __init__(self, *, config: TeacherConfig, model_path: str, layout: LayoutShape, temperature: float, seed: int):
         super().__init__()
         self.temperature = temperature
-        mesh = training_mesh(self.device, layout.dp, layout.t)
-        self.register_dispatch_mesh(TEACHER_MESH, mesh)
-        self.model = build_sharded(load_causal_lm, model_path, config.fsdp, self.device, seed, mesh).eval()
+        meshes = RoleMeshes.build(self.device, layout)
+        self.register_dispatch_mesh(TEACHER_MESH, meshes.rows)
+        self.model = build_sharded(load_causal_lm, model_path, config.fsdp, self.device, seed, meshes.training).eval()
         self.model.requires_grad_(False)
-        self.teacher = FrozenPolicyEngine(self.model, config, key=TEACHER_LOG_PROB, pass_name="teacher_log_prob")
+        self.teacher = FrozenPolicyEngine(
+            self.model, config, key=TEACHER_LOG_PROB, pass_name="teacher_log_prob", sp_group=meshes.sp_group
+        )
 
     @register(dispatch_mode=mesh_compute_proto(TEACHER_MESH))
     def compute_teacher_log_prob(self, data: DataProto) -> DataProto:

@@ -45,6 +45,22 @@ def test_a_scoring_pass_by_hand():
     )
 
 
+def test_ulysses_by_hand():
+    """sp = 2 on 2 devices (dp 1): each rank runs half the tokens, gathers the other half of the weights (FSDP over
+    both) and sends half its slice of each activation in 4 all-to-alls per layer in a forward; a rank holds half the
+    activations and logits."""
+    weights, attention = SHAPE.layer_params + 80, 2 * 2 * 8 * 4
+    sp2 = LayoutShape(dp=1, t=1, tg=1, sp=2)
+    compute = 2 * 16 * (weights + attention) / 2 / 500
+    gather = 2 * SHAPE.params * (1 / 2) / 50
+    all_to_all = 0.01 + 4 * 4 * 8 * 2 / 2 * (1 / 2) / 50  # a rank's slice of (4, 4, 8) bf16, half of it sent
+    expected = max(compute, gather) + 2 * 4 * all_to_all
+    assert pass_seconds(SHAPE, sp2, WORK, CLUSTER, backward=False) == pytest.approx(expected)
+    static, transient = memory_bytes(Role.Critic, SHAPE, sp2, WORK)
+    one_static, one_transient = memory_bytes(Role.Critic, SHAPE, ONE, WORK)
+    assert (static, transient) == pytest.approx((one_static / 2, one_transient / 2))
+
+
 def test_generation_and_the_switch_by_hand():
     weights = SHAPE.layer_params + 80  # multiplied per token: the decoder and the LM head
     prefill = 2 * weights * 4 * 3 / 500

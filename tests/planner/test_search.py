@@ -100,3 +100,25 @@ def test_paper_sizes_are_searched_in_whole_nodes():
         assert sum(s.devices for s in plan.sets) == 32
         assert all(s.devices % 8 == 0 for s in plan.sets)
     assert llama.params == pytest.approx(6.74e9, rel=0.01)  # Llama-2 7B's published size
+
+
+def test_a_long_sequence_that_fits_only_split_over_the_sequence_is_planned_with_ulysses():
+    """32k-token samples of a large-vocabulary model: a micro-batch's logits alone outgrow a device unless its tokens
+    are split (tensor parallelism splits the layers, not the logits), so the critic's layout on 4 devices is sp 4."""
+    long = Workload(
+        models={Role.ActorRollout: SMALL, Role.Critic: replace(SMALL, vocab=150_000)},
+        prompts=4, n=1, prompt_length=1024, response_length=31 * 1024, micro_batch=1,
+    )  # fmt: skip
+    cluster = replace(cluster_preset("a100-80g"), devices_per_node=4, device_memory=8e9)
+    critic = long.models[Role.Critic]
+    fitting = [
+        layout
+        for layout in layouts_for(Role.Critic, critic, 4, cluster)
+        if sum(memory_bytes(Role.Critic, critic, layout, long)) <= cluster.device_memory
+    ]
+    assert fitting and all(layout.sp == 4 for layout in fitting)
+    chosen, _ = Planner(long, cluster).best_layout(Role.Critic, 4)
+    assert (chosen.dp, chosen.sp, chosen.t) == (1, 4, 1)
+    assert {(layout.sp, layout.t) for layout in layouts_for(Role.Critic, critic, 4, cluster)} == {
+        (1, 1), (1, 2), (1, 4), (2, 1), (4, 1)
+    }  # fmt: skip

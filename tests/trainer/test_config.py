@@ -237,6 +237,39 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "actor_rollout_ref.actor.tensor_model_parallel_size",
             "num_key_value_heads",
         ),
+        (
+            ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=4"],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            "does not divide the 2 ranks of pool",
+        ),
+        (  # tiny-llama has 4 query heads: 8 ranks cannot each attend with whole ones
+            ["trainer.n_workers_per_node=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8"],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            "cannot share the model's attention heads",
+        ),
+        (
+            [
+                "trainer.n_workers_per_node=4",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.tensor_model_parallel_size=2",
+            ],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+            "set one of them to 1",
+        ),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "critic.ulysses_sequence_parallel_size=2",
+                "critic.use_remove_padding=false",
+            ],
+            "critic.ulysses_sequence_parallel_size",
+            "set critic.use_remove_padding=true",
+        ),
+        (
+            ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.ulysses_sequence_parallel_size=3"],
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size",
+            "does not divide the 2 ranks of pool",
+        ),
         (["teacher.model.path=/no/such/teacher"], "teacher.model.path", "neither a built-in model"),
         # a teacher of another tokenizer: tests/models/test_tokenizer_match.py (tiny-qwen2 shares tiny-llama's)
         (

@@ -1,10 +1,10 @@
 """A run killed with SIGKILL in the middle of a step and resumed gives the metrics of a run that never stopped:
-synchronous, synchronous with LoRA adapters, a LoRA student distilled from a teacher, one-step-off (killed after the
-batch of step 3 was generated, while step 3 trains on it and the rollout's pool generates the batch of step 4), and
-the agent endpoint (killed while an agent of step 3 holds its session open). The uninterrupted run is made in this
-process, on the module's Ray cluster, and so is the resumed one; the killed run is a command of its own that joins
-that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends the command, and Ray ends its
-job's worker processes and placement groups."""
+synchronous, synchronous with LoRA adapters, Ulysses sequence parallelism, a LoRA student distilled from a teacher,
+one-step-off (killed after the batch of step 3 was generated, while step 3 trains on it and the rollout's pool
+generates the batch of step 4), and the agent endpoint (killed while an agent of step 3 holds its session open). The
+uninterrupted run is made in this process, on the module's Ray cluster, and so is the resumed one; the killed run is
+a command of its own that joins that cluster (``trainer.ray_address``), as a driver joins any cluster: the kill ends
+the command, and Ray ends its job's worker processes and placement groups."""
 
 import json
 import os
@@ -52,6 +52,18 @@ MODES = {
         "actor_rollout_ref.model.lora.rank=4",
         "actor_rollout_ref.model.lora.alpha=8",
         "actor_rollout_ref.actor.use_kl_loss=true",
+    ],
+    # Ulysses: the actor, its reference and a critic (PPO with GAE) each split their micro-batches' tokens over the
+    # 2 ranks (tests/trainer/test_sequence_parallel_e2e.py compares them with sp = 1)
+    "ulysses": [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.ref.ulysses_sequence_parallel_size=2",
+        "algorithm.adv_estimator=gae",
+        "critic.ulysses_sequence_parallel_size=2",
+        "critic.ppo_mini_batch_size=2",
+        "critic.fsdp.param_dtype=fp32",
+        "critic.optim.lr=1e-3",
     ],
     # on-policy distillation of a LoRA student, mixed with the task reward, the teacher (tiny-llama of another seed,
     # args puts its directory in) on a pool of its own

@@ -149,3 +149,30 @@ def test_pools_only_with_custom():
 def test_processes_per_node_add_up_over_pools():
     plan = Placement({"a": [2, 2], "b": [1]}, {Role.ActorRollout: "a", Role.Critic: "b"})
     assert pool_processes_per_node(plan) == [3, 2]
+
+
+def test_sequence_parallel_sizes_become_each_roles_layout():
+    """Ulysses keys per section: the actor, the reference, the critic and the teacher each get their own sp; the rows
+    split over the rest of the pool's ranks (dp = world / (sp x t)), and the mini-batch is split over dp alone."""
+    run_plan = make_run_plan(
+        load_config(
+            [
+                *PPO_ALL_ROLES,
+                "trainer.n_workers_per_node=4",
+                "teacher.model.path=tiny-llama",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.ref.ulysses_sequence_parallel_size=4",
+                "critic.ulysses_sequence_parallel_size=4",
+                "critic.ppo_mini_batch_size=4",
+                "teacher.ulysses_sequence_parallel_size=2",
+            ]
+        )
+    )
+    shapes = {role: (layout.dp, layout.sp, layout.t) for role, layout in run_plan.layouts.items()}
+    assert shapes[Role.ActorRollout] == (2, 2, 1) and shapes[Role.RefPolicy] == (1, 4, 1)
+    assert shapes[Role.Critic] == (1, 4, 1) and shapes[Role.Teacher] == (2, 2, 1)
+    assert shapes[Role.RewardModel] == (4, 1, 1)
+    assert run_plan.actor_layout.generation_ranks().tolist() == [[0], [1], [2], [3]]  # generation keeps every rank
+    n = 4  # rollout.n: 8 prompts x 4 samples over the actor's 2 data-parallel ranks, 4 x 4 over the critic's 1
+    assert run_plan.mini_batch_per_rank[Role.ActorRollout] == 8 * n // 2
+    assert run_plan.mini_batch_per_rank[Role.Critic] == 4 * n

@@ -37,7 +37,7 @@ def judge(monkeypatch):
             pool="critic",
             worker=judge_worker,
             model=lambda config, paths: (config.actor_rollout_ref.model.path, paths.actor_model),
-            tensor_parallel_key="actor_rollout_ref.ref.tensor_model_parallel_size",
+            section="actor_rollout_ref.ref",
             scores="compute_ref_log_prob",
             stages=("judge",),
         )

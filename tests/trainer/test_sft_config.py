@@ -23,6 +23,7 @@ def files(tmp_path_factory):
     [
         ("data.train_batch_size=3", "data.train_batch_size"),  # 3 samples over 2 data-parallel ranks
         ("engine.tensor_model_parallel_size=3", "engine.tensor_model_parallel_size"),
+        ("engine.ulysses_sequence_parallel_size=4", "engine.ulysses_sequence_parallel_size"),  # 2 ranks
         ("model.lora.rank=4", None),  # fine; with a target the model lacks:
         ("model.path=/nonexistent", "model.path"),
     ],

@@ -39,8 +39,8 @@ from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
 from hybridflow.trainer.setup.run_plan import (
-    check_splits_evenly,
     model_dir_or_name,
+    parallel_shape,
     resolve_model_dir,
     total_training_steps,
 )
@@ -80,15 +80,16 @@ def check_supervised_config(config: Any, pool: str, batch_what: str) -> Supervis
     check_files(data.train_files, "data.train_files", required=True)
     check_files(data.val_files, "data.val_files", required=False)
     model_path = model_dir_or_name(config.model.path, "model.path")
-    world, t = trainer.world_size, engine.tensor_model_parallel_size
-    if world % t:
-        raise ConfigError(
-            "engine.tensor_model_parallel_size",
-            f"{world} ranks (trainer.nnodes x trainer.n_workers_per_node) do not split into groups of {t}",
-            "use a divisor of the ranks",
-        )
-    check_splits_evenly(model_path, t, "engine.tensor_model_parallel_size")
-    layout = LayoutShape.over(world, t)
+    dp, t, sp = parallel_shape(
+        trainer.world_size,
+        "trainer.nnodes x trainer.n_workers_per_node",
+        model_path,
+        t=engine.tensor_model_parallel_size,
+        sp=engine.ulysses_sequence_parallel_size,
+        keys=("engine.tensor_model_parallel_size", "engine.ulysses_sequence_parallel_size"),
+        packed=(engine.use_remove_padding, "engine.use_remove_padding"),
+    )
+    layout = LayoutShape(dp=dp, t=t, tg=1, sp=sp)
     if data.train_batch_size % layout.dp:
         raise ConfigError(
             "data.train_batch_size",

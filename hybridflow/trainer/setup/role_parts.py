@@ -1,5 +1,5 @@
 """Each role of an RL run, declared once: when a run needs it, its pool, its worker and the arguments it is built
-with, the model it loads and the key of its tensor-parallel size, the pass its group runs on every batch after
+with, the model it loads and the config section of its parallel sizes, the pass its group runs on every batch after
 generation, its stages in the planner's cost model, and checks of its own.
 
 The run plan (needed roles, placement, layouts), the driver (its worker groups, the scoring passes of a step), the
@@ -35,25 +35,36 @@ Plan = Any  # the run plan (run_plan.py RunPlan, which reads these parts)
 class RolePart:
     """One role. ``worker(config, plan, total_steps)``: its worker class and keyword arguments, the same on every rank;
     ``model(config, paths)``: the model it loads, as the config names it and as a directory (None: none);
-    ``tensor_parallel_key``: the config key of its tensor-parallel size ("": one rank per layer); ``scores``: the
-    method its group runs on each batch after generation, whose columns join the batch ("": none); ``stages``: its
-    passes in the planner's cost model; ``check(config, plan)``: checks once its models are built, before Ray."""
+    ``section``: the config section of its training or scoring settings, where its parallel sizes are
+    (``TENSOR_PARALLEL``, ``SEQUENCE_PARALLEL``; "": one rank per layer and per sequence); ``scores``: the method its
+    group runs on each batch after generation, whose columns join the batch ("": none); ``stages``: its passes in the
+    planner's cost model; ``check(config, plan)``: checks once its models are built, before Ray."""
 
     role: Role
     needed: Callable[[HybridFlowConfig, AdvantageEstimator], bool]
     pool: str  # its pool under trainer.placement=group_colocate
     worker: Callable[[HybridFlowConfig, Plan, int], RoleSpec]
     model: Callable[[HybridFlowConfig, Any], tuple[str, str]] | None = None
-    tensor_parallel_key: str = ""
+    section: str = ""
     scores: str = ""
     stages: tuple[str, ...] = ()
     check: Callable[[HybridFlowConfig, Plan], None] | None = None
 
-    def tensor_parallel_size(self, config: HybridFlowConfig) -> int:
-        if not self.tensor_parallel_key:
-            return 1
-        return int(functools.reduce(getattr, self.tensor_parallel_key.split("."), config))
+    def key(self, name: str) -> str:
+        """The full config key of its section's setting ``name`` ("" without a section)."""
+        return f"{self.section}.{name}" if self.section else ""
 
+    def settings(self, config: HybridFlowConfig) -> Any:
+        """Its config section (None without one)."""
+        return functools.reduce(getattr, self.section.split("."), config) if self.section else None
+
+    def parallel_size(self, config: HybridFlowConfig, name: str) -> int:
+        """Its ``TENSOR_PARALLEL`` or ``SEQUENCE_PARALLEL`` size (1 without a section)."""
+        return int(getattr(self.settings(config), name)) if self.section else 1
+
+
+TENSOR_PARALLEL = "tensor_model_parallel_size"  # a section's ranks that split each decoder layer
+SEQUENCE_PARALLEL = "ulysses_sequence_parallel_size"  # a section's ranks that split each micro-batch's tokens
 
 ROLE_PARTS: dict[Role, RolePart] = {}
 
@@ -142,7 +153,7 @@ for _part in (
         pool="actor",
         worker=_actor,
         model=_policy_model,
-        tensor_parallel_key="actor_rollout_ref.actor.tensor_model_parallel_size",
+        section="actor_rollout_ref.actor",
         stages=("gen", "old_log_prob", "update_actor"),
     ),
     RolePart(  # the reference for a KL term; a LoRA actor with its adapters off is its own reference
@@ -151,7 +162,7 @@ for _part in (
         pool="actor",
         worker=_reference,
         model=_policy_model,
-        tensor_parallel_key="actor_rollout_ref.ref.tensor_model_parallel_size",
+        section="actor_rollout_ref.ref",
         scores="compute_ref_log_prob",
         stages=("ref",),
     ),
@@ -161,7 +172,7 @@ for _part in (
         pool="critic",
         worker=_critic,
         model=_critic_model,
-        tensor_parallel_key="critic.tensor_model_parallel_size",
+        section="critic",
         scores="compute_values",
         stages=("values", "update_critic"),
     ),
@@ -187,7 +198,7 @@ for _part in (
         pool="critic",
         worker=_teacher,
         model=lambda config, paths: (config.teacher.model.path, paths.teacher_model),
-        tensor_parallel_key="teacher.tensor_model_parallel_size",
+        section="teacher",
         scores="compute_teacher_log_prob",
         stages=("teacher",),
         check=check_teacher_tokenizer,

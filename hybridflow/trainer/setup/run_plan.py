@@ -28,11 +28,11 @@ from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import list_builtin_models, resolve_model_path
 from hybridflow.models import model_config as read_model_config
-from hybridflow.models.split_sizes import check_tensor_parallel_size
+from hybridflow.models.split_sizes import check_sequence_parallel_size, check_tensor_parallel_size
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, TrainerConfig
 from hybridflow.trainer.setup.placement import Placement, place_roles
-from hybridflow.trainer.setup.role_parts import ROLE_PARTS
+from hybridflow.trainer.setup.role_parts import ROLE_PARTS, SEQUENCE_PARALLEL, TENSOR_PARALLEL
 from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
@@ -167,13 +167,34 @@ def model_config(path: str) -> PretrainedConfig:
     return read_model_config(path)
 
 
-def tensor_parallel_keys(config: HybridFlowConfig) -> dict[Role, tuple[str, int]]:
-    """Each role whose layers can split over ranks (its part names the key): (its config key, the size)."""
-    return {
-        role: (part.tensor_parallel_key, part.tensor_parallel_size(config))
-        for role, part in ROLE_PARTS.items()
-        if part.tensor_parallel_key
-    }
+def parallel_shape(
+    world: int, pool: str, model_path: str, *, t: int, sp: int, keys: tuple[str, str], packed: tuple[bool, str]
+) -> tuple[int, int, int]:
+    """(dp, t, sp) of ``world`` ranks of ``pool`` for a model whose layers split over t ranks and whose micro-batches'
+    tokens split over sp, the rest data-parallel; ConfigError naming the key (``keys``: t's and sp's) when the sizes
+    do not fit the ranks or the model, or when sp > 1 without packed rows (``packed``: whether the role packs, and its
+    key)."""
+    tp_key, sp_key = keys
+    if world % (t * sp):
+        key, size = (sp_key, f"{sp} (x {tp_key}={t})") if sp > 1 else (tp_key, str(t))
+        raise ConfigError(
+            key, f"{size} does not divide the {world} ranks of {pool}", "choose a divisor of the pool's ranks"
+        )
+    check_splits_evenly(model_path, t, tp_key)
+    if sp > 1:
+        if t > 1:
+            raise ConfigError(
+                sp_key,
+                f"{sp} together with {tp_key}={t}: each sequence-parallel rank holds whole layers",
+                "set one of them to 1",
+            )
+        if not packed[0]:
+            raise ConfigError(sp_key, f"{sp}: sequence parallelism splits packed rows", f"set {packed[1]}=true")
+        try:
+            check_sequence_parallel_size(model_config(model_path), sp, sp_key)
+        except ValueError as error:
+            raise ConfigError(sp_key, str(error)) from None
+    return world // (t * sp), t, sp
 
 
 def check_splits_evenly(model_path: str, size: int, key: str) -> None:
@@ -206,14 +227,14 @@ def _generation_size(config: HybridFlowConfig) -> int:
     return tg
 
 
-def _actor_layout(config: HybridFlowConfig, dp: int, t: int) -> LayoutShape:
-    """The hybrid actor's (dp, t) training layout with generation groups of tg ranks (tg dividing t is checked
+def _actor_layout(config: HybridFlowConfig, dp: int, t: int, sp: int) -> LayoutShape:
+    """The hybrid actor's (dp, sp, t) training layout with generation groups of tg ranks (tg dividing t is checked
     in LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
     if config.trainer.async_training.rollout_apart:
-        return LayoutShape(dp=dp, t=t, tg=1)
+        return LayoutShape(dp=dp, t=t, tg=1, sp=sp)
     tg = _generation_size(config)
     try:
-        return LayoutShape(dp=dp, t=t, tg=tg)
+        return LayoutShape(dp=dp, t=t, tg=tg, sp=sp)
     except ValueError as error:
         raise ConfigError(
             TG_KEY,
@@ -238,28 +259,31 @@ def _rollout_layout(config: HybridFlowConfig, world: int, pool: str) -> LayoutSh
 def role_layouts(
     config: HybridFlowConfig, roles: tuple[Role, ...], placement: Placement, paths: RunPaths
 ) -> dict[Role, LayoutShape]:
-    """Each role's layout over its pool: tensor parallelism over t ranks (its key), FSDP2 over the rest,
-    and for the actor generation groups of tg; ConfigError when a size does not fit the pool or the model."""
-    sizes = tensor_parallel_keys(config)
+    """Each role's layout over its pool: tensor parallelism over t ranks and Ulysses over sp (its section's keys),
+    data parallelism over the rest, FSDP2 over dp x sp, and for the actor generation groups of tg; ConfigError when a
+    size does not fit the pool or the model."""
     layouts = {}
     for role in roles:
-        world = placement.world_size(role)
-        key, t = sizes.get(role, ("", 1))
-        if world % t:
-            raise ConfigError(
-                key,
-                f"{t} does not divide the {world} ranks of pool '{placement.role_pool[role]}' ({role.value})",
-                "choose a divisor of the pool's ranks",
-            )
-        if role in sizes:
-            check_splits_evenly(ROLE_PARTS[role].model(config, paths)[1], t, key)  # then also over tg, which divides t
-        if role is Role.ActorRollout:
-            layouts[role] = _actor_layout(config, world // t, t)
-        elif role is Role.Rollout:
+        world, part = placement.world_size(role), ROLE_PARTS[role]
+        if role is Role.Rollout:
             check_splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
             layouts[role] = _rollout_layout(config, world, placement.role_pool[role])
+            continue
+        dp, t, sp = world, 1, 1
+        if part.section:  # the model's split is checked over t here, and over tg (which divides t) with it
+            dp, t, sp = parallel_shape(
+                world,
+                f"pool '{placement.role_pool[role]}' ({role.value})",
+                part.model(config, paths)[1],
+                t=part.parallel_size(config, TENSOR_PARALLEL),
+                sp=part.parallel_size(config, SEQUENCE_PARALLEL),
+                keys=(part.key(TENSOR_PARALLEL), part.key(SEQUENCE_PARALLEL)),
+                packed=(part.settings(config).use_remove_padding, part.key("use_remove_padding")),
+            )
+        if role is Role.ActorRollout:
+            layouts[role] = _actor_layout(config, dp, t, sp)
         else:
-            layouts[role] = LayoutShape(dp=world // t, t=t, tg=1)
+            layouts[role] = LayoutShape(dp=dp, t=t, tg=1, sp=sp)
     return layouts
 
 
