@@ -192,10 +192,11 @@ def ulysses_attention(
     def every_token(x: torch.Tensor) -> torch.Tensor:  # (1, heads, N/sp, d) -> (1, heads/sp, N, d), padding dropped
         return gather_sequence_scatter_heads(x, group, seq_dim=2, head_dim=1)[:, :, : shards.total]
 
-    q, k, v = every_token(query), every_token(heads_for_sp(key, 1, sp)), every_token(heads_for_sp(value, 1, sp))
+    heads = query.shape[1]
+    q, k, v = (every_token(x) for x in heads_for_sp(query, key, value, 1, sp))
     out, _ = packed_sdpa_attention(module, q, k, v, None, dropout, scaling, packed_segments=segments)  # (1, N, H/sp, d)
     out = nn.functional.pad(out, (0, 0, 0, 0, 0, shards.padded - shards.total))
-    return gather_heads_scatter_sequence(out, group, seq_dim=1, head_dim=2), None
+    return gather_heads_scatter_sequence(out, group, seq_dim=1, head_dim=2)[:, :, :heads], None  # padding heads dropped
 
 
 MATMUL_ATTENTION_MAX_SCORES = 1 << 26  # 64 M scores (256 MB in float32): above that, SDPA

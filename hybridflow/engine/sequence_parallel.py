@@ -4,15 +4,17 @@ turns (heads, this rank's tokens) into (this rank's heads, every token); after i
 Everything else in a layer is per token and runs on the slice.
 
 ``all_to_all`` is differentiable: its backward is the inverse exchange, so gradients reach the slice each token came
-from. ``heads_for_sp`` repeats key/value heads when a GQA model has fewer than sp of them: each kv head is repeated
-consecutively, so after the exchange rank r's query heads meet their own kv head (tiling would pair the wrong kv head
-with half the ranks' queries, silently). The repeat's backward sums the replicas' gradients: the exact GQA gradient.
+from. ``heads_for_sp`` makes the heads split over sp: it repeats key/value heads when a GQA model has fewer than sp of
+them (each consecutively, so after the exchange rank r's query heads meet their own kv head: tiling would pair the
+wrong kv head with half the ranks' queries, silently), and pads with zero heads where sp does not divide the query
+or key/value heads. A repeat's backward sums the replicas' gradients: the exact GQA gradient.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -68,16 +70,27 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, *, scatter_dim: int, g
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
-def heads_for_sp(kv: torch.Tensor, heads_dim: int, sp: int) -> torch.Tensor:
-    """Key/value heads repeated, each consecutively, up to a multiple of ``sp`` (unchanged when they already split
-    over sp); ValueError when neither divides the other."""
-    heads = kv.shape[heads_dim]
-    if heads % sp == 0:
-        return kv
-    if sp % heads:
-        raise ValueError(f"{heads} key/value heads cannot be shared by {sp} sequence-parallel ranks: use an sp that "
-                         "divides them or that they divide")  # fmt: skip
-    return kv.repeat_interleave(sp // heads, dim=heads_dim)
+def heads_for_sp(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, heads_dim: int, sp: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query, key and value heads that split evenly over ``sp`` ranks, rank r's query heads meeting their own key/value
+    heads after the exchange. Where sp divides the query heads and the key/value heads divide sp or are divided by it,
+    the key/value heads are repeated, each consecutively, up to a multiple of sp. Otherwise (SmolLM2-135M's 9 query and
+    3 key/value heads over sp = 2) zero key/value heads, each with its group of zero query heads, pad them up to a
+    multiple of sp (9 and 3 become 12 and 4: each rank attends with 6 and 2), GQA kept: the real query heads stay the
+    first ones, the output's others are dropped (``[:H]``), and no real head reads a padding head. Repeats and padding
+    are differentiable: the backward sums the replicas' gradients and drops the padding's."""
+    heads, kv_heads = query.shape[heads_dim], key.shape[heads_dim]
+    if heads % sp == 0 and (kv_heads % sp == 0 or sp % kv_heads == 0):
+        if kv_heads % sp:
+            key, value = (x.repeat_interleave(sp // kv_heads, dim=heads_dim) for x in (key, value))
+        return query, key, value
+    extra = -kv_heads % sp  # zero key/value heads, each with heads // kv_heads zero query heads
+
+    def padded(x: torch.Tensor, count: int) -> torch.Tensor:
+        return nn.functional.pad(x, [0, 0] * (x.dim() - 1 - heads_dim) + [0, count])
+
+    return padded(query, extra * (heads // kv_heads)), padded(key, extra), padded(value, extra)
 
 
 def gather_sequence_scatter_heads(x: torch.Tensor, group: dist.ProcessGroup, *, seq_dim: int, head_dim: int):

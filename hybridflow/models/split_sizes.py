@@ -35,20 +35,19 @@ def check_split_sizes(size: int, key: str, *, heads: int, kv_heads: int, interme
         )
 
 
-def shares_heads(size: int, *, heads: int, kv_heads: int) -> bool:
-    """Whether ``size`` Ulysses ranks can share the attention heads: each rank attends with whole query heads (``size``
-    divides them), and the key/value heads split over the ranks or are repeated up to them (one divides the other)."""
-    return heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
+def shares_heads(size: int, *, heads: int) -> bool:
+    """Whether each of ``size`` Ulysses ranks attends with at least one of the ``heads`` query heads (engine/
+    sequence_parallel.py pads heads that ``size`` does not divide, and repeats key/value heads as needed)."""
+    return size <= heads
 
 
 def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
-    """ValueError naming ``key`` when ``size`` Ulysses ranks cannot share the attention heads (``shares_heads``)."""
+    """ValueError naming ``key`` when ``size`` Ulysses ranks are more than the attention heads (``shares_heads``)."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not shares_heads(size, heads=heads, kv_heads=kv_heads):
+    if not shares_heads(size, heads=heads):
         raise ValueError(
-            f"{key}={size} cannot share the model's attention heads (num_attention_heads={heads}, "
-            f"num_key_value_heads={kv_heads}): choose a divisor of {heads} that {kv_heads} divides or that divides it"
+            f"{key}={size} is more ranks than the model's {heads} attention heads: each rank attends with whole "
+            f"heads; choose at most {heads} (a divisor of {heads} wastes no attention work)"
         )
 
 

@@ -70,8 +70,8 @@ class ModelShape:
         return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
 
     def shares_heads(self, sp: int) -> bool:
-        """Whether sp Ulysses ranks can share the attention heads (models/split_sizes.py)."""
-        return shares_heads(sp, heads=self.heads, kv_heads=self.kv_heads)
+        """Whether each of sp Ulysses ranks attends with at least one query head (models/split_sizes.py)."""
+        return shares_heads(sp, heads=self.heads)
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int) -> ModelShape:

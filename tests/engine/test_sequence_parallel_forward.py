@@ -1,10 +1,10 @@
 """The packed forward under Ulysses sequence parallelism (engine/forward.py ``sp_group``), 4 gloo processes, fp32, two
-model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats them; tiny-qwen2: tied embeddings):
-every rank runs its slice of the packed tokens, and the log-probs and entropy of every row equal one process's
-unsplit pass, so do a critic's values and a reward model's scores, and the gradients summed over the sp group, over
-sp, equal its gradients (relative 1e-5; FSDP's mean over the dp x sp ranks divides by sp in training). The batch
-packs rows of very different lengths: two sharing a prompt, a one-token response, and a total that no sp divides
-(padding)."""
+model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats them; tiny-qwen2: tied embeddings; and a
+tiny-llama with SmolLM2-135M's 9 and 3 heads, which sp pads): every rank runs its slice of the packed tokens, and the
+log-probs and entropy of every row equal one process's unsplit pass, so do a critic's values and a reward model's
+scores, and the gradients summed over the sp group, over sp, equal its gradients (relative 1e-5; FSDP's mean over the
+dp x sp ranks divides by sp in training). The batch packs rows of very different lengths: two sharing a prompt, a
+one-token response, and a total that no sp divides (padding)."""
 
 import pytest
 import torch
@@ -17,7 +17,20 @@ from hybridflow.models import load_causal_lm, load_critic, load_reward_model, re
 from hybridflow.protocol import DataProto
 
 WORLD = 4
-FAMILIES = ("tiny-llama", "tiny-qwen2")
+# name: (built-in family, its size); "9-heads" has SmolLM2-135M's 9 query and 3 key/value heads, which no sp here
+# divides (zero heads pad them)
+FAMILIES = {
+    "tiny-llama": ("tiny-llama", {}),
+    "tiny-qwen2": ("tiny-qwen2", {}),
+    "9-heads": ("tiny-llama", {"hidden_size": 72, "num_attention_heads": 9, "num_key_value_heads": 3}),
+}
+
+
+def model_dir(family: str) -> str:
+    name, size = FAMILIES[family]
+    return str(resolve_model_path(name, **size))
+
+
 PROMPTS, RESPONSE_LENGTHS = (5, 5, 3, 1), (6, 3, 1, 4)  # rows 0 and 1 share their prompt: 22 packed tokens
 
 
@@ -77,7 +90,7 @@ PASSES = {
 def step(kind: str, family: str, group) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], DataProto]:
     """The pass's outputs and the gradients of a loss weighing them by fixed random weights (and the batch)."""
     load, compute = PASSES[kind]
-    model = load(str(resolve_model_path(family)))
+    model = load(model_dir(family))
     data = batch(model.config.vocab_size)
     outputs = compute(model, data, group)
     generator = torch.Generator().manual_seed(1)
@@ -111,7 +124,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     for family in FAMILIES:
-        resolve_model_path(family)  # built once, here, before the processes read it
+        model_dir(family)  # built once, here, before the processes read it
     directory = tmp_path_factory.mktemp("ulysses_forward")
     mp.spawn(_ranks, args=(str(directory / "init"), str(directory / "out")), nprocs=WORLD)
     return [torch.load(directory / f"out-{rank}.pt") for rank in range(WORLD)]

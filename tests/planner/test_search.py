@@ -73,7 +73,13 @@ def test_a_model_layout_is_the_best_that_fits_and_nothing_chosen_overflows():
             else:
                 assert sum(chosen[1].values()) == pytest.approx(min(fitting, key=lambda f: f[0])[0])
     plans = planner.plans()
-    assert plans and all(any(Role.ActorRollout in s.roles and s.devices == 4 for s in p.sets) for p in plans)
+
+    def actor_fits(device_set) -> bool:  # on 4 devices, or on 3 with its tokens split over them (sp pads 16 heads)
+        layout = device_set.layouts.get(Role.ActorRollout)
+        return layout is not None and (device_set.devices == 4 or (device_set.devices == 3 and layout.sp == 3))
+
+    assert plans and all(any(actor_fits(s) for s in p.sets) for p in plans)
+    assert any(actor_fits(s) and s.devices == 3 for p in plans for s in p.sets)
     too_small = [p for p in plans if any(s.devices == 1 and Role.ActorRollout in s.roles for s in p.sets)]
     assert not too_small  # the big actor with its generation copy does not fit on one 2 GB device
     for plan in plans:

@@ -245,7 +245,7 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
         (  # tiny-llama has 4 query heads: 8 ranks cannot each attend with whole ones
             ["trainer.n_workers_per_node=8", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=8"],
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-            "cannot share the model's attention heads",
+            "more ranks than the model's 4 attention heads",
         ),
         (
             [
