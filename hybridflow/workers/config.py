@@ -52,6 +52,9 @@ class RewardModelConfig:
     model: ModelConfig  # a sequence-classification model directory (`hybridflow rm`, then `hybridflow export`)
     micro_batch_size_per_gpu: int  # samples per forward
     max_length: int  # longest prompt + response the reward model reads (longer ones are cut from the left)
+    # Ulysses: ranks that hold the same conversations and split each micro-batch's tokens (attention by all-to-all
+    # over heads); the data-parallel ranks are the rest
+    ulysses_sequence_parallel_size: int
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:

@@ -14,13 +14,17 @@ from hybridflow.batch_keys import (
     RESPONSES,
     RM_SCORES,
 )
-from hybridflow.controller import Dispatch, Worker, register
+from hybridflow.controller import Worker, register
+from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.data.reward_text import reward_model_text, scored_conversation
 from hybridflow.engine.forward import batched_scores
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.protocol import DataProto
 from hybridflow.workers.config import RewardModelConfig
-from hybridflow.workers.sharded_model import build_sharded
+from hybridflow.workers.sharded_model import RoleMeshes, build_sharded
+
+REWARD_MESH = "reward_model"  # its rows (RoleMeshes.rows): compute_rm_score splits them over dp
 
 
 def last_token_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -41,16 +45,23 @@ def text_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> DataProt
 
 
 class RewardModelWorker(Worker):
-    """model_path: the reward model's directory; policy_model_path: the policy's (its tokenizer decodes)."""
+    """model_path: the reward model's directory; policy_model_path: the policy's (its tokenizer decodes); layout: its
+    (dp, sp) over this group's ranks (the run plan's)."""
 
-    def __init__(self, *, config: RewardModelConfig, model_path: str, policy_model_path: str, seed: int):
+    def __init__(
+        self, *, config: RewardModelConfig, model_path: str, policy_model_path: str, layout: LayoutShape, seed: int
+    ):
         super().__init__()
         self.config = config
         self.policy_tokenizer = load_tokenizer(policy_model_path)
         self.tokenizer = load_tokenizer(model_path)
         self.tokenizer.truncation_side = "left"
         self.tokenizer.padding_side = "right"
-        self.model = build_sharded(load_reward_model, model_path, config.fsdp, self.device, seed).eval()
+        meshes = RoleMeshes.build(self.device, layout)
+        self.register_dispatch_mesh(REWARD_MESH, meshes.rows)
+        self.sp_group = meshes.sp_group
+        self.model = build_sharded(load_reward_model, model_path, config.fsdp, self.device, seed, meshes.training)
+        self.model.eval()
 
     def _conversations(self, data: DataProto) -> list[str]:
         responses = data.batch[RESPONSES]
@@ -62,7 +73,7 @@ class RewardModelWorker(Worker):
             texts.append(reward_model_text(self.tokenizer, conversation))
         return texts
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=mesh_compute_proto(REWARD_MESH))
     @torch.no_grad()
     def compute_rm_score(self, data: DataProto) -> DataProto:
         if RAW_PROMPT not in data.non_tensor_batch:
@@ -77,6 +88,7 @@ class RewardModelWorker(Worker):
         )
         rows = text_rows(encoded["input_ids"], encoded["attention_mask"]).to(self.device)
         pad = self.model.config.get_text_config().pad_token_id
-        scores = batched_scores(self.model, rows, self.config.micro_batch_size_per_gpu, pad, remove_padding=True)
+        micro_batch = self.config.micro_batch_size_per_gpu
+        scores = batched_scores(self.model, rows, micro_batch, pad, remove_padding=True, sp_group=self.sp_group)
         rm_scores = last_token_scores(scores, data.batch[RESPONSE_MASK])
         return DataProto.from_dict({RM_SCORES: rm_scores})

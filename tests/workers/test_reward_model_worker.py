@@ -1,10 +1,12 @@
-"""The reward-model worker scores each conversation as the model does alone, at the response's last token."""
+"""The reward-model worker scores each conversation as the model does alone, at the response's last token, with its rows
+split over 2 data-parallel ranks or each micro-batch's tokens over 2 Ulysses ranks."""
 
 import pytest
 import torch
 
 from hybridflow.batch_keys import RAW_PROMPT, RESPONSE_MASK, RESPONSES, RM_SCORES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_reward_model, load_tokenizer, resolve_model_path
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.setup.config import load_config
@@ -43,12 +45,15 @@ def test_worker_scores_match_scoring_each_conversation_alone(local_ray, reward_m
         "reward_model.fsdp.param_dtype=fp32",
     ]
     config = load_config(overrides).reward_model
-    pool = RayResourcePool([2])
     kwargs = {"config": config, "model_path": str(reward_model_dir), "policy_model_path": policy_path, "seed": 0}
-    worker = RoleSpec(RewardModelWorker, kwargs=kwargs)
-    group = RayWorkerGroup(pool, worker)
-    scores = group.compute_rm_score(data).batch[RM_SCORES]
-    pool.release()
+    by_layout = {}
+    for name, layout in (("dp 2", LayoutShape(dp=2, t=1, tg=1)), ("sp 2", LayoutShape(dp=1, t=1, tg=1, sp=2))):
+        pool = RayResourcePool([2])
+        group = RayWorkerGroup(pool, RoleSpec(RewardModelWorker, kwargs=kwargs | {"layout": layout}))
+        by_layout[name] = group.compute_rm_score(data).batch[RM_SCORES]
+        pool.release()
+    scores = by_layout["dp 2"]
+    torch.testing.assert_close(by_layout["sp 2"], scores, atol=1e-5, rtol=1e-5)  # Ulysses: each rank half the tokens
 
     model = load_reward_model(reward_model_dir).eval()
     for i, (messages, answer) in enumerate(zip(prompts, answers)):

@@ -59,8 +59,8 @@ class RolePart:
         return functools.reduce(getattr, self.section.split("."), config) if self.section else None
 
     def parallel_size(self, config: HybridFlowConfig, name: str) -> int:
-        """Its ``TENSOR_PARALLEL`` or ``SEQUENCE_PARALLEL`` size (1 without a section)."""
-        return int(getattr(self.settings(config), name)) if self.section else 1
+        """Its ``TENSOR_PARALLEL`` or ``SEQUENCE_PARALLEL`` size (1 without a section, or a section without it)."""
+        return int(getattr(self.settings(config), name, 1)) if self.section else 1
 
 
 TENSOR_PARALLEL = "tensor_model_parallel_size"  # a section's ranks that split each decoder layer
@@ -115,7 +115,8 @@ def _critic(config: HybridFlowConfig, plan: Plan, total_steps: int) -> RoleSpec:
 def _reward_model(config: HybridFlowConfig, plan: Plan, total_steps: int) -> RoleSpec:
     paths = plan.paths
     kwargs = dict(config=config.reward_model, model_path=paths.reward_model, policy_model_path=paths.actor_model)
-    return RoleSpec(RewardModelWorker, kwargs=kwargs | dict(seed=config.trainer.seed))
+    layout = plan.layouts[Role.RewardModel]
+    return RoleSpec(RewardModelWorker, kwargs=kwargs | dict(layout=layout, seed=config.trainer.seed))
 
 
 def _teacher(config: HybridFlowConfig, plan: Plan, total_steps: int) -> RoleSpec:
@@ -182,6 +183,7 @@ for _part in (
         pool="critic",
         worker=_reward_model,
         model=lambda config, paths: (config.reward_model.model.path, paths.reward_model),
+        section="reward_model",  # its sequence-parallel size (it packs its rows always, and splits no layer)
         stages=("rm",),
     ),
     RolePart(  # generation on a pool of its own (asynchronous modes): the actor then only trains
