@@ -11,9 +11,10 @@ backward of their sum, each rank on its slice of the tokens (engine/forward.py `
 ``--checkpointing`` each decoder layer is recomputed in the backward (the actor's
 ``model.enable_gradient_checkpointing``). Per case:
 
-- activation memory per rank: the peak resident set during the forward and backward (Linux VmHWM, reset just
-  before) minus the resident set before it and the gradients' bytes, the largest over the ranks;
-- seconds of the forward and backward (the slowest rank, the median of ``--repeats``);
+- activation memory per rank: the peak resident set during the first forward and backward (Linux VmHWM, reset just
+  before) minus the resident set before it and the gradients' bytes, the largest over the ranks (a later pass reuses
+  memory the allocator kept, which the resident set does not show);
+- seconds of the forward and backward (the slowest rank, the median of the ``--repeats`` after the first);
 - the peak resident set per rank (the model, its gradients, the activations, the process's own);
 - the ratio of each to sp = 1's at the same length.
 
@@ -71,7 +72,7 @@ def _case(rank: int, sp: int, tokens: int, repeats: int, checkpointing: bool, in
         data = one_row(tokens, model.config.vocab_size)
         group = dist.group.WORLD if sp > 1 else None
         grad_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-        activations, seconds, peaks = [], [], []
+        seconds, memory = [], None
         for _ in range(repeats):
             model.zero_grad(set_to_none=True)
             dist.barrier()
@@ -81,9 +82,11 @@ def _case(rank: int, sp: int, tokens: int, repeats: int, checkpointing: bool, in
             log_probs, _ = response_log_probs(model, data, remove_padding=True, sp_group=group)
             log_probs.sum().backward()
             seconds.append(time.perf_counter() - start)
-            peaks.append(peak_memory_gb(torch.device("cpu")))
-            activations.append(peaks[-1] - before - grad_gb)
-        result = torch.tensor([min(activations), statistics.median(seconds), min(peaks)], dtype=torch.float64)
+            if memory is None:  # the first pass: later ones reuse what the allocator kept, which the peak misses
+                peak = peak_memory_gb(torch.device("cpu"))
+                memory = (peak - before - grad_gb, peak)
+        timed = seconds[1:] or seconds  # the first pass also warms the kernels up
+        result = torch.tensor([memory[0], statistics.median(timed), memory[1]], dtype=torch.float64)
         dist.all_reduce(result, op=dist.ReduceOp.MAX)
         if rank == 0:
             torch.save(result, out)

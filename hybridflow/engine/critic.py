@@ -8,40 +8,19 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from hybridflow.algorithms import LossAggregation, compute_value_loss
 from hybridflow.batch_keys import METRICS, RESPONSE_MASK, RETURNS, VALUES
 from hybridflow.engine.config import CriticConfig
-from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_values, pass_work, response_values
-from hybridflow.engine.optim import TrainedModel
-from hybridflow.engine.sequence_parallel import sp_size
-from hybridflow.engine.update import run_updates
+from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto
 
 
-class CriticEngine:
-    """A sharded value model with its optimizer and learning-rate schedule."""
+class CriticEngine(UpdatedEngine):
+    """A sharded value model with its optimizer and learning-rate schedule (``UpdatedEngine``'s arguments)."""
 
-    def __init__(
-        self,
-        trained: TrainedModel,
-        config: CriticConfig,
-        dp_group: dist.ProcessGroup | None = None,
-        sp_group: dist.ProcessGroup | None = None,
-    ):
-        self.dp_group = dp_group  # the ranks that split the rows (None: all); tp and sp peers share rows
-        self.sp_group = sp_group  # Ulysses: the ranks that split each micro-batch's tokens (None: none)
-        self.trained = trained
-        self.config = config
-        self.meter = PassMeter(trained.model, sp_size(sp_group))  # measures the device's peak FLOP/s once per process
-
-    @property
-    def model(self) -> nn.Module:
-        """The value model under training (``trained.model``)."""
-        return self.trained.model
+    config: CriticConfig
 
     def compute_values(self, data: DataProto) -> DataProto:
         """Values (B, R), 0 on response padding, with the pass's FLOP/s as metrics."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
 from hybridflow.batch_keys import (
@@ -24,12 +23,10 @@ from hybridflow.batch_keys import (
     ROLLOUT_LOG_PROBS,
 )
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import response_log_probs
 from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.engine.optim import TrainedModel
-from hybridflow.engine.sequence_parallel import sp_size
-from hybridflow.engine.update import run_updates
+from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto
 
 _ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching
@@ -55,27 +52,14 @@ class FirstPass:
         return {OLD_LOG_PROBS: self.log_probs, ENTROPYS: self.entropy}
 
 
-class PolicyEngine:
-    """A sharded policy model with its optimizer and learning-rate schedule."""
+class PolicyEngine(UpdatedEngine):
+    """A sharded policy model with its optimizer and learning-rate schedule (``UpdatedEngine``'s arguments)."""
 
-    def __init__(
-        self,
-        trained: TrainedModel,
-        config: ActorConfig,
-        dp_group: dist.ProcessGroup | None = None,
-        sp_group: dist.ProcessGroup | None = None,
-    ):
-        self.dp_group = dp_group  # the ranks that split the rows (None: all); tp and sp peers share rows
-        self.sp_group = sp_group  # Ulysses: the ranks that split each micro-batch's tokens (None: none)
-        self.trained = trained
-        self.config = config
+    config: ActorConfig
+
+    def __init__(self, trained: TrainedModel, config: ActorConfig, **groups: dist.ProcessGroup | None):
+        super().__init__(trained, config, **groups)
         self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
-        self.meter = PassMeter(trained.model, sp_size(sp_group))  # measures the device's peak FLOP/s once per process
-
-    @property
-    def model(self) -> nn.Module:
-        """The policy under training (``trained.model``)."""
-        return self.trained.model
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
         """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hybridflow.algorithms import LossAggregation
 from hybridflow.batch_keys import RESPONSE_MASK
@@ -35,10 +36,35 @@ from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import packed_prompt_sharing, pass_work
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
 MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
+
+
+class UpdatedEngine:
+    """What the actor's and the critic's engines share: the sharded model with its optimizer (``trained``), the role's
+    config, the ranks it splits rows over (``dp_group``; None: all, tensor- and sequence-parallel peers sharing rows)
+    and each micro-batch's tokens over (``sp_group``, Ulysses; None: none), and the meter of its passes' FLOP/s."""
+
+    def __init__(
+        self,
+        trained: TrainedModel,
+        config: UpdateConfig,
+        dp_group: dist.ProcessGroup | None = None,
+        sp_group: dist.ProcessGroup | None = None,
+    ):
+        self.trained = trained
+        self.config = config
+        self.dp_group = dp_group
+        self.sp_group = sp_group
+        self.meter = PassMeter(trained.model, sp_size(sp_group))  # measures the device's peak FLOP/s once per process
+
+    @property
+    def model(self) -> nn.Module:
+        """The model under training (``trained.model``)."""
+        return self.trained.model
 
 
 def global_aggregation(

@@ -58,3 +58,18 @@ def perturbed(model):
         for param in changed.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * param.std().clamp(min=0.02))
     return changed
+
+
+@torch.no_grad()
+def response_logits(model, batch, prompt_width: int) -> torch.Tensor:
+    """(B, R, V) fp32: one independent forward's logits that predict each response token of a generated ``batch``
+    (its TensorDict) whose prompts are ``prompt_width`` columns wide."""
+    logits = model(
+        input_ids=batch[INPUT_IDS], attention_mask=batch[ATTENTION_MASK], position_ids=batch[POSITION_IDS]
+    ).logits
+    return logits[:, prompt_width - 1 : -1].float()
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits) at ``tokens``: (B, R)."""
+    return torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

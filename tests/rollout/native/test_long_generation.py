@@ -4,7 +4,7 @@ Ulysses trains on), sampled, on a tiny model whose positions reach 8,192. Every 
 the trainer's packed pass (engine/forward.py), the one training reads them with."""
 
 import torch
-from rollout_helpers import QUESTIONS, engine_config, prompts_of, sampled
+from rollout_helpers import QUESTIONS, engine_config, prompts_of, response_logits, sampled, token_log_probs
 
 from hybridflow.batch_keys import ROLLOUT_LOG_PROBS
 from hybridflow.engine.forward import response_log_probs
@@ -23,13 +23,8 @@ def test_responses_of_four_thousand_tokens_keep_their_log_probs():
     batch = out.batch
     assert batch["responses"].shape == (2, LENGTH) and bool(batch["response_mask"].all())
     assert len(set(batch["responses"][0].tolist())) > 50  # a varied sample, not one token repeated
-    p = prompts.batch["input_ids"].shape[1]
+    expected = token_log_probs(response_logits(model, batch, prompts.batch["input_ids"].shape[1]), batch["responses"])
     with torch.no_grad():
-        logits = model(
-            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-        ).logits
-        expected = torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1)
-        expected = expected.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
         packed, _ = response_log_probs(model, out, remove_padding=True)
     torch.testing.assert_close(batch[ROLLOUT_LOG_PROBS], expected, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(packed, expected, atol=1e-4, rtol=1e-4)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
+from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, response_logits, sampled, token_log_probs
 
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
@@ -28,16 +28,11 @@ def test_log_probs_match_an_independent_forward_pass(tiny):
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
     out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
-    p = prompts.batch["input_ids"].shape[1]
-    with torch.no_grad():
-        logits = model(
-            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
-        ).logits
-    log_probs = torch.log_softmax(logits[:, p - 1 : -1].float(), dim=-1)
-    expected = log_probs.gather(-1, out["responses"].unsqueeze(-1)).squeeze(-1)
+    logits = response_logits(model, out, prompts.batch["input_ids"].shape[1])
+    expected = token_log_probs(logits, out["responses"])
     mask = out["response_mask"].bool()
     assert torch.allclose(out["rollout_log_probs"][mask], expected[mask], atol=1e-5)
-    assert torch.equal(out["responses"][mask], logits[:, p - 1 : -1].argmax(-1)[mask])
+    assert torch.equal(out["responses"][mask], logits.argmax(-1)[mask])
 
 
 def test_temperature_scales_the_returned_log_probs(tiny):
@@ -45,12 +40,8 @@ def test_temperature_scales_the_returned_log_probs(tiny):
     prompts = prompts_of(tokenizer, QUESTIONS[:2])
     params = sampled(seed=5, max_new_tokens=6, temperature=0.7)
     out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, params).batch
-    p = prompts.batch["input_ids"].shape[1]
-    with torch.no_grad():
-        logits = model(
-            input_ids=out["input_ids"], attention_mask=out["attention_mask"], position_ids=out["position_ids"]
-        ).logits
-    expected = torch.log_softmax(logits[:, p - 1 : -1] / 0.7, dim=-1).gather(-1, out["responses"][..., None])[..., 0]
+    logits = response_logits(model, out, prompts.batch["input_ids"].shape[1])
+    expected = token_log_probs(logits / 0.7, out["responses"])
     mask = out["response_mask"].bool()
     assert torch.allclose(out["rollout_log_probs"][mask], expected[mask], atol=1e-5)
 
