@@ -3,8 +3,9 @@ model families (tiny-llama: 4 query and 2 key/value heads, so sp = 4 repeats the
 tiny-llama with SmolLM2-135M's 9 and 3 heads, which sp pads): every rank runs its slice of the packed tokens, and the
 log-probs and entropy of every row equal one process's unsplit pass, so do a critic's values and a reward model's
 scores, and the gradients summed over the sp group, over sp, equal its gradients (relative 1e-5; FSDP's mean over the
-dp x sp ranks divides by sp in training). The batch packs rows of very different lengths: two sharing a prompt, a
-one-token response, and a total that no sp divides (padding)."""
+dp x sp ranks divides by sp in training). The batch packs rows of very different lengths: two sharing a prompt, a row
+of 2 tokens (fewer than sp = 4: it lies in one rank's slice, or across two), and a total that no sp divides
+(padding)."""
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def model_dir(family: str) -> str:
     return str(resolve_model_path(name, **size))
 
 
-PROMPTS, RESPONSE_LENGTHS = (5, 5, 3, 1), (6, 3, 1, 4)  # rows 0 and 1 share their prompt: 22 packed tokens
+PROMPTS, RESPONSE_LENGTHS = (5, 5, 1, 3), (6, 3, 1, 4)  # rows 0 and 1 share their prompt; row 2 has 2 tokens (< sp 4)
 
 
 def batch(vocab: int) -> DataProto:
