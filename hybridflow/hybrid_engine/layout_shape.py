@@ -6,12 +6,12 @@ no device-mesh code. Rank tables, with m = t / tg and f = dp * sp, the ranks FSD
 why the groups are these):
 
     training   (f, t)             ranks.view(f, t)
-    rows       (dp, sp)           ranks.view(dp, sp)     (t = 1)              row: ranks holding the same rows
+    rows       (dp, sp, t)        ranks.view(dp, sp, t)                       [d, :, j]: ranks holding the same rows
     gather     (f * tg, m)        ranks.view(f * tg, m)                       row: one generation shard
     generation (f * m, tg)        ranks.view(f, tg, m).transpose(1, 2)        row: ranks generating together
 
-Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and
-the whole layer (FSDP2 shards over them too); it does not combine with t > 1 yet.
+Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and the
+same tensor-parallel shard of each layer (FSDP2 shards over them too): attention exchanges the shard's heads.
 """
 
 from __future__ import annotations
@@ -35,11 +35,6 @@ class LayoutShape:
 
     def __post_init__(self) -> None:
         Regrouping(t=self.t, tg=self.tg)  # the one check that tg divides t
-        if self.sp > 1 and self.t > 1:
-            raise ValueError(
-                f"sequence parallelism (sp={self.sp}) with tensor parallelism (t={self.t}) is not supported: "
-                "each sequence-parallel rank holds whole layers"
-            )
 
     @classmethod
     def over(cls, devices: int, t: int = 1, tg: int = 1) -> LayoutShape:

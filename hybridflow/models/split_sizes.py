@@ -41,13 +41,16 @@ def shares_heads(size: int, *, heads: int) -> bool:
     return size <= heads
 
 
-def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
-    """ValueError naming ``key`` when ``size`` Ulysses ranks are more than the attention heads (``shares_heads``)."""
-    heads = config.num_attention_heads
+def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str, tensor_parallel: int = 1) -> None:
+    """ValueError naming ``key`` when ``size`` Ulysses ranks are more than the attention heads of a tensor-parallel
+    shard (``shares_heads``; ``tensor_parallel`` ranks split the heads first)."""
+    heads = config.num_attention_heads // tensor_parallel
     if not shares_heads(size, heads=heads):
+        split = f" per tensor-parallel rank ({config.num_attention_heads} over {tensor_parallel})"
         raise ValueError(
-            f"{key}={size} is more ranks than the model's {heads} attention heads: each rank attends with whole "
-            f"heads; choose at most {heads} (a divisor of {heads} wastes no attention work)"
+            f"{key}={size} is more ranks than the model's {heads} attention heads{split if tensor_parallel > 1 else ''}"
+            f": each rank attends with whole heads; choose at most {heads} (a divisor of {heads} wastes no attention "
+            "work)"
         )
 
 

@@ -209,15 +209,16 @@ def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workloa
 
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
-    node; the actor's tg divides t; with t = 1, Ulysses over sp ranks of a node that share the heads; the reward
-    model is data-parallel only."""
+    node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head; the
+    reward model is data-parallel only."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]
     sizes = [t for t in in_node if shape.splits_over(t)]
     if role is Role.Rollout:  # replicas of tg ranks
         return [LayoutShape.over(devices, tg, tg) for tg in sizes]
-    sequence = [LayoutShape(dp=devices // sp, t=1, tg=1, sp=sp) for sp in in_node[1:] if shape.shares_heads(sp)]
-    if role is Role.ActorRollout:
-        return [LayoutShape.over(devices, t, tg) for t in sizes for tg in range(1, t + 1) if t % tg == 0] + sequence
-    return [LayoutShape.over(devices, t) for t in sizes] + sequence
+    shapes = [
+        (t, sp) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
+    ]  # (t, 1) for every t in sizes, and the Ulysses sizes beside each
+    tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
+    return [LayoutShape(dp=devices // (t * sp), t=t, tg=tg, sp=sp) for t, sp in shapes for tg in tgs[t]]

@@ -38,7 +38,8 @@ def quiet_libraries() -> None:
 class RoleMeshes:
     """A trained or scored role's meshes over its ranks: ``training`` (dp x sp, t), which FSDP2 and tensor parallelism
     shard the model over, and ``rows``, which dispatch splits the rows over along its "dp" dimension: the training
-    mesh itself, or under Ulysses (dp, sp), whose sp ranks hold the same rows and split each micro-batch's tokens."""
+    mesh itself, or under Ulysses (dp, sp[, tp]) over the same ranks, whose sp ranks hold the same rows (and, with
+    tp, the same heads) and split each micro-batch's tokens."""
 
     training: DeviceMesh
     rows: DeviceMesh
@@ -48,7 +49,7 @@ class RoleMeshes:
         """Every rank of the group calls this alike (it creates process groups); ``training``: one already built."""
         if training is None:
             training = training_mesh(device, layout.fsdp, layout.t)
-        rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp)
+        rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp, layout.t)
         return cls(training=training, rows=rows)
 
     @property

@@ -247,14 +247,14 @@ def valid(arithmetic_files, *extra: str) -> list[str]:
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
             "more ranks than the model's 4 attention heads",
         ),
-        (
+        (  # 2 tensor-parallel ranks leave each 2 of the 4 heads: too few for 4 sequence-parallel ranks
             [
-                "trainer.n_workers_per_node=4",
-                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "trainer.n_workers_per_node=8",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
                 "actor_rollout_ref.actor.tensor_model_parallel_size=2",
             ],
             "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
-            "set one of them to 1",
+            "2 attention heads per tensor-parallel rank",
         ),
         (
             [

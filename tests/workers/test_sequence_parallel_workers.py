@@ -2,7 +2,8 @@
 same rows and split each micro-batch's tokens, FSDP2 shards over both, and dispatch sends the rows to the one
 data-parallel index and collects one rank. Old log-probs, entropy, values, the update's loss, gradient norm and
 weights equal the same rows split over 2 data-parallel ranks (sp = 1), with micro-batches of rows of unequal lengths
-(and a LoRA actor, whose reference is the same model with its adapters off)."""
+(and a LoRA actor, whose reference is the same model with its adapters off); and so does the actor with tensor
+parallelism beside it on 4 ranks (t = 2: each sp pair exchanges its shard's heads)."""
 
 import pytest
 import torch
@@ -15,8 +16,8 @@ from hybridflow.trainer.setup.config import load_config
 from hybridflow.workers import ActorRolloutWorker, CriticWorker
 
 LR = 1e-2
-RANKS = 2
 LAYOUTS = {"dp=2": LayoutShape(dp=2, t=1, tg=1), "sp=2": LayoutShape(dp=1, t=1, tg=1, sp=2)}
+WITH_TP = {"dp=2": LayoutShape(dp=2, t=2, tg=2), "sp=2": LayoutShape(dp=1, t=2, tg=2, sp=2)}
 
 
 class TokenCounting:
@@ -47,10 +48,10 @@ class CountingCritic(TokenCounting, CriticWorker):
 
 
 def _assert_split(counts: dict[str, list[int]]) -> None:
-    """Each sp rank ran about half the tokens the two data-parallel ranks ran together (a slice is padded to a
-    multiple of sp: at most one token more per micro-batch)."""
-    total = sum(counts["dp=2"])
-    assert all(total / 2 <= tokens <= 0.55 * total for tokens in counts["sp=2"]), counts
+    """Each sp rank ran about half the tokens that a rank of each data-parallel index ran (with t ranks each, all t
+    run the same tokens; a slice is padded to a multiple of sp: at most one token more per micro-batch)."""
+    per_index = sum(counts["dp=2"]) * 2 / len(counts["dp=2"])
+    assert all(per_index / 2 <= tokens <= 0.55 * per_index for tokens in counts["sp=2"]), counts
 
 
 def _actor_spec(config, layout: LayoutShape) -> RoleSpec:
@@ -68,7 +69,7 @@ def _actor_spec(config, layout: LayoutShape) -> RoleSpec:
 
 
 def _on(spec: RoleSpec, calls):
-    pool = RayResourcePool([RANKS])
+    pool = RayResourcePool([spec.kwargs["layout"].world])
     try:
         return calls(RayWorkerGroup(pool, spec))
     finally:
@@ -99,15 +100,17 @@ def _assert_same_steps(got: dict, want: dict, initial: dict) -> None:
     assert moved, "no parameter moved"
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize(
+    "lora, layouts", [(False, LAYOUTS), (True, LAYOUTS), (False, WITH_TP)], ids=["plain", "lora", "with-tp-2"]
+)
 def test_the_actor_at_sp_2_equals_two_data_parallel_ranks(
-    local_ray, tiny_path, rollout_batch, actor_config_factory, lora
+    local_ray, tiny_path, rollout_batch, actor_config_factory, lora, layouts
 ):
     extra = ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=40"]
     if lora:
         extra += ["actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.actor.use_kl_loss=true"]
     config = actor_config_factory(tiny_path, LR, *extra)
-    results = {name: _actor_run(config, layout, rollout_batch) for name, layout in LAYOUTS.items()}
+    results = {name: _actor_run(config, layout, rollout_batch) for name, layout in layouts.items()}
     split, split_ref, split_metrics, split_weights, initial, _ = results["dp=2"]
     sp, sp_ref, sp_metrics, sp_weights, _, _ = results["sp=2"]
     _assert_split({name: result[-1] for name, result in results.items()})

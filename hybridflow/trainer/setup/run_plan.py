@@ -182,16 +182,10 @@ def parallel_shape(
         )
     check_splits_evenly(model_path, t, tp_key)
     if sp > 1:
-        if t > 1:
-            raise ConfigError(
-                sp_key,
-                f"{sp} together with {tp_key}={t}: each sequence-parallel rank holds whole layers",
-                "set one of them to 1",
-            )
         if not packed[0]:
             raise ConfigError(sp_key, f"{sp}: sequence parallelism splits packed rows", f"set {packed[1]}=true")
         try:
-            check_sequence_parallel_size(model_config(model_path), sp, sp_key)
+            check_sequence_parallel_size(model_config(model_path), sp, sp_key, tensor_parallel=t)
         except ValueError as error:
             raise ConfigError(sp_key, str(error)) from None
     return world // (t * sp), t, sp
