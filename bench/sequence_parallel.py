@@ -140,7 +140,7 @@ def fits(points: list[tuple[int, float]], tokens: int, sp: int) -> bool:
     return sp * predicted * 1.1 < available
 
 
-def plot(results: dict[tuple[int, int], tuple[float, float, float]], out: Path) -> None:
+def plot(results: dict[tuple[int, int], tuple[float, float, float]], out: Path, recompute: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -153,7 +153,7 @@ def plot(results: dict[tuple[int, int], tuple[float, float, float]], out: Path) 
     axis.set_xscale("log", base=2)
     axis.set_xlabel("tokens in the micro-batch")
     axis.set_ylabel("activation memory per rank (GiB)")
-    axis.set_title(f"Ulysses: {MODEL}, bf16, forward + backward")
+    axis.set_title(f"Ulysses: {MODEL}, bf16, forward + backward{recompute}", fontsize=10)
     axis.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)
@@ -199,7 +199,7 @@ def main() -> None:
         print(f"activation memory at sp 2: at most {worst:.2f}x sp 1's (goal <= {GOAL_RATIO}: {verdict})")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.out:
-        plot(results, args.out)
+        plot(results, args.out, recompute)
 
 
 if __name__ == "__main__":
