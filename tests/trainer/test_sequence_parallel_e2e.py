@@ -1,8 +1,8 @@
-"""Whole PPO runs (GAE, a KL loss, fp32, one optimizer step per step) on 2 ranks: with the actor, its reference and the
-critic under Ulysses (sp = 2, one data-parallel rank) every metric of 4 steps equals the run with the rows split over
-2 data-parallel ranks (sp = 1), up to float rounding; and the checkpoint of step 2 written at sp = 2 resumes at sp =
-1 to the metrics of steps 3 and 4. The kill -9 resume at sp = 2 is tests/trainer/test_kill_and_resume.py's "ulysses"
-mode."""
+"""Whole GRPO and PPO runs (fp32, one optimizer step per step) on 2 ranks: with the actor, its reference and (PPO, GAE)
+the critic under Ulysses (sp = 2, one data-parallel rank) every metric of each step equals the run with the rows
+split over 2 data-parallel ranks (sp = 1), up to float rounding; and the checkpoint of step 2 written at sp = 2
+resumes at sp = 1 to the metrics of steps 3 and 4. The kill -9 resume at sp = 2 is
+tests/trainer/test_kill_and_resume.py's "ulysses" mode."""
 
 import pytest
 from test_kill_and_resume import args, comparable, records
@@ -32,6 +32,25 @@ def assert_same_metrics(got: dict, want: dict, steps: list[int]) -> None:
         assert have.keys() == expected.keys() and len(expected) > 30
         for key, value in expected.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
+
+
+def test_grpo_at_sp_2_equals_sp_1(local_ray, tmp_path):
+    """GRPO (no critic; the actor and its reference at sp = 2) against sp = 1, 3 steps, the task's own reward."""
+    data = tmp_path / "data"
+    write_task("arithmetic", data, train=8, test=4, seed=0)
+    files = (data / "train.parquet", data / "test.parquet")
+    grpo = [
+        "algorithm.adv_estimator=grpo",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.total_training_steps=3",
+    ]
+    runs = {}
+    for name, extra in (("sp1", SP_1), ("sp2", [])):
+        assert cli(["train", *args(files, tmp_path / name, "ulysses"), *grpo, *extra]) == 0
+        runs[name] = records(tmp_path / name)
+    assert sorted(runs["sp2"]) == sorted(runs["sp1"]) == [1, 2, 3]
+    assert "critic/vf_loss" not in runs["sp2"][1] and runs["sp2"][3]["actor/kl_loss"] > 0  # the policy moved
+    assert_same_metrics(runs["sp2"], runs["sp1"], [1, 2, 3])
 
 
 def test_ppo_at_sp_2_equals_sp_1_and_its_checkpoint_resumes_at_sp_1(local_ray, tmp_path):

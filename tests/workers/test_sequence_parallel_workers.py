@@ -1,19 +1,20 @@
-"""The actor's and the critic's workers under Ulysses (layout sp = 2), on real Ray ranks, fp32: the two ranks hold the
-same rows and split each micro-batch's tokens, FSDP2 shards over both, and dispatch sends the rows to the one
-data-parallel index and collects one rank. Old log-probs, entropy, values, the update's loss, gradient norm and
-weights equal the same rows split over 2 data-parallel ranks (sp = 1), with micro-batches of rows of unequal lengths
-(and a LoRA actor, whose reference is the same model with its adapters off); and so does the actor with tensor
-parallelism beside it on 4 ranks (t = 2: each sp pair exchanges its shard's heads)."""
+"""The actor's, the critic's and a teacher's workers under Ulysses (layout sp = 2), on real Ray ranks, fp32: the two
+ranks hold the same rows and split each micro-batch's tokens, FSDP2 shards over both, and dispatch sends the rows to
+the one data-parallel index and collects one rank. Old log-probs, entropy, values, the update's loss, gradient norm
+and weights equal the same rows split over 2 data-parallel ranks (sp = 1), with micro-batches of rows of unequal
+lengths (and a LoRA actor, whose reference is the same model with its adapters off), and a distillation teacher's
+log-probs; and so does the actor with tensor parallelism beside it on 4 ranks (t = 2: each sp pair exchanges its
+shard's heads)."""
 
 import pytest
 import torch
 
-from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, REF_LOG_PROB, RETURNS, VALUES
+from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, REF_LOG_PROB, RETURNS, TEACHER_LOG_PROB, VALUES
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, register
 from hybridflow.engine import forward
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.trainer.setup.config import load_config
-from hybridflow.workers import ActorRolloutWorker, CriticWorker
+from hybridflow.workers import ActorRolloutWorker, CriticWorker, TeacherWorker
 
 LR = 1e-2
 LAYOUTS = {"dp=2": LayoutShape(dp=2, t=1, tg=1), "sp=2": LayoutShape(dp=1, t=1, tg=1, sp=2)}
@@ -44,6 +45,10 @@ class CountingActor(TokenCounting, ActorRolloutWorker):
 
 
 class CountingCritic(TokenCounting, CriticWorker):
+    pass
+
+
+class CountingTeacher(TokenCounting, TeacherWorker):
     pass
 
 
@@ -172,3 +177,19 @@ def test_the_critic_at_sp_2_equals_two_data_parallel_ranks(local_ray, tiny_path,
     torch.testing.assert_close(sp_values[mask], split_values[mask], atol=1e-5, rtol=1e-5)
     for key in ("critic/vf_loss", "critic/grad_norm"):
         assert sp_metrics[key] == pytest.approx(split_metrics[key], rel=1e-5, abs=1e-7), key
+
+
+def test_the_teacher_at_sp_2_equals_two_data_parallel_ranks(local_ray, tiny_path, rollout_batch):
+    config = load_config([f"teacher.model.path={tiny_path}", "teacher.fsdp.param_dtype=fp32"]).teacher
+
+    def calls(group):
+        return group.compute_teacher_log_prob(rollout_batch).batch[TEACHER_LOG_PROB], group.tokens_run()
+
+    results = {}
+    for name, layout in LAYOUTS.items():
+        kwargs = dict(config=config, model_path=tiny_path, layout=layout, temperature=0.7, seed=0)
+        results[name] = _on(RoleSpec(CountingTeacher, kwargs=kwargs), calls)
+    mask = rollout_batch.batch["response_mask"].bool()
+    assert results["dp=2"][0][mask].abs().min() > 0
+    torch.testing.assert_close(results["sp=2"][0][mask], results["dp=2"][0][mask], atol=1e-5, rtol=1e-5)
+    _assert_split({name: result[1] for name, result in results.items()})
