@@ -27,7 +27,7 @@ from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
-from hybridflow.engine.sequence_parallel import sum_over
+from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
@@ -69,6 +69,14 @@ class ResponseShard:
         return sum_over(full, self.group)
 
 
+def _sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> int:
+    """The ranks of ``sp_group``; ValueError for a padded pass under sequence parallelism (it splits packed rows)."""
+    sp = sp_size(sp_group)
+    if sp > 1 and not remove_padding:
+        raise ValueError("sequence parallelism runs on packed rows: set use_remove_padding=true")
+    return sp
+
+
 def response_outputs(
     model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, ResponseShard | None]:
@@ -81,10 +89,8 @@ def response_outputs(
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
-    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    sp = _sp_of_packed(sp_group, remove_padding)
     if not remove_padding:
-        if sp > 1:
-            raise ValueError("sequence parallelism runs on packed rows: set use_remove_padding=true")
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
         return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None
     packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], response_length)
@@ -260,10 +266,8 @@ def sequence_scores(
     runs its slice and gives the scores of the rows whose scored token it holds."""
     tensors = batch.batch
     ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
-    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    sp = _sp_of_packed(sp_group, remove_padding)
     if not remove_padding:
-        if sp > 1:
-            raise ValueError("sequence parallelism runs on packed rows: set use_remove_padding=true")
         return (
             model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False)
             .logits[:, 0]
@@ -278,10 +282,8 @@ def sequence_scores(
         packed, shards, start = _local_slice(packed, sp_group)
     outputs: list[torch.Tensor] = []
     hook = head_module(model).register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
-    try:
-        packed_forward(
-            model, packed, shards=shards
-        )  # its pooled output reads one token of the pack: the head's is used
+    try:  # the model's pooled output reads one token of the pack: the head's output is what is used
+        packed_forward(model, packed, shards=shards)
     finally:
         hook.remove()
     token_scores = outputs[-1][0, :, 0]  # the head's output at every packed token (of this rank's slice)

@@ -6,7 +6,7 @@ import ray
 from cache_helpers import built_models
 from test_sft_e2e import arguments, conversation_files
 
-from hybridflow.trainer.commands.sft import run
+from hybridflow.trainer.commands.sft import SFT, run
 from hybridflow.trainer.setup.sft_config import load_sft_config
 from hybridflow.validation import ConfigError
 
@@ -38,3 +38,11 @@ def test_config_errors_come_before_ray_naming_the_key(files, tmp_path, empty_mod
     assert not ray.is_initialized()
     assert not (tmp_path / "run").exists()  # nothing written
     assert built_models(empty_model_cache) == []  # and no model built
+
+
+def test_the_sequence_parallel_key_makes_the_layout(files, tmp_path):
+    """engine.ulysses_sequence_parallel_size=2 on the 2 ranks: one data-parallel rank whose 2 ranks split each
+    micro-batch's tokens (tests/workers/test_sequence_parallel_workers.py: what the workers do with it)."""
+    plan = SFT.check(load_sft_config([*arguments(files, tmp_path / "run"), "engine.ulysses_sequence_parallel_size=2"]))
+    assert (plan.layout.dp, plan.layout.sp, plan.layout.t) == (1, 2, 1)
+    assert not ray.is_initialized()

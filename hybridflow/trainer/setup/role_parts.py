@@ -58,6 +58,11 @@ class RolePart:
         """Its config section (None without one)."""
         return functools.reduce(getattr, self.section.split("."), config) if self.section else None
 
+    def packs(self, config: HybridFlowConfig) -> bool:
+        """Whether its passes run on packed rows: its section's ``use_remove_padding`` (a section without the setting,
+        the reward model's, always packs)."""
+        return bool(getattr(self.settings(config), "use_remove_padding", True))
+
     def parallel_size(self, config: HybridFlowConfig, name: str) -> int:
         """Its ``TENSOR_PARALLEL`` or ``SEQUENCE_PARALLEL`` size (1 without a section, or a section without it)."""
         return int(getattr(self.settings(config), name, 1)) if self.section else 1

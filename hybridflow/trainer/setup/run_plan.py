@@ -272,7 +272,7 @@ def role_layouts(
                 t=part.parallel_size(config, TENSOR_PARALLEL),
                 sp=part.parallel_size(config, SEQUENCE_PARALLEL),
                 keys=(part.key(TENSOR_PARALLEL), part.key(SEQUENCE_PARALLEL)),
-                packed=(getattr(part.settings(config), "use_remove_padding", True), part.key("use_remove_padding")),
+                packed=(part.packs(config), part.key("use_remove_padding")),
             )
         if role is Role.ActorRollout:
             layouts[role] = _actor_layout(config, dp, t, sp)
