@@ -12,7 +12,7 @@ import torch
 from hybridflow.algorithms import LossAggregation, compute_value_loss
 from hybridflow.batch_keys import METRICS, RESPONSE_MASK, RETURNS, VALUES
 from hybridflow.engine.config import CriticConfig
-from hybridflow.engine.forward import batched_values, pass_work, response_values
+from hybridflow.engine.forward import ResponseOutputs, batched_values, pass_work, values_of
 from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto
 
@@ -39,9 +39,11 @@ class CriticEngine(UpdatedEngine):
         metrics = self.meter.metrics("values", work, time.perf_counter() - start, training=False)
         return DataProto.from_dict({VALUES: values * data.batch[RESPONSE_MASK]}, meta_info={METRICS: metrics})
 
-    def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
+    def _micro_loss(
+        self, micro: DataProto, agg: LossAggregation, outputs: ResponseOutputs
+    ) -> tuple[torch.Tensor, dict]:
         batch = micro.batch
-        vpreds = response_values(self.model, micro, self.config.use_remove_padding, self.sp_group)
+        vpreds = values_of(outputs)
         loss, metrics = compute_value_loss(
             vpreds, batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK], self.config.cliprange_value, agg
         )
@@ -59,6 +61,7 @@ class CriticEngine(UpdatedEngine):
             prefix="critic",
             mini_batch_size=mini_batch_size,
             seed=seed,
+            forward=self.outputs,
             micro_loss=self._micro_loss,
             dp_group=self.dp_group,
             loss_share_keys=("critic/vf_loss",),

@@ -18,6 +18,7 @@ import dataclasses
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
 from hybridflow.models.loading import HEAD_NAME
@@ -69,6 +71,16 @@ class ResponseShard:
         return sum_over(full, self.group)
 
 
+class ResponseOutputs(NamedTuple):
+    """The model's outputs that predict the response tokens (``response_outputs``): ``logits`` (B, R, C) padded, or
+    (M, C) at the M real response tokens packed; where they go ((B, R) mask, None padded); and under sequence
+    parallelism, which of them this rank computed (None: all)."""
+
+    logits: torch.Tensor
+    valid: torch.Tensor | None
+    shard: ResponseShard | None
+
+
 def _sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> int:
     """The ranks of ``sp_group``; ValueError for a padded pass under sequence parallelism (it splits packed rows)."""
     sp = sp_size(sp_group)
@@ -79,7 +91,7 @@ def _sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> i
 
 def response_outputs(
     model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None, ResponseShard | None]:
+) -> ResponseOutputs:
     """The model's outputs (``.logits``) that predict the response tokens, where they go, and whose they are.
 
     Padded: (B, R, C) for every response position, None, None. Packed: (M, C) for the M real response tokens only
@@ -92,17 +104,22 @@ def response_outputs(
     sp = _sp_of_packed(sp_group, remove_padding)
     if not remove_padding:
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-        return model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None
-    packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], response_length)
-    keep = packed.response_index[
-        packed.response_valid
-    ]  # (M,) packed positions; rows sharing a prompt share its last one
+        return ResponseOutputs(model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None)
+    packed, keep = packed_responses(batch)
     if sp > 1:
         outputs, shard = _sharded_outputs(model, packed, keep, sp_group)
-        return outputs, packed.response_valid, shard
+        return ResponseOutputs(outputs, packed.response_valid, shard)
     if _accepts_logits_to_keep(model):
-        return packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid, None
-    return packed_forward(model, packed)[0, keep], packed.response_valid, None
+        return ResponseOutputs(packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid, None)
+    return ResponseOutputs(packed_forward(model, packed)[0, keep], packed.response_valid, None)
+
+
+def packed_responses(batch: DataProto) -> tuple[PackedBatch, torch.Tensor]:
+    """``batch``'s rows packed, and the (M,) packed positions whose outputs predict the real response tokens (rows
+    sharing a prompt share its last one)."""
+    tensors = batch.batch
+    packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], tensors[RESPONSES].shape[1])
+    return packed, packed.response_index[packed.response_valid]
 
 
 def _local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBatch, SequenceShards, int]:
@@ -154,7 +171,19 @@ def response_log_probs(
     ``entropy_grad=False``: the entropy is a metric only, computed outside the autograd graph. ``sp_group``: Ulysses
     sequence parallelism over its ranks (every rank gets every row's values).
     """
-    logits, valid, shard = response_outputs(model, batch, remove_padding, sp_group)
+    outputs = response_outputs(model, batch, remove_padding, sp_group)
+    return log_probs_of(outputs, batch, temperature, with_entropy, entropy_grad)
+
+
+def log_probs_of(
+    outputs: ResponseOutputs,
+    batch: DataProto,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``response_log_probs`` from the model's outputs on ``batch``."""
+    logits, valid, shard = outputs
     if temperature != 1.0:
         logits = logits / temperature
     responses = batch.batch[RESPONSES]
@@ -174,24 +203,65 @@ def response_values(
     model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Critic values V(s_t) of the state before each response token: (B, R) in fp32."""
-    values, valid, shard = response_outputs(model, batch, remove_padding, sp_group)  # (B, R, 1) or (M, 1)
+    return values_of(response_outputs(model, batch, remove_padding, sp_group))
+
+
+def values_of(outputs: ResponseOutputs) -> torch.Tensor:
+    """``response_values`` from the model's outputs ((B, R, 1) or (M, 1))."""
+    values, valid, shard = outputs
     values = values[..., 0].float()
     return _to_rows(values if shard is None else shard.whole(values), valid)
 
 
 def _batched(
-    compute: Callable[[DataProto], torch.Tensor | tuple],
+    model: nn.Module,
+    of_outputs: Callable[[DataProto, ResponseOutputs], torch.Tensor | tuple],
     data: DataProto,
     micro_batch_size: int,
     remove_padding: bool,
     max_token_len: int | None,
+    sp_group: dist.ProcessGroup | None,
 ) -> tuple[list, list[list[int]]]:
-    """``compute`` on each micro-batch of ``data`` (``micro_batch_size`` rows, or with ``max_token_len`` at most that
-    many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
-    ``restore_order``."""
+    """``of_outputs`` of each micro-batch's ``response_outputs`` (``micro_batch_size`` rows, or with ``max_token_len``
+    at most that many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
+    ``restore_order``. A pipelined model runs every micro-batch through its stages in one schedule, and every rank of
+    its pp group gets the results of the last stage."""
     sharing = packed_prompt_sharing(data, remove_padding)
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
-    return [compute(micro) for micro in split_by_groups(data, groups)], groups
+    micro_batches = split_by_groups(data, groups)
+    if isinstance(model, PipelinedModel):
+        outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group)
+        parts = None if outputs is None else [of_outputs(m, o) for m, o in zip(micro_batches, outputs)]
+        return model.share_from_last(parts), groups
+    return [of_outputs(m, response_outputs(model, m, remove_padding, sp_group)) for m in micro_batches], groups
+
+
+def _check_pipelined(remove_padding: bool, sp_group: dist.ProcessGroup | None) -> None:
+    if not remove_padding:
+        raise ValueError("pipeline parallelism runs on packed rows: set use_remove_padding=true")
+    if sp_size(sp_group) > 1:
+        raise ValueError("pipeline parallelism does not combine with Ulysses sequence parallelism yet: set one to 1")
+
+
+def pipelined_outputs(
+    model: PipelinedModel,
+    micro_batches: list[DataProto],
+    remove_padding: bool,
+    sp_group: dist.ProcessGroup | None = None,
+    loss: Callable[[int, ResponseOutputs], torch.Tensor] | None = None,
+) -> list[ResponseOutputs] | None:
+    """``response_outputs`` of every micro-batch through a pipelined model's stages. With ``loss`` (training): loss(i,
+    outputs) is micro-batch i's loss, which the schedule backwards; returns None. Without: forward only; returns the
+    outputs on the rank holding the last stage, None elsewhere."""
+    _check_pipelined(remove_padding, sp_group)
+    packed = [packed_responses(micro) for micro in micro_batches]
+
+    def outputs(index: int, logits: torch.Tensor) -> ResponseOutputs:
+        return ResponseOutputs(logits, packed[index][0].response_valid, None)
+
+    staged_loss = None if loss is None else (lambda index, logits: loss(index, outputs(index, logits)))
+    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss)
+    return None if results is None else [outputs(i, logits) for i, logits in enumerate(results)]
 
 
 @torch.no_grad()
@@ -209,11 +279,13 @@ def batched_log_probs(
     """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``); ``sp_group``:
     Ulysses over its ranks, which all hold ``data``."""
     parts, groups = _batched(
-        lambda micro: response_log_probs(model, micro, temperature, with_entropy, remove_padding, sp_group=sp_group),
+        model,
+        lambda micro, outputs: log_probs_of(outputs, micro, temperature, with_entropy),
         data,
         micro_batch_size,
         remove_padding,
         max_token_len,
+        sp_group,
     )
     log_probs = restore_order([p[0] for p in parts], groups)
     entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None
@@ -231,8 +303,15 @@ def batched_values(
     sp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Values of a whole batch, (B, R); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
-    compute = lambda micro: response_values(model, micro, remove_padding, sp_group)  # noqa: E731
-    parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
+    parts, groups = _batched(
+        model,
+        lambda micro, outputs: values_of(outputs),
+        data,
+        micro_batch_size,
+        remove_padding,
+        max_token_len,
+        sp_group,
+    )
     return restore_order(parts, groups)
 
 
@@ -264,6 +343,11 @@ def sequence_scores(
     takes the score from the model's own output; the packed pass runs the real tokens only (rows sharing their first
     tokens compute them once) and reads the head's output at the same tokens; with ``sp_group`` (Ulysses) each rank
     runs its slice and gives the scores of the rows whose scored token it holds."""
+    if isinstance(model, PipelinedModel):
+        raise ValueError(
+            "a sequence score (a reward model) does not run through pipeline stages yet: set the reward "
+            "model's pipeline_model_parallel_size to 1"
+        )
     tensors = batch.batch
     ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
     sp = _sp_of_packed(sp_group, remove_padding)
@@ -306,5 +390,6 @@ def batched_scores(
 ) -> torch.Tensor:
     """Sequence scores of a whole batch, (B,); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
     compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding, sp_group)  # noqa: E731
-    parts, groups = _batched(compute, data, micro_batch_size, remove_padding, max_token_len)
-    return restore_order(parts, groups)
+    sharing = packed_prompt_sharing(data, remove_padding)
+    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
+    return restore_order([compute(micro) for micro in split_by_groups(data, groups)], groups)

@@ -23,11 +23,20 @@ def data_parallel_mesh(device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
+class AbsentLayer(nn.Module):
+    """A decoder layer that another pipeline stage holds (engine/pipeline.py): passes the hidden states through."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks of a Hugging Face model (the natural FSDP units)."""
+    """The repeated transformer blocks of a Hugging Face model (the natural FSDP units); a pipeline stage's own only."""
     for module in model.modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0 and "Layer" in type(module[0]).__name__:
-            return list(module)
+        if isinstance(module, nn.ModuleList):
+            present = [layer for layer in module if not isinstance(layer, AbsentLayer)]
+            if present and "Layer" in type(present[0]).__name__:
+                return present
     return []
 
 

@@ -121,6 +121,37 @@ def pack(
     )
 
 
+def pad_packed(packed: PackedBatch, length: int) -> PackedBatch:
+    """``packed`` followed by filler tokens up to ``length``: a row of their own (token 0 at positions 0, 1, ...), so
+    they attend to each other only and every real token's output is unchanged. A pipeline's micro-batches then all
+    have one shape (engine/pipeline.py)."""
+    total = packed.input_ids.shape[1]
+    extra = length - total
+    if extra < 0:
+        raise ValueError(f"a packed batch of {total} tokens cannot be padded to {length}")
+    if extra == 0:
+        return packed
+    index = packed.segments.index
+    rows, longest = index.shape
+    width = max(longest, extra)
+    filler = torch.arange(total, length, device=index.device)
+    new_index = torch.zeros(rows + 1, width, dtype=index.dtype, device=index.device)
+    new_index[:rows, :longest] = index
+    new_index[rows, :extra] = filler
+    real = packed.segments.real
+    real = torch.cat(
+        [(real // longest) * width + real % longest, rows * width + torch.arange(extra, device=real.device)]
+    )
+    ids = packed.input_ids
+    return PackedBatch(
+        input_ids=torch.cat([ids, ids.new_zeros(1, extra)], dim=1),
+        position_ids=torch.cat([packed.position_ids, torch.arange(extra, device=ids.device).unsqueeze(0)], dim=1),
+        segments=Segments(index=new_index, real=real),
+        response_index=packed.response_index,
+        response_valid=packed.response_valid,
+    )
+
+
 _packed_calls = 0  # layers that ran packed attention: a model that bypasses AttentionInterface runs none
 
 

@@ -23,9 +23,10 @@ from hybridflow.batch_keys import (
     ROLLOUT_LOG_PROBS,
 )
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.forward import ResponseOutputs, log_probs_of
 from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto
 
@@ -77,20 +78,23 @@ class PolicyEngine(UpdatedEngine):
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
     def _micro_loss(
-        self, micro: DataProto, agg: LossAggregation, temperature: float, first_pass: FirstPass | None
+        self,
+        micro: DataProto,
+        agg: LossAggregation,
+        outputs: ResponseOutputs,
+        temperature: float,
+        first_pass: FirstPass | None,
     ) -> tuple[torch.Tensor, dict]:
         cfg = self.config
         batch = micro.batch
         mask = batch[RESPONSE_MASK]
         entropy_in_loss = cfg.entropy_coeff != 0
-        log_prob, entropy = response_log_probs(
-            self.model,
+        log_prob, entropy = log_probs_of(
+            outputs,
             micro,
             temperature,
             with_entropy=entropy_in_loss or first_pass is not None,
-            remove_padding=cfg.use_remove_padding,
             entropy_grad=entropy_in_loss,
-            sp_group=self.sp_group,
         )
         if first_pass is not None:
             first_pass.record(batch[_ROW], log_prob.detach(), entropy.detach())
@@ -138,11 +142,14 @@ class PolicyEngine(UpdatedEngine):
             prefix="actor",
             mini_batch_size=mini_batch_size,
             seed=seed,
-            micro_loss=lambda micro, agg: self._micro_loss(micro, agg, temperature, first_pass),
+            forward=self.outputs,
+            micro_loss=lambda micro, agg, outputs: self._micro_loss(micro, agg, outputs, temperature, first_pass),
             dp_group=self.dp_group,
             loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
         )
         tensors = first_pass.tensors() if first_pass is not None else None
+        if tensors is not None and isinstance(self.model, PipelinedModel):  # the last stage computed them
+            tensors = self.model.share_from_last(tensors)
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
     def _first_pass(self, data: DataProto, mini_batch_size: int) -> tuple[DataProto, FirstPass | None]:

@@ -24,10 +24,12 @@ from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine.config import SFTEngineConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import (
+    ResponseOutputs,
     batched_log_probs,
     batched_scores,
+    log_probs_of,
     pass_work,
-    response_log_probs,
+    response_outputs,
     sequence_scores,
 )
 from hybridflow.engine.lora import adapters_off
@@ -84,14 +86,13 @@ class SupervisedEngine:
         with adapters_off(self.model):
             yield self.model
 
-    def _forward(self, micro: DataProto) -> ForwardOutputs:
-        """The objective's forward on a micro-batch, with gradients."""
+    def _forward(self, micro: DataProto) -> torch.Tensor | ResponseOutputs:
+        """The model's outputs on a micro-batch, with gradients: the sequence scores of a scoring objective, else the
+        outputs that predict the answer tokens."""
         remove_padding = self.config.use_remove_padding
         if self.objective.output == SEQUENCE_SCORES:
-            scores = sequence_scores(self.model, micro, self.pad_token_id, remove_padding, self.sp_group)
-            return ForwardOutputs(scores=scores)
-        log_probs = response_log_probs(self.model, micro, remove_padding=remove_padding, sp_group=self.sp_group)[0]
-        return ForwardOutputs(log_probs=log_probs)
+            return sequence_scores(self.model, micro, self.pad_token_id, remove_padding, self.sp_group)
+        return response_outputs(self.model, micro, remove_padding, self.sp_group)
 
     def _all_rows(self, model: nn.Module, data: DataProto, output: str) -> torch.Tensor:
         """``output`` for every row of ``data``, micro-batch by micro-batch without gradients."""
@@ -109,8 +110,14 @@ class SupervisedEngine:
         )
         return log_probs
 
-    def _micro_loss(self, micro: DataProto, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
-        return self.objective.loss(self._forward(micro), micro.batch, agg)
+    def _micro_loss(
+        self, micro: DataProto, agg: LossAggregation, outputs: torch.Tensor | ResponseOutputs
+    ) -> tuple[torch.Tensor, dict]:
+        if self.objective.output == SEQUENCE_SCORES:
+            forward = ForwardOutputs(scores=outputs)
+        else:
+            forward = ForwardOutputs(log_probs=log_probs_of(outputs, micro)[0])
+        return self.objective.loss(forward, micro.batch, agg)
 
     def train_batch(self, data: DataProto, seed: int) -> DataProto:
         """One optimizer step over this rank's rows (their share of the global batch), metrics in the output."""
@@ -124,6 +131,7 @@ class SupervisedEngine:
             prefix=name,
             mini_batch_size=len(data),
             seed=seed,
+            forward=self._forward,
             micro_loss=self._micro_loss,
             loss_share_keys=self.objective.share_keys,
             dp_group=self.dp_group,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +34,22 @@ from hybridflow.batch_keys import RESPONSE_MASK
 from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import packed_prompt_sharing, pass_work
+from hybridflow.engine.forward import (
+    ResponseOutputs,
+    packed_prompt_sharing,
+    pass_work,
+    pipelined_outputs,
+    response_outputs,
+)
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.lengths import row_lengths
 from hybridflow.protocol import DataProto
 
-MicroLossFn = Callable[[DataProto, LossAggregation], tuple[torch.Tensor, dict[str, float]]]
+# (micro-batch, the mini-batch's loss aggregation, the model's outputs on it) -> its loss and metrics
+MicroLossFn = Callable[[DataProto, LossAggregation, Any], tuple[torch.Tensor, dict[str, float]]]
 
 
 class UpdatedEngine:
@@ -65,6 +74,10 @@ class UpdatedEngine:
     def model(self) -> nn.Module:
         """The model under training (``trained.model``)."""
         return self.trained.model
+
+    def outputs(self, micro: DataProto) -> ResponseOutputs:
+        """The model's outputs on a micro-batch's response tokens, with gradients."""
+        return response_outputs(self.model, micro, self.config.use_remove_padding, self.sp_group)
 
 
 def global_aggregation(
@@ -95,6 +108,7 @@ def run_updates(
     prefix: str,
     mini_batch_size: int,
     seed: int,
+    forward: Callable[[DataProto], Any],
     micro_loss: MicroLossFn,
     loss_share_keys: tuple[str, ...] = (),
     dp_group: dist.ProcessGroup | None = None,
@@ -102,9 +116,10 @@ def run_updates(
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
-    ``micro_loss`` gives a micro-batch's loss and metrics; ``prefix`` names the step's own metrics
-    (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and ``pass_name`` its FLOP/s
-    over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
+    ``forward`` gives the model's outputs on a micro-batch and ``micro_loss`` its loss and metrics from them (a
+    pipelined model's stages give its ``response_outputs`` instead, the last stage computing the loss). ``prefix``
+    names the step's own metrics (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and
+    ``pass_name`` its FLOP/s over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
     Metrics are the mini-batch's whatever its micro-batches and ranks: a micro-batch's value weighted by its
     share of the mini-batch's response tokens over all ranks (token means come out exact), except
     ``loss_share_keys``: those are each micro-batch's share of the global mini-batch loss, so they are
@@ -132,20 +147,22 @@ def run_updates(
         units = row_units(mini_batch) if row_units is not None else None
         groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing, units)
         shares: dict[str, float] = defaultdict(float)
-        with gathered_through_backward(model, keep=not config.reshard_after_forward):
-            for micro_batch in split_by_groups(mini_batch, groups):
-                loss, metrics = micro_loss(micro_batch, agg)
-                (loss * world_size).backward()
-                tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
-                token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
-                for key, value in metrics.items():
-                    if key in loss_share_keys:
-                        shares[key] += _to_float(value) * world_size
-                    elif tokens:  # a micro-batch without response tokens has no share (and mean metrics of nothing)
-                        shares[key] += _to_float(value) * token_share * world_size
+        micro_batches = split_by_groups(mini_batch, groups)
+        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config)
+        for micro_batch, metrics in zip(micro_batches, backwarded):
+            tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
+            token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
+            for key, value in metrics.items():
+                if key in loss_share_keys:
+                    shares[key] += value * world_size
+                elif tokens:  # a micro-batch without response tokens has no share (and mean metrics of nothing)
+                    shares[key] += value * token_share * world_size
         for key, value in shares.items():
             totals[key].append(value)
-        grad_norm = grad_norm_and_clip(model, config.grad_clip)
+        if isinstance(model, PipelinedModel):
+            grad_norm = model.grad_norm_and_clip(config.grad_clip)
+        else:
+            grad_norm = grad_norm_and_clip(model, config.grad_clip)
         finite = bool(torch.isfinite(torch.tensor(grad_norm)))
         if finite:
             optimizer.step()
@@ -161,3 +178,34 @@ def run_updates(
     work = pass_work(data, config.use_remove_padding)
     metrics.update(meter.metrics(pass_name, work, time.perf_counter() - start, True, config.ppo_epochs))
     return metrics
+
+
+def _backward(
+    model: nn.Module,
+    micro_batches: list[DataProto],
+    agg: LossAggregation,
+    world_size: int,
+    forward: Callable[[DataProto], Any],
+    micro_loss: MicroLossFn,
+    config: UpdateConfig,
+) -> list[dict[str, float]]:
+    """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
+    A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
+    and every rank of the pp group gets the metrics."""
+    if isinstance(model, PipelinedModel):
+        metrics: dict[int, dict[str, float]] = {}
+
+        def staged_loss(index: int, outputs: Any) -> torch.Tensor:
+            loss, values = micro_loss(micro_batches[index], agg, outputs)
+            metrics[index] = {key: _to_float(value) for key, value in values.items()}
+            return loss * world_size
+
+        pipelined_outputs(model, micro_batches, config.use_remove_padding, loss=staged_loss)
+        return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
+    results = []
+    with gathered_through_backward(model, keep=not config.reshard_after_forward):
+        for micro_batch in micro_batches:
+            loss, values = micro_loss(micro_batch, agg, forward(micro_batch))
+            (loss * world_size).backward()
+            results.append({key: _to_float(value) for key, value in values.items()})
+    return results

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
+from hybridflow.engine.pipeline import PIPELINE_DIM, build_pipelined
 from hybridflow.engine.sequence_parallel import row_mesh
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -73,10 +75,13 @@ def build_sharded(
     *,
     gradient_checkpointing: bool = False,
     lora: LoraConfig | None = None,
+    stages_per_rank: int = 1,
 ) -> nn.Module:
     """Load the model directory ``path`` (the run plan's), then shard: over all ranks (FSDP2), or on a
-    (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp. With ``lora`` enabled the
-    model gets peft's adapters first, its frozen base kept in the compute dtype (no fp32 master copy)."""
+    (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp; on a (dp, pp, tp) mesh split into
+    pipeline stages first, ``stages_per_rank`` on each pp rank (above 1: the interleaved 1F1B schedule), each stage
+    sharded so. With ``lora`` enabled the model gets peft's adapters first, its frozen base kept in the compute dtype
+    (no fp32 master copy)."""
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(path, dtype=torch.float32)
@@ -88,8 +93,20 @@ def build_sharded(
     module = module.to(device)
     if mesh is None:
         return shard_model(module, data_parallel_mesh(device), fsdp)
-    apply_tensor_parallel(module, mesh["tp"])
-    return shard_model(module, mesh["dp"], fsdp)
+
+    pipelined = PIPELINE_DIM in (mesh.mesh_dim_names or ())
+    # the shared-memory collectives keep two buffers, for ranks at most one collective apart: the interleaved
+    # schedule gathers several stages ahead (engine/host_collectives.py), so stages reduce through the process group
+    stage_fsdp = dataclasses.replace(fsdp, host_collectives=False) if pipelined else fsdp
+
+    def shard(part: nn.Module) -> nn.Module:
+        apply_tensor_parallel(part, mesh["tp"])
+        return shard_model(part, mesh["dp"], stage_fsdp)
+
+    if not pipelined:
+        return shard(module)
+    activations = parse_dtype(fsdp.param_dtype, device)
+    return build_pipelined(module, mesh, shard, stages_per_rank=stages_per_rank, activation_dtype=activations)
 
 
 def build_trainable(
@@ -102,6 +119,7 @@ def build_trainable(
     seed: int,
     total_steps: int,
     mesh: DeviceMesh | None = None,
+    stages_per_rank: int = 1,
 ) -> TrainedModel:
     """``build_sharded`` (``model``: its gradient checkpointing and LoRA), with AdamW over the trainable
     parameters and its learning-rate schedule over ``total_steps`` training steps."""
@@ -114,6 +132,7 @@ def build_trainable(
         mesh,
         gradient_checkpointing=model.enable_gradient_checkpointing,
         lora=model.lora,
+        stages_per_rank=stages_per_rank,
     )
     return TrainedModel.build(sharded, optim, total_steps)
 

@@ -83,7 +83,8 @@ def test_its_step_is_autograd_of_plain_forwards_whatever_the_micro_batching(tiny
             torch.testing.assert_close(weight, expected, atol=2e-7, rtol=0, msg=name)
     packed = engine(tiny_path, registered())
     agg = LossAggregation.for_minibatch("token-mean", data.batch[RESPONSE_MASK])
-    loss, _ = packed._micro_loss(data.select(deepcopy=True), agg)
+    micro = data.select(deepcopy=True)
+    loss, _ = packed._micro_loss(micro, agg, packed._forward(micro))
     loss.backward()
     plain = engine(tiny_path, registered())  # the same weights: autograd through one plain forward per sample
     expected = torch.stack([answer_nll_by_hand(plain.model, row) for row in dataset.rows]).mean()

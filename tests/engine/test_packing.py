@@ -8,7 +8,7 @@ import torch
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine import packing
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine.packing import grouped_causal_attention, pack
+from hybridflow.engine.packing import grouped_causal_attention, pack, packed_forward, pad_packed
 from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.lengths import computed_lengths
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
@@ -205,3 +205,20 @@ def test_grouped_causal_attention_in_bf16_has_the_bits_of_a_float32_masked_softm
             results.append((out, *torch.autograd.grad((out.float() * weights.float()).sum(), (q, k, v))))
         for got, expected in zip(*results):
             assert torch.equal(got, expected), scale
+
+
+def test_filler_tokens_leave_every_real_output_unchanged():
+    """``pad_packed``: a pipeline pads its micro-batches to one length; the filler is a row of its own, so the real
+    tokens' outputs are the unpadded pass's."""
+    torch.manual_seed(0)
+    model = load_causal_lm("tiny-llama", dtype=torch.float32)
+    ids = torch.tensor([[0, 5, 6, 7, 8], [9, 10, 11, 12, 13]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])
+    packed = pack(ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response_length=2)
+    with torch.no_grad():
+        plain = packed_forward(model, packed)
+        padded = packed_forward(model, pad_packed(packed, packed.input_ids.shape[1] + 7))
+    assert padded.shape[1] == plain.shape[1] + 7
+    torch.testing.assert_close(padded[:, : plain.shape[1]], plain, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="cannot be padded"):
+        pad_packed(packed, 3)

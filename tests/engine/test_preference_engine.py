@@ -109,7 +109,8 @@ def test_the_loss_and_gradient_equal_a_hand_computation(tiny_path, pairs):
     # the gradient: one micro-batch's backward on a fresh copy, against autograd through the plain forwards
     fresh = engine(tiny(tiny_path), reference, micro_batch_size_per_gpu=len(data))
     aggregation = LossAggregation.for_minibatch("token-mean", data.batch[RESPONSE_MASK])  # its global_seqs: 6 rows
-    loss, _ = fresh._micro_loss(data.select(deepcopy=True), aggregation)
+    micro = data.select(deepcopy=True)
+    loss, _ = fresh._micro_loss(micro, aggregation, fresh._forward(micro))
     loss.backward()
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=0)
     for (name, parameter), (_, hand) in zip(fresh.model.named_parameters(), by_hand.named_parameters(), strict=True):

@@ -89,7 +89,8 @@ def test_the_loss_and_gradient_equal_a_hand_computation(reward_model_dir, pairs)
     assert metrics["rm/grad_norm"] > 0.1
     fresh = engine(reward_model(reward_model_dir), micro_batch_size_per_gpu=6)
     data = batch(pairs)
-    loss, _ = fresh._micro_loss(data, LossAggregation.for_minibatch("token-mean", data.batch[RESPONSE_MASK]))
+    aggregation = LossAggregation.for_minibatch("token-mean", data.batch[RESPONSE_MASK])
+    loss, _ = fresh._micro_loss(data, aggregation, fresh._forward(data))
     loss.backward()
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=0)
     for (name, parameter), (_, hand) in zip(fresh.model.named_parameters(), by_hand.named_parameters(), strict=True):

@@ -108,7 +108,8 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(tiny_path, b
     for packed in (True, False):
         sft = engine(tiny_path, use_remove_padding=packed)
         agg = LossAggregation.for_minibatch("token-mean", data.batch[RESPONSE_MASK])
-        loss, _ = sft._micro_loss(data.select(deepcopy=True), agg)
+        micro = data.select(deepcopy=True)
+        loss, _ = sft._micro_loss(micro, agg, sft._forward(micro))
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in sft.model.named_parameters()}))
     (packed_loss, packed_grads), (padded_loss, padded_grads) = results

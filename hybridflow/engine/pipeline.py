@@ -1,0 +1,366 @@
+"""Pipeline parallelism: a model's decoder layers split into stages over the ranks of a "pp" group, run by torch's own
+schedules (torch.distributed.pipelining: 1F1B, interleaved 1F1B) over packed micro-batches.
+
+A stage is a copy of the transformers model that keeps its share of the decoder layers (the others become
+``AbsentLayer``, so every parameter keeps the unsplit model's name: checkpoints do not depend on the layout), the
+embedding on the first stage, and the final norm and the head on the last. Each rank holds one stage (1F1B) or
+``stages_per_rank`` of them, stage ``rank + k * pp`` (interleaved). Every stage is sharded as the unsplit model is
+(tensor parallelism over "tp", FSDP2 over "dp"), so the mesh is (dp, pp, tp).
+
+Every rank of a pp group holds the same rows. A pass packs each micro-batch (``packing.pack``) on every stage alike,
+and pads them all to one length with filler tokens in a row of their own (``pad_packed``): torch's schedules fix the
+shapes sent between stages for a whole ``step``. The first stage embeds the token ids; each stage sends its hidden
+states (1, N, D) to the next; the last stage gives the head's output at the selected packed positions (those that
+predict response tokens), the same values the unsplit ``forward.response_outputs`` gives, to a loss (training:
+1F1B's backward follows) or back to the caller (scoring, forward only). Stages and schedule are built for each pass
+with their shapes given (no shape inference run), so every pass may have its own lengths and micro-batch count.
+
+Gradients: each micro-batch's loss is its share of the global loss as without stages (``scale_grads`` off); FSDP2
+reduces the gradients over "dp" once per pass. A model with tied embeddings holds the embedding on the first stage
+and the head on the last: their gradients are summed over the two (``TiedWeights``), so both copies take the same
+step and stay equal, as the one tensor of the unsplit model does. The gradient norm sums every stage's squares.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor
+
+from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
+from hybridflow.engine.packing import PackedBatch, pad_packed, use_packed_attention
+
+PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
+
+
+def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh:
+    """The (dp, pp, tp) mesh over the process group's ranks, rank = (dp_index * pp + pp_index) * tp + tp_index: the pp
+    (and tp) ranks of one dp index hold the same rows."""
+    return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", PIPELINE_DIM, "tp"))
+
+
+def schedule_name(stages_per_rank: int) -> str:
+    """1F1B with one stage per rank, interleaved 1F1B with more."""
+    return "1f1b" if stages_per_rank == 1 else "interleaved_1f1b"
+
+
+SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """The decoder layers of each stage: ``num_layers / num_stages`` consecutive ones each (ValueError unless it
+    divides)."""
+    if num_stages < 1 or num_layers % num_stages:
+        raise ValueError(f"{num_layers} decoder layers do not split into {num_stages} pipeline stages of equal size")
+    per_stage = num_layers // num_stages
+    return [range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)]
+
+
+def local_stages(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages of pp rank ``pp_rank``: ``pp_rank + k * pp_size`` (torch's looped placement for interleaved 1F1B)."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def _parent_of_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder stack (the module holding the layers, the embedding and the final norm) and its layer list."""
+    layers = decoder_layers(model)
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) and child[0] is layers[0]:
+                return module, child
+    raise ValueError(f"{type(model).__name__} has no decoder layers to split into pipeline stages")
+
+
+def _head_name(model: nn.Module) -> str:
+    for name in ("lm_head", "score"):
+        if any(n.split(".")[-1] == name for n, _ in model.named_modules()):
+            return name
+    raise ValueError(f"{type(model).__name__} has neither an LM head nor a score head")
+
+
+def _submodule_named(model: nn.Module, leaf: str) -> tuple[nn.Module, str]:
+    """The parent of the shortest-named module whose name ends in ``leaf`` (under LoRA: peft's wrapper), and its
+    attribute name."""
+    name = min((n for n, _ in model.named_modules() if n.split(".")[-1] == leaf), key=len)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return parent, leaf
+
+
+@dataclass
+class _MicroInputs:
+    """The micro-batches of the pass under way, as every stage of this rank reads them: each one's packed tokens
+    (padded to the pass's length) and the packed positions the last stage reads the head at."""
+
+    packed: list[PackedBatch]
+    select: list[torch.Tensor]
+
+
+class StageForward:
+    """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
+    states of the stage before; the last applies the final norm and the head at the selected positions, (M, C)."""
+
+    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: _MicroInputs):
+        self.stack, self.head, self.first, self.inputs = stack, head, first, inputs
+
+    def __call__(self, x: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
+        index = int(micro.reshape(-1)[0])
+        packed = self.inputs.packed[index]
+        ids = packed.input_ids
+        common = dict(
+            attention_mask=torch.ones_like(ids),
+            position_ids=packed.position_ids,
+            packed_segments=packed.segments,
+            use_cache=False,
+        )
+        if self.first:
+            hidden = self.stack(input_ids=x, **common).last_hidden_state
+        else:
+            hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
+        if self.head is None:
+            return hidden
+        return self.head(hidden[0, self.inputs.select[index]])
+
+
+def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: _MicroInputs) -> nn.Module:
+    """A copy of ``model`` holding stage ``stage`` of ``num_stages``: its layers, the embedding if first, the final
+    norm and the head if last; its ``forward`` is ``StageForward``'s. Parameter names stay the unsplit model's."""
+    part = copy.deepcopy(model)
+    use_packed_attention(part)
+    stack, layers = _parent_of_layers(part)
+    kept = stage_layers(len(layers), num_stages)[stage]
+    for index in range(len(layers)):
+        if index not in kept:
+            layers[index] = AbsentLayer()
+    first, last = stage == 0, stage == num_stages - 1
+    head_parent, head_attr = _submodule_named(part, _head_name(part))
+    head = getattr(head_parent, head_attr)
+    if not first:
+        stack.embed_tokens = None
+    if not last:
+        stack.norm = nn.Identity()
+        setattr(head_parent, head_attr, nn.Identity())
+    # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
+    part.forward = StageForward(stack, head if last else None, first, inputs)
+    return part
+
+
+class TiedWeights:
+    """A model whose head shares the embedding's weight: the first stage holds the embedding, the last the head;
+    after each backward their gradients are summed over ``group`` (the two ranks holding them, None: this rank holds
+    both), so both copies take the same step."""
+
+    def __init__(self, embedding: nn.Parameter | None, head: nn.Parameter | None, group: dist.ProcessGroup | None):
+        self.embedding, self.head, self.group = embedding, head, group
+
+    def sum_gradients(self) -> None:
+        held = [p for p in (self.embedding, self.head) if p is not None]
+        if self.group is None:  # both on this rank
+            total = held[0].grad + held[1].grad
+            for p in held:
+                p.grad = total.clone()
+            return
+        for p in held:
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, group=self.group)
+            p.grad = grad
+
+    @property
+    def duplicate(self) -> nn.Parameter | None:
+        """The copy counted once only in the gradient norm (the head's), where this rank holds it."""
+        return self.head
+
+
+LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages of a model split into ``num_stages`` over the pp ``group``, run by ``schedule`` (a name in
+    ``SCHEDULES``). ``hidden_size`` and ``activation_dtype``: what stages send each other; ``tied``: the embedding
+    and head gradient sum of a model with tied embeddings (None: untied)."""
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        indices: Sequence[int],
+        num_stages: int,
+        group: dist.ProcessGroup,
+        schedule: str,
+        hidden_size: int,
+        activation_dtype: torch.dtype,
+        inputs: _MicroInputs,
+        tied: TiedWeights | None = None,
+    ):
+        super().__init__()
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
+        self.stages = nn.ModuleList(stages)
+        self.indices = list(indices)
+        self.num_stages = num_stages
+        self.group = group
+        self.schedule = schedule
+        self.hidden_size = hidden_size
+        self.activation_dtype = activation_dtype
+        self.inputs = inputs
+        self.tied = tied
+
+    @property
+    def config(self):
+        return self.stages[0].config
+
+    @property
+    def pp_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.indices
+
+    @property
+    def last_rank(self) -> int:
+        """The global rank holding the last stage."""
+        return dist.get_global_rank(self.group, (self.num_stages - 1) % self.pp_size)
+
+    def _pipeline_stages(self, length: int, training: bool) -> list[PipelineStage]:
+        device = next(self.parameters()).device
+        meta = torch.device("meta")
+        hidden = torch.empty(1, length, self.hidden_size, dtype=self.activation_dtype, device=meta)
+        hidden.requires_grad_(training)
+        stages = []
+        for module, index in zip(self.stages, self.indices):
+            first, last = index == 0, index == self.num_stages - 1
+            given = torch.empty(1, length, dtype=torch.long, device=meta) if first else hidden
+            output = (
+                torch.empty(1, dtype=self.activation_dtype, device=meta, requires_grad=training) if last else hidden
+            )
+            stages.append(
+                PipelineStage(
+                    module, index, self.num_stages, device, input_args=given, output_args=output, group=self.group
+                )
+            )
+        return stages
+
+    def run(
+        self, packed: list[PackedBatch], select: list[torch.Tensor], loss: LossOfOutputs | None = None
+    ) -> list[torch.Tensor] | None:
+        """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
+        outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
+        only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere)."""
+        length = max(p.input_ids.shape[1] for p in packed)
+        self.inputs.packed = [pad_packed(p, length) for p in packed]
+        self.inputs.select = list(select)
+        count = len(packed)
+        stages = self._pipeline_stages(length, training=loss is not None)
+        loss_fn = (lambda output, target: loss(int(target.reshape(-1)[0]), output)) if loss is not None else None
+        schedule_class = SCHEDULES[self.schedule]
+        schedule = schedule_class(stages if len(stages) > 1 else stages[0], count, loss_fn=loss_fn, scale_grads=False)
+        ids = torch.cat([p.input_ids for p in self.inputs.packed]) if 0 in self.indices else None
+        args = (ids,) if ids is not None else ()
+        order = torch.arange(count)
+        try:
+            if loss is not None:
+                schedule.step(*args, micro=order, target=order)
+                if self.tied is not None:
+                    self.tied.sum_gradients()
+                return None
+            with torch.no_grad():
+                schedule.eval(*args, micro=order)
+            last = [s for s in stages if s.is_last]
+            return list(last[0].output_chunks) if last else None
+        finally:
+            self.inputs.packed, self.inputs.select = [], []
+            # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
+            # gather them anew, after the optimizer step
+            for module in self.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    def grad_norm_and_clip(self, max_norm: float) -> float:
+        """The gradient norm over every stage (the tied head counted once), after scaling the gradients down to
+        ``max_norm`` when above it."""
+        duplicate = self.tied.duplicate if self.tied is not None else None
+        grads = [p.grad for p in self.parameters() if p.grad is not None and p is not duplicate]
+        square = torch.zeros((), dtype=torch.float64)
+        for grad in grads:
+            norm = torch.linalg.vector_norm(grad, 2.0)
+            square += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+        dist.all_reduce(square, group=self.group)
+        total = float(square) ** 0.5
+        coefficient = max_norm / (total + 1e-6)
+        if coefficient < 1.0 and total == total and total != float("inf"):
+            for p in self.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
+        return total
+
+    def share_from_last(self, value):
+        """``value`` as the rank holding the last stage has it, on every rank of the pp group (an object)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.last_rank, group=self.group)
+        return box[0]
+
+
+def _tie_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group of the first and the last pp rank at this rank's (dp, tp) place: every rank creates all of them."""
+    grid = mesh.mesh  # (dp, pp, tp) global ranks
+    pp_dim = mesh.mesh_dim_names.index("pp")
+    pairs = grid.movedim(pp_dim, -1).reshape(-1, grid.shape[pp_dim])[:, [0, -1]]
+    if grid.shape[pp_dim] == 2:
+        return mesh["pp"].get_group()
+    mine = None
+    for pair in pairs.tolist():
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def _parameter_named(module: nn.Module, leaf: str) -> nn.Parameter:
+    parent, attr = _submodule_named(module, leaf)
+    return getattr(parent, attr).weight
+
+
+def build_pipelined(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    shard: Callable[[nn.Module], nn.Module],
+    *,
+    stages_per_rank: int,
+    activation_dtype: torch.dtype,
+) -> PipelinedModel:
+    """This rank's stages of ``model`` on the (dp, pp, tp) ``mesh`` (``stages_per_rank`` of them: above 1, the
+    interleaved 1F1B schedule), each sharded by ``shard`` (tensor parallelism and FSDP2 as for the unsplit model)."""
+    pp = mesh["pp"].size()
+    num_stages = pp * stages_per_rank
+    inputs = _MicroInputs([], [])
+    indices = local_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank)
+    text_config = model.config.get_text_config()
+    tied = bool(getattr(text_config, "tie_word_embeddings", False)) and _head_name(model) == "lm_head"
+    stages = [shard(split_stage(model, index, num_stages, inputs)) for index in indices]
+    tie = None
+    if tied:
+        group = _tie_group(mesh)
+        embedding = next((_parameter_named(s, "embed_tokens") for s, i in zip(stages, indices) if i == 0), None)
+        head = next((_parameter_named(s, "lm_head") for s, i in zip(stages, indices) if i == num_stages - 1), None)
+        if embedding is not None or head is not None:
+            both_here = embedding is not None and head is not None
+            tie = TiedWeights(embedding, head, None if both_here else group)
+    return PipelinedModel(
+        stages,
+        indices,
+        num_stages,
+        mesh["pp"].get_group(),
+        schedule_name(stages_per_rank),
+        text_config.hidden_size,
+        activation_dtype,
+        inputs,
+        tie,
+    )

@@ -1,0 +1,166 @@
+"""Pipeline parallelism (engine/pipeline.py) against one process, fp32, gloo, Ray ranks: the actor's log-prob pass and
+two optimizer steps of its update, with the model split into 2 stages (1F1B), 4 stages on 2 ranks (interleaved 1F1B),
+and composed with FSDP2 (pp 2 x dp 2) and tensor parallelism (pp 2 x tp 2), for two families (tiny-llama; tiny-qwen2,
+whose head shares the embedding's weight: the first and the last stage each hold a copy, kept equal). Log-probs,
+the loss, the gradient norm and every parameter after the steps equal the unsplit model's (relative 1e-5)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from hybridflow.batch_keys import (
+    ADVANTAGES,
+    ATTENTION_MASK,
+    INPUT_IDS,
+    METRICS,
+    OLD_LOG_PROBS,
+    POSITION_IDS,
+    RESPONSE_MASK,
+    RESPONSES,
+)
+from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
+from hybridflow.engine.pipeline import PipelinedModel, pipeline_mesh
+from hybridflow.engine.policy import PolicyEngine
+from hybridflow.engine.tensor_parallel import training_mesh
+from hybridflow.models import load_causal_lm, resolve_model_path
+from hybridflow.protocol import DataProto
+from hybridflow.workers.sharded_model import build_trainable
+
+LAYERS = 4  # 4 stages of one layer each under interleaved 1F1B on 2 ranks
+ROWS = 8  # per data-parallel rank: 2 mini-batches of 4 rows, micro-batches of 2 (2 per stage and step)
+
+
+def model_dir(family: str) -> str:
+    return str(resolve_model_path(family, num_hidden_layers=LAYERS))
+
+
+def rollout(vocab: int, rows: int) -> DataProto:
+    """Rows of different prompt and response lengths (two pairs share a prompt), with advantages."""
+    generator = torch.Generator().manual_seed(0)
+    width_p, width_r = 7, 6
+    ids = torch.zeros(rows, width_p + width_r, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row in range(rows):
+        prompt, answer = 2 + row % 5, 1 + (row * 3) % width_r
+        if row % 4 == 1:  # the row before's prompt
+            prompt = 2 + (row - 1) % 5
+            ids[row, :width_p] = ids[row - 1, :width_p]
+        else:
+            ids[row, width_p - prompt : width_p] = torch.randint(3, vocab, (prompt,), generator=generator)
+        ids[row, width_p : width_p + answer] = torch.randint(3, vocab, (answer,), generator=generator)
+        mask[row, width_p - prompt : width_p + answer] = 1
+    response_mask = mask[:, width_p:]
+    advantages = torch.randn(response_mask.shape, generator=generator) * response_mask
+    columns = {
+        INPUT_IDS: ids,
+        ATTENTION_MASK: mask,
+        POSITION_IDS: (mask.cumsum(dim=1) - 1).clamp(min=0),
+        RESPONSES: ids[:, width_p:],
+        RESPONSE_MASK: response_mask,
+        ADVANTAGES: advantages,
+    }
+    return DataProto.from_dict(columns)
+
+
+def actor_config(path: str, actor_config_factory):
+    micro_batches = [f"actor_rollout_ref.actor.{key}_micro_batch_size_per_gpu=2" for key in ("ppo", "log_prob")]
+    return actor_config_factory(path, 1e-2, "actor_rollout_ref.actor.use_remove_padding=true", *micro_batches)
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Every parameter this rank holds, whole, under the unsplit model's names."""
+    parts = model.stages if isinstance(model, PipelinedModel) else [model]
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for part in parts
+        for name, p in part.named_parameters()
+    }
+
+
+class PipelineActor(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def build(self, config, dp: int, pp: int, tp: int, stages_per_rank: int) -> None:
+        self.mesh = pipeline_mesh(self.device, dp, pp, tp) if pp > 1 else training_mesh(self.device, dp, tp)
+        trained = build_trainable(
+            load_causal_lm,
+            config.model.path,
+            config.model,
+            config.actor.fsdp,
+            config.actor.optim,
+            self.device,
+            0,
+            10,
+            self.mesh,
+            stages_per_rank,
+        )
+        self.actor = PolicyEngine(trained, config.actor, dp_group=self.mesh["dp"].get_group())
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def log_probs_and_update(self, batch: DataProto) -> tuple[torch.Tensor, dict, dict]:
+        """This dp rank's rows: their old log-probs, then the update (2 optimizer steps) on them; the metrics and
+        every parameter after it."""
+        dp_mesh = self.mesh["dp"]
+        rows = batch.chunk(dp_mesh.size())[dp_mesh.get_local_rank()]
+        old = self.actor.compute_log_prob(rows, temperature=1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+        rows.batch[OLD_LOG_PROBS] = old
+        metrics = self.actor.update_policy(rows, mini_batch_size=len(rows) // 2, temperature=1.0, seed=0)
+        return old, metrics.meta_info[METRICS], full_parameters(self.actor.model)
+
+
+@pytest.fixture(scope="module")
+def groups(local_ray):
+    """Groups of 1 (the unsplit reference), 2 and 4 ranks, started side by side."""
+    pools = {size: RayResourcePool([size]) for size in (1, 2, 4)}
+    with ThreadPoolExecutor(3) as threads:
+        starting = {size: threads.submit(RayWorkerGroup, pool, RoleSpec(PipelineActor)) for size, pool in pools.items()}
+    made = {size: start.result() for size, start in starting.items()}
+    yield made
+    for pool in pools.values():
+        pool.release()
+
+
+LAYOUTS = {  # name: (dp, pp, tp, stages per rank)
+    "pp2-1f1b": (1, 2, 1, 1),
+    "pp2-interleaved": (1, 2, 1, 2),
+    "pp2-dp2": (2, 2, 1, 1),
+    "pp2-tp2": (1, 2, 2, 1),
+    "pp2-dp2-interleaved": (2, 2, 1, 2),
+}
+
+
+def one_process_order(batch: DataProto, dp: int) -> tuple[DataProto, list[torch.Tensor]]:
+    """``batch``'s rows ordered so that one process's two mini-batches hold what dp ranks' k-th mini-batches hold
+    together, and where each dp rank's rows lie in that order."""
+    half = ROWS // 2
+    order = [d * ROWS + k * half + i for k in range(2) for d in range(dp) for i in range(half)]
+    where = [torch.tensor([order.index(d * ROWS + j) for j in range(ROWS)]) for d in range(dp)]
+    ordered = batch.select(deepcopy=True)
+    ordered.reorder(order)
+    return ordered, where
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_parameters(
+    groups, family, layout, actor_config_factory
+):
+    dp, pp, tp, stages_per_rank = LAYOUTS[layout]
+    config = actor_config(model_dir(family), actor_config_factory)
+    batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
+    ordered, where = one_process_order(batch, dp)
+    groups[1].build(config, 1, 1, 1, 1)
+    [(want_log_probs, want_metrics, want_parameters)] = groups[1].log_probs_and_update(ordered)
+    staged = groups[dp * pp * tp]
+    staged.build(config, dp, pp, tp, stages_per_rank)
+    results = staged.log_probs_and_update(batch)
+    for key in ("actor/pg_loss", "actor/grad_norm"):  # the driver's mean over ranks is the mini-batch's
+        assert sum(r[1][key] for r in results) / len(results) == pytest.approx(want_metrics[key], rel=1e-5), key
+    for rank, (log_probs, _, parameters) in enumerate(results):
+        torch.testing.assert_close(log_probs, want_log_probs[where[rank // (pp * tp)]], rtol=1e-5, atol=1e-6)
+        for name, value in parameters.items():  # a tied head is the embedding's copy
+            want = want_parameters.get(name, want_parameters.get("model.embed_tokens.weight"))
+            torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
+    held = {name for _, _, parameters in results for name in parameters}
+    assert set(want_parameters) <= held  # every parameter is on some stage
