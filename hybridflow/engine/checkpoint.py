@@ -8,23 +8,31 @@ the learning-rate schedule and each rank's random-number generators.
 
 DCP stores every tensor with its global shape and offsets, so a checkpoint saved by N ranks
 loads on M ranks (resharding on load). ``state_problems`` checks that layout without a process group.
+The optimizer state is flattened (one entry per parameter and setting, torch's ``flatten_optimizer_state_dict``),
+and a pipelined model's stages save under the unsplit model's names, so a checkpoint does not depend on the layout:
+saved with pipeline stages, it loads without, and the reverse. A tied head's optimizer state is the embedding's
+(equal by construction, engine/pipeline.py), saved once under the embedding's name as the unsplit model has it.
+Checkpoints from before the flattening (one ``param_groups`` entry) still load, in the layout they were saved in.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from hybridflow.engine.lora import is_lora
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.pipeline import PipelinedModel
 
 SHARDS = "dcp"
 SCHEDULER = "scheduler.pt"
@@ -41,12 +49,45 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def _state_options(trained: TrainedModel) -> StateDictOptions:
+def _state_options(trained: TrainedModel, flatten: bool = True) -> StateDictOptions:
     """A LoRA model's state is its adapters (and their optimizer state): the frozen base is the model
     directory's, unchanged, and is not saved again. Loading then sets the trainable weights only (not strict
-    about the frozen ones); dcp.load has already failed if the checkpoint lacks any of those."""
+    about the frozen ones); dcp.load has already failed if the checkpoint lacks any of those. ``flatten``: the
+    optimizer state one entry per parameter (False: a checkpoint from before, read as it was written)."""
     lora = is_lora(trained.model)
-    return StateDictOptions(ignore_frozen_params=lora, strict=not lora)
+    return StateDictOptions(ignore_frozen_params=lora, strict=not lora, flatten_optimizer_state_dict=flatten)
+
+
+_STAGE = re.compile(r"^stages\.\d+\.")  # a pipelined model's prefix of each stage's parameter names
+_TIED_EMBEDDING = "model.embed_tokens.weight"
+
+
+def _checkpoint_name(key: str, model: nn.Module, part: str, loading: bool) -> str | None:
+    """The name ``key`` of ``model``'s ``part`` ("model" or "optim") state has in a checkpoint: a pipelined model's
+    without the stage prefix; a tied head's optimizer state is the embedding's (None when saving: saved once, by
+    the first stage)."""
+    if not isinstance(model, PipelinedModel):
+        return key
+    if part == "model":
+        return _STAGE.sub("", key)
+    kind, _, rest = key.partition(".")  # "state" or "param_groups", then "<stage prefix><fqn>.<setting>"
+    name = _STAGE.sub("", rest)
+    head = model.tied_head_name
+    if head is not None and name.startswith(head + "."):
+        if not loading:
+            return None
+        name = _TIED_EMBEDDING + name[len(head) :]
+    return f"{kind}.{name}"
+
+
+def _renamed(state: dict, model: nn.Module, part: str, loading: bool) -> dict[str, str]:
+    """{checkpoint name: this model's name} of ``state``'s keys (``_checkpoint_name``)."""
+    names = {}
+    for key in state:
+        saved = _checkpoint_name(key, model, part, loading)
+        if saved is not None:
+            names[saved] = key
+    return names
 
 
 def _training_state(trained: TrainedModel, options: StateDictOptions) -> tuple[dict, dict]:
@@ -64,7 +105,12 @@ def save_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = _training_state(trained, _state_options(trained))
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(directory / SHARDS))
+    model = trained.model
+    saved = {
+        part: {name: state[key] for name, key in _renamed(state, model, part, loading=False).items()}
+        for part, state in (("model", model_state), ("optim", optim_state))
+    }
+    dcp.save(saved, checkpoint_id=str(directory / SHARDS))
     if rank == 0:
         torch.save(trained.scheduler.state_dict(), directory / SCHEDULER)
     torch.save(rng_state(), directory / f"rng_rank{rank}.pt")
@@ -78,15 +124,24 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
         raise FileNotFoundError(
             f"{directory} holds no sharded training state ('{SHARDS}/'); is it a hybridflow checkpoint?"
         )
-    options = _state_options(trained)
+    metadata = _read_metadata(directory / SHARDS)
+    flattened = isinstance(metadata, str) or "optim.param_groups" not in metadata.state_dict_metadata
+    options = _state_options(trained, flatten=flattened)
     model_state, optim_state = _training_state(trained, options)
-    state = {"model": model_state, "optim": optim_state}
+    model = trained.model
+    names = {
+        part: _renamed(state, model, part, loading=True)
+        for part, state in (("model", model_state), ("optim", optim_state))
+    }
+    wanted = {"model": model_state, "optim": optim_state}
+    state = {part: {name: wanted[part][key] for name, key in names[part].items()} for part in names}
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
+    loaded = {part: {key: state[part][name] for name, key in names[part].items()} for part in names}
     set_state_dict(
         trained.model,
         trained.optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
+        model_state_dict=loaded["model"],
+        optim_state_dict=loaded["optim"],
         options=options,
     )
     if (directory / SCHEDULER).is_file():

@@ -62,6 +62,11 @@ class UpdateConfig:
     # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
     # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
     ulysses_sequence_parallel_size: int
+    # pipeline parallelism: ranks that split the decoder layers into stages (torch's 1F1B schedules); they hold the same
+    # rows; the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    pipeline_model_parallel_size: int
+    # stages per pipeline rank: 1 runs the 1F1B schedule, more the interleaved 1F1B one (smaller bubble, more sends)
+    virtual_pipeline_model_parallel_size: int
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
@@ -84,6 +89,8 @@ class UpdateConfig:
             "ppo_epochs",
             "tensor_model_parallel_size",
             "ulysses_sequence_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
             "ppo_max_token_len_per_gpu",
             "grad_clip",
         )
@@ -132,10 +139,17 @@ class RefConfig:
     # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
     # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
     ulysses_sequence_parallel_size: int
+    # pipeline parallelism: ranks that split the decoder layers into stages (torch's 1F1B schedules); they hold the same
+    # rows; the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    pipeline_model_parallel_size: int
+    # stages per pipeline rank: 1 runs the 1F1B schedule, more the interleaved 1F1B one (smaller bubble, more sends)
+    virtual_pipeline_model_parallel_size: int
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
         require_positive(self.log_prob_micro_batch_size_per_gpu, "log_prob_micro_batch_size_per_gpu")
+        require_positive(self.pipeline_model_parallel_size, "pipeline_model_parallel_size")
+        require_positive(self.virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size")
         require_positive(self.log_prob_max_token_len_per_gpu, "log_prob_max_token_len_per_gpu")
         require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
         require_positive(self.ulysses_sequence_parallel_size, "ulysses_sequence_parallel_size")
@@ -171,6 +185,11 @@ class SFTEngineConfig:
     # Ulysses: ranks that hold the same rows and split each micro-batch's tokens (attention by all-to-all over heads);
     # the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
     ulysses_sequence_parallel_size: int
+    # pipeline parallelism: ranks that split the decoder layers into stages (torch's 1F1B schedules); they hold the same
+    # rows; the data-parallel ranks are the rest: world / (this x tensor_model_parallel_size); needs use_remove_padding
+    pipeline_model_parallel_size: int
+    # stages per pipeline rank: 1 runs the 1F1B schedule, more the interleaved 1F1B one (smaller bubble, more sends)
+    virtual_pipeline_model_parallel_size: int
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
     # FSDP2: free each layer's gathered weights after its forward (true) or keep them through the micro-batches of a
     # step (false: one all-gather and cast per step instead of two per micro-batch; the whole model is held in
@@ -185,6 +204,8 @@ class SFTEngineConfig:
             "max_token_len_per_gpu",
             "tensor_model_parallel_size",
             "ulysses_sequence_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
             "grad_clip",
         )
 
@@ -196,6 +217,8 @@ class SFTEngineConfig:
             shuffle=False,
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             use_remove_padding=self.use_remove_padding,
             use_dynamic_bsz=self.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=self.max_token_len_per_gpu,

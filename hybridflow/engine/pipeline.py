@@ -24,7 +24,7 @@ step and stay equal, as the one tensor of the unsplit model does. The gradient n
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +35,19 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
-from hybridflow.engine.packing import PackedBatch, pad_packed, use_packed_attention
+from hybridflow.engine.fsdp import AbsentLayer, decoder_layers, full_parameters
+from hybridflow.engine.packing import PackedBatch, Segments, pad_packed, use_packed_attention
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
+
+
+def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``fsdp.full_parameters`` of a model, pipelined or not: every stage's on every rank (a collective)."""
+    if not isinstance(model, PipelinedModel):
+        yield from full_parameters(model)
+        return
+    for name, tensor, _ in model.stage_by_stage(lambda stage: full_parameters(stage)):
+        yield name, tensor
 
 
 def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh:
@@ -152,6 +161,20 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: _MicroInp
     return part
 
 
+def _empty_packed(like: PackedBatch) -> PackedBatch:
+    """A micro-batch of no rows (``pad_packed`` fills it with filler tokens)."""
+    ids = like.input_ids.new_zeros(1, 0)
+    index = like.segments.index.new_zeros(0, 1)
+    responses = like.response_valid.shape[1]
+    return PackedBatch(
+        input_ids=ids,
+        position_ids=ids.clone(),
+        segments=Segments(index=index, real=like.segments.real.new_zeros(0)),
+        response_index=like.response_index.new_zeros(0, responses),
+        response_valid=like.response_valid.new_zeros(0, responses),
+    )
+
+
 class TiedWeights:
     """A model whose head shares the embedding's weight: the first stage holds the embedding, the last the head;
     after each backward their gradients are summed over ``group`` (the two ranks holding them, None: this rank holds
@@ -179,6 +202,7 @@ class TiedWeights:
         return self.head
 
 
+TIED_HEAD = "lm_head"  # the head that shares the embedding's weight in a model with tied embeddings
 LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]
 
 
@@ -227,7 +251,20 @@ class PipelinedModel(nn.Module):
     @property
     def last_rank(self) -> int:
         """The global rank holding the last stage."""
-        return dist.get_global_rank(self.group, (self.num_stages - 1) % self.pp_size)
+        return self.stage_rank(self.num_stages - 1)
+
+    def stage_rank(self, stage: int) -> int:
+        """The global rank holding ``stage`` (``local_stages``' placement)."""
+        return dist.get_global_rank(self.group, stage % self.pp_size)
+
+    def local_stage(self, stage: int) -> nn.Module | None:
+        """This rank's module of ``stage`` (None: another pp rank holds it)."""
+        return self.stages[self.indices.index(stage)] if stage in self.indices else None
+
+    @property
+    def tied_head_name(self) -> str | None:
+        """The name of the head's weight where it is the embedding's (the last stage's copy), else None."""
+        return f"{TIED_HEAD}.weight" if self.tied is not None else None
 
     def _pipeline_stages(self, length: int, training: bool) -> list[PipelineStage]:
         device = next(self.parameters()).device
@@ -248,20 +285,40 @@ class PipelinedModel(nn.Module):
             )
         return stages
 
+    def micro_batch_count(self, count: int) -> int:
+        """The micro-batches a schedule runs for ``count`` of them: at least one per pp rank (1F1B), and a multiple
+        of the pp size (interleaved 1F1B runs them in rounds of that size)."""
+        count = max(count, self.pp_size)
+        if self.schedule == "interleaved_1f1b":
+            count = -(-count // self.pp_size) * self.pp_size
+        return count
+
     def run(
         self, packed: list[PackedBatch], select: list[torch.Tensor], loss: LossOfOutputs | None = None
     ) -> list[torch.Tensor] | None:
         """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
         outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
-        only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere)."""
+        only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere).
+        Where the schedule needs more micro-batches than given (``micro_batch_count``), empty ones (filler tokens
+        only, no outputs, no loss) make up the number."""
+        given = len(packed)
+        count = self.micro_batch_count(given)
+        empty = _empty_packed(packed[0])
+        packed = list(packed) + [empty] * (count - given)
+        select = list(select) + [select[0].new_zeros(0)] * (count - given)
         length = max(p.input_ids.shape[1] for p in packed)
         self.inputs.packed = [pad_packed(p, length) for p in packed]
-        self.inputs.select = list(select)
-        count = len(packed)
+        self.inputs.select = select
         stages = self._pipeline_stages(length, training=loss is not None)
-        loss_fn = (lambda output, target: loss(int(target.reshape(-1)[0]), output)) if loss is not None else None
+
+        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            index = int(target.reshape(-1)[0])
+            return loss(index, output) if index < given else output.sum() * 0.0
+
         schedule_class = SCHEDULES[self.schedule]
-        schedule = schedule_class(stages if len(stages) > 1 else stages[0], count, loss_fn=loss_fn, scale_grads=False)
+        schedule = schedule_class(
+            stages if len(stages) > 1 else stages[0], count, loss_fn=loss_fn if loss else None, scale_grads=False
+        )
         ids = torch.cat([p.input_ids for p in self.inputs.packed]) if 0 in self.indices else None
         args = (ids,) if ids is not None else ()
         order = torch.arange(count)
@@ -274,7 +331,7 @@ class PipelinedModel(nn.Module):
             with torch.no_grad():
                 schedule.eval(*args, micro=order)
             last = [s for s in stages if s.is_last]
-            return list(last[0].output_chunks) if last else None
+            return list(last[0].output_chunks)[:given] if last else None
         finally:
             self.inputs.packed, self.inputs.select = [], []
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
@@ -300,6 +357,28 @@ class PipelinedModel(nn.Module):
                 if p.grad is not None:
                     p.grad.mul_(coefficient)
         return total
+
+    def stage_by_stage(
+        self, produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor, bool]]:
+        """(name, tensor, whether it came from another rank) of every stage in order, on every rank of the pp
+        group: the rank holding a stage runs ``produce`` on it (a collective within its own dp and tp groups), then
+        sends the tensors to its pp peers. A name an earlier stage gave, and a tied head (the last stage's copy of the
+        embedding), are left out: the unsplit model has one tensor of each."""
+        seen = {self.tied_head_name}  # every rank sees every name: the same set everywhere
+        for stage in range(self.num_stages):
+            owner = self.stage_rank(stage)
+            local = self.local_stage(stage)
+            made = None
+            if local is not None:  # a name another stage gave (the rotary embedding's buffers) is not sent again
+                made = [(name, tensor) for name, tensor in produce(local) if name not in seen]
+            box = [[(name, tuple(t.shape), t.dtype) for name, t in made] if made is not None else None]
+            dist.broadcast_object_list(box, src=owner, group=self.group)
+            for index, (name, shape, dtype) in enumerate(box[0]):
+                tensor = made[index][1].contiguous() if made is not None else torch.empty(shape, dtype=dtype)
+                dist.broadcast(tensor, src=owner, group=self.group)
+                seen.add(name)
+                yield name, tensor, made is None
 
     def share_from_last(self, value):
         """``value`` as the rank holding the last stage has it, on every rank of the pp group (an object)."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from hybridflow.engine.pipeline import pipeline_mesh
 from hybridflow.engine.tensor_parallel import training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 
@@ -25,7 +26,7 @@ class ActorLayouts:
     """This rank's meshes and groups in both layouts."""
 
     shape: LayoutShape
-    training: DeviceMesh  # (dp, tp)
+    training: DeviceMesh  # (dp, tp), or with pipeline stages (dp, pp, tp)
     generation: DeviceMesh  # (dp, tp): generation data-parallel and tensor-parallel indices
     gather_group: dist.ProcessGroup | None  # the ranks whose training shards make this rank's generation shard
 
@@ -35,11 +36,19 @@ class ActorLayouts:
         if shape.world != dist.get_world_size():
             raise ValueError(f"a layout of {shape.world} ranks over {dist.get_world_size()} processes")
         device_type = device.type
-        training = training_mesh(device, shape.fsdp, shape.t)  # the same table as shape.training_ranks()
+        if shape.pp > 1:  # the same table as shape.pipeline_ranks()
+            training = pipeline_mesh(device, shape.dp, shape.pp, shape.t)
+        else:  # the same table as shape.training_ranks()
+            training = training_mesh(device, shape.fsdp, shape.t)
         generation = DeviceMesh(device_type, shape.generation_ranks(), mesh_dim_names=("dp", "tp"))
         gather = DeviceMesh(device_type, shape.gather_ranks(), mesh_dim_names=("shard", "gather"))
         gather_group = gather["gather"].get_group() if shape.micro_dp > 1 else None
         return cls(shape=shape, training=training, generation=generation, gather_group=gather_group)
+
+    @property
+    def pipeline_group(self) -> dist.ProcessGroup | None:
+        """The pp ranks holding one model's stages (None: no pipeline stages)."""
+        return self.training["pp"].get_group() if self.shape.pp > 1 else None
 
     @property
     def generation_group(self) -> dist.ProcessGroup | None:

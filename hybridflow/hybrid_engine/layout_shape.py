@@ -1,17 +1,22 @@
-"""The shape of a model's layout over its ranks: dp x sp x t training ranks that generate in groups of tg.
+"""The shape of a model's layout over its ranks: dp x sp x pp x t training ranks that generate in groups of tg.
 
 The one layout type of the project: the planner costs candidate shapes (planner/cost.py), and the
 hybrid actor builds its device meshes from one (layout.py's ``ActorLayouts``). This module holds
-no device-mesh code. Rank tables, with m = t / tg and f = dp * sp, the ranks FSDP2 shards over (regroup.py says
-why the groups are these):
+no device-mesh code. Rank tables, with m = t / tg, f = dp * sp, the ranks FSDP2 shards over, and g = f * pp, the
+blocks of t ranks that split each layer (regroup.py says why the groups are these):
 
-    training   (f, t)             ranks.view(f, t)
+    training   (f, t)             ranks.view(f, t)                            (pp = 1)
+    pipeline   (dp, pp, t)        ranks.view(dp, pp, t)                       [d, :, j]: one model's stages
     rows       (dp, sp, t)        ranks.view(dp, sp, t)                       [d, :, j]: ranks holding the same rows
-    gather     (f * tg, m)        ranks.view(f * tg, m)                       row: one generation shard
-    generation (f * m, tg)        ranks.view(f, tg, m).transpose(1, 2)        row: ranks generating together
+    gather     (g * tg, m)        ranks.view(g * tg, m)                       row: one generation shard of a stage
+    generation (g * m, tg)        ranks.view(g, tg, m).transpose(1, 2)        row: ranks generating together
 
 Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and the
 same tensor-parallel shard of each layer (FSDP2 shards over them too): attention exchanges the shard's heads.
+Pipeline parallelism (pp > 1) splits the decoder layers into stages over pp ranks that hold the same rows. They
+generate with the whole model (pg = 1, the generation engine runs no stages): each rank gathers its generation shard
+of its own stage's layers in its gather group as above, and the other stages' from its pp peers, which hold the same
+shard of theirs (hybrid_engine/reshard.py).
 """
 
 from __future__ import annotations
@@ -25,16 +30,19 @@ from hybridflow.hybrid_engine.regroup import Regrouping
 
 @dataclass(frozen=True)
 class LayoutShape:
-    """dp x sp x t training ranks (rows split over dp, each micro-batch's sequence over sp, each layer over t;
-    FSDP2 over dp x sp) generating in groups of tg."""
+    """dp x sp x pp x t training ranks (rows split over dp, each micro-batch's sequence over sp, the decoder layers
+    over pp stages, each layer over t; FSDP2 over dp x sp) generating in groups of tg."""
 
     dp: int
     t: int
     tg: int
     sp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         Regrouping(t=self.t, tg=self.tg)  # the one check that tg divides t
+        if self.pp > 1 and self.sp > 1:
+            raise ValueError("pipeline and sequence parallelism do not combine yet: set one of them to 1")
 
     @classmethod
     def over(cls, devices: int, t: int = 1, tg: int = 1) -> LayoutShape:
@@ -45,8 +53,8 @@ class LayoutShape:
 
     @property
     def world(self) -> int:
-        """Ranks (devices) of the layout, dp * sp * t."""
-        return self.dp * self.sp * self.t
+        """Ranks (devices) of the layout, dp * sp * pp * t."""
+        return self.dp * self.sp * self.pp * self.t
 
     @property
     def fsdp(self) -> int:
@@ -58,12 +66,20 @@ class LayoutShape:
         """Generation groups per training tensor-parallel group, t / tg."""
         return self.t // self.tg
 
+    @property
+    def layer_blocks(self) -> int:
+        """The blocks of t ranks that each split a layer (of one stage), fsdp * pp."""
+        return self.fsdp * self.pp
+
     def training_ranks(self) -> torch.Tensor:
         return torch.arange(self.world).view(self.fsdp, self.t)
 
+    def pipeline_ranks(self) -> torch.Tensor:
+        return torch.arange(self.world).view(self.dp, self.pp, self.t)
+
     def gather_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.fsdp * self.tg, self.micro_dp)
+        return torch.arange(self.world).view(self.layer_blocks * self.tg, self.micro_dp)
 
     def generation_ranks(self) -> torch.Tensor:
-        grid = torch.arange(self.world).view(self.fsdp, self.tg, self.micro_dp)
-        return grid.transpose(1, 2).reshape(self.fsdp * self.micro_dp, self.tg)
+        grid = torch.arange(self.world).view(self.layer_blocks, self.tg, self.micro_dp)
+        return grid.transpose(1, 2).reshape(self.layer_blocks * self.micro_dp, self.tg)

@@ -18,7 +18,7 @@ The result is exactly the slice the generation engine holds: both follow the mod
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hybridflow.engine.host_collectives import host_collectives_for
 from hybridflow.engine.lora import adapter_tensors, base_parameters, policy_buffers, policy_parameters
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import gather_generation_shard, predicted_switch_bytes
 from hybridflow.hybrid_engine.transfer_plan import DEFAULT_BUCKET_BYTES
@@ -43,15 +44,16 @@ class SwitchReport:
     """What one switch moved and built on this rank (bytes, generation dtype)."""
 
     received: int = 0  # from other ranks
-    split: int = 0  # whole size of the tensor-parallel weights
-    whole: int = 0  # whole size of the weights every tp rank holds in full
+    split: int = 0  # whole size of the tensor-parallel weights (of this rank's pipeline stages)
+    whole: int = 0  # whole size of the weights every tp rank holds in full (of this rank's pipeline stages)
     held: int = 0  # the generation weights this rank was given: its generation shard
+    from_stages: int = 0  # of ``received``: the generation shards of the stages other pp ranks hold
 
     def predicted(self, shape: LayoutShape) -> float:
-        """What ``received`` must be by the paper's formulas."""
-        return predicted_switch_bytes(
-            self.split, self.whole, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow"
-        )
+        """What ``received`` must be by the paper's formulas for this rank's stages, plus the other stages' generation
+        shards as they arrived from their pp ranks (pg = 1: every rank generates with every layer)."""
+        own = predicted_switch_bytes(self.split, self.whole, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow")
+        return own + self.from_stages
 
 
 def tensor_parallel_dim(tensor: DTensor) -> int | None:
@@ -91,6 +93,13 @@ def generation_weights(
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
     one at a time (those that FSDP2 alone shards gathered ``bucket_bytes`` at a time); ``report`` accumulates
     the bytes. A LoRA model's weights come merged."""
+    if isinstance(model, PipelinedModel):
+        slices = lambda stage: _generation_slices(  # noqa: E731
+            stage, policy_parameters(stage), dtype, gather_group, report, bucket_bytes
+        )
+        yield from _over_stages(model, slices, report)
+        yield from _buffers(model.stages[0])  # every stage holds the same (the rotary embedding's)
+        return
     yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report, bucket_bytes)
     yield from _buffers(model)
 
@@ -99,6 +108,11 @@ def base_generation_weights(
     model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``generation_weights`` of a LoRA model's frozen base (its adapters left out): sent to a rollout once."""
+    if isinstance(model, PipelinedModel):
+        slices = lambda stage: _generation_slices(stage, base_parameters(stage), dtype, gather_group, report)  # noqa: E731
+        yield from _over_stages(model, slices, report)
+        yield from _buffers(model.stages[0])
+        return
     yield from _generation_slices(model, base_parameters(model), dtype, gather_group, report)
     yield from _buffers(model)
 
@@ -109,6 +123,10 @@ def adapter_generation_weights(
     """A LoRA model's adapters, this rank's generation slices of them, under the names they travel by
     (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
     that only FSDP2 shards (over dp, by rows) travel together, a bucket per collective (``_generation_slices``)."""
+    if isinstance(model, PipelinedModel):
+        slices = lambda stage: _generation_slices(stage, adapter_tensors(stage), dtype, gather_group, report)  # noqa: E731
+        yield from _over_stages(model, slices, report)
+        return
     yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
 
 
@@ -212,6 +230,22 @@ def _gathered_together(bucket: list[tuple[str, DTensor]], report: SwitchReport) 
         report.received += _nbytes(whole) - _nbytes(part.to_local())
         report.held += _nbytes(whole)
         yield name, whole
+
+
+def _over_stages(
+    model: PipelinedModel,
+    slices: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]],
+    report: SwitchReport,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's generation ``slices`` (gathered over the dp and gather groups of the rank holding the stage) on
+    every rank of the pp group: its pp peers hold the same generation shard of their own stages."""
+    for name, tensor, arrived in model.stage_by_stage(slices):
+        if arrived:
+            size = _nbytes(tensor)
+            report.received += size
+            report.from_stages += size
+            report.held += size
+        yield name, tensor
 
 
 def _buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,7 +19,6 @@ from hybridflow.batch_keys import BATCH_SCALE, GLOBAL_STEP, METRICS
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.engine.checkpoint import load_training_state
-from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.lora import (
     adapter_tensors,
     adapters_off,
@@ -28,6 +27,7 @@ from hybridflow.engine.lora import (
     policy_parameters,
 )
 from hybridflow.engine.memory import peak_memory_gb
+from hybridflow.engine.pipeline import whole_parameters
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
@@ -83,6 +83,7 @@ class ActorWorker(Worker):
             seed,
             total_training_steps,
             meshes.training,
+            config.actor.virtual_pipeline_model_parallel_size,
         )
         self.actor = PolicyEngine(trained, config.actor, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
         # LoRA: the reference policy is this model with its adapters off (no second copy of the weights)
@@ -140,7 +141,7 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The trained weights gathered from the shards (fp32, on CPU) on rank 0; every rank takes part."""
-        weights = {name: tensor.detach().cpu().clone() for name, tensor in full_parameters(self.actor.model)}
+        weights = {name: tensor.detach().cpu().clone() for name, tensor in whole_parameters(self.actor.model)}
         return weights if self.rank == 0 else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -48,6 +48,7 @@ class CriticWorker(Worker):
             seed,
             total_training_steps,
             meshes.training,
+            config.virtual_pipeline_model_parallel_size,
         )
         self.critic = CriticEngine(trained, config, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
 

@@ -30,6 +30,7 @@ class RefPolicyWorker(Worker):
             seed,
             meshes.training,
             gradient_checkpointing=config.model.enable_gradient_checkpointing,
+            stages_per_rank=config.ref.virtual_pipeline_model_parallel_size,
         ).eval()
         self.model.requires_grad_(False)
         self.ref = FrozenPolicyEngine(self.model, config.ref, sp_group=meshes.sp_group)

@@ -20,7 +20,7 @@ from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.pipeline import PIPELINE_DIM, build_pipelined
+from hybridflow.engine.pipeline import PIPELINE_DIM, build_pipelined, pipeline_mesh
 from hybridflow.engine.sequence_parallel import row_mesh
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -39,9 +39,10 @@ def quiet_libraries() -> None:
 @dataclass(frozen=True)
 class RoleMeshes:
     """A trained or scored role's meshes over its ranks: ``training`` (dp x sp, t), which FSDP2 and tensor parallelism
-    shard the model over, and ``rows``, which dispatch splits the rows over along its "dp" dimension: the training
-    mesh itself, or under Ulysses (dp, sp[, tp]) over the same ranks, whose sp ranks hold the same rows (and, with
-    tp, the same heads) and split each micro-batch's tokens."""
+    shard the model over (with pipeline stages (dp, pp, t), whose pp ranks hold the same rows), and ``rows``, which
+    dispatch splits the rows over along its "dp" dimension: the training mesh itself, or under Ulysses (dp, sp[, tp])
+    over the same ranks, whose sp ranks hold the same rows (and, with tp, the same heads) and split each micro-batch's
+    tokens."""
 
     training: DeviceMesh
     rows: DeviceMesh
@@ -49,7 +50,9 @@ class RoleMeshes:
     @classmethod
     def build(cls, device: torch.device, layout: LayoutShape, training: DeviceMesh | None = None) -> RoleMeshes:
         """Every rank of the group calls this alike (it creates process groups); ``training``: one already built."""
-        if training is None:
+        if training is None and layout.pp > 1:
+            training = pipeline_mesh(device, layout.dp, layout.pp, layout.t)
+        elif training is None:
             training = training_mesh(device, layout.fsdp, layout.t)
         rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp, layout.t)
         return cls(training=training, rows=rows)

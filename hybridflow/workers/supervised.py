@@ -60,12 +60,30 @@ class SupervisedWorker(Worker):
         meshes = RoleMeshes.build(self.device, layout)
         self.register_dispatch_mesh(SUPERVISED_MESH, meshes.rows)
         load_model = MODEL_LOADERS[objective.model]
+        stages_per_rank = engine.virtual_pipeline_model_parallel_size
         trained = build_trainable(
-            load_model, model_path, model, engine.fsdp, optim, self.device, seed, total_training_steps, meshes.training
+            load_model,
+            model_path,
+            model,
+            engine.fsdp,
+            optim,
+            self.device,
+            seed,
+            total_training_steps,
+            meshes.training,
+            stages_per_rank,
         )
         reference = None
         if objective.reference and not model.lora.enabled:
-            reference = build_sharded(load_model, model_path, engine.fsdp, self.device, seed, meshes.training)
+            reference = build_sharded(
+                load_model,
+                model_path,
+                engine.fsdp,
+                self.device,
+                seed,
+                meshes.training,
+                stages_per_rank=stages_per_rank,
+            )
             reference = reference.eval().requires_grad_(False)
         self.engine = SupervisedEngine(
             trained,

@@ -24,7 +24,15 @@ class TeacherWorker(Worker):
         self.temperature = temperature
         meshes = RoleMeshes.build(self.device, layout)
         self.register_dispatch_mesh(TEACHER_MESH, meshes.rows)
-        self.model = build_sharded(load_causal_lm, model_path, config.fsdp, self.device, seed, meshes.training).eval()
+        self.model = build_sharded(
+            load_causal_lm,
+            model_path,
+            config.fsdp,
+            self.device,
+            seed,
+            meshes.training,
+            stages_per_rank=config.virtual_pipeline_model_parallel_size,
+        ).eval()
         self.model.requires_grad_(False)
         self.teacher = FrozenPolicyEngine(
             self.model, config, key=TEACHER_LOG_PROB, pass_name="teacher_log_prob", sp_group=meshes.sp_group

@@ -5,6 +5,7 @@ whose head shares the embedding's weight: the first and the last stage each hold
 the loss, the gradient norm and every parameter after the steps equal the unsplit model's (relative 1e-5)."""
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from hybridflow.batch_keys import (
     RESPONSES,
 )
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
+from hybridflow.engine.checkpoint import load_training_state, save_training_state
 from hybridflow.engine.pipeline import PipelinedModel, pipeline_mesh
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.engine.tensor_parallel import training_mesh
@@ -36,9 +38,9 @@ def model_dir(family: str) -> str:
     return str(resolve_model_path(family, num_hidden_layers=LAYERS))
 
 
-def rollout(vocab: int, rows: int) -> DataProto:
+def rollout(vocab: int, rows: int, seed: int = 0) -> DataProto:
     """Rows of different prompt and response lengths (two pairs share a prompt), with advantages."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     width_p, width_r = 7, 6
     ids = torch.zeros(rows, width_p + width_r, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -64,8 +66,10 @@ def rollout(vocab: int, rows: int) -> DataProto:
     return DataProto.from_dict(columns)
 
 
-def actor_config(path: str, actor_config_factory):
-    micro_batches = [f"actor_rollout_ref.actor.{key}_micro_batch_size_per_gpu=2" for key in ("ppo", "log_prob")]
+def actor_config(path: str, actor_config_factory, micro_batch: int = 2):
+    micro_batches = [
+        f"actor_rollout_ref.actor.{key}_micro_batch_size_per_gpu={micro_batch}" for key in ("ppo", "log_prob")
+    ]
     return actor_config_factory(path, 1e-2, "actor_rollout_ref.actor.use_remove_padding=true", *micro_batches)
 
 
@@ -108,6 +112,15 @@ class PipelineActor(Worker):
         metrics = self.actor.update_policy(rows, mini_batch_size=len(rows) // 2, temperature=1.0, seed=0)
         return old, metrics.meta_info[METRICS], full_parameters(self.actor.model)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save(self, directory: str) -> None:
+        save_training_state(Path(directory), self.actor.trained, self.rank)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load(self, directory: str) -> dict[str, torch.Tensor]:
+        load_training_state(Path(directory), self.actor.trained, self.rank)
+        return full_parameters(self.actor.model)
+
 
 @pytest.fixture(scope="module")
 def groups(local_ray):
@@ -121,12 +134,15 @@ def groups(local_ray):
         pool.release()
 
 
-LAYOUTS = {  # name: (dp, pp, tp, stages per rank)
-    "pp2-1f1b": (1, 2, 1, 1),
-    "pp2-interleaved": (1, 2, 1, 2),
-    "pp2-dp2": (2, 2, 1, 1),
-    "pp2-tp2": (1, 2, 2, 1),
-    "pp2-dp2-interleaved": (2, 2, 1, 2),
+LAYOUTS = {  # name: (dp, pp, tp, stages per rank, rows per micro-batch)
+    "pp2-1f1b": (1, 2, 1, 1, 2),
+    "pp2-interleaved": (1, 2, 1, 2, 2),
+    "pp2-dp2": (2, 2, 1, 1, 2),
+    "pp2-tp2": (1, 2, 2, 1, 2),
+    "pp2-dp2-interleaved": (2, 2, 1, 2, 2),
+    # one micro-batch per optimizer step, fewer than the stages: an empty one makes up the schedule's count
+    "pp2-one-micro-batch": (1, 2, 1, 1, 4),
+    "pp2-interleaved-3-micro-batches": (1, 2, 1, 2, 3),
 }
 
 
@@ -146,8 +162,8 @@ def one_process_order(batch: DataProto, dp: int) -> tuple[DataProto, list[torch.
 def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_parameters(
     groups, family, layout, actor_config_factory
 ):
-    dp, pp, tp, stages_per_rank = LAYOUTS[layout]
-    config = actor_config(model_dir(family), actor_config_factory)
+    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout]
+    config = actor_config(model_dir(family), actor_config_factory, micro_batch)
     batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
     ordered, where = one_process_order(batch, dp)
     groups[1].build(config, 1, 1, 1, 1)
@@ -164,3 +180,36 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
     held = {name for _, _, parameters in results for name in parameters}
     assert set(want_parameters) <= held  # every parameter is on some stage
+
+
+def assert_same_parameters(results: list[dict], want: dict) -> None:
+    for parameters in results:
+        for name, value in parameters.items():  # a tied head is the embedding's copy
+            torch.testing.assert_close(value, want.get(name, want.get("model.embed_tokens.weight")), msg=name)
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+def test_a_checkpoint_saved_with_stages_resumes_without_them_and_the_reverse(
+    groups, family, actor_config_factory, tmp_path
+):
+    """Saved at pp 2 (1F1B), loaded on one process: the same weights, and the next update (its optimizer state
+    restored) gives the same weights as the staged run's; saved there, loaded at pp 2 interleaved, likewise."""
+    config = actor_config(model_dir(family), actor_config_factory)
+    vocab = load_causal_lm(config.model.path).config.vocab_size
+    first, second, third = (rollout(vocab, ROWS, seed) for seed in range(3))
+    staged, single = groups[2], groups[1]
+    staged.build(config, 1, 2, 1, 1)
+    saved = {
+        name: value for _, _, parameters in staged.log_probs_and_update(first) for name, value in parameters.items()
+    }
+    staged.save(str(tmp_path / "staged"))
+    continued = staged.log_probs_and_update(second)
+    single.build(config, 1, 1, 1, 1)
+    assert_same_parameters(single.load(str(tmp_path / "staged")), saved)
+    [(_, _, resumed)] = single.log_probs_and_update(second)
+    assert_same_parameters([r[2] for r in continued], resumed)
+    single.save(str(tmp_path / "single"))
+    [(_, _, after)] = single.log_probs_and_update(third)
+    staged.build(config, 1, 2, 1, 2)
+    assert_same_parameters(staged.load(str(tmp_path / "single")), resumed)
+    assert_same_parameters([r[2] for r in staged.log_probs_and_update(third)], after)

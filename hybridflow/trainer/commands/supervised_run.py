@@ -37,6 +37,7 @@ from hybridflow.trainer.setup.cluster import check_local_cluster, ray_for_run
 from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import Placement
+from hybridflow.trainer.setup.role_parts import PARALLEL_SIZES
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
 from hybridflow.trainer.setup.run_plan import (
     model_dir_or_name,
@@ -80,16 +81,17 @@ def check_supervised_config(config: Any, pool: str, batch_what: str) -> Supervis
     check_files(data.train_files, "data.train_files", required=True)
     check_files(data.val_files, "data.val_files", required=False)
     model_path = model_dir_or_name(config.model.path, "model.path")
-    dp, t, sp = parallel_shape(
+    layout = parallel_shape(
         trainer.world_size,
         "trainer.nnodes x trainer.n_workers_per_node",
         model_path,
         t=engine.tensor_model_parallel_size,
         sp=engine.ulysses_sequence_parallel_size,
-        keys=("engine.tensor_model_parallel_size", "engine.ulysses_sequence_parallel_size"),
+        pp=engine.pipeline_model_parallel_size,
+        vpp=engine.virtual_pipeline_model_parallel_size,
+        keys=tuple(f"engine.{name}" for name in PARALLEL_SIZES),
         packed=(engine.use_remove_padding, "engine.use_remove_padding"),
     )
-    layout = LayoutShape(dp=dp, t=t, tg=1, sp=sp)
     if data.train_batch_size % layout.dp:
         raise ConfigError(
             "data.train_batch_size",

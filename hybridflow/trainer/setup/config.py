@@ -261,13 +261,38 @@ def build(cls: type, values: dict, prefix: str = ""):
         raise ConfigError(prefix + error.field, error.problem, error.fix) from None
 
 
+# verl's Megatron backend spells these settings under a ``megatron`` subsection (e.g.
+# ``actor_rollout_ref.actor.megatron.pipeline_model_parallel_size``): read there, they set the section's own key
+MEGATRON_SPELLINGS = (
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "tensor_model_parallel_size",
+)
+
+
+def _megatron_spelling(node: DictConfig) -> DictConfig:
+    """``node`` with every ``<section>.megatron.<key>`` of ``MEGATRON_SPELLINGS`` moved to ``<section>.<key>``; a
+    ``megatron`` subsection with any other key is left as it is (and then refused as unknown, with the known keys)."""
+    for key in list(node.keys()):
+        value = node[key]
+        if not OmegaConf.is_dict(value):
+            continue
+        if key == "megatron" and set(value.keys()) <= set(MEGATRON_SPELLINGS):
+            for name in value.keys():
+                node[name] = value[name]
+            del node[key]
+        else:
+            _megatron_spelling(value)
+    return node
+
+
 def _config_file(path: str | Path) -> DictConfig:
     """A user's --config file: YAML mapping the keys it changes."""
     with reading_file(path, key="--config", fix="give a YAML file of the keys it changes (as in examples/)"):
         node = OmegaConf.load(path)
     if not isinstance(node, DictConfig):
         raise InputFileError(path, "is not a mapping of config keys", "write it as in examples/", key="--config")
-    return node
+    return _megatron_spelling(node)
 
 
 def _override(override: str) -> DictConfig:
@@ -276,7 +301,7 @@ def _override(override: str) -> DictConfig:
     if not equals:
         raise ConfigError(override, "an override must look like key=value", "e.g. data.train_batch_size=16")
     try:
-        return OmegaConf.from_dotlist([override])
+        return _megatron_spelling(OmegaConf.from_dotlist([override]))
     except yaml.YAMLError as error:
         problem = " ".join(str(error).split())[:200]
         raise ConfigError(

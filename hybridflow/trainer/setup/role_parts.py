@@ -64,12 +64,15 @@ class RolePart:
         return bool(getattr(self.settings(config), "use_remove_padding", True))
 
     def parallel_size(self, config: HybridFlowConfig, name: str) -> int:
-        """Its ``TENSOR_PARALLEL`` or ``SEQUENCE_PARALLEL`` size (1 without a section, or a section without it)."""
+        """One of its ``PARALLEL_SIZES`` (1 without a section, or a section without it)."""
         return int(getattr(self.settings(config), name, 1)) if self.section else 1
 
 
 TENSOR_PARALLEL = "tensor_model_parallel_size"  # a section's ranks that split each decoder layer
 SEQUENCE_PARALLEL = "ulysses_sequence_parallel_size"  # a section's ranks that split each micro-batch's tokens
+PIPELINE_PARALLEL = "pipeline_model_parallel_size"  # a section's ranks that split the decoder layers into stages
+VIRTUAL_PIPELINE = "virtual_pipeline_model_parallel_size"  # a section's stages per pipeline rank
+PARALLEL_SIZES = (TENSOR_PARALLEL, SEQUENCE_PARALLEL, PIPELINE_PARALLEL, VIRTUAL_PIPELINE)
 
 ROLE_PARTS: dict[Role, RolePart] = {}
 

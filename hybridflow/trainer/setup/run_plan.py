@@ -32,10 +32,18 @@ from hybridflow.models.split_sizes import check_sequence_parallel_size, check_te
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, TrainerConfig
 from hybridflow.trainer.setup.placement import Placement, place_roles
-from hybridflow.trainer.setup.role_parts import ROLE_PARTS, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from hybridflow.trainer.setup.role_parts import (
+    PARALLEL_SIZES,
+    PIPELINE_PARALLEL,
+    ROLE_PARTS,
+    SEQUENCE_PARALLEL,
+    TENSOR_PARALLEL,
+    VIRTUAL_PIPELINE,
+)
 from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+PP_KEY = "actor_rollout_ref.actor.pipeline_model_parallel_size"
 
 
 def _missing_model(path: str, key: str, error: FileNotFoundError) -> ConfigError:
@@ -168,15 +176,27 @@ def model_config(path: str) -> PretrainedConfig:
 
 
 def parallel_shape(
-    world: int, pool: str, model_path: str, *, t: int, sp: int, keys: tuple[str, str], packed: tuple[bool, str]
-) -> tuple[int, int, int]:
-    """(dp, t, sp) of ``world`` ranks of ``pool`` for a model whose layers split over t ranks and whose micro-batches'
-    tokens split over sp, the rest data-parallel; ConfigError naming the key (``keys``: t's and sp's) when the sizes
-    do not fit the ranks or the model, or when sp > 1 without packed rows (``packed``: whether the role packs, and its
-    key)."""
-    tp_key, sp_key = keys
-    if world % (t * sp):
-        key, size = (sp_key, f"{sp} (x {tp_key}={t})") if sp > 1 else (tp_key, str(t))
+    world: int,
+    pool: str,
+    model_path: str,
+    *,
+    t: int,
+    sp: int,
+    keys: tuple[str, ...],
+    packed: tuple[bool, str],
+    pp: int = 1,
+    vpp: int = 1,
+) -> LayoutShape:
+    """The layout (tg = 1) of ``world`` ranks of ``pool`` for a model whose layers split over t ranks, whose
+    micro-batches' tokens split over sp, and whose decoder layers split into pp x vpp pipeline stages over pp ranks,
+    the rest data-parallel; ConfigError naming the key (``keys``: t's, sp's, and pp's and vpp's where the section has
+    them) when the sizes do not fit the ranks or the model, or when sp or pp > 1 without packed rows (``packed``:
+    whether the role packs, and its key)."""
+    tp_key, sp_key = keys[:2]
+    pp_key, vpp_key = keys[2:] if len(keys) == 4 else ("", "")
+    if world % (t * sp * pp):
+        sizes = [(key, size) for key, size in ((sp_key, sp), (pp_key, pp)) if size > 1]
+        key, size = (sizes[0][0], f"{sizes[0][1]} (x {tp_key}={t})") if sizes else (tp_key, str(t))
         raise ConfigError(
             key, f"{size} does not divide the {world} ranks of {pool}", "choose a divisor of the pool's ranks"
         )
@@ -188,7 +208,53 @@ def parallel_shape(
             check_sequence_parallel_size(model_config(model_path), sp, sp_key, tensor_parallel=t)
         except ValueError as error:
             raise ConfigError(sp_key, str(error)) from None
-    return world // (t * sp), t, sp
+    check_pipeline_stages(model_path, pp, vpp, (pp_key, vpp_key), packed)
+    if pp > 1 and sp > 1:
+        raise ConfigError(
+            pp_key,
+            f"{pp} with {sp_key}={sp}: pipeline and sequence parallelism do not combine yet",
+            "set one of them to 1",
+        )
+    return LayoutShape(dp=world // (t * sp * pp), t=t, tg=1, sp=sp, pp=pp)
+
+
+def check_pipeline_stages(model_path: str, pp: int, vpp: int, keys: tuple[str, str], packed: tuple[bool, str]) -> None:
+    """pp x vpp stages of equal size on packed rows, interleaved only over 2 ranks or more; ConfigError naming
+    ``keys`` (pp's, vpp's) otherwise."""
+    pp_key, vpp_key = keys
+    if vpp > 1 and pp == 1:
+        raise ConfigError(
+            vpp_key, f"{vpp}: stages interleave over pipeline ranks, and {pp_key}=1", f"set {pp_key} to 2 or more"
+        )
+    if pp == 1:
+        return
+    if not packed[0]:
+        raise ConfigError(pp_key, f"{pp}: pipeline stages run on packed rows", f"set {packed[1]}=true")
+    layers = model_config(model_path).get_text_config().num_hidden_layers
+    if layers % (pp * vpp):
+        key, stages = (vpp_key, f"{pp} x {vpp_key}={vpp}") if vpp > 1 else (pp_key, str(pp))
+        raise ConfigError(
+            key,
+            f"{stages} stages do not split the model's {layers} decoder layers evenly",
+            f"choose sizes whose product divides {layers}",
+        )
+
+
+def check_micro_batches_fill_stages(section, prefix: str, rows_per_step: int, pp: int) -> None:
+    """ConfigError when an optimizer step's micro-batches (``rows_per_step`` rows per rank, ``section``'s micro-batch
+    size) are fewer than the pipeline ranks: a stage would idle through every step. Token-count micro-batches
+    (use_dynamic_bsz) are counted as they come; a pass with too few gets empty ones (engine/pipeline.py)."""
+    if pp == 1 or section.use_dynamic_bsz:
+        return
+    size = section.ppo_micro_batch_size_per_gpu
+    count = -(-rows_per_step // size)
+    if count < pp:
+        raise ConfigError(
+            f"{prefix}.ppo_micro_batch_size_per_gpu",
+            f"{size} makes {count} micro-batch(es) of the {rows_per_step} rows of an optimizer step, fewer than the "
+            f"{pp} pipeline stages ({prefix}.pipeline_model_parallel_size)",
+            f"use at most {max(rows_per_step // pp, 1)} rows per micro-batch",
+        )
 
 
 def check_splits_evenly(model_path: str, size: int, key: str) -> None:
@@ -221,14 +287,21 @@ def _generation_size(config: HybridFlowConfig) -> int:
     return tg
 
 
-def _actor_layout(config: HybridFlowConfig, dp: int, t: int, sp: int) -> LayoutShape:
-    """The hybrid actor's (dp, sp, t) training layout with generation groups of tg ranks (tg dividing t is checked
-    in LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
+def _actor_layout(config: HybridFlowConfig, training: LayoutShape) -> LayoutShape:
+    """The hybrid actor's training layout with generation groups of tg ranks (tg dividing t is checked in
+    LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
+    t = training.t
     if config.trainer.async_training.rollout_apart:
-        return LayoutShape(dp=dp, t=t, tg=1, sp=sp)
+        if training.pp > 1:
+            raise ConfigError(
+                PP_KEY,
+                f"{training.pp}: a pipeline-staged actor sends its weights to a rollout pool of its own: not yet built",
+                "set it to 1 with trainer.async_training, or train synchronously",
+            )
+        return training
     tg = _generation_size(config)
     try:
-        return LayoutShape(dp=dp, t=t, tg=tg, sp=sp)
+        return dataclasses.replace(training, tg=tg)
     except ValueError as error:
         raise ConfigError(
             TG_KEY,
@@ -263,21 +336,20 @@ def role_layouts(
             check_splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
             layouts[role] = _rollout_layout(config, world, placement.role_pool[role])
             continue
-        dp, t, sp = world, 1, 1
+        shape = LayoutShape(dp=world, t=1, tg=1)
         if part.section:  # the model's split is checked over t here, and over tg (which divides t) with it
-            dp, t, sp = parallel_shape(
+            shape = parallel_shape(
                 world,
                 f"pool '{placement.role_pool[role]}' ({role.value})",
                 part.model(config, paths)[1],
                 t=part.parallel_size(config, TENSOR_PARALLEL),
                 sp=part.parallel_size(config, SEQUENCE_PARALLEL),
-                keys=(part.key(TENSOR_PARALLEL), part.key(SEQUENCE_PARALLEL)),
+                pp=part.parallel_size(config, PIPELINE_PARALLEL),
+                vpp=part.parallel_size(config, VIRTUAL_PIPELINE),
+                keys=tuple(part.key(name) for name in PARALLEL_SIZES),
                 packed=(part.packs(config), part.key("use_remove_padding")),
             )
-        if role is Role.ActorRollout:
-            layouts[role] = _actor_layout(config, dp, t, sp)
-        else:
-            layouts[role] = LayoutShape(dp=dp, t=t, tg=1, sp=sp)
+        layouts[role] = _actor_layout(config, shape) if role is Role.ActorRollout else shape
     return layouts
 
 
@@ -328,6 +400,7 @@ def mini_batches_per_rank(
                 "or its trainer.resource_pool_spec entry)",
             )
         per_rank[role] = mini * n // world
+        check_micro_batches_fill_stages(section, prefix, per_rank[role], layouts[role].pp)
     return per_rank
 
 
