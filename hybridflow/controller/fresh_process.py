@@ -57,6 +57,7 @@ class FreshProcessState:
             return f"{changed[0]} was imported"
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_device_meshes()
         gc.collect()
         deadline = time.monotonic() + THREAD_EXIT_WAIT_S
         while self.new_threads() and time.monotonic() < deadline:
@@ -73,6 +74,23 @@ class FreshProcessState:
             sys.modules["numpy"].random.seed()
         _return_free_memory()
         return None
+
+
+def _forget_device_meshes() -> None:
+    """Drop DTensor's caches of sharding decisions and redistribution plans: an entry keeps its device mesh, and with
+    it the names of the process groups of a run that has ended; a mesh of the next run equal to it (the same ranks,
+    layout and names) would find that entry, and its operations would ask for groups that no longer exist."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()  # this thread's: the one that runs the workers' methods
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ dispatch's own cache of the same
 
 
 def _return_free_memory() -> None:

@@ -161,6 +161,18 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: _MicroInp
     return part
 
 
+def _square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a whole gradient, in float64: a DTensor's local shard's, summed over the mesh
+    dimensions that shard it (its copies on the others counted once)."""
+    if not isinstance(grad, DTensor):
+        return grad.double().pow(2).sum()
+    square = grad.to_local().double().pow(2).sum()
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_shard():
+            dist.all_reduce(square, group=grad.device_mesh.get_group(dim))
+    return square
+
+
 def _empty_packed(like: PackedBatch) -> PackedBatch:
     """A micro-batch of no rows (``pad_packed`` fills it with filler tokens)."""
     ids = like.input_ids.new_zeros(1, 0)
@@ -238,7 +250,13 @@ class PipelinedModel(nn.Module):
 
     @property
     def config(self):
+        """The model's config (every stage's)."""
         return self.stages[0].config
+
+    @property
+    def peft_config(self) -> dict:
+        """A LoRA model's adapter settings (every stage's; {} without LoRA), as peft's model has them."""
+        return getattr(self.stages[0], "peft_config", {})
 
     @property
     def pp_size(self) -> int:
@@ -344,11 +362,10 @@ class PipelinedModel(nn.Module):
         """The gradient norm over every stage (the tied head counted once), after scaling the gradients down to
         ``max_norm`` when above it."""
         duplicate = self.tied.duplicate if self.tied is not None else None
-        grads = [p.grad for p in self.parameters() if p.grad is not None and p is not duplicate]
         square = torch.zeros((), dtype=torch.float64)
-        for grad in grads:
-            norm = torch.linalg.vector_norm(grad, 2.0)
-            square += float(norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+        for p in self.parameters():
+            if p.grad is not None and p is not duplicate:
+                square += _square_sum(p.grad)
         dist.all_reduce(square, group=self.group)
         total = float(square) ** 0.5
         coefficient = max_norm / (total + 1e-6)

@@ -94,10 +94,7 @@ def generation_weights(
     one at a time (those that FSDP2 alone shards gathered ``bucket_bytes`` at a time); ``report`` accumulates
     the bytes. A LoRA model's weights come merged."""
     if isinstance(model, PipelinedModel):
-        slices = lambda stage: _generation_slices(  # noqa: E731
-            stage, policy_parameters(stage), dtype, gather_group, report, bucket_bytes
-        )
-        yield from _over_stages(model, slices, report)
+        yield from _over_stages(model, policy_parameters, dtype, gather_group, report, bucket_bytes)
         yield from _buffers(model.stages[0])  # every stage holds the same (the rotary embedding's)
         return
     yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report, bucket_bytes)
@@ -109,8 +106,7 @@ def base_generation_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``generation_weights`` of a LoRA model's frozen base (its adapters left out): sent to a rollout once."""
     if isinstance(model, PipelinedModel):
-        slices = lambda stage: _generation_slices(stage, base_parameters(stage), dtype, gather_group, report)  # noqa: E731
-        yield from _over_stages(model, slices, report)
+        yield from _over_stages(model, base_parameters, dtype, gather_group, report)
         yield from _buffers(model.stages[0])
         return
     yield from _generation_slices(model, base_parameters(model), dtype, gather_group, report)
@@ -124,8 +120,7 @@ def adapter_generation_weights(
     (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
     that only FSDP2 shards (over dp, by rows) travel together, a bucket per collective (``_generation_slices``)."""
     if isinstance(model, PipelinedModel):
-        slices = lambda stage: _generation_slices(stage, adapter_tensors(stage), dtype, gather_group, report)  # noqa: E731
-        yield from _over_stages(model, slices, report)
+        yield from _over_stages(model, adapter_tensors, dtype, gather_group, report)
         return
     yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
 
@@ -234,11 +229,20 @@ def _gathered_together(bucket: list[tuple[str, DTensor]], report: SwitchReport) 
 
 def _over_stages(
     model: PipelinedModel,
-    slices: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]],
+    named: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]],
+    dtype: torch.dtype,
+    gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every stage's generation ``slices`` (gathered over the dp and gather groups of the rank holding the stage) on
-    every rank of the pp group: its pp peers hold the same generation shard of their own stages."""
+    """Every stage's generation slices of its ``named`` tensors on every rank of the pp group: the rank holding a
+    stage gathers them over its dp and gather groups as an unsplit model's, then sends them to its pp peers, which
+    hold the same generation shard of their own stages. A tied head (the embedding's copy) is left out."""
+
+    def slices(stage: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors = ((name, tensor) for name, tensor in named(stage) if name != model.tied_head_name)
+        return _generation_slices(stage, tensors, dtype, gather_group, report, bucket_bytes)
+
     for name, tensor, arrived in model.stage_by_stage(slices):
         if arrived:
             size = _nbytes(tensor)

@@ -121,3 +121,27 @@ def test_nothing_is_kept_unless_the_driver_asks(keeping):
     assert set(pids(run_group(1))).isdisjoint(pids(first))
     with pytest.raises(ValueError, match="max_processes"):
         keeping(-1)
+
+
+class MeshWorker(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def shard_and_gather(self, shape: tuple[int, ...], names: tuple[str, ...]) -> list[float]:
+        """A weight split over the "tp" dimension of a mesh of ``shape``, then gathered whole."""
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        weight = torch.nn.Parameter(distribute_tensor(torch.arange(4.0), mesh["tp"], [Shard(0)]))
+        return weight.detach().full_tensor().tolist()
+
+
+def test_a_kept_process_forgets_the_device_meshes_of_the_run_before(keeping):
+    """A mesh of the next run equal to one of the run before (its "tp" dimension: ranks {0, 1} and {2, 3} on 4
+    processes, both times) must not find that run's process groups in DTensor's caches: they are gone, and the
+    run before created more groups (a third dimension), so their names do not name this run's."""
+    keeping(4)
+    for shape, names in (((1, 2, 2), ("dp", "pp", "tp")), ((2, 2), ("dp", "tp"))):
+        pool = RayResourcePool([4], name="kept")
+        group = RayWorkerGroup(pool, RoleSpec(MeshWorker), name="mesh")
+        assert group.shard_and_gather(shape, names) == [[0.0, 1.0, 2.0, 3.0]] * 4
+        pool.release(keep_processes=True)

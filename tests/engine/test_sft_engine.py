@@ -26,6 +26,8 @@ ENGINE = SFTEngineConfig(
     max_token_len_per_gpu=64,
     tensor_model_parallel_size=1,
     ulysses_sequence_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=1,
     grad_clip=1e9,  # no clipping: the gradients compare as computed
     reshard_after_forward=True,
     fsdp=FSDPConfig(param_dtype="fp32", reduce_dtype="fp32", host_collectives=True),

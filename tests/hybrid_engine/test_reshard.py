@@ -22,6 +22,7 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPO
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.host_collectives import ALL_GATHER_EVENT, host_collectives_for
+from hybridflow.engine.pipeline import build_pipelined
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
@@ -123,7 +124,41 @@ class DataParallelWeights(Worker):
         return weights, report, gathers, shared, host_collectives_for(mesh.get_group()) is None
 
 
-class Ranks(ActorSwitch, RowGather, DataParallelWeights):
+class PipelinedSwitch(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def switch_pipelined_and_generate(self, path: str, pp: int, t: int, tg: int) -> dict:
+        """Pipeline stages of the trained model in the (dp, pp, t) layout switched to generation groups of tg: every
+        rank generates with every layer (pg = 1)."""
+        torch.set_num_threads(1)
+        shape = LayoutShape(dp=self.world_size // (pp * t), t=t, tg=tg, pp=pp)
+        layouts = ActorLayouts.build(self.device, shape)
+
+        def shard(part):
+            apply_tensor_parallel(part, layouts.training["tp"])
+            return shard_model(part, layouts.training["dp"], dataclasses.replace(FP32, host_collectives=False))
+
+        model = build_pipelined(
+            trained_model(path), layouts.training, shard, stages_per_rank=1, activation_dtype=torch.float32
+        )
+        original = load_causal_lm(path, dtype=torch.float32)
+        rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
+        report = SwitchReport()
+        rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+        generation = layouts.generation
+        batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
+        responses = rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
+        dist.barrier()
+        return {
+            "report": report,
+            "predicted": report.predicted(shape),
+            "stage": model.indices[0],
+            "generation_index": (generation["dp"].get_local_rank(), generation["tp"].get_local_rank()),
+            "down": [layer.down.weight.clone() for layer in rollout.engine.weights.layers],
+            "responses": responses,
+        }
+
+
+class Ranks(ActorSwitch, RowGather, DataParallelWeights, PipelinedSwitch):
     """The tests' methods, so that one group of each size serves every case."""
 
 
@@ -215,3 +250,51 @@ def test_data_parallel_weights_travel_a_bucket_at_a_time_through_shared_memory(g
         held_before = sum(rows * w[0].numel() * 4 for rows, w in zip(own, weights.values()))
         assert report.whole == report.held == whole
         assert report.received == whole - held_before
+
+
+def stage_of(name: str) -> int:
+    """The stage of 2 (one layer each) that holds a weight of the tiny Qwen2: the embedding on the first, the final
+    norm on the last (its tied head is the embedding)."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2])
+    return 0 if "embed_tokens" in name else 1
+
+
+@pytest.mark.parametrize("dp, pp, t, tg", [(1, 2, 1, 1), (2, 2, 1, 1), (1, 2, 2, 2), (1, 2, 2, 1)])
+def test_pipeline_stages_switch_to_every_layer_on_every_rank_with_the_predicted_bytes(
+    groups, path, expected, dp, pp, t, tg
+):
+    """Each rank gathers its stage's generation shard as without stages (the paper's bytes) and receives the other
+    stage's from its pp peer, 1/tg of each split weight: every rank then holds its generation shard of every layer,
+    and each generation group generates what one process does."""
+    weights, responses = expected
+    outputs = groups[dp * pp * t].switch_pipelined_and_generate(path, pp, t, tg)
+
+    def nbytes(stage: int, split: bool) -> int:  # split: what the training layout splits (nothing at t = 1)
+        return sum(
+            w.numel() * 4
+            for n, w in weights.items()
+            if stage_of(n) == stage and (t > 1 and SPLIT.shard_dim(n) is not None) == split
+        )
+
+    by_group: dict[int, list[torch.Tensor]] = {}
+    for out in outputs:
+        stage, (gen_dp, gen_tp) = out["stage"], out["generation_index"]
+        report, other = out["report"], 1 - stage
+        own = predicted_switch_bytes(nbytes(stage, True), nbytes(stage, False), dp=dp, t=t, tg=tg, method="hybridflow")
+        from_stages = nbytes(other, True) // tg + nbytes(other, False)
+        assert (report.split, report.whole) == (nbytes(stage, True), nbytes(stage, False))
+        assert report.received == out["predicted"] == own + from_stages
+        assert report.held == sum(nbytes(s, True) // tg + nbytes(s, False) for s in (0, 1))
+        for index, down in enumerate(out["down"]):  # every layer, this rank's generation shard of it
+            torch.testing.assert_close(down, first_layer_slice_of(weights, index, tg, gen_tp), rtol=0, atol=0)
+        by_group.setdefault(gen_dp, []).append(out["responses"])
+    assert len(by_group) == dp * pp * t // tg
+    for same_prompts in by_group.values():
+        assert all(torch.equal(r, same_prompts[0]) for r in same_prompts)
+    assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)
+
+
+def first_layer_slice_of(weights: dict, layer: int, tg: int, index: int) -> torch.Tensor:
+    name = f"model.layers.{layer}.mlp.down_proj.weight"
+    return TensorParallelGroup(SPLIT, size=tg, rank=index).shard(name, weights[name].detach())

@@ -65,6 +65,20 @@ MODES = {
         "critic.fsdp.param_dtype=fp32",
         "critic.optim.lr=1e-3",
     ],
+    # pipeline stages: the actor, its reference and a critic (PPO with GAE) each split into 2 stages over the 2 ranks
+    # (1F1B, two micro-batches a step; tests/trainer/test_pipeline_parallel_e2e.py compares them with pp = 1)
+    "pipeline": [
+        "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.ref.pipeline_model_parallel_size=2",
+        "algorithm.adv_estimator=gae",
+        "critic.pipeline_model_parallel_size=2",
+        "critic.ppo_micro_batch_size_per_gpu=2",
+        "critic.ppo_mini_batch_size=2",
+        "critic.fsdp.param_dtype=fp32",
+        "critic.optim.lr=1e-3",
+    ],
     # on-policy distillation of a LoRA student, mixed with the task reward, the teacher (tiny-llama of another seed,
     # args puts its directory in) on a pool of its own
     "lora_distill": [

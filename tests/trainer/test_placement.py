@@ -176,3 +176,80 @@ def test_sequence_parallel_sizes_become_each_roles_layout():
     n = 4  # rollout.n: 8 prompts x 4 samples over the actor's 2 data-parallel ranks, 4 x 4 over the critic's 1
     assert run_plan.mini_batch_per_rank[Role.ActorRollout] == 8 * n // 2
     assert run_plan.mini_batch_per_rank[Role.Critic] == 4 * n
+
+
+def test_pipeline_sizes_become_each_roles_layout():
+    """Pipeline keys per section (verl's megatron spelling too): stages over pp ranks that hold the same rows, the
+    rows split over the rest (dp = world / (pp x t)); the actor generates on every rank (micro-DP over pp)."""
+    run_plan = make_run_plan(
+        load_config(
+            [
+                *PPO_ALL_ROLES,
+                "trainer.n_workers_per_node=4",
+                "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                "actor_rollout_ref.ref.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.ref.tensor_model_parallel_size=2",
+                "critic.pipeline_model_parallel_size=2",
+                "critic.ppo_micro_batch_size_per_gpu=4",
+            ]
+        )
+    )
+    shapes = {role: (layout.dp, layout.pp, layout.t) for role, layout in run_plan.layouts.items()}
+    assert shapes[Role.ActorRollout] == (2, 2, 1) and shapes[Role.RefPolicy] == (1, 2, 2)
+    assert shapes[Role.Critic] == (2, 2, 1) and shapes[Role.RewardModel] == (4, 1, 1)
+    assert run_plan.actor_layout.generation_ranks().tolist() == [[0], [1], [2], [3]]
+    assert run_plan.actor_layout.pipeline_ranks().tolist() == [[[0], [1]], [[2], [3]]]
+
+
+@pytest.mark.parametrize(
+    "overrides, key, words",
+    [
+        (  # 2 layers in the tiny model
+            [
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size=2",
+            ],
+            "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size",
+            "do not split the model's 2 decoder layers",
+        ),
+        (
+            ["actor_rollout_ref.actor.virtual_pipeline_model_parallel_size=2"],
+            "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size",
+            "interleave over pipeline ranks",
+        ),
+        (
+            ["critic.pipeline_model_parallel_size=4"],
+            "critic.pipeline_model_parallel_size",
+            "does not divide the 2 ranks",
+        ),
+        (
+            ["actor_rollout_ref.ref.pipeline_model_parallel_size=2", "actor_rollout_ref.ref.use_remove_padding=false"],
+            "actor_rollout_ref.ref.pipeline_model_parallel_size",
+            "run on packed rows",
+        ),
+        (
+            [
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "trainer.n_workers_per_node=4",
+            ],
+            "actor_rollout_ref.actor.pipeline_model_parallel_size",
+            "do not combine yet",
+        ),
+        (  # 4 prompts x 2 samples on one data-parallel rank, micro-batches of 8: one, for 2 stages
+            [
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                "actor_rollout_ref.rollout.n=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            ],
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+            "fewer than the 2 pipeline stages",
+        ),
+    ],
+)
+def test_pipeline_errors_name_the_key(overrides, key, words):
+    with pytest.raises(ConfigError, match=words) as error:
+        plan_of("trainer.n_workers_per_node=2", *overrides)
+    assert error.value.key == key
