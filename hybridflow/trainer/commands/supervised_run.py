@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hybridflow.algorithms.objectives import OBJECTIVES
+from hybridflow.algorithms.objectives import OBJECTIVES, SEQUENCE_SCORES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
@@ -40,6 +40,7 @@ from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.role_parts import PARALLEL_SIZES
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
 from hybridflow.trainer.setup.run_plan import (
+    check_micro_batches_fill_stages,
     model_dir_or_name,
     parallel_shape,
     resolve_model_dir,
@@ -74,9 +75,10 @@ class SupervisedPlan:
         return dataclasses.replace(self, model_path=resolve_model_dir(self.model_path, "model.path"))
 
 
-def check_supervised_config(config: Any, pool: str, batch_what: str) -> SupervisedPlan:
+def check_supervised_config(config: Any, pool: str, objective: Any) -> SupervisedPlan:
     """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's config and
-    builds nothing. ``batch_what``: what ``data.train_batch_size`` counts (samples, pairs)."""
+    builds nothing. ``objective``: the objective's class (whether rows come in pairs, what its forward gives)."""
+    batch_what = "pairs" if objective.paired else "samples"  # what data.train_batch_size counts
     data, engine, trainer = config.data, config.engine, config.trainer
     check_files(data.train_files, "data.train_files", required=True)
     check_files(data.val_files, "data.val_files", required=False)
@@ -98,6 +100,8 @@ def check_supervised_config(config: Any, pool: str, batch_what: str) -> Supervis
             f"{data.train_batch_size} {batch_what} do not split evenly over {layout.dp} data-parallel ranks",
             f"use a multiple of {layout.dp}",
         )
+    if layout.pp > 1:
+        check_supervised_stages(config, objective, layout)
     check_lora_targets("model", config.model.lora, model_path)
     placement = Placement({pool: [trainer.n_workers_per_node] * trainer.nnodes}, {})
     if trainer.device == "cuda" and not torch.cuda.is_available():
@@ -199,6 +203,24 @@ def run_supervised(
             pool.release(keep_processes=finished)
 
 
+def check_supervised_stages(config: Any, objective: Any, layout: LayoutShape) -> None:
+    """Pipeline stages run token log-probs (a reward model's sequence score does not run through them yet), with at
+    least one micro-batch per stage in a step."""
+    key = "engine.pipeline_model_parallel_size"
+    if objective.output == SEQUENCE_SCORES:
+        raise ConfigError(
+            key,
+            f"{layout.pp}: a sequence score (the {objective.name} objective's) does not run through stages yet",
+            "set it to 1",
+        )
+    engine = config.engine
+    if not engine.use_dynamic_bsz:
+        rows = config.data.train_batch_size * (2 if objective.paired else 1) // layout.dp
+        check_micro_batches_fill_stages(
+            rows, engine.micro_batch_size_per_gpu, layout.pp, key="engine.micro_batch_size_per_gpu", pp_key=key
+        )
+
+
 def supervised_worker(config: Any, plan: SupervisedPlan, objective: Any, steps: int) -> RoleSpec:
     """The worker of a supervised run (workers/supervised.py) and its arguments, the same on every rank."""
     settings = dict(model=config.model, engine=config.engine, optim=config.optim, model_path=plan.model_path)
@@ -238,8 +260,7 @@ class SupervisedCommand:
         """ConfigError naming the first problem; the run's plan when the config can run. Reads the model's config
         and builds nothing."""
         self.check_own(config)
-        unit = "pairs" if OBJECTIVES.get(self.objective).paired else "samples"  # what data.train_batch_size counts
-        return check_supervised_config(config, self.name, unit)
+        return check_supervised_config(config, self.name, OBJECTIVES.get(self.objective))
 
     def run(self, config: Any) -> dict[str, float]:
         plan = self.check(config)

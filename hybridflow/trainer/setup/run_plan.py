@@ -240,19 +240,17 @@ def check_pipeline_stages(model_path: str, pp: int, vpp: int, keys: tuple[str, s
         )
 
 
-def check_micro_batches_fill_stages(section, prefix: str, rows_per_step: int, pp: int) -> None:
-    """ConfigError when an optimizer step's micro-batches (``rows_per_step`` rows per rank, ``section``'s micro-batch
-    size) are fewer than the pipeline ranks: a stage would idle through every step. Token-count micro-batches
-    (use_dynamic_bsz) are counted as they come; a pass with too few gets empty ones (engine/pipeline.py)."""
-    if pp == 1 or section.use_dynamic_bsz:
-        return
-    size = section.ppo_micro_batch_size_per_gpu
-    count = -(-rows_per_step // size)
+def check_micro_batches_fill_stages(rows_per_step: int, micro_batch: int, pp: int, *, key: str, pp_key: str) -> None:
+    """ConfigError naming ``key`` (the micro-batch size) when an optimizer step's micro-batches (``rows_per_step`` rows
+    per rank, ``micro_batch`` rows each) are fewer than the ``pp`` pipeline ranks: a stage would idle through every
+    step. Token-count micro-batches (use_dynamic_bsz) are not checked: a pass with too few gets empty ones
+    (engine/pipeline.py)."""
+    count = -(-rows_per_step // micro_batch)
     if count < pp:
         raise ConfigError(
-            f"{prefix}.ppo_micro_batch_size_per_gpu",
-            f"{size} makes {count} micro-batch(es) of the {rows_per_step} rows of an optimizer step, fewer than the "
-            f"{pp} pipeline stages ({prefix}.pipeline_model_parallel_size)",
+            key,
+            f"{micro_batch} makes {count} micro-batch(es) of the {rows_per_step} rows of an optimizer step, fewer than "
+            f"the {pp} pipeline stages ({pp_key})",
             f"use at most {max(rows_per_step // pp, 1)} rows per micro-batch",
         )
 
@@ -400,7 +398,14 @@ def mini_batches_per_rank(
                 "or its trainer.resource_pool_spec entry)",
             )
         per_rank[role] = mini * n // world
-        check_micro_batches_fill_stages(section, prefix, per_rank[role], layouts[role].pp)
+        if layouts[role].pp > 1 and not section.use_dynamic_bsz:
+            check_micro_batches_fill_stages(
+                per_rank[role],
+                section.ppo_micro_batch_size_per_gpu,
+                layouts[role].pp,
+                key=f"{prefix}.ppo_micro_batch_size_per_gpu",
+                pp_key=f"{prefix}.pipeline_model_parallel_size",
+            )
     return per_rank
 
 
