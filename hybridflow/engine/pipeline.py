@@ -259,6 +259,11 @@ class PipelinedModel(nn.Module):
         return getattr(self.stages[0], "peft_config", {})
 
     @property
+    def device(self) -> torch.device:
+        """Where this rank's stages live."""
+        return next(self.parameters()).device
+
+    @property
     def pp_size(self) -> int:
         return dist.get_world_size(self.group)
 
@@ -285,7 +290,7 @@ class PipelinedModel(nn.Module):
         return f"{TIED_HEAD}.weight" if self.tied is not None else None
 
     def _pipeline_stages(self, length: int, training: bool) -> list[PipelineStage]:
-        device = next(self.parameters()).device
+        device = self.device
         meta = torch.device("meta")
         hidden = torch.empty(1, length, self.hidden_size, dtype=self.activation_dtype, device=meta)
         hidden.requires_grad_(training)
@@ -362,7 +367,7 @@ class PipelinedModel(nn.Module):
         """The gradient norm over every stage (the tied head counted once), after scaling the gradients down to
         ``max_norm`` when above it."""
         duplicate = self.tied.duplicate if self.tied is not None else None
-        square = torch.zeros((), dtype=torch.float64)
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.parameters():
             if p.grad is not None and p is not duplicate:
                 square += _square_sum(p.grad)
@@ -392,7 +397,10 @@ class PipelinedModel(nn.Module):
             box = [[(name, tuple(t.shape), t.dtype) for name, t in made] if made is not None else None]
             dist.broadcast_object_list(box, src=owner, group=self.group)
             for index, (name, shape, dtype) in enumerate(box[0]):
-                tensor = made[index][1].contiguous() if made is not None else torch.empty(shape, dtype=dtype)
+                if made is not None:
+                    tensor = made[index][1].contiguous()
+                else:
+                    tensor = torch.empty(shape, dtype=dtype, device=self.device)
                 dist.broadcast(tensor, src=owner, group=self.group)
                 seen.add(name)
                 yield name, tensor, made is None
