@@ -58,6 +58,18 @@ def prompts() -> DataProto:
     return DataProto.from_dict({INPUT_IDS: ids, ATTENTION_MASK: mask, POSITION_IDS: (mask.cumsum(1) - 1).clamp(min=0)})
 
 
+def switch_and_generate(model, layouts: ActorLayouts, path: str) -> tuple[NativeRollout, SwitchReport, torch.Tensor]:
+    """A generation engine of the layouts' groups holding the original weights, switched to ``model``'s (trained,
+    in the training layout): the engine, what the switch moved, and the greedy responses to this rank's prompts."""
+    original = load_causal_lm(path, dtype=torch.float32)
+    rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
+    report = SwitchReport()
+    rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+    generation = layouts.generation
+    batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
+    return rollout, report, rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
+
+
 class ActorSwitch(Worker):
     def __init__(self):
         super().__init__()
@@ -72,13 +84,8 @@ class ActorSwitch(Worker):
         model = trained_model(path)
         apply_tensor_parallel(model, layouts.training["tp"])
         model = shard_model(model, layouts.training["dp"], FP32)
-        original = load_causal_lm(path, dtype=torch.float32)
-        rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
-        report = SwitchReport()
-        rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+        rollout, report, responses = switch_and_generate(model, layouts, path)
         generation = layouts.generation
-        batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
-        responses = rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
         layer = rollout.engine.weights.layers[0]
         dist.barrier()
         return {
@@ -140,13 +147,8 @@ class PipelinedSwitch(Worker):
         model = build_pipelined(
             trained_model(path), layouts.training, shard, stages_per_rank=1, activation_dtype=torch.float32
         )
-        original = load_causal_lm(path, dtype=torch.float32)
-        rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
-        report = SwitchReport()
-        rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+        rollout, report, responses = switch_and_generate(model, layouts, path)
         generation = layouts.generation
-        batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
-        responses = rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
         dist.barrier()
         return {
             "report": report,

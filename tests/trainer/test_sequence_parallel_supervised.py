@@ -26,19 +26,24 @@ def files_of(command: str, root):
 ARGUMENTS = {"sft": sft_arguments, "dpo": dpo_arguments, "rm": rm_arguments}
 
 
-@pytest.mark.parametrize("command", sorted(ARGUMENTS))
-def test_sp_2_equals_two_data_parallel_ranks(local_ray, tmp_path, command):
+def assert_size_2_equals_two_data_parallel_ranks(tmp_path, command: str, key: str) -> None:
+    """``command`` with ``engine.<key>`` 2 against 1 (the rows over the 2 ranks), 2 steps, metric by metric."""
     files = files_of(command, tmp_path)
     runs = {}
-    for sp in (1, 2):
-        run_dir = tmp_path / f"sp{sp}"
-        extra = [f"engine.ulysses_sequence_parallel_size={sp}", "trainer.total_training_steps=2"]
+    for size in (1, 2):
+        run_dir = tmp_path / f"{key}{size}"
+        extra = [f"engine.{key}={size}", "trainer.total_training_steps=2"]
         assert cli([command, *ARGUMENTS[command](files, run_dir), *extra]) == 0
-        runs[sp] = records(run_dir)
+        runs[size] = records(run_dir)
     assert sorted(runs[2]) == sorted(runs[1]) == [0, 1, 2]  # step 0: the held-out metrics before training
     for step, want in runs[1].items():
         want = {k: v for k, v in want.items() if not k.startswith(MEASUREMENTS)}
         have = {k: v for k, v in runs[2][step].items() if not k.startswith(MEASUREMENTS)}
         assert want.keys() == have.keys() and len(want) > 3
-        for key, value in want.items():
-            assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (command, step, key, have[key], value)
+        for name, value in want.items():
+            assert abs(have[name] - value) <= 1e-5 * max(1.0, abs(value)), (command, step, name, have[name], value)
+
+
+@pytest.mark.parametrize("command", sorted(ARGUMENTS))
+def test_sp_2_equals_two_data_parallel_ranks(local_ray, tmp_path, command):
+    assert_size_2_equals_two_data_parallel_ranks(tmp_path, command, "ulysses_sequence_parallel_size")
