@@ -5,8 +5,8 @@
 
 Prints the best candidates (predicted seconds per phase and step, memory per device) and writes the
 best one (``--out``, default plan.yaml) as the ``--config`` file's keys, if one was given, with the plan's
-on top: the pools (``trainer.placement=custom``), each role's pool and each model's tensor- and
-sequence-parallel sizes. ``hybridflow train --config plan.yaml`` with the same key=value settings runs it.
+on top: the pools (``trainer.placement=custom``), each role's pool and each model's tensor-, sequence- and
+pipeline-parallel sizes. ``hybridflow train --config plan.yaml`` with the same key=value settings runs it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,15 @@ from hybridflow.planner.cluster import PRESETS, ClusterSpec, cluster_preset, sav
 from hybridflow.planner.cost import phases
 from hybridflow.planner.search import Plan, plan_run
 from hybridflow.planner.workload import Workload, workload_from_config
+from hybridflow.trainer.setup.config import default_config
 from hybridflow.trainer.setup.modes import ONE_STEP_OFF, SYNC, training_mode
-from hybridflow.trainer.setup.role_parts import ROLE_PARTS, SEQUENCE_PARALLEL, TENSOR_PARALLEL
+from hybridflow.trainer.setup.role_parts import (
+    PIPELINE_PARALLEL,
+    ROLE_PARTS,
+    SEQUENCE_PARALLEL,
+    TENSOR_PARALLEL,
+    VIRTUAL_PIPELINE,
+)
 from hybridflow.trainer.setup.run_plan import TG_KEY
 from hybridflow.validation import UserError
 
@@ -33,7 +40,8 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
     """The plan as nested config keys: pools per node, each role's pool, each model's layout; a plan with the
     rollout apart keeps ``apart_mode`` (the config's asynchronous mode, one_step_off or fully_async)."""
     pools, role_pool = {}, {}
-    layouts: dict = {}  # each role's tensor- and sequence-parallel sizes under its section's keys, nested
+    layouts: dict = {}  # each role's tensor-, sequence- and pipeline-parallel sizes under its section's keys, nested
+    defaults = default_config()
     for device_set in plan.sets:
         name = device_set.roles[0].value
         per_node = min(device_set.devices, cluster.devices_per_node)
@@ -41,9 +49,11 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
         for role, layout in device_set.layouts.items():
             role_pool[role.value] = name
             part = ROLE_PARTS[role]
-            if part.section:
-                _set(layouts, part.key(TENSOR_PARALLEL), layout.t)
-                _set(layouts, part.key(SEQUENCE_PARALLEL), layout.sp)
+            sizes = {TENSOR_PARALLEL: layout.t, SEQUENCE_PARALLEL: layout.sp, PIPELINE_PARALLEL: layout.pp}
+            sizes[VIRTUAL_PIPELINE] = 1  # the planner costs 1F1B, one stage per pipeline rank
+            for size_name, size in sizes.items():  # those its section has (the reward model's: sp alone)
+                if part.section and hasattr(part.settings(defaults), size_name):
+                    _set(layouts, part.key(size_name), size)
             if role is Role.Rollout or (role is Role.ActorRollout and not plan.overlapped):
                 _set(layouts, TG_KEY, layout.tg)
     overrides: dict = {
@@ -96,16 +106,19 @@ def merged(base: dict, changes: dict) -> dict:
 
 
 def _layout_text(role: Role, layout, generates: bool) -> str:
-    """``role t`` (``t/tg`` for an actor that generates), with ``spN`` under Ulysses."""
+    """``role t`` (``t/tg`` for an actor that generates), with ``spN`` under Ulysses and ``ppN`` with pipeline
+    stages."""
     text = f"{role.value} {layout.t}/{layout.tg}" if generates else f"{role.value} {layout.t}"
-    return text + (f" sp{layout.sp}" if layout.sp > 1 else "")
+    return text + (f" sp{layout.sp}" if layout.sp > 1 else "") + (f" pp{layout.pp}" if layout.pp > 1 else "")
 
 
 def plans_table(plans: list[Plan], top: int) -> str:
     """The best ``top`` plans: sets (devices, layouts), seconds per phase and per step, memory."""
     names = ["gen", "score", "update", "transfer"]
     lines = [
-        f"{'#':>2}  {'s/step':>9}  " + "".join(f"{n:>9}" for n in names) + "  sets (devices: role t/tg spN, GB/device)"
+        f"{'#':>2}  {'s/step':>9}  "
+        + "".join(f"{n:>9}" for n in names)
+        + "  sets (devices: role t/tg spN ppN, GB/device)"
     ]
     for index, plan in enumerate(plans[:top], start=1):
         sets = "; ".join(

@@ -1,8 +1,9 @@
 """The cost model: seconds of each stage and bytes of memory per device, for one model in one layout.
 
-A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x sp x t
-ranks, rows split over dp, each micro-batch's tokens over sp (Ulysses), each layer over t, FSDP over dp x sp;
-the actor generates in groups of tg.
+A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x sp x pp x t
+ranks, rows split over dp, each micro-batch's tokens over sp (Ulysses), the decoder layers into pp stages (torch's
+1F1B schedule), each layer over t, FSDP over dp x sp; the actor generates in groups of tg, every rank with every
+layer (no stages while generating).
 
 Kinds of work (per device, one step):
 - training and scoring passes are compute-bound: (2 forward, 6 forward + backward) x the weights a rank
@@ -11,20 +12,25 @@ Kinds of work (per device, one step):
   all-reduces of the activations per layer per micro-batch, and Ulysses 4 (forward) or 8 all-to-alls of a rank's
   slice of them (query, key, value in, the attention's output back; the key and value counted at the query's size);
   FSDP's parameter gathers overlap compute (the pass takes the longer of the two);
+- pipeline stages (pp > 1): a rank runs its stage's layers/pp layers (the last stage also the LM head), stretched
+  by 1F1B's bubble (``pipeline_bubble``: p - 1 idle slots of m + p - 1), plus each micro-batch's activations sent
+  over the p - 1 stage boundaries (and their gradients back in training);
 - generation is bound by reading the weights and KV cache once per decode step (``memory_bandwidth x
   decode_efficiency``) or by compute, whichever is slower, plus 2 all-reduces per layer per step
   when tg > 1; prefill is compute;
-- the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link;
+- the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link; with stages, a rank
+  also receives the other stages' generation shards from its pp peers;
 - every forward call of a layer costs a fixed ``layer_overhead`` besides (``decode_layer_overhead`` in the
   generation engine): kernel dispatch, what dominates small models and small batches on a CPU.
 
 Memory per device: fp32 masters, gradients and Adam's two moments (16 bytes per weight) for trained
 models (with LoRA: 16 bytes per adapter weight, the frozen base in bf16), fp32 weights for scored ones,
-all sharded over every rank of the model (FSDP over dp, tensor parallelism over t); the actor's bf16
-generation copy (1/tg of the decoder, whole embeddings); and the largest transient: activations of a
+all sharded over every rank of the model (FSDP over dp x sp, stages over pp, tensor parallelism over t); the actor's
+bf16 generation copy (1/tg of the decoder, whole embeddings); and the largest transient: activations of a
 micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti et al. 2022, over t; with gradient
 checkpointing each layer's bf16 input and one layer's activations) and its fp32 logits, all over sp (a rank holds
-its slice of the tokens), or the KV cache of the rank's generation group.
+its slice of the tokens), or the KV cache of the rank's generation group. A training stage holds the activations of
+its layers/pp layers for up to p micro-batches in flight (1F1B's first stage).
 """
 
 from __future__ import annotations
@@ -67,6 +73,42 @@ def _all_to_all(cluster: ClusterSpec, size: int, nbytes: float) -> float:
     return cluster.collective_latency + nbytes * (size - 1) / size / cluster.link_bandwidth(size)
 
 
+def pipeline_bubble(p: int, m: int) -> float:
+    """The idle fraction of a 1F1B schedule of ``m`` micro-batches over ``p`` stages, (p - 1) / (m + p - 1): each
+    stage waits p - 1 micro-batch slots while the pipeline fills and drains (Narayanan et al. 2021), so a pass takes
+    (m + p - 1) / m times its stage's work."""
+    return (p - 1) / (m + p - 1)
+
+
+def schedule_micro_batches(layout: LayoutShape, workload: Workload, *, backward: bool) -> int:
+    """The micro-batches one pipeline schedule runs: an optimizer step's on a rank (training: its rows of one of the
+    ``optimizer_steps``, in micro-batches of ``micro_batch``), or the whole pass's (scoring)."""
+    steps = workload.optimizer_steps if backward else 1
+    return ceil(ceil(workload.samples / (steps * layout.dp)) / workload.micro_batch)
+
+
+def stages_filled(role: Role, layout: LayoutShape, workload: Workload) -> bool:
+    """Whether the run plan accepts ``role``'s pipeline stages (trainer/setup/run_plan.py): every schedule has a
+    micro-batch for each of the pp stages, and a hybrid actor whose rollout is apart trains without stages."""
+    if layout.pp == 1:
+        return True
+    if role is Role.ActorRollout and workload.rollout_apart:
+        return False
+    trained = role in TRAINED
+    return schedule_micro_batches(layout, workload, backward=trained) >= layout.pp
+
+
+def stage_traffic_seconds(
+    cluster: ClusterSpec, layout: LayoutShape, *, micro_batches: int, activation_bytes: float, backward: bool
+) -> float:
+    """Point-to-point sends between pipeline stages: each micro-batch's activations over the pp - 1 boundaries, and
+    their gradients back in training, among the pp x t ranks of a pipeline."""
+    if layout.pp == 1:
+        return 0.0
+    send = cluster.collective_latency + activation_bytes / cluster.link_bandwidth(layout.pp * layout.t)
+    return micro_batches * (layout.pp - 1) * (2 if backward else 1) * send
+
+
 def pass_seconds(
     shape: ModelShape,
     layout: LayoutShape,
@@ -78,25 +120,32 @@ def pass_seconds(
     frozen_base: bool = False,
 ) -> float:
     """A scoring pass (backward=False) or ``epochs`` training passes over the step's samples (``frozen_base``:
-    LoRA's, whose backward computes the activations' gradients but no weight gradients of the base)."""
+    LoRA's, whose backward computes the activations' gradients but no weight gradients of the base). With pp stages
+    the slowest (last) stage's work, its layers/pp layers and the LM head, is stretched by the pipeline's bubble."""
     rows = ceil(workload.samples / layout.dp)
     length = workload.prompt_length + workload.response_length
     factor = 6 if backward else 2
     if backward and frozen_base:
         factor = 4
-    weights = shape.layer_params / layout.t + shape.vocab * shape.hidden
-    attention = 2 * shape.layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
+    stage_layers = shape.layers / layout.pp  # decoder layers a rank runs
+    weights = shape.layer_params / (layout.t * layout.pp) + shape.vocab * shape.hidden
+    attention = 2 * stage_layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
     rate = cluster.flops * cluster.train_efficiency
     compute = factor * rows * length * (weights + attention) / layout.sp / rate  # a rank runs 1/sp of the tokens
     shards = layout.fsdp
-    gather = 2 * shape.params / layout.t * (shards - 1) / shards / cluster.link_bandwidth(layout.world)
+    gather = 2 * shape.params / (layout.t * layout.pp) * (shards - 1) / shards / cluster.link_bandwidth(layout.world)
     micro_batches = ceil(rows / workload.micro_batch)
     per_layer = 4 if backward else 2
     activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
-    tp = micro_batches * shape.layers * per_layer * _collective(cluster, layout.t, activation)
-    sp = micro_batches * shape.layers * 2 * per_layer * _all_to_all(cluster, layout.sp, activation / layout.sp)
-    overhead = micro_batches * shape.layers * cluster.layer_overhead * (3 if backward else 1)
-    return epochs * (max(compute, gather * (3 if backward else 1)) + tp + sp + overhead)
+    tp = micro_batches * stage_layers * per_layer * _collective(cluster, layout.t, activation)
+    sp = micro_batches * stage_layers * 2 * per_layer * _all_to_all(cluster, layout.sp, activation / layout.sp)
+    overhead = micro_batches * stage_layers * cluster.layer_overhead * (3 if backward else 1)
+    stage = max(compute, gather * (3 if backward else 1)) + tp + sp + overhead
+    idle = pipeline_bubble(layout.pp, schedule_micro_batches(layout, workload, backward=backward))
+    traffic = stage_traffic_seconds(
+        cluster, layout, micro_batches=micro_batches, activation_bytes=activation, backward=backward
+    )
+    return epochs * (stage / (1 - idle) + traffic)
 
 
 def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> float:
@@ -119,17 +168,21 @@ def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workloa
     return waves * (prefill + workload.response_length * (max(memory_bound, compute_bound) + tp))
 
 
-def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
-    """The actor's switch to generation: the regrouped switch's bytes over the link (bf16)."""
-    received = predicted_switch_bytes(
-        2 * shape.layer_params,
-        2 * shape.embedding_params,
-        dp=layout.fsdp,
-        t=layout.t,
-        tg=layout.tg,
-        method="hybridflow",
+def switch_bytes_received(shape: ModelShape, layout: LayoutShape) -> float:
+    """Bytes a rank receives in the actor's switch to generation (bf16): the regrouped switch of its own stage's share
+    of the weights (hybrid_engine/regroup.py), and with pp stages the other stages' generation shards (1/tg of each
+    split weight, the rest whole) from its pp peers, since every rank generates with every layer."""
+    split, whole = 2 * shape.layer_params, 2 * shape.embedding_params
+    own_stage = predicted_switch_bytes(
+        split / layout.pp, whole / layout.pp, dp=layout.fsdp, t=layout.t, tg=layout.tg, method="hybridflow"
     )
-    return received / cluster.link_bandwidth(layout.world)
+    other_stages = (layout.pp - 1) / layout.pp * (split / layout.tg + whole)
+    return own_stage + other_stages
+
+
+def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
+    """The actor's switch to generation: its bytes (``switch_bytes_received``) over the link."""
+    return switch_bytes_received(shape, layout) / cluster.link_bandwidth(layout.world)
 
 
 def transfer_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
@@ -186,10 +239,12 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
     tokens = micro * length / layout.sp  # a rank's slice of the micro-batch's tokens
     logits = 4 * tokens * shape.vocab
     layer_activations = 34 * tokens * shape.hidden / layout.t
+    stage_layers = shape.layers / layout.pp
+    in_flight = min(layout.pp, schedule_micro_batches(layout, workload, backward=True))  # 1F1B's first stage
     if role in TRAINED and workload.gradient_checkpointing:  # layer inputs, and one layer recomputed at a time
-        transient = 2 * tokens * shape.hidden * shape.layers + layer_activations + logits
+        transient = in_flight * 2 * tokens * shape.hidden * stage_layers + layer_activations + logits
     elif role in TRAINED:  # every layer's activations are kept for the backward
-        transient = layer_activations * shape.layers + logits
+        transient = in_flight * layer_activations * stage_layers + logits
     else:  # a forward keeps about one layer's
         transient = 4 * tokens * shape.hidden + logits
     if role is Role.ActorRollout and not workload.rollout_apart:  # the hybrid actor also holds the generator
@@ -209,8 +264,9 @@ def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workloa
 
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
-    node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head; the
-    reward model is data-parallel only."""
+    node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
+    pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp);
+    the reward model is data-parallel only."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]
@@ -218,7 +274,13 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     if role is Role.Rollout:  # replicas of tg ranks
         return [LayoutShape.over(devices, tg, tg) for tg in sizes]
     shapes = [
-        (t, sp) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
+        (t, sp, 1) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
     ]  # (t, 1) for every t in sizes, and the Ulysses sizes beside each
+    shapes += [
+        (t, 1, pp)
+        for t in sizes
+        for pp in range(2, devices // t + 1)
+        if devices % (t * pp) == 0 and shape.layers % pp == 0
+    ]  # stages of equal size beside each t
     tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
-    return [LayoutShape(dp=devices // (t * sp), t=t, tg=tg, sp=sp) for t, sp in shapes for tg in tgs[t]]
+    return [LayoutShape(dp=devices // (t * sp * pp), t=t, tg=tg, sp=sp, pp=pp) for t, sp, pp in shapes for tg in tgs[t]]

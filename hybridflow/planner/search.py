@@ -21,7 +21,7 @@ from functools import cache
 from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import ClusterSpec
-from hybridflow.planner.cost import layouts_for, memory_bytes, phases, stage_seconds
+from hybridflow.planner.cost import layouts_for, memory_bytes, phases, stage_seconds, stages_filled
 from hybridflow.planner.workload import Workload
 
 
@@ -83,10 +83,13 @@ class Planner:
 
     @cache  # noqa: B019 (one planner per search; the cache dies with it)
     def best_layout(self, role: Role, devices: int) -> tuple[LayoutShape, dict[str, float]] | None:
-        """The layout with the fewest seconds over the model's stages that fits a device alone (None: none)."""
+        """The layout with the fewest seconds over the model's stages that fits a device alone and whose pipeline
+        stages the run plan accepts (None: none)."""
         shape = self.workload.models[role]
         best = None
         for layout in layouts_for(role, shape, devices, self.cluster):
+            if not stages_filled(role, layout, self.workload):
+                continue
             static, transient = memory_bytes(role, shape, layout, self.workload)
             if static + transient > self.cluster.device_memory:
                 continue

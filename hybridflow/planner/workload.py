@@ -118,6 +118,7 @@ class Workload:
     actor_epochs: int = 1
     critic_epochs: int = 1
     micro_batch: int = 8  # samples per forward/backward on one device (activation memory)
+    optimizer_steps: int = 1  # per update epoch (train batch / mini-batch): a pipeline runs one schedule per step
     gradient_checkpointing: bool = False  # keep only each layer's input for the backward
     max_num_seqs: int = 256  # most sequences a generation group decodes at once (its KV cache's slots)
     # LoRA: the trained weights of each role that trains adapters (the rest of its model is frozen)
@@ -177,6 +178,7 @@ def workload_from_config(config) -> Workload:
         actor_epochs=arr.actor.ppo_epochs,
         critic_epochs=config.critic.ppo_epochs,
         micro_batch=arr.actor.ppo_micro_batch_size_per_gpu,
+        optimizer_steps=max(config.data.train_batch_size // arr.actor.ppo_mini_batch_size, 1),
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         max_num_seqs=arr.rollout.native.max_num_seqs,
         adapters=adapters,

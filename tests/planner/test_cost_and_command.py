@@ -212,3 +212,56 @@ def test_plan_of_an_asynchronous_config_keeps_the_rollout_apart_and_says_whether
     assert trainer["async_training"]["mode"] == mode  # the config's asynchronous mode, kept
     assert trainer["role_pool"]["rollout"] != trainer["role_pool"]["actor_rollout"]  # never on the actor's devices
     check_config(load_config(settings, out))  # trainable as written
+
+
+def test_plan_writes_the_stages_it_chooses_and_train_accepts_them(arithmetic_files, tmp_path, capsys, monkeypatch):
+    """A 2-device machine whose link is slow next to its compute: the tiny actor's weights cost more to gather (data
+    parallelism) than its short micro-batches' activations to send between 2 stages of one layer each, so the plan
+    splits the layers, and the written config passes the run plan (2 micro-batches of 16 of the 32 rows a step)."""
+    import hybridflow.planner.command as command
+    from hybridflow.planner.cluster import PRESETS
+    from hybridflow.trainer.setup.run_plan import make_run_plan
+
+    slow_link = replace(
+        PRESETS["cpu"], flops=1e15, intra_node_bandwidth=1e7, inter_node_bandwidth=1e7, collective_latency=1e-6
+    )
+    monkeypatch.setattr(command, "cluster_preset", lambda name, nodes=1: slow_link.with_nodes(nodes))
+    train, _ = arithmetic_files
+    settings = [
+        f"data.train_files=[{train}]",
+        "data.max_prompt_length=16",
+        "actor_rollout_ref.rollout.response_length=8",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    ]
+    out = tmp_path / "plan.yaml"
+    assert cli(["plan", "--cluster", "cpu", "--out", str(out), *settings]) == 0
+    assert "actor_rollout 1/1 pp2" in capsys.readouterr().out
+    written = OmegaConf.to_container(OmegaConf.load(out))
+    actor = written["actor_rollout_ref"]["actor"]
+    assert actor["pipeline_model_parallel_size"] == 2 and actor["virtual_pipeline_model_parallel_size"] == 1
+    config = load_config(settings, out)
+    check_config(config)
+    layout = make_run_plan(config).layouts[Role.ActorRollout]
+    assert (layout.dp, layout.pp, layout.t) == (1, 2, 1)
+    assert workload_from_config(config).optimizer_steps == 1  # data.train_batch_size 8 = ppo_mini_batch_size 8
+
+
+def test_plan_writes_only_the_sizes_a_section_has(tmp_path):
+    """The reward model's section has a sequence-parallel size alone (no tensor-parallel layers, no stages): the plan
+    writes no other size there, and the config loads."""
+    from hybridflow.planner.command import plan_overrides
+    from hybridflow.planner.search import DeviceSet, Plan
+
+    layouts = {Role.ActorRollout: LayoutShape(dp=1, t=1, tg=1, pp=2), Role.RewardModel: LayoutShape(dp=2, t=1, tg=1)}
+    plan = Plan((DeviceSet(tuple(layouts), 2, layouts, {}),), 0.0, ())
+    overrides = plan_overrides(plan, replace(CLUSTER, devices_per_node=2))
+    assert overrides["reward_model"] == {"ulysses_sequence_parallel_size": 1}
+    assert overrides["actor_rollout_ref"]["actor"] == {
+        "tensor_model_parallel_size": 1,
+        "ulysses_sequence_parallel_size": 1,
+        "pipeline_model_parallel_size": 2,
+        "virtual_pipeline_model_parallel_size": 1,
+    }
+    out = tmp_path / "plan.yaml"
+    out.write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
+    assert load_config([], out).actor_rollout_ref.actor.pipeline_model_parallel_size == 2

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 
 from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import cluster_preset
 from hybridflow.planner.cost import layouts_for, memory_bytes, stage_seconds
 from hybridflow.planner.search import Planner, device_splits, plan_run, set_partitions, step_plan
@@ -128,3 +129,25 @@ def test_a_long_sequence_that_fits_only_split_over_the_sequence_is_planned_with_
     assert {(layout.sp, layout.t) for layout in layouts_for(Role.Critic, critic, 4, cluster)} == {
         (1, 1), (1, 2), (1, 4), (2, 1), (4, 1), (2, 2)
     }  # fmt: skip
+
+
+def test_a_model_too_large_for_a_node_is_planned_with_stages_across_nodes():
+    """The big actor fits on no device, nor on two (a node of this cluster) without tensor parallelism, and tensor
+    parallelism stays in a node: on 4 devices over 2 nodes, splitting the layers into stages sends each micro-batch's
+    activations where data parallelism gathers every weight over the slow link between the nodes."""
+    cluster = replace(cluster_preset("a100-80g", nodes=2), devices_per_node=2, device_memory=2.0e9)
+    work = workload(models={Role.ActorRollout: BIG})
+    one_device = LayoutShape(dp=1, t=1, tg=1)
+    assert sum(memory_bytes(Role.ActorRollout, BIG, one_device, work)) > cluster.device_memory
+    assert sum(memory_bytes(Role.ActorRollout, BIG, LayoutShape(dp=2, t=1, tg=1), work)) > cluster.device_memory
+    assert all(layout.t <= 2 for layout in layouts_for(Role.ActorRollout, BIG, 4, cluster))
+    plan = plan_run(work, cluster)[0]
+    (actor,) = plan.sets
+    chosen = actor.layouts[Role.ActorRollout]
+    assert actor.devices == 4 and chosen.pp > 1
+    without_stages = [
+        sum(stage_seconds(Role.ActorRollout, BIG, layout, work, cluster).values())
+        for layout in layouts_for(Role.ActorRollout, BIG, 4, cluster)
+        if layout.pp == 1 and sum(memory_bytes(Role.ActorRollout, BIG, layout, work)) <= cluster.device_memory
+    ]
+    assert without_stages and plan.seconds < min(without_stages)

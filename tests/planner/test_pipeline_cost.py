@@ -1,0 +1,127 @@
+"""Pipeline stages in the cost model, by hand: 1F1B's bubble, a stage's compute, memory and traffic, the switch to
+generation with every layer on every rank, and which layouts with stages are candidates."""
+
+from dataclasses import replace
+
+import pytest
+
+from hybridflow.controller import Role
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.planner.cluster import cluster_preset
+from hybridflow.planner.cost import (
+    layouts_for,
+    memory_bytes,
+    pass_seconds,
+    pipeline_bubble,
+    stages_filled,
+    switch_seconds,
+)
+from hybridflow.planner.workload import ModelShape, Workload
+
+SHAPE = ModelShape(name="m", layers=2, hidden=8, heads=2, kv_heads=2, ffn=16, vocab=10, tied_embeddings=True)
+CLUSTER = replace(
+    cluster_preset("a100-80g"), flops=1000.0, train_efficiency=0.5, intra_node_bandwidth=50.0, collective_latency=0.01,
+    layer_overhead=0.0, decode_layer_overhead=0.0,
+)  # fmt: skip
+# 4 samples of 4 tokens in micro-batches of one sample: 4 micro-batches on a rank that holds every row
+WORK = Workload(models={Role.ActorRollout: SHAPE}, prompts=2, n=2, prompt_length=3, response_length=1, micro_batch=1)
+ONE = LayoutShape(dp=1, t=1, tg=1)
+STAGES = LayoutShape(dp=1, t=1, tg=1, pp=2)  # two ranks, one decoder layer each
+
+
+def test_the_bubble_of_one_f_one_b_by_hand():
+    assert pipeline_bubble(2, 2) == pytest.approx(1 / 3)  # 1 idle slot of 3
+    assert pipeline_bubble(2, 4) == pytest.approx(1 / 5)
+    assert pipeline_bubble(2, 8) == pytest.approx(1 / 9)
+    assert pipeline_bubble(4, 4) == pytest.approx(3 / 7)
+    assert [pipeline_bubble(1, m) for m in (1, 2, 8)] == [0.0, 0.0, 0.0]
+
+
+def test_a_pass_over_two_stages_by_hand():
+    """A rank runs one of the 2 layers and the LM head (the last stage), stretched by 5/4 (4 micro-batches, 2 stages),
+    and sends each micro-batch's (1, 4, 8) bf16 activations over the one boundary (their gradients back too)."""
+    stage_weights = SHAPE.layer_params / 2 + 80
+    stage_attention = 2 * 1 * 8 * 4  # one layer's QK^T and AV per token
+    send = 0.01 + 4 * 8 * 2 / 50
+    forward = 2 * 16 * (stage_weights + stage_attention) / 500
+    assert pass_seconds(SHAPE, STAGES, WORK, CLUSTER, backward=False) == pytest.approx(forward * 5 / 4 + 4 * send)
+    update = 6 * 16 * (stage_weights + stage_attention) / 500
+    assert pass_seconds(SHAPE, STAGES, WORK, CLUSTER, backward=True) == pytest.approx(update * 5 / 4 + 4 * 2 * send)
+    # without stages: both layers, no bubble, nothing sent
+    whole = 2 * 16 * (SHAPE.layer_params + 80 + 2 * 2 * 8 * 4) / 500
+    assert pass_seconds(SHAPE, ONE, WORK, CLUSTER, backward=False) == pytest.approx(whole)
+
+
+def test_an_update_fills_the_pipeline_once_per_optimizer_step():
+    """Two optimizer steps of 2 samples each: each step's schedule has 2 micro-batches, so 1/3 of it idles."""
+    two_steps = replace(WORK, optimizer_steps=2)
+    stage = 6 * 16 * (SHAPE.layer_params / 2 + 80 + 2 * 8 * 4) / 500
+    sends = 4 * 2 * (0.01 + 4 * 8 * 2 / 50)
+    assert pass_seconds(SHAPE, STAGES, two_steps, CLUSTER, backward=True) == pytest.approx(stage * 3 / 2 + sends)
+    # a scoring pass runs all 4 micro-batches in one schedule
+    assert pass_seconds(SHAPE, STAGES, two_steps, CLUSTER, backward=False) == pytest.approx(
+        pass_seconds(SHAPE, STAGES, WORK, CLUSTER, backward=False)
+    )
+
+
+def test_two_stages_halve_a_ranks_model_state_and_keep_two_micro_batches_in_flight():
+    static, transient = memory_bytes(Role.Critic, SHAPE, STAGES, WORK)
+    one_static, one_transient = memory_bytes(Role.Critic, SHAPE, ONE, WORK)
+    assert static == pytest.approx(16 * SHAPE.params / 2) and one_static == pytest.approx(16 * SHAPE.params)
+    # the first stage: 2 micro-batches of 4 tokens in flight, one layer each; the logits of one micro-batch
+    assert transient == pytest.approx(2 * 34 * 4 * 8 * 1 + 4 * 4 * 10)
+    assert one_transient == pytest.approx(1 * 34 * 4 * 8 * 2 + 4 * 4 * 10)
+    checkpointed = replace(WORK, gradient_checkpointing=True)  # each in-flight micro-batch's layer inputs, bf16
+    assert memory_bytes(Role.Critic, SHAPE, STAGES, checkpointed)[1] == pytest.approx(
+        2 * 2 * 4 * 8 * 1 + 34 * 4 * 8 + 4 * 4 * 10
+    )
+    # the hybrid actor generates with every layer: its whole bf16 generation copy beside its half of the state
+    actor_static, _ = memory_bytes(Role.ActorRollout, SHAPE, STAGES, WORK)
+    assert actor_static == pytest.approx(16 * SHAPE.params / 2 + 2 * (SHAPE.layer_params + 80))
+
+
+def test_the_switch_with_stages_brings_the_other_stages_generation_shards_by_hand():
+    # 2 stages on 2 ranks (t = tg = 1, no FSDP peers): the own stage is already whole, the other stage comes whole
+    assert switch_seconds(SHAPE, STAGES, CLUSTER) == pytest.approx(2 * SHAPE.params / 2 / 50)
+    # dp 2 x pp 2 x t 2 generating with tg 1: the own stage's half (1312 bytes split, 80 whole) gathered over FSDP's 2
+    # ranks (328 + 40) and its other tensor-parallel half (656), then the other stage's whole generation shard
+    split, whole = 2 * SHAPE.layer_params, 2 * 80
+    own_stage = split / 2 / 2 * (1 / 2) + split / 2 / 2 * (2 - 1) + whole / 2 * (1 / 2)
+    other_stage = (split + whole) / 2
+    layout = LayoutShape(dp=2, t=2, tg=1, pp=2)
+    assert switch_seconds(SHAPE, layout, CLUSTER) == pytest.approx((own_stage + other_stage) / 50)
+    assert own_stage + other_stage == 2416
+
+
+def test_stages_are_candidates_where_the_layers_split_evenly_and_never_with_ulysses():
+    cluster = replace(cluster_preset("a100-80g"), devices_per_node=4)
+    big = ModelShape(
+        name="b", layers=16, hidden=1024, heads=16, kv_heads=8, ffn=4096, vocab=1000, tied_embeddings=False
+    )
+
+    def stages(shape: ModelShape, role: Role = Role.Critic) -> set[tuple[int, int]]:
+        layouts = layouts_for(role, shape, 4, cluster)
+        assert all(layout.sp == 1 for layout in layouts if layout.pp > 1)
+        return {(layout.t, layout.pp) for layout in layouts if layout.pp > 1}
+
+    assert stages(big) == {(1, 2), (1, 4), (2, 2)}
+    assert stages(replace(big, layers=6)) == {(1, 2), (2, 2)}  # 4 stages do not split 6 layers
+    assert stages(replace(big, layers=5)) == set()
+    assert stages(big, Role.RewardModel) == set() and stages(big, Role.Rollout) == set()
+    pipelined = [layout for layout in layouts_for(Role.ActorRollout, big, 4, cluster) if layout.pp > 1]
+    assert {(layout.t, layout.tg, layout.pp) for layout in pipelined} == {(1, 1, 2), (1, 1, 4), (2, 1, 2), (2, 2, 2)}
+    # without stages, the candidates are those of before: every (t, sp) in a node, each with its tg
+    assert len(layouts_for(Role.ActorRollout, big, 4, cluster)) == len(pipelined) + 10
+
+
+def test_a_layout_whose_schedules_leave_a_stage_idle_is_no_candidate():
+    """The run plan refuses an optimizer step with fewer micro-batches than stages, and stages for an actor that sends
+    its weights to a rollout role apart."""
+    assert stages_filled(Role.Critic, STAGES, WORK)  # 4 micro-batches per step on 2 stages
+    assert stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=2))  # 2 of 2 rows
+    assert not stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=4))  # 1 of 4 rows
+    assert not stages_filled(Role.Critic, STAGES, replace(WORK, optimizer_steps=4))  # 1 row per step
+    assert not stages_filled(Role.Critic, LayoutShape(dp=1, t=1, tg=1, pp=8), WORK)
+    assert stages_filled(Role.ActorRollout, STAGES, WORK)
+    assert not stages_filled(Role.ActorRollout, STAGES, WORK.in_mode("one_step_off"))
+    assert stages_filled(Role.ActorRollout, ONE, WORK.in_mode("one_step_off"))
