@@ -17,6 +17,9 @@ response each), timed after a warm-up step (the median of ``--repeats``):
   FSDP2's gathers and reductions between the ranks (through shared memory, the default), which one data-parallel rank
   at pp 2 does not have.
 
+The planner's prediction of each update (planner/cost.py ``pass_seconds`` on the ``cpu`` preset, calibrated when
+``hybridflow plan --calibrate`` has measured this machine) is printed beside the measured time.
+
 The ratio of the two step times is what p = 2 costs on these 2 cores (the stages run side by side as the data-parallel
 ranks do; what they add is the bubble and the sends, what they save is FSDP2's traffic). The last stage also computes
 the LM head (49,152 x 576) and the loss, so the stages are not equal: the table shows each stage's busy seconds and
@@ -58,6 +61,28 @@ from hybridflow.workers.sharded_model import build_trainable
 
 MODEL = "smollm2-135m-instruct"
 PROMPT, RESPONSE = 64, 64
+
+
+def predicted_seconds(pp: int, micro_batches: int, row_count: int) -> float:
+    """The planner's seconds for the update of ``micro_batches`` x ``row_count`` rows at pp (2 ranks in all)."""
+    from hybridflow.controller import Role
+    from hybridflow.hybrid_engine.layout_shape import LayoutShape
+    from hybridflow.models import model_config
+    from hybridflow.planner.cluster import cluster_preset
+    from hybridflow.planner.cost import pass_seconds
+    from hybridflow.planner.workload import Workload, shape_from_hf
+
+    shape = shape_from_hf(model_config(resolve_model_path(MODEL)), MODEL)
+    workload = Workload(
+        models={Role.ActorRollout: shape},
+        prompts=micro_batches * row_count,
+        n=1,
+        prompt_length=PROMPT,
+        response_length=RESPONSE,
+        micro_batch=row_count,
+    )
+    layout = LayoutShape(dp=2 // pp, t=1, tg=1, pp=pp)
+    return pass_seconds(shape, layout, workload, cluster_preset("cpu"), backward=True)
 
 
 def bubble_of_1f1b(p: int, m: int) -> float:
@@ -187,22 +212,27 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="a plot of the measured bubble against 1F1B's")
     args = parser.parse_args()
     resolve_model_path(MODEL)  # converted once, here, before the processes read it
-    print(f"{MODEL}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores", flush=True)
+    from hybridflow.planner.cluster import calibration_file
+
+    calibrated = "calibrated" if calibration_file().is_file() else "not calibrated: the preset's defaults"
+    print(f"{MODEL}; load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; planner {calibrated}", flush=True)
     results = {}
     for m in args.micro_batches:
         for pp in (1, 2):
             results[pp, m] = measure(pp, m, args.rows, args.repeats)
             print(f"  m {m}, {'pp 2' if pp == 2 else 'dp 2'}: {max(r[0] for r in results[pp, m]):.2f} s", flush=True)
-    header = f"{'m':>3} {'dp2 s':>7} {'pp2 s':>7} {'x dp2':>6} {'busy 0 s':>9} {'busy 1 s':>9} {'1F1B bubble':>12}"
-    print(f"\n{header} {'bubble 0':>9} {'bubble 1':>9}")
+    header = f"{'m':>3} {'dp2 s':>7} {'pred.':>6} {'pp2 s':>7} {'pred.':>6} {'x dp2':>6}"
+    print(f"\n{header} {'busy 0 s':>9} {'busy 1 s':>9} {'1F1B bubble':>12} {'bubble 0':>9} {'bubble 1':>9}")
     for m in args.micro_batches:
         data_parallel = max(r[0] for r in results[1, m])
         staged = max(r[0] for r in results[2, m])
         idle = [1 - busy / schedule for _, busy, schedule in results[2, m]]
         busy = [b for _, b, _ in results[2, m]]
+        predicted = [predicted_seconds(pp, m, args.rows) for pp in (1, 2)]
         print(
-            f"{m:>3} {data_parallel:7.2f} {staged:7.2f} {staged / data_parallel:6.2f} {busy[0]:9.2f} {busy[1]:9.2f} "
-            f"{bubble_of_1f1b(2, m):12.3f} {idle[0]:9.3f} {idle[1]:9.3f}"
+            f"{m:>3} {data_parallel:7.2f} {predicted[0]:6.2f} {staged:7.2f} {predicted[1]:6.2f} "
+            f"{staged / data_parallel:6.2f} {busy[0]:9.2f} {busy[1]:9.2f} {bubble_of_1f1b(2, m):12.3f} "
+            f"{idle[0]:9.3f} {idle[1]:9.3f}"
         )
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.out:

@@ -23,6 +23,12 @@ FSDP's gather over dp of every weight (embeddings, norms and LM head are held wh
 hybridflow_v's full tensor exists for one parameter at once, not for the whole model as in the paper's
 accounting).
 
+With ``--pipeline 2`` the training layout is (dp, pp, t) with the model in 2 stages (engine/pipeline.py) and the
+switch is the production one only: every rank generates with every layer (pg = 1), so it gathers its own stage's
+generation shard as above and the other stage's from its pp peer. Predicted: Table 2's bytes for its own stage's
+weights (dp, t, tg as above), plus the other stage's generation shard whole (1/tg of its split weights, all of the
+rest), from the model's parameter sizes; held: the whole model's generation shard, every layer's.
+
 SmolLM2-135M has 9 query and 3 key/value heads, so it splits over t in {1, 3} only (``--world 3``).
 ``--model smollm2-8h`` is a random Llama of SmolLM2-135M's size (576 wide, 30 layers, MLP 1536, vocabulary
 49152) with 8 query and 4 key/value heads, which splits over 1, 2 or 4 ranks.
@@ -31,6 +37,7 @@ SmolLM2-135M has 9 query and 3 key/value heads, so it splits over t in {1, 3} on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -42,12 +49,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.pipeline import build_pipelined, pipeline_mesh, stage_layers
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.regroup import Regrouping, predicted_switch_bytes
 from hybridflow.hybrid_engine.reshard import SwitchReport, generation_weights, tensor_parallel_dim
 from hybridflow.models import load_causal_lm, resolve_model_path
+from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.trainer.setup.config import default_config
 from hybridflow.workers.sharded_model import quiet_libraries
 
@@ -152,6 +161,62 @@ class Resharder(Worker):
         }
 
 
+def stage_of(name: str, layers: int, stages: int) -> int:
+    """The stage holding parameter ``name``: a decoder layer's by its index, the embedding the first, the rest (the
+    final norm, an untied head) the last."""
+    if name.startswith("model.layers."):
+        index = int(name.split(".")[2])
+        return next(s for s, kept in enumerate(stage_layers(layers, stages)) if index in kept)
+    return 0 if "embed_tokens" in name else stages - 1
+
+
+class StagedResharder(Worker):
+    """The actor in pipeline stages, (dp, pp, t), switched to generation groups of tg by hybrid_engine/reshard.py."""
+
+    def __init__(self, *, path: str, pp: int, t: int):
+        super().__init__()
+        quiet_libraries()
+        self.pp, self.t, self.dp = pp, t, self.world_size // (pp * t)
+        model = load_causal_lm(path, dtype=torch.bfloat16)
+        split_table, layers = layer_split(model.config.model_type), model.config.num_hidden_layers
+        self.stage_bytes = [[0, 0] for _ in range(pp)]  # per stage: (tensor-parallel bytes, the rest), bf16
+        for name, param in model.named_parameters():  # a tied head is the embedding: listed once
+            split = t > 1 and split_table.shard_dim(name) is not None
+            self.stage_bytes[stage_of(name, layers, pp)][0 if split else 1] += param.numel() * 2
+        mesh = pipeline_mesh(self.device, self.dp, pp, t)
+        fsdp = default_config().actor_rollout_ref.actor.fsdp
+
+        def shard(part: torch.nn.Module) -> torch.nn.Module:
+            apply_tensor_parallel(part, mesh["tp"])
+            return shard_model(part, mesh["dp"], dataclasses.replace(fsdp, host_collectives=False))
+
+        self.model = build_pipelined(model, mesh, shard, stages_per_rank=1, activation_dtype=torch.bfloat16)
+        self.layouts: dict[int, ActorLayouts] = {}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def switch(self, tg: int, method: str = "hybridflow") -> dict[str, float]:
+        if tg not in self.layouts:  # collective: every rank builds the same groups
+            shape = LayoutShape(dp=self.dp, t=self.t, tg=tg, pp=self.pp)
+            self.layouts[tg] = ActorLayouts.build(self.device, shape)
+        dist.barrier()
+        start = time.perf_counter()
+        report = SwitchReport()
+        held = list(generation_weights(self.model, torch.bfloat16, self.layouts[tg].gather_group, report))
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        own = self.model.indices[0]
+        split, whole = self.stage_bytes[own]
+        predicted = predicted_switch_bytes(split, whole, dp=self.dp, t=self.t, tg=tg, method="hybridflow")
+        predicted += sum(s / tg + w for stage, (s, w) in enumerate(self.stage_bytes) if stage != own)
+        return {
+            "received_mb": report.received / 2**20,
+            "predicted_mb": predicted / 2**20,
+            "seconds": seconds,
+            "peak_mb": sum(local_bytes(tensor) for _, tensor in held) / 2**20,
+            "peak_predicted_mb": sum(s / tg + w for s, w in self.stage_bytes) / 2**20,
+        }
+
+
 def layouts(path: str, world: int) -> list[tuple[int, int]]:
     """(t, tg) pairs: t divides the process count and splits the model's heads, tg divides t."""
     from transformers import AutoConfig
@@ -210,7 +275,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=4, help="processes (ranks)")
     parser.add_argument("--repeats", type=int, default=3, help="switches timed per case (median)")
     parser.add_argument("--plot", type=Path, default=None, help="write the bytes and memory chart here (PNG)")
+    parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the training layout (pp)")
     args = parser.parse_args()
+    if args.pipeline > 1:
+        staged(model_path(args.model), args.world, args.pipeline, args.repeats)
+        return
     path = model_path(args.model)
     print(f"{args.model}, {args.world} processes, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
     started = start_ray(num_cpus=args.world)
@@ -246,6 +315,37 @@ def main() -> None:
     if args.plot is not None:
         plot(rows, args.plot, f"switch to the generation layout: {args.model} (bf16) on {args.world} processes")
         print(f"plot: {args.plot}")
+
+
+def staged(path: str, world: int, pp: int, repeats: int) -> None:
+    """The switch of a pipeline-staged actor, (dp, pp, t) for every t the model and the processes allow."""
+    print(f"{path}, {world} processes, pp {pp}, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+    started = start_ray(num_cpus=world)
+    header = f"{'dp':>3} {'pp':>3} {'t':>3} {'tg':>3} {'MB/rank':>9} {'predicted':>10}"
+    print(f"{header} {'s/switch':>9} {'held MB':>8} {'pred.':>8}")
+    try:
+        by_t: dict[int, list[int]] = {}
+        for t, tg in layouts(path, world // pp):
+            by_t.setdefault(t, []).append(tg)
+        for t, tgs in by_t.items():
+            pool = RayResourcePool([world], cpus_per_worker=1.0)
+            group = RayWorkerGroup(pool, RoleSpec(StagedResharder, kwargs={"path": path, "pp": pp, "t": t}))
+            for tg in tgs:
+                runs = [group.switch(tg) for _ in range(repeats)]
+                seconds = sorted(max(r["seconds"] for r in ranks) for ranks in runs)[len(runs) // 2]
+                for rank, row in enumerate(runs[-1]):  # each stage's ranks receive the other stage's share
+                    print(
+                        f"{world // (pp * t):>3} {pp:>3} {t:>3} {tg:>3} {row['received_mb']:>9.2f} "
+                        f"{row['predicted_mb']:>10.2f} {seconds:>9.3f} {row['peak_mb']:>8.1f} "
+                        f"{row['peak_predicted_mb']:>8.1f}   rank {rank}",
+                        flush=True,
+                    )
+            group.kill()
+            pool.release()
+    finally:
+        if started:
+            ray.shutdown()
+    print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

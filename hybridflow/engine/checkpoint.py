@@ -8,8 +8,9 @@ the learning-rate schedule and each rank's random-number generators.
 
 DCP stores every tensor with its global shape and offsets, so a checkpoint saved by N ranks
 loads on M ranks (resharding on load). ``state_problems`` checks that layout without a process group.
-The optimizer state is flattened (one entry per parameter and setting, torch's ``flatten_optimizer_state_dict``),
-and a pipelined model's stages save under the unsplit model's names, so a checkpoint does not depend on the layout:
+The optimizer state is flattened (one entry per parameter, torch's ``flatten_optimizer_state_dict``; the settings that
+every parameter shares, its one group's, saved once), and a pipelined model's stages save under the unsplit model's
+names, so a checkpoint does not depend on the layout:
 saved with pipeline stages, it loads without, and the reverse. A tied head's optimizer state is the embedding's
 (equal by construction, engine/pipeline.py), saved once under the embedding's name as the unsplit model has it.
 Checkpoints from before the flattening (one ``param_groups`` entry) still load, in the layout they were saved in.
@@ -60,17 +61,19 @@ def _state_options(trained: TrainedModel, flatten: bool = True) -> StateDictOpti
 
 _STAGE = re.compile(r"^stages\.\d+\.")  # a pipelined model's prefix of each stage's parameter names
 _TIED_EMBEDDING = "model.embed_tokens.weight"
+_GROUP = "param_groups."  # flattened: "param_groups.<fqn>.<setting>" for every parameter and setting
+OPTIMIZER_SETTINGS = "optim_settings"  # the checkpoint's entry of the settings every parameter shares
 
 
 def _checkpoint_name(key: str, model: nn.Module, part: str, loading: bool) -> str | None:
-    """The name ``key`` of ``model``'s ``part`` ("model" or "optim") state has in a checkpoint: a pipelined model's
-    without the stage prefix; a tied head's optimizer state is the embedding's (None when saving: saved once, by
-    the first stage)."""
+    """The name ``key`` of ``model``'s ``part`` ("model" or "optim", whose keys are "state.<fqn>.<name>") state has
+    in a checkpoint: a pipelined model's without the stage prefix; a tied head's optimizer state is the embedding's
+    (None when saving: saved once, by the first stage)."""
     if not isinstance(model, PipelinedModel):
         return key
     if part == "model":
         return _STAGE.sub("", key)
-    kind, _, rest = key.partition(".")  # "state" or "param_groups", then "<stage prefix><fqn>.<setting>"
+    kind, _, rest = key.partition(".")
     name = _STAGE.sub("", rest)
     head = model.tied_head_name
     if head is not None and name.startswith(head + "."):
@@ -90,6 +93,22 @@ def _renamed(state: dict, model: nn.Module, part: str, loading: bool) -> dict[st
     return names
 
 
+def _shared_settings(optim_state: dict) -> tuple[dict, dict]:
+    """(the flattened optimizer state without its per-parameter settings, the settings once): the optimizers here
+    have one parameter group, so every parameter's "param_groups.<fqn>.<setting>" is the same value. Saved once, the
+    checkpoint stays small (a LoRA model's hundred adapters would otherwise each bring a dozen entries)."""
+    tensors, settings = {}, {}
+    for key, value in optim_state.items():
+        if not key.startswith(_GROUP):
+            tensors[key] = value
+            continue
+        setting = key.rsplit(".", 1)[1]
+        if setting in settings and settings[setting] != value:
+            raise ValueError(f"optimizer setting {setting!r} differs between parameter groups: a checkpoint keeps one")
+        settings[setting] = value
+    return tensors, settings
+
+
 def _training_state(trained: TrainedModel, options: StateDictOptions) -> tuple[dict, dict]:
     """The model's and the optimizer's state dicts. A LoRA model's holds its trainable weights only: torch's
     ``ignore_frozen_params`` keeps a frozen weight that a model ties under a second name (the LM head of a model
@@ -105,12 +124,13 @@ def save_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
     """Collective: every rank of the group calls it with the same directory."""
     directory.mkdir(parents=True, exist_ok=True)
     model_state, optim_state = _training_state(trained, _state_options(trained))
+    optim_state, settings = _shared_settings(optim_state)
     model = trained.model
     saved = {
         part: {name: state[key] for name, key in _renamed(state, model, part, loading=False).items()}
         for part, state in (("model", model_state), ("optim", optim_state))
     }
-    dcp.save(saved, checkpoint_id=str(directory / SHARDS))
+    dcp.save(saved | {OPTIMIZER_SETTINGS: settings}, checkpoint_id=str(directory / SHARDS))
     if rank == 0:
         torch.save(trained.scheduler.state_dict(), directory / SCHEDULER)
     torch.save(rng_state(), directory / f"rng_rank{rank}.pt")
@@ -128,15 +148,20 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
     flattened = isinstance(metadata, str) or "optim.param_groups" not in metadata.state_dict_metadata
     options = _state_options(trained, flatten=flattened)
     model_state, optim_state = _training_state(trained, options)
+    settings = {}
+    if flattened:
+        optim_state, settings = _shared_settings(optim_state)
     model = trained.model
-    names = {
-        part: _renamed(state, model, part, loading=True)
-        for part, state in (("model", model_state), ("optim", optim_state))
-    }
     wanted = {"model": model_state, "optim": optim_state}
+    names = {part: _renamed(state, model, part, loading=True) for part, state in wanted.items()}
     state = {part: {name: wanted[part][key] for name, key in names[part].items()} for part in names}
+    if flattened:
+        state[OPTIMIZER_SETTINGS] = settings
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
     loaded = {part: {key: state[part][name] for name, key in names[part].items()} for part in names}
+    if flattened:  # every parameter's settings, from the one entry saved
+        groups = {key for key in _training_state(trained, options)[1] if key.startswith(_GROUP)}
+        loaded["optim"] |= {key: state[OPTIMIZER_SETTINGS][key.rsplit(".", 1)[1]] for key in groups}
     set_state_dict(
         trained.model,
         trained.optimizer,
