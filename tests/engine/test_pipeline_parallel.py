@@ -66,11 +66,14 @@ def rollout(vocab: int, rows: int, seed: int = 0) -> DataProto:
     return DataProto.from_dict(columns)
 
 
-def actor_config(path: str, actor_config_factory, micro_batch: int = 2):
+LORA = ("actor_rollout_ref.model.lora.rank=4", "actor_rollout_ref.model.lora.alpha=8")
+
+
+def actor_config(path: str, actor_config_factory, micro_batch: int = 2, *extra: str):
     micro_batches = [
         f"actor_rollout_ref.actor.{key}_micro_batch_size_per_gpu={micro_batch}" for key in ("ppo", "log_prob")
     ]
-    return actor_config_factory(path, 1e-2, "actor_rollout_ref.actor.use_remove_padding=true", *micro_batches)
+    return actor_config_factory(path, 1e-2, "actor_rollout_ref.actor.use_remove_padding=true", *micro_batches, *extra)
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -157,13 +160,20 @@ def one_process_order(batch: DataProto, dp: int) -> tuple[DataProto, list[torch.
     return ordered, where
 
 
+def tied_copy(name: str) -> str:
+    """The unsplit model's name of a tied head's weight: the embedding's (under LoRA, with peft's prefix)."""
+    return name.replace("lm_head.weight", "model.embed_tokens.weight")
+
+
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "pp2-1f1b-lora", "pp2-tp2-lora"])
 def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_parameters(
     groups, family, layout, actor_config_factory
 ):
-    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout]
-    config = actor_config(model_dir(family), actor_config_factory, micro_batch)
+    """With LoRA (rank 4 on every linear layer): the adapters train, the frozen base stays, in stages as unsplit."""
+    lora = layout.endswith("-lora")
+    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix("-lora")]
+    config = actor_config(model_dir(family), actor_config_factory, micro_batch, *(LORA if lora else ()))
     batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
     ordered, where = one_process_order(batch, dp)
     groups[1].build(config, 1, 1, 1, 1)
@@ -176,10 +186,12 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     for rank, (log_probs, _, parameters) in enumerate(results):
         torch.testing.assert_close(log_probs, want_log_probs[where[rank // (pp * tp)]], rtol=1e-5, atol=1e-6)
         for name, value in parameters.items():  # a tied head is the embedding's copy
-            want = want_parameters.get(name, want_parameters.get("model.embed_tokens.weight"))
+            want = want_parameters.get(name, want_parameters.get(tied_copy(name)))
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
     held = {name for _, _, parameters in results for name in parameters}
     assert set(want_parameters) <= held  # every parameter is on some stage
+    if lora:  # the adapters moved
+        assert any("lora_A" in name for name in held)
 
 
 def assert_same_parameters(results: list[dict], want: dict) -> None:
