@@ -29,13 +29,15 @@ def task_files(tmp_path):
     return data / "train.parquet", data / "test.parquet"
 
 
-def grpo_equals_data_parallel(tmp_path, mode: str, baseline: list[str]) -> None:
-    """GRPO (no critic; the actor and its reference split) against the baseline, 3 steps, the task's own reward."""
+def grpo_equals_data_parallel(tmp_path, mode: str, baseline: list[str], both: tuple[str, ...] = ()) -> None:
+    """GRPO (no critic; the actor and its reference split) against the baseline, 3 steps, the task's own reward;
+    ``both``: overrides of both runs."""
     files = task_files(tmp_path)
     grpo = [
         "algorithm.adv_estimator=grpo",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "trainer.total_training_steps=3",
+        *both,
     ]
     runs = {}
     for name, extra in (("baseline", baseline), ("split", [])):

@@ -8,6 +8,8 @@ import pytest
 from layout_runs import grpo_equals_data_parallel, ppo_equals_data_parallel_and_resumes_there
 from test_kill_and_resume import MODES
 
+from hybridflow.models import resolve_model_path
+
 pytestmark = pytest.mark.slow
 
 PP_KEYS = (
@@ -20,6 +22,15 @@ PP_1 = [f"{key}=1" for key in PP_KEYS]
 
 def test_grpo_at_pp_2_equals_pp_1(local_ray, tmp_path):
     grpo_equals_data_parallel(tmp_path, "pipeline", PP_1)
+
+
+def test_grpo_with_interleaved_stages_equals_pp_1(local_ray, tmp_path):
+    """4 stages of a 4-layer tiny-llama on 2 ranks (interleaved 1F1B), the actor's and the reference's."""
+    path = resolve_model_path("tiny-llama", num_hidden_layers=4)
+    virtual = [f"{key.replace('pipeline', 'virtual_pipeline')}={{}}" for key in PP_KEYS[:2]]
+    both = (f"actor_rollout_ref.model.path={path}",)
+    interleaved = (*both, *(entry.format(2) for entry in virtual))
+    grpo_equals_data_parallel(tmp_path, "pipeline", [*PP_1, *(entry.format(1) for entry in virtual)], interleaved)
 
 
 def test_ppo_at_pp_2_equals_pp_1_and_its_checkpoint_resumes_at_pp_1(local_ray, tmp_path):
