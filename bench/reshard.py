@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import ray
@@ -282,69 +283,67 @@ def main() -> None:
         return
     path = model_path(args.model)
     print(f"{args.model}, {args.world} processes, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
-    started = start_ray(num_cpus=args.world)
     print(f"{'dp':>3} {'t':>3} {'tg':>3} {'method':<13} {'MB/rank':>9} {'predicted':>10} {'s/switch':>9}", end="")
     print(f" {'held MB':>8} {'pred.':>8} {'time/gather_all':>16}")
     rows = []
-    try:
-        by_t: dict[int, list[int]] = {}
-        for t, tg in layouts(path, args.world):
-            by_t.setdefault(t, []).append(tg)
-        for t, tgs in by_t.items():
-            pool = RayResourcePool([args.world], cpus_per_worker=1.0)
-            group = RayWorkerGroup(pool, RoleSpec(Resharder, kwargs={"path": path, "t": t}))
-            for tg in tgs:
-                baseline = None
-                for method in METHODS:
-                    runs = [group.switch(tg, method)[0] for _ in range(args.repeats)]
-                    row = runs[-1] | {"seconds": sorted(r["seconds"] for r in runs)[len(runs) // 2]}
-                    baseline = baseline or row["seconds"]
-                    rows.append(row | {"dp": args.world // t, "t": t, "tg": tg, "method": method})
-                    print(
-                        f"{args.world // t:>3} {t:>3} {tg:>3} {method:<13} {row['received_mb']:>9.2f} "
-                        f"{row['predicted_mb']:>10.2f} {row['seconds']:>9.3f} {row['peak_mb']:>8.1f} "
-                        f"{row['peak_predicted_mb']:>8.1f} {row['seconds'] / baseline:>16.2f}",
-                        flush=True,
-                    )
-            group.kill()
-            pool.release()
-    finally:
-        if started:
-            ray.shutdown()
+    spec = lambda t: (Resharder, {"path": path, "t": t})  # noqa: E731
+    for t, tgs, group in groups_by_t(args.world, layouts(path, args.world), spec):
+        for tg in tgs:
+            baseline = None
+            for method in METHODS:
+                runs = [group.switch(tg, method)[0] for _ in range(args.repeats)]
+                row = runs[-1] | {"seconds": sorted(r["seconds"] for r in runs)[len(runs) // 2]}
+                baseline = baseline or row["seconds"]
+                rows.append(row | {"dp": args.world // t, "t": t, "tg": tg, "method": method})
+                print(
+                    f"{args.world // t:>3} {t:>3} {tg:>3} {method:<13} {row['received_mb']:>9.2f} "
+                    f"{row['predicted_mb']:>10.2f} {row['seconds']:>9.3f} {row['peak_mb']:>8.1f} "
+                    f"{row['peak_predicted_mb']:>8.1f} {row['seconds'] / baseline:>16.2f}",
+                    flush=True,
+                )
     print(f"load after: {os.getloadavg()[0]:.2f}")
     if args.plot is not None:
         plot(rows, args.plot, f"switch to the generation layout: {args.model} (bf16) on {args.world} processes")
         print(f"plot: {args.plot}")
 
 
-def staged(path: str, world: int, pp: int, repeats: int) -> None:
-    """The switch of a pipeline-staged actor, (dp, pp, t) for every t the model and the processes allow."""
-    print(f"{path}, {world} processes, pp {pp}, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+def groups_by_t(world: int, pairs: list[tuple[int, int]], spec) -> Iterator[tuple[int, list[int], RayWorkerGroup]]:
+    """(t, its tgs, a group of ``world`` ranks of ``spec(t)``'s (worker class, kwargs)) for each t of the (t, tg)
+    ``pairs``, on a local Ray cluster started here unless one runs; each group ends before the next starts."""
+    by_t: dict[int, list[int]] = {}
+    for t, tg in pairs:
+        by_t.setdefault(t, []).append(tg)
     started = start_ray(num_cpus=world)
-    header = f"{'dp':>3} {'pp':>3} {'t':>3} {'tg':>3} {'MB/rank':>9} {'predicted':>10}"
-    print(f"{header} {'s/switch':>9} {'held MB':>8} {'pred.':>8}")
     try:
-        by_t: dict[int, list[int]] = {}
-        for t, tg in layouts(path, world // pp):
-            by_t.setdefault(t, []).append(tg)
         for t, tgs in by_t.items():
             pool = RayResourcePool([world], cpus_per_worker=1.0)
-            group = RayWorkerGroup(pool, RoleSpec(StagedResharder, kwargs={"path": path, "pp": pp, "t": t}))
-            for tg in tgs:
-                runs = [group.switch(tg) for _ in range(repeats)]
-                seconds = sorted(max(r["seconds"] for r in ranks) for ranks in runs)[len(runs) // 2]
-                for rank, row in enumerate(runs[-1]):  # each stage's ranks receive the other stage's share
-                    print(
-                        f"{world // (pp * t):>3} {pp:>3} {t:>3} {tg:>3} {row['received_mb']:>9.2f} "
-                        f"{row['predicted_mb']:>10.2f} {seconds:>9.3f} {row['peak_mb']:>8.1f} "
-                        f"{row['peak_predicted_mb']:>8.1f}   rank {rank}",
-                        flush=True,
-                    )
+            worker, kwargs = spec(t)
+            group = RayWorkerGroup(pool, RoleSpec(worker, kwargs=kwargs))
+            yield t, tgs, group
             group.kill()
             pool.release()
     finally:
         if started:
             ray.shutdown()
+
+
+def staged(path: str, world: int, pp: int, repeats: int) -> None:
+    """The switch of a pipeline-staged actor, (dp, pp, t) for every t the model and the processes allow."""
+    print(f"{path}, {world} processes, pp {pp}, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
+    header = f"{'dp':>3} {'pp':>3} {'t':>3} {'tg':>3} {'MB/rank':>9} {'predicted':>10}"
+    print(f"{header} {'s/switch':>9} {'held MB':>8} {'pred.':>8}")
+    spec = lambda t: (StagedResharder, {"path": path, "pp": pp, "t": t})  # noqa: E731
+    for t, tgs, group in groups_by_t(world, layouts(path, world // pp), spec):
+        for tg in tgs:
+            runs = [group.switch(tg) for _ in range(repeats)]
+            seconds = sorted(max(r["seconds"] for r in ranks) for ranks in runs)[len(runs) // 2]
+            for rank, row in enumerate(runs[-1]):  # each stage's ranks receive the other stage's share
+                print(
+                    f"{world // (pp * t):>3} {pp:>3} {t:>3} {tg:>3} {row['received_mb']:>9.2f} "
+                    f"{row['predicted_mb']:>10.2f} {seconds:>9.3f} {row['peak_mb']:>8.1f} "
+                    f"{row['peak_predicted_mb']:>8.1f}   rank {rank}",
+                    flush=True,
+                )
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 

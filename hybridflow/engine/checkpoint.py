@@ -148,8 +148,9 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
     flattened = isinstance(metadata, str) or "optim.param_groups" not in metadata.state_dict_metadata
     options = _state_options(trained, flatten=flattened)
     model_state, optim_state = _training_state(trained, options)
-    settings = {}
+    settings, group_keys = {}, []
     if flattened:
+        group_keys = [key for key in optim_state if key.startswith(_GROUP)]
         optim_state, settings = _shared_settings(optim_state)
     model = trained.model
     wanted = {"model": model_state, "optim": optim_state}
@@ -159,9 +160,8 @@ def load_training_state(directory: Path, trained: TrainedModel, rank: int) -> No
         state[OPTIMIZER_SETTINGS] = settings
     dcp.load(state, checkpoint_id=str(directory / SHARDS))
     loaded = {part: {key: state[part][name] for name, key in names[part].items()} for part in names}
-    if flattened:  # every parameter's settings, from the one entry saved
-        groups = {key for key in _training_state(trained, options)[1] if key.startswith(_GROUP)}
-        loaded["optim"] |= {key: state[OPTIMIZER_SETTINGS][key.rsplit(".", 1)[1]] for key in groups}
+    # every parameter's settings, from the one entry saved
+    loaded["optim"] |= {key: state[OPTIMIZER_SETTINGS][key.rsplit(".", 1)[1]] for key in group_keys}
     set_state_dict(
         trained.model,
         trained.optimizer,

@@ -56,14 +56,6 @@ def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", PIPELINE_DIM, "tp"))
 
 
-def schedule_name(stages_per_rank: int) -> str:
-    """1F1B with one stage per rank, interleaved 1F1B with more."""
-    return "1f1b" if stages_per_rank == 1 else "interleaved_1f1b"
-
-
-SCHEDULES = {"1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
-
-
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     """The decoder layers of each stage: ``num_layers / num_stages`` consecutive ones each (ValueError unless it
     divides)."""
@@ -188,21 +180,17 @@ def _empty_packed(like: PackedBatch) -> PackedBatch:
 
 
 class TiedWeights:
-    """A model whose head shares the embedding's weight: the first stage holds the embedding, the last the head;
-    after each backward their gradients are summed over ``group`` (the two ranks holding them, None: this rank holds
-    both), so both copies take the same step."""
+    """A model whose head shares the embedding's weight: the first stage holds the embedding, the last the head (on
+    pp ranks 0 and pp - 1, never one rank); after each backward their gradients are summed over ``group`` (those two
+    ranks), so both copies take the same step. This rank holds one of them (the other None)."""
 
-    def __init__(self, embedding: nn.Parameter | None, head: nn.Parameter | None, group: dist.ProcessGroup | None):
+    def __init__(self, embedding: nn.Parameter | None, head: nn.Parameter | None, group: dist.ProcessGroup):
         self.embedding, self.head, self.group = embedding, head, group
 
     def sum_gradients(self) -> None:
-        held = [p for p in (self.embedding, self.head) if p is not None]
-        if self.group is None:  # both on this rank
-            total = held[0].grad + held[1].grad
-            for p in held:
-                p.grad = total.clone()
-            return
-        for p in held:
+        for p in (self.embedding, self.head):
+            if p is None:
+                continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             dist.all_reduce(local, group=self.group)
@@ -219,9 +207,9 @@ LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class PipelinedModel(nn.Module):
-    """This rank's stages of a model split into ``num_stages`` over the pp ``group``, run by ``schedule`` (a name in
-    ``SCHEDULES``). ``hidden_size`` and ``activation_dtype``: what stages send each other; ``tied``: the embedding
-    and head gradient sum of a model with tied embeddings (None: untied)."""
+    """This rank's stages of a model split into ``num_stages`` over the pp ``group``: one runs torch's 1F1B schedule,
+    more the interleaved 1F1B one. ``hidden_size`` and ``activation_dtype``: what stages send each other; ``tied``:
+    the embedding and head gradient sum of a model with tied embeddings (None: untied, or neither on this rank)."""
 
     def __init__(
         self,
@@ -229,20 +217,16 @@ class PipelinedModel(nn.Module):
         indices: Sequence[int],
         num_stages: int,
         group: dist.ProcessGroup,
-        schedule: str,
         hidden_size: int,
         activation_dtype: torch.dtype,
         inputs: _MicroInputs,
         tied: TiedWeights | None = None,
     ):
         super().__init__()
-        if schedule not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {sorted(SCHEDULES)}")
         self.stages = nn.ModuleList(stages)
         self.indices = list(indices)
         self.num_stages = num_stages
         self.group = group
-        self.schedule = schedule
         self.hidden_size = hidden_size
         self.activation_dtype = activation_dtype
         self.inputs = inputs
@@ -266,10 +250,6 @@ class PipelinedModel(nn.Module):
     @property
     def pp_size(self) -> int:
         return dist.get_world_size(self.group)
-
-    @property
-    def holds_last(self) -> bool:
-        return self.num_stages - 1 in self.indices
 
     @property
     def last_rank(self) -> int:
@@ -312,7 +292,7 @@ class PipelinedModel(nn.Module):
         """The micro-batches a schedule runs for ``count`` of them: at least one per pp rank (1F1B), and a multiple
         of the pp size (interleaved 1F1B runs them in rounds of that size)."""
         count = max(count, self.pp_size)
-        if self.schedule == "interleaved_1f1b":
+        if len(self.stages) > 1:  # interleaved
             count = -(-count // self.pp_size) * self.pp_size
         return count
 
@@ -338,10 +318,11 @@ class PipelinedModel(nn.Module):
             index = int(target.reshape(-1)[0])
             return loss(index, output) if index < given else output.sum() * 0.0
 
-        schedule_class = SCHEDULES[self.schedule]
-        schedule = schedule_class(
-            stages if len(stages) > 1 else stages[0], count, loss_fn=loss_fn if loss else None, scale_grads=False
-        )
+        step_loss = loss_fn if loss else None
+        if len(stages) > 1:
+            schedule = ScheduleInterleaved1F1B(stages, count, loss_fn=step_loss, scale_grads=False)
+        else:
+            schedule = Schedule1F1B(stages[0], count, loss_fn=step_loss, scale_grads=False)
         ids = torch.cat([p.input_ids for p in self.inputs.packed]) if 0 in self.indices else None
         args = (ids,) if ids is not None else ()
         order = torch.arange(count)
@@ -414,11 +395,11 @@ class PipelinedModel(nn.Module):
 
 def _tie_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """The group of the first and the last pp rank at this rank's (dp, tp) place: every rank creates all of them."""
+    if mesh[PIPELINE_DIM].size() == 2:
+        return mesh[PIPELINE_DIM].get_group()
     grid = mesh.mesh  # (dp, pp, tp) global ranks
-    pp_dim = mesh.mesh_dim_names.index("pp")
+    pp_dim = mesh.mesh_dim_names.index(PIPELINE_DIM)
     pairs = grid.movedim(pp_dim, -1).reshape(-1, grid.shape[pp_dim])[:, [0, -1]]
-    if grid.shape[pp_dim] == 2:
-        return mesh["pp"].get_group()
     mine = None
     for pair in pairs.tolist():
         group = dist.new_group(pair)
@@ -442,10 +423,10 @@ def build_pipelined(
 ) -> PipelinedModel:
     """This rank's stages of ``model`` on the (dp, pp, tp) ``mesh`` (``stages_per_rank`` of them: above 1, the
     interleaved 1F1B schedule), each sharded by ``shard`` (tensor parallelism and FSDP2 as for the unsplit model)."""
-    pp = mesh["pp"].size()
+    pp = mesh[PIPELINE_DIM].size()
     num_stages = pp * stages_per_rank
     inputs = _MicroInputs([], [])
-    indices = local_stages(mesh["pp"].get_local_rank(), pp, stages_per_rank)
+    indices = local_stages(mesh[PIPELINE_DIM].get_local_rank(), pp, stages_per_rank)
     text_config = model.config.get_text_config()
     tied = bool(getattr(text_config, "tie_word_embeddings", False)) and _head_name(model) == "lm_head"
     stages = [shard(split_stage(model, index, num_stages, inputs)) for index in indices]
@@ -455,14 +436,12 @@ def build_pipelined(
         embedding = next((_parameter_named(s, "embed_tokens") for s, i in zip(stages, indices) if i == 0), None)
         head = next((_parameter_named(s, "lm_head") for s, i in zip(stages, indices) if i == num_stages - 1), None)
         if embedding is not None or head is not None:
-            both_here = embedding is not None and head is not None
-            tie = TiedWeights(embedding, head, None if both_here else group)
+            tie = TiedWeights(embedding, head, group)
     return PipelinedModel(
         stages,
         indices,
         num_stages,
-        mesh["pp"].get_group(),
-        schedule_name(stages_per_rank),
+        mesh[PIPELINE_DIM].get_group(),
         text_config.hidden_size,
         activation_dtype,
         inputs,

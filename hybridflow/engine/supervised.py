@@ -34,6 +34,7 @@ from hybridflow.engine.forward import (
 )
 from hybridflow.engine.lora import adapters_off
 from hybridflow.engine.optim import OptimConfig, TrainedModel
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
@@ -62,6 +63,8 @@ class SupervisedEngine:
         dp_group: dist.ProcessGroup | None = None,
         sp_group: dist.ProcessGroup | None = None,
     ):
+        if objective.output == SEQUENCE_SCORES and isinstance(trained.model, PipelinedModel):
+            raise ValueError(f"the {objective.name!r} objective's sequence scores do not run through pipeline stages")
         self.trained = trained
         self.config = config
         self.objective = objective
