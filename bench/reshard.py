@@ -50,7 +50,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register, start_ray
 from hybridflow.engine.fsdp import shard_model
-from hybridflow.engine.pipeline import build_pipelined, pipeline_mesh, stage_layers
+from hybridflow.engine.pipeline import build_pipelined, pipeline_mesh
+from hybridflow.engine.pipeline_stages import stage_layers
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, training_mesh
 from hybridflow.hybrid_engine.layout import ActorLayouts
 from hybridflow.hybrid_engine.layout_shape import LayoutShape

@@ -50,12 +50,14 @@ DatumLossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, 
 
 @dataclass(frozen=True)
 class DatumLoss:
-    """A loss of the registry: the function, the per-token inputs it reads besides ``target_tokens``, and the
-    settings ``loss_fn_config`` may give (with their defaults)."""
+    """A loss of the registry: the function, the per-token inputs it reads besides ``target_tokens``, the
+    settings ``loss_fn_config`` may give (with their defaults), and ``trains``: the input whose zeros make a
+    token's loss gradient exactly zero (a weight or an advantage), so the pass differentiates only the others."""
 
     fn: DatumLossFn
     inputs: tuple[str, ...]
     settings: Mapping[str, float]
+    trains: str
 
 
 def cross_entropy(
@@ -88,9 +90,9 @@ def ppo(
 
 
 DATUM_LOSSES: dict[str, DatumLoss] = {
-    "cross_entropy": DatumLoss(cross_entropy, (WEIGHTS,), {}),
-    "importance_sampling": DatumLoss(importance_sampling, (SAMPLER_LOGPROBS, ADVANTAGES), {}),
-    "ppo": DatumLoss(ppo, (SAMPLER_LOGPROBS, ADVANTAGES), PPO_DEFAULTS),
+    "cross_entropy": DatumLoss(cross_entropy, (WEIGHTS,), {}, trains=WEIGHTS),
+    "importance_sampling": DatumLoss(importance_sampling, (SAMPLER_LOGPROBS, ADVANTAGES), {}, trains=ADVANTAGES),
+    "ppo": DatumLoss(ppo, (SAMPLER_LOGPROBS, ADVANTAGES), PPO_DEFAULTS, trains=ADVANTAGES),
 }
 
 

@@ -8,11 +8,14 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
-from hybridflow.algorithms import LossAggregation, compute_value_loss
-from hybridflow.batch_keys import METRICS, RESPONSE_MASK, RETURNS, VALUES
+from hybridflow.algorithms import LossAggregation
+from hybridflow.algorithms.objectives import OBJECTIVES, ForwardOutputs
+from hybridflow.batch_keys import METRICS, RESPONSE_MASK, VALUES
 from hybridflow.engine.config import CriticConfig
 from hybridflow.engine.forward import ResponseOutputs, batched_values, pass_work, values_of
+from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto
 
@@ -21,6 +24,10 @@ class CriticEngine(UpdatedEngine):
     """A sharded value model with its optimizer and learning-rate schedule (``UpdatedEngine``'s arguments)."""
 
     config: CriticConfig
+
+    def __init__(self, trained: TrainedModel, config: CriticConfig, **groups: dist.ProcessGroup | None):
+        super().__init__(trained, config, **groups)
+        self.objective = OBJECTIVES.get("value")(config)
 
     def compute_values(self, data: DataProto) -> DataProto:
         """Values (B, R), 0 on response padding, with the pass's FLOP/s as metrics."""
@@ -42,12 +49,7 @@ class CriticEngine(UpdatedEngine):
     def _micro_loss(
         self, micro: DataProto, agg: LossAggregation, outputs: ResponseOutputs
     ) -> tuple[torch.Tensor, dict]:
-        batch = micro.batch
-        vpreds = values_of(outputs)
-        loss, metrics = compute_value_loss(
-            vpreds, batch[VALUES], batch[RETURNS], batch[RESPONSE_MASK], self.config.cliprange_value, agg
-        )
-        return loss, {"critic/vf_loss": loss.detach(), **{f"critic/{k}": v for k, v in metrics.items()}}
+        return self.objective.loss(ForwardOutputs(values=values_of(outputs)), micro.batch, agg)
 
     def update_critic(self, data: DataProto, mini_batch_size: int, seed: int) -> DataProto:
         """Value-loss epochs over this rank's batch; metrics include ``perf/mfu_critic_update`` and
@@ -64,6 +66,6 @@ class CriticEngine(UpdatedEngine):
             forward=self.outputs,
             micro_loss=self._micro_loss,
             dp_group=self.dp_group,
-            loss_share_keys=("critic/vf_loss",),
+            loss_share_keys=self.objective.share_keys,
         )
         return DataProto(meta_info={METRICS: metrics})

@@ -11,11 +11,17 @@ rest of its tokens and one filler token as the "response", whose N labels are th
 (0 <= i < N) predicts response label i, which is ``target_tokens[i]``. The filler is an input nothing reads (causal
 attention keeps it out of every earlier position). Micro-batches hold at most a budget of real tokens; packing runs
 no padding, so the micro-batching changes no result beyond float rounding.
+
+The API returns every position's log-prob, so the LM head runs on every position; but a position whose weight (or
+advantage) is zero has a zero loss gradient, so in a backward pass the head runs with autograd on the trained
+positions only and without it on the rest (``head_gradient_at``): the backward through the head, the largest
+layer, costs what the trained tokens cost, as in ``hybridflow sft``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -55,6 +61,38 @@ def datum_rows(datums: Sequence[Datum], names: Sequence[str], device: torch.devi
     return DataProto.from_dict({key: value.to(device) for key, value in columns.items()})
 
 
+@contextlib.contextmanager
+def head_gradient_at(model: nn.Module, trained: torch.Tensor) -> Iterator[None]:
+    """Within it, the model's output head (a row-wise map of hidden states (1, M, H), M = ``trained``'s length)
+    records autograd at the positions ``trained`` only: the others' outputs are computed without it, and so carry
+    no gradient. For a pass whose loss gradient is zero at those positions: the gradients are unchanged."""
+    head = model.get_output_embeddings()
+    if bool(trained.all()) or not bool(trained.any()):  # nothing to leave out, or nothing to keep: the plain head
+        yield
+        return
+    run, own = head.forward, head.__dict__.get("forward")
+    order = torch.cat([trained.nonzero().flatten(), (~trained).nonzero().flatten()])
+    back = torch.empty_like(order)
+    back[order] = torch.arange(order.numel(), device=order.device)
+
+    def split_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[1] != trained.numel():  # a model that runs its head on every packed token
+            return run(hidden)
+        live = run(hidden[:, trained])
+        with torch.no_grad():
+            frozen = run(hidden[:, ~trained])
+        return torch.cat([live, frozen], dim=1)[:, back]
+
+    head.forward = split_forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
+
+
 def run_datums(
     model: nn.Module,
     datums: Sequence[Datum],
@@ -76,7 +114,9 @@ def run_datums(
     groups = [sorted(group) for group in group_by_tokens([len(d.tokens) + 1 for d in datums], max_tokens)]
     for group, micro in zip(groups, split_by_groups(rows, groups)):
         mask = micro.batch[RESPONSE_MASK]
-        with torch.set_grad_enabled(backward):
+        trained = micro.batch[loss.trains][mask.bool()] != 0  # the packed head positions, row-major
+        head = head_gradient_at(model, trained) if backward else contextlib.nullcontext()
+        with torch.set_grad_enabled(backward), head:
             logprobs, _ = response_log_probs(model, micro, remove_padding=True)
             per_token = loss.fn(logprobs, {name: micro.batch[name] for name in loss.inputs}, mask.float(), settings)
             summed = per_token.sum()

@@ -52,7 +52,9 @@ def packed_prompt_sharing(data: DataProto, remove_padding: bool) -> PromptSharin
 
 
 def _accepts_logits_to_keep(model: nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    """Whether the model's forward takes ``logits_to_keep``: a peft model passes it on to the model it adapts."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Pipeline parallelism: a model's decoder layers split into stages over the ranks of a "pp" group, run by torch's own
 schedules (torch.distributed.pipelining: 1F1B, interleaved 1F1B) over packed micro-batches.
 
-A stage is a copy of the transformers model that keeps its share of the decoder layers (the others become
-``AbsentLayer``, so every parameter keeps the unsplit model's name: checkpoints do not depend on the layout), the
-embedding on the first stage, and the final norm and the head on the last. Each rank holds one stage (1F1B) or
-``stages_per_rank`` of them, stage ``rank + k * pp`` (interleaved). Every stage is sharded as the unsplit model is
-(tensor parallelism over "tp", FSDP2 over "dp"), so the mesh is (dp, pp, tp).
+A stage (pipeline_stages.py) is a copy of the transformers model that keeps its share of the decoder layers (the
+others become ``AbsentLayer``, so every parameter keeps the unsplit model's name: checkpoints do not depend on the
+layout), the embedding on the first stage, and the final norm and the head on the last. Each rank holds one stage
+(1F1B) or ``stages_per_rank`` of them, stage ``rank + k * pp`` (interleaved). Every stage is sharded as the unsplit
+model is (tensor parallelism over "tp", FSDP2 over "dp"), so the mesh is (dp, pp, tp).
 
 Every rank of a pp group holds the same rows. A pass packs each micro-batch (``packing.pack``) on every stage alike,
 and pads them all to one length with filler tokens in a row of their own (``pad_packed``): torch's schedules fix the
@@ -23,9 +23,7 @@ step and stay equal, as the one tensor of the unsplit model does. The gradient n
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -35,8 +33,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.fsdp import AbsentLayer, decoder_layers, full_parameters
-from hybridflow.engine.packing import PackedBatch, Segments, pad_packed, use_packed_attention
+from hybridflow.engine.fsdp import full_parameters
+from hybridflow.engine.packing import PackedBatch, Segments, pad_packed
+from hybridflow.engine.pipeline_stages import (
+    MicroInputs,
+    head_name,
+    local_stages,
+    split_stage,
+    submodule_named,
+)
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
 
@@ -54,103 +59,6 @@ def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh
     """The (dp, pp, tp) mesh over the process group's ranks, rank = (dp_index * pp + pp_index) * tp + tp_index: the pp
     (and tp) ranks of one dp index hold the same rows."""
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", PIPELINE_DIM, "tp"))
-
-
-def stage_layers(num_layers: int, num_stages: int) -> list[range]:
-    """The decoder layers of each stage: ``num_layers / num_stages`` consecutive ones each (ValueError unless it
-    divides)."""
-    if num_stages < 1 or num_layers % num_stages:
-        raise ValueError(f"{num_layers} decoder layers do not split into {num_stages} pipeline stages of equal size")
-    per_stage = num_layers // num_stages
-    return [range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)]
-
-
-def local_stages(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
-    """The stages of pp rank ``pp_rank``: ``pp_rank + k * pp_size`` (torch's looped placement for interleaved 1F1B)."""
-    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
-
-
-def _parent_of_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """The decoder stack (the module holding the layers, the embedding and the final norm) and its layer list."""
-    layers = decoder_layers(model)
-    for module in model.modules():
-        for child in module.children():
-            if isinstance(child, nn.ModuleList) and len(child) and child[0] is layers[0]:
-                return module, child
-    raise ValueError(f"{type(model).__name__} has no decoder layers to split into pipeline stages")
-
-
-def _head_name(model: nn.Module) -> str:
-    for name in ("lm_head", "score"):
-        if any(n.split(".")[-1] == name for n, _ in model.named_modules()):
-            return name
-    raise ValueError(f"{type(model).__name__} has neither an LM head nor a score head")
-
-
-def _submodule_named(model: nn.Module, leaf: str) -> tuple[nn.Module, str]:
-    """The parent of the shortest-named module whose name ends in ``leaf`` (under LoRA: peft's wrapper), and its
-    attribute name."""
-    name = min((n for n, _ in model.named_modules() if n.split(".")[-1] == leaf), key=len)
-    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-    return parent, leaf
-
-
-@dataclass
-class _MicroInputs:
-    """The micro-batches of the pass under way, as every stage of this rank reads them: each one's packed tokens
-    (padded to the pass's length) and the packed positions the last stage reads the head at."""
-
-    packed: list[PackedBatch]
-    select: list[torch.Tensor]
-
-
-class StageForward:
-    """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
-    states of the stage before; the last applies the final norm and the head at the selected positions, (M, C)."""
-
-    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: _MicroInputs):
-        self.stack, self.head, self.first, self.inputs = stack, head, first, inputs
-
-    def __call__(self, x: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
-        index = int(micro.reshape(-1)[0])
-        packed = self.inputs.packed[index]
-        ids = packed.input_ids
-        common = dict(
-            attention_mask=torch.ones_like(ids),
-            position_ids=packed.position_ids,
-            packed_segments=packed.segments,
-            use_cache=False,
-        )
-        if self.first:
-            hidden = self.stack(input_ids=x, **common).last_hidden_state
-        else:
-            hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
-        if self.head is None:
-            return hidden
-        return self.head(hidden[0, self.inputs.select[index]])
-
-
-def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: _MicroInputs) -> nn.Module:
-    """A copy of ``model`` holding stage ``stage`` of ``num_stages``: its layers, the embedding if first, the final
-    norm and the head if last; its ``forward`` is ``StageForward``'s. Parameter names stay the unsplit model's."""
-    part = copy.deepcopy(model)
-    use_packed_attention(part)
-    stack, layers = _parent_of_layers(part)
-    kept = stage_layers(len(layers), num_stages)[stage]
-    for index in range(len(layers)):
-        if index not in kept:
-            layers[index] = AbsentLayer()
-    first, last = stage == 0, stage == num_stages - 1
-    head_parent, head_attr = _submodule_named(part, _head_name(part))
-    head = getattr(head_parent, head_attr)
-    if not first:
-        stack.embed_tokens = None
-    if not last:
-        stack.norm = nn.Identity()
-        setattr(head_parent, head_attr, nn.Identity())
-    # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
-    part.forward = StageForward(stack, head if last else None, first, inputs)
-    return part
 
 
 def _square_sum(grad: torch.Tensor) -> torch.Tensor:
@@ -219,7 +127,7 @@ class PipelinedModel(nn.Module):
         group: dist.ProcessGroup,
         hidden_size: int,
         activation_dtype: torch.dtype,
-        inputs: _MicroInputs,
+        inputs: MicroInputs,
         tied: TiedWeights | None = None,
     ):
         super().__init__()
@@ -409,7 +317,7 @@ def _tie_group(mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def _parameter_named(module: nn.Module, leaf: str) -> nn.Parameter:
-    parent, attr = _submodule_named(module, leaf)
+    parent, attr = submodule_named(module, leaf)
     return getattr(parent, attr).weight
 
 
@@ -425,10 +333,10 @@ def build_pipelined(
     interleaved 1F1B schedule), each sharded by ``shard`` (tensor parallelism and FSDP2 as for the unsplit model)."""
     pp = mesh[PIPELINE_DIM].size()
     num_stages = pp * stages_per_rank
-    inputs = _MicroInputs([], [])
+    inputs = MicroInputs([], [])
     indices = local_stages(mesh[PIPELINE_DIM].get_local_rank(), pp, stages_per_rank)
     text_config = model.config.get_text_config()
-    tied = bool(getattr(text_config, "tie_word_embeddings", False)) and _head_name(model) == "lm_head"
+    tied = bool(getattr(text_config, "tie_word_embeddings", False)) and head_name(model) == "lm_head"
     stages = [shard(split_stage(model, index, num_stages, inputs)) for index in indices]
     tie = None
     if tied:

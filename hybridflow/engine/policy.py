@@ -9,19 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hybridflow.algorithms import LossAggregation, agg_loss, compute_kl_loss, get_policy_loss
-from hybridflow.batch_keys import (
-    ADVANTAGES,
-    ENTROPYS,
-    METRICS,
-    OLD_LOG_PROBS,
-    OLD_POLICY,
-    REF_LOG_PROB,
-    RESPONSE_MASK,
-    RESPONSES,
-    ROLLOUT_IS_WEIGHTS,
-    ROLLOUT_LOG_PROBS,
-)
+from hybridflow.algorithms import LossAggregation
+from hybridflow.algorithms.objectives import OBJECTIVES, ForwardOutputs
+from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, OLD_POLICY, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.forward import ResponseOutputs, log_probs_of
 from hybridflow.engine.log_prob import log_prob_pass
@@ -60,7 +50,7 @@ class PolicyEngine(UpdatedEngine):
 
     def __init__(self, trained: TrainedModel, config: ActorConfig, **groups: dist.ProcessGroup | None):
         super().__init__(trained, config, **groups)
-        self.policy_loss = get_policy_loss(config.policy_loss.loss_mode)
+        self.objective = OBJECTIVES.get("policy")(config)
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
         """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
@@ -85,16 +75,13 @@ class PolicyEngine(UpdatedEngine):
         temperature: float,
         first_pass: FirstPass | None,
     ) -> tuple[torch.Tensor, dict]:
-        cfg = self.config
-        batch = micro.batch
-        mask = batch[RESPONSE_MASK]
-        entropy_in_loss = cfg.entropy_coeff != 0
+        objective, batch = self.objective, micro.batch
         log_prob, entropy = log_probs_of(
             outputs,
             micro,
             temperature,
-            with_entropy=entropy_in_loss or first_pass is not None,
-            entropy_grad=entropy_in_loss,
+            with_entropy=objective.entropy_in_loss or first_pass is not None,
+            entropy_grad=objective.entropy_in_loss,
         )
         if first_pass is not None:
             first_pass.record(batch[_ROW], log_prob.detach(), entropy.detach())
@@ -104,23 +91,8 @@ class PolicyEngine(UpdatedEngine):
             old_log_prob = batch[ROLLOUT_LOG_PROBS]
         else:  # one optimizer step on this batch: before it, the current log-probs are the old ones, exactly
             old_log_prob = log_prob.detach()
-        policy_agg = agg.weighted(batch.get(ROLLOUT_IS_WEIGHTS, None))
-        pg_loss, metrics = self.policy_loss(
-            old_log_prob, log_prob, batch[ADVANTAGES], mask, cfg.policy_loss, policy_agg
-        )
-        loss = pg_loss
-        metrics = {f"actor/{k}": v for k, v in metrics.items()}
-        metrics["actor/pg_loss"] = pg_loss.detach()
-        if entropy_in_loss:
-            entropy_loss = agg_loss(entropy, mask, agg)
-            loss = loss - cfg.entropy_coeff * entropy_loss
-            metrics["actor/entropy_loss"] = entropy_loss.detach()
-        if cfg.use_kl_loss:
-            kl_loss = compute_kl_loss(log_prob, batch[REF_LOG_PROB], mask, cfg.kl_loss_type, agg)
-            loss = loss + cfg.kl_loss_coef * kl_loss
-            metrics["actor/kl_loss"] = kl_loss.detach()
-            metrics["actor/kl_coef"] = cfg.kl_loss_coef
-        return loss, metrics
+        columns = {key: batch[key] for key in batch.keys()} | {OLD_LOG_PROBS: old_log_prob}
+        return objective.loss(ForwardOutputs(log_probs=log_prob, entropy=entropy), columns, agg)
 
     def update_policy(self, data: DataProto, mini_batch_size: int, temperature: float, seed: int) -> DataProto:
         """PPO epochs over this rank's batch; metrics include ``perf/mfu_update`` and ``perf/tflops_update``.
@@ -145,7 +117,7 @@ class PolicyEngine(UpdatedEngine):
             forward=self.outputs,
             micro_loss=lambda micro, agg, outputs: self._micro_loss(micro, agg, outputs, temperature, first_pass),
             dp_group=self.dp_group,
-            loss_share_keys=("actor/pg_loss", "actor/entropy_loss", "actor/kl_loss"),
+            loss_share_keys=self.objective.share_keys,
         )
         tensors = first_pass.tensors() if first_pass is not None else None
         if tensors is not None and isinstance(self.model, PipelinedModel):  # the last stage computed them

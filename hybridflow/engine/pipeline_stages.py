@@ -1,0 +1,113 @@
+"""Pipeline stages: a copy of a transformers model that keeps its share of the decoder layers (engine/pipeline.py
+runs them). The layers it does not hold become ``AbsentLayer``, so every parameter keeps the unsplit model's name;
+the first stage holds the embedding, the last the final norm and the head, and a stage's ``forward`` takes what the
+stage before it sent (``StageForward``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
+from hybridflow.engine.packing import PackedBatch, use_packed_attention
+
+
+def stage_layers(num_layers: int, num_stages: int) -> list[range]:
+    """The decoder layers of each stage: ``num_layers / num_stages`` consecutive ones each (ValueError unless it
+    divides)."""
+    if num_stages < 1 or num_layers % num_stages:
+        raise ValueError(f"{num_layers} decoder layers do not split into {num_stages} pipeline stages of equal size")
+    per_stage = num_layers // num_stages
+    return [range(s * per_stage, (s + 1) * per_stage) for s in range(num_stages)]
+
+
+def local_stages(pp_rank: int, pp_size: int, stages_per_rank: int) -> list[int]:
+    """The stages of pp rank ``pp_rank``: ``pp_rank + k * pp_size`` (torch's looped placement for interleaved 1F1B)."""
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def _parent_of_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
+    """The decoder stack (the module holding the layers, the embedding and the final norm) and its layer list."""
+    layers = decoder_layers(model)
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, nn.ModuleList) and len(child) and child[0] is layers[0]:
+                return module, child
+    raise ValueError(f"{type(model).__name__} has no decoder layers to split into pipeline stages")
+
+
+def head_name(model: nn.Module) -> str:
+    for name in ("lm_head", "score"):
+        if any(n.split(".")[-1] == name for n, _ in model.named_modules()):
+            return name
+    raise ValueError(f"{type(model).__name__} has neither an LM head nor a score head")
+
+
+def submodule_named(model: nn.Module, leaf: str) -> tuple[nn.Module, str]:
+    """The parent of the shortest-named module whose name ends in ``leaf`` (under LoRA: peft's wrapper), and its
+    attribute name."""
+    name = min((n for n, _ in model.named_modules() if n.split(".")[-1] == leaf), key=len)
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    return parent, leaf
+
+
+@dataclass
+class MicroInputs:
+    """The micro-batches of the pass under way, as every stage of this rank reads them: each one's packed tokens
+    (padded to the pass's length) and the packed positions the last stage reads the head at."""
+
+    packed: list[PackedBatch]
+    select: list[torch.Tensor]
+
+
+class StageForward:
+    """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
+    states of the stage before; the last applies the final norm and the head at the selected positions, (M, C)."""
+
+    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: MicroInputs):
+        self.stack, self.head, self.first, self.inputs = stack, head, first, inputs
+
+    def __call__(self, x: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
+        index = int(micro.reshape(-1)[0])
+        packed = self.inputs.packed[index]
+        ids = packed.input_ids
+        common = dict(
+            attention_mask=torch.ones_like(ids),
+            position_ids=packed.position_ids,
+            packed_segments=packed.segments,
+            use_cache=False,
+        )
+        if self.first:
+            hidden = self.stack(input_ids=x, **common).last_hidden_state
+        else:
+            hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
+        if self.head is None:
+            return hidden
+        return self.head(hidden[0, self.inputs.select[index]])
+
+
+def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInputs) -> nn.Module:
+    """A copy of ``model`` holding stage ``stage`` of ``num_stages``: its layers, the embedding if first, the final
+    norm and the head if last; its ``forward`` is ``StageForward``'s. Parameter names stay the unsplit model's."""
+    part = copy.deepcopy(model)
+    use_packed_attention(part)
+    stack, layers = _parent_of_layers(part)
+    kept = stage_layers(len(layers), num_stages)[stage]
+    for index in range(len(layers)):
+        if index not in kept:
+            layers[index] = AbsentLayer()
+    first, last = stage == 0, stage == num_stages - 1
+    head_parent, head_attr = submodule_named(part, head_name(part))
+    head = getattr(head_parent, head_attr)
+    if not first:
+        stack.embed_tokens = None
+    if not last:
+        stack.norm = nn.Identity()
+        setattr(head_parent, head_attr, nn.Identity())
+    # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
+    part.forward = StageForward(stack, head if last else None, first, inputs)
+    return part

@@ -1,0 +1,92 @@
+"""The datum pass differentiates the output head only where a token's loss gradient can be non-zero (its weight or
+advantage non-zero): the log-probs, losses and every gradient equal those of the plain pass (the head with
+autograd everywhere), fp32, for each loss, with the head adapted by LoRA and with every weight trained."""
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.algorithms.datum_losses import DATUM_LOSSES, Datum, loss_settings
+from hybridflow.engine import datum_pass
+from hybridflow.engine.datum_pass import head_gradient_at, run_datums
+from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
+from hybridflow.models import load_causal_lm
+
+CPU = torch.device("cpu")
+
+
+def datums(vocab: int, seed: int = 0) -> list[Datum]:
+    g = np.random.default_rng(seed)
+    out = []
+    for length in (5, 9, 7, 12):
+        tokens = g.integers(3, vocab, size=length + 1)
+        trained = (g.random(length) > 0.6).astype(np.float32)  # most positions untrained, as in a chat's prompt
+        inputs = {
+            "target_tokens": tokens[1:],
+            "weights": trained * g.random(length).astype(np.float32),
+            "advantages": trained * g.normal(size=length).astype(np.float32),
+            "logprobs": -g.random(length).astype(np.float32) * 3,
+        }
+        out.append(Datum(tokens[:-1], inputs))
+    return out
+
+
+def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, data, loss, monkeypatch, split: bool):
+    if not split:  # the plain pass: the head with autograd on every position
+        everywhere = lambda model, trained: head_gradient_at(model, trained | True)  # noqa: E731
+        monkeypatch.setattr(datum_pass, "head_gradient_at", everywhere)
+    model.zero_grad(set_to_none=True)
+    outputs, total = run_datums(
+        model, data, loss, loss_settings(loss, {}), backward=True, max_tokens=24, device=CPU, loss_scale=2.0
+    )
+    monkeypatch.undo()
+    return outputs, total, gradients(model)
+
+
+@pytest.mark.parametrize("loss", sorted(DATUM_LOSSES))
+@pytest.mark.parametrize("lora", [True, False])
+def test_gradients_logprobs_and_losses_equal_the_plain_pass(tiny_path, monkeypatch, loss, lora):
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_path, dtype=torch.float32)
+    if lora:
+        config = LoraConfig(rank=4, alpha=8.0, dropout=0.0, target_modules=[ALL_LINEAR, OUTPUT_HEAD])
+        model = apply_lora(model, config)
+        for name, p in model.named_parameters():  # B != 0: the adapters change the outputs and get gradients
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    data = datums(model.config.vocab_size)
+    head = model.get_output_embeddings()
+    rows = []  # the head runs on the datums' positions only (logits_to_keep, through peft too): what it splits
+    head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[1]))
+    split_outputs, split_total, split_grads = run(model, data, loss, monkeypatch, split=True)
+    plain_outputs, plain_total, plain_grads = run(model, data, loss, monkeypatch, split=False)
+    assert split_total == pytest.approx(plain_total, rel=1e-6)
+    for a, b in zip(split_outputs, plain_outputs):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a.elementwise_loss, b.elementwise_loss, rtol=1e-6, atol=1e-6)
+    assert sum(rows) == 2 * sum(len(d.tokens) for d in data)
+    assert split_grads.keys() == plain_grads.keys() and len(split_grads) > 0
+    assert any(p.grad is not None for p in head.parameters())  # the head itself is trained (LoRA or weight)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert "forward" not in head.__dict__  # the head's own forward is back
+
+
+def test_only_the_trained_positions_reach_the_heads_autograd(tiny_path):
+    model = load_causal_lm(tiny_path, dtype=torch.float32)
+    head = model.get_output_embeddings()
+    seen = []
+    head.register_forward_hook(lambda module, inputs, output: seen.append(output.requires_grad))
+    hidden = torch.randn(1, 5, model.config.hidden_size, requires_grad=True)
+    trained = torch.tensor([False, True, False, False, True])
+    with head_gradient_at(model, trained):
+        out = head(hidden)
+    plain = head(hidden)
+    torch.testing.assert_close(out, plain)
+    (out[0, :, 0].sum()).backward()
+    assert hidden.grad[0, trained].abs().sum() > 0 and hidden.grad[0, ~trained].abs().sum() == 0
+    assert "forward" not in head.__dict__
