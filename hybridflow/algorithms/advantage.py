@@ -116,13 +116,9 @@ def register_adv_estimator(
     ``signal_check(config, group_size)``: a reason when those settings give every advantage 0
     (the config check refuses them), else None.
     """
-
-    def decorator(fn: EstimatorFn) -> AdvantageEstimator:
-        entry = AdvantageEstimator(name, fn, needs_values, needs_baseline, needs_groups, signal_check)
-        _ADV_ESTIMATORS.add(name, entry)
-        return entry
-
-    return decorator
+    return _ADV_ESTIMATORS.decorator(
+        name, lambda fn: AdvantageEstimator(name, fn, needs_values, needs_baseline, needs_groups, signal_check)
+    )
 
 
 def get_adv_estimator(name: str) -> AdvantageEstimator:

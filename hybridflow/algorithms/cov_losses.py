@@ -18,6 +18,7 @@ from hybridflow.algorithms.policy_loss import (
     PolicyLossOutput,
     clamped_log_ratio,
     clip_metrics,
+    clipped_surrogates,
     no_clip_metrics,
     register_policy_loss,
 )
@@ -46,11 +47,8 @@ def compute_policy_loss_clip_cov(
     their per-token loss is detached (same value, no gradient). Extra metric
     `pg_clipfrac_cov`: the fraction of response tokens detached this way. All inputs (B, T).
     """
-    low, high = config.clip_bounds()
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
-    ratio = torch.exp(log_ratio)
-    surr = -advantages * ratio
-    surr_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    surr, surr_clipped = clipped_surrogates(torch.exp(log_ratio), advantages, config)
     pg_losses = torch.maximum(surr, surr_clipped)
 
     in_mask = response_mask.bool()

@@ -44,6 +44,8 @@ def _trust_region_loss(
     config: PolicyLossConfig,
     loss_agg: LossAggregation | str,
 ) -> PolicyLossOutput:
+    """The DPPO loss and metrics (module docstring) of the tokens whose trust-region test is ``valid`` (B, T) bool;
+    the two losses differ only in that test."""
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
     ratio = torch.exp(log_ratio)
     weight = torch.clamp(ratio, max=config.clip_ratio_c).detach()

@@ -9,6 +9,8 @@ A group of one sample, or a group whose scores are all equal, gets advantage 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,7 +18,9 @@ import torch
 
 from hybridflow.algorithms.advantage import (
     AdvantageConfig,
+    AdvantageEstimator,
     AdvantageOutput,
+    SignalCheck,
     group_ids,
     group_stats,
     register_adv_estimator,
@@ -26,8 +30,72 @@ from hybridflow.algorithms.advantage import (
 from hybridflow.algorithms.masked import masked_whiten
 
 
-def _float_dtype(x: torch.Tensor) -> torch.dtype:
-    return x.dtype if x.is_floating_point() else torch.float32
+@dataclass(frozen=True)
+class EstimatorInputs:
+    """The tensors of one estimator call, as advantage.py documents them (values and reward_baselines may be None)."""
+
+    token_level_rewards: torch.Tensor
+    response_mask: torch.Tensor
+    index: np.ndarray | Any
+    values: torch.Tensor | None
+    reward_baselines: torch.Tensor | None
+
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype of the advantages: the rewards', or float32 for integer rewards."""
+        rewards = self.token_level_rewards
+        return rewards.dtype if rewards.is_floating_point() else torch.float32
+
+    def scores(self) -> torch.Tensor:
+        """The sequence scores s_i: (B,)."""
+        return sequence_scores(self.token_level_rewards, self.response_mask)
+
+
+BuiltinEstimatorFn = Callable[[EstimatorInputs, AdvantageConfig], AdvantageOutput]
+OutcomeEstimatorFn = Callable[[EstimatorInputs, AdvantageConfig], torch.Tensor]
+
+
+def _named_like(wrapper: Callable[..., Any], fn: Callable[..., Any]) -> None:
+    """Give ``wrapper`` the name and docstring of ``fn`` (not ``__wrapped__``: callers use the wrapper's signature)."""
+    for attribute in ("__name__", "__qualname__", "__doc__"):
+        setattr(wrapper, attribute, getattr(fn, attribute))
+
+
+def _estimator(name: str, **needs: Any) -> Callable[[BuiltinEstimatorFn], AdvantageEstimator]:
+    """``register_adv_estimator(name, **needs)`` for a function of (EstimatorInputs, config): the registry's
+    signature is spelled once, here, instead of on every built-in estimator."""
+
+    def decorator(fn: BuiltinEstimatorFn) -> AdvantageEstimator:
+        def estimator(token_level_rewards, response_mask, index, config, values=None, reward_baselines=None):
+            return fn(EstimatorInputs(token_level_rewards, response_mask, index, values, reward_baselines), config)
+
+        _named_like(estimator, fn)
+        return register_adv_estimator(name, **needs)(estimator)
+
+    return decorator
+
+
+def _outcome_estimator(
+    name: str, *, whiten: bool = False, signal_check: SignalCheck | None = None
+) -> Callable[[OutcomeEstimatorFn], AdvantageEstimator]:
+    """Register a group estimator given as its advantage per sequence, fn(inputs, config) -> (B,).
+
+    That advantage is put on every response token (and whitened over the batch's response tokens with ``whiten``);
+    the returns are the advantages.
+    """
+
+    def decorator(fn: OutcomeEstimatorFn) -> AdvantageEstimator:
+        def estimator(inputs: EstimatorInputs, config: AdvantageConfig) -> AdvantageOutput:
+            per_sequence = fn(inputs, config).to(inputs.token_level_rewards.device)
+            advantages = to_tokens(per_sequence, inputs.response_mask, inputs.float_dtype)
+            if whiten:
+                advantages = masked_whiten(advantages, inputs.response_mask)
+            return advantages, advantages
+
+        _named_like(estimator, fn)
+        return _estimator(name, needs_groups=True, signal_check=signal_check)(estimator)
+
+    return decorator
 
 
 def _reverse_scan(step: torch.Tensor, mask: torch.Tensor, decay: float) -> torch.Tensor:
@@ -47,15 +115,8 @@ def _reverse_scan(step: torch.Tensor, mask: torch.Tensor, decay: float) -> torch
     return torch.stack(out[::-1], dim=1) if out else torch.zeros_like(step)
 
 
-@register_adv_estimator("gae", needs_values=True)
-def compute_gae_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_estimator("gae", needs_values=True)
+def compute_gae_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> AdvantageOutput:
     """Generalized Advantage Estimation (Schulman et al. 2015), PPO with a critic.
 
     δ_t = r_t + γ V_{t+1} - V_t,  A_t = δ_t + γλ A_{t+1},  returns R_t = A_t + V_t,
@@ -63,11 +124,11 @@ def compute_gae_advantage(
     With `gae_whiten` the advantages are whitened over all response tokens of the batch
     (returns are not). rewards, mask, values: (B, T) → advantages, returns: (B, T).
     """
-    assert values is not None  # checked by the registry entry
-    dtype = _float_dtype(token_level_rewards)
-    keep = response_mask.bool()
-    rewards = torch.where(keep, token_level_rewards.to(dtype), 0.0)
-    values = torch.where(keep, values.to(dtype), 0.0)
+    assert inputs.values is not None  # checked by the registry entry
+    dtype = inputs.float_dtype
+    keep = inputs.response_mask.bool()
+    rewards = torch.where(keep, inputs.token_level_rewards.to(dtype), 0.0)
+    values = torch.where(keep, inputs.values.to(dtype), 0.0)
     next_value = rewards.new_zeros(rewards.shape[0])
     last_adv = rewards.new_zeros(rewards.shape[0])
     adv_cols = []
@@ -81,168 +142,110 @@ def compute_gae_advantage(
     advantages = torch.where(keep, raw, 0.0)
     returns = torch.where(keep, advantages + values, 0.0)
     if config.gae_whiten:
-        advantages = masked_whiten(advantages, response_mask)
+        advantages = masked_whiten(advantages, inputs.response_mask)
     return advantages, returns
 
 
-@register_adv_estimator("grpo", needs_groups=True)
-def compute_grpo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("grpo")
+def compute_grpo_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_G) / (std_G + ε) on every token.
 
     With `norm_adv_by_std_in_grpo=False`, A_i = s_i - mean_G (Dr.GRPO, Liu et al. 2025).
     (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
-    stats = group_stats(scores, index)
+    scores = inputs.scores()
+    stats = group_stats(scores, inputs.index)
     adv = scores.to(torch.float64) - stats.mean
     if config.norm_adv_by_std_in_grpo:
         adv = adv / (stats.std + config.epsilon)
-    adv = torch.where(stats.constant, 0.0, adv)
-    advantages = to_tokens(adv, response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return torch.where(stats.constant, 0.0, adv)
 
 
-@register_adv_estimator("rloo", needs_groups=True)
-def compute_rloo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("rloo")
+def compute_rloo_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j in G(i), j != i} s_j = n/(n-1)·(s_i - mean_G).
 
     (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
-    stats = group_stats(scores, index)
+    scores = inputs.scores()
+    stats = group_stats(scores, inputs.index)
     n = stats.size
     adv = (scores.to(torch.float64) - stats.mean) * n / (n - 1).clamp_min(1.0)
-    adv = torch.where(stats.constant, 0.0, adv)
-    advantages = to_tokens(adv, response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return torch.where(stats.constant, 0.0, adv)
 
 
-@register_adv_estimator("reinforce_plus_plus")
-def compute_reinforce_plus_plus_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_estimator("reinforce_plus_plus")
+def compute_reinforce_plus_plus_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> AdvantageOutput:
     """REINFORCE++ (Hu 2025): discounted return G_t = Σ_{u>=t} γ^{u-t} r_u, whitened over the batch.
 
     returns = G: (B, T); advantages = whiten(G) over all response tokens: (B, T).
     """
-    dtype = _float_dtype(token_level_rewards)
-    returns = _reverse_scan(token_level_rewards.to(dtype), response_mask, config.gamma)
-    return masked_whiten(returns, response_mask), returns
+    rewards = inputs.token_level_rewards.to(inputs.float_dtype)
+    returns = _reverse_scan(rewards, inputs.response_mask, config.gamma)
+    return masked_whiten(returns, inputs.response_mask), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline", needs_groups=True)
-def compute_reinforce_plus_plus_baseline_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("reinforce_plus_plus_baseline", whiten=True)
+def compute_reinforce_plus_plus_baseline_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """REINFORCE++-baseline (Hu 2025): s_i - mean_G on every token, then whitened over the batch.
 
     (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
-    stats = group_stats(scores, index)
-    centred = torch.where(stats.constant, 0.0, scores.to(torch.float64) - stats.mean)
-    advantages = masked_whiten(to_tokens(centred, response_mask, _float_dtype(token_level_rewards)), response_mask)
-    return advantages, advantages
+    scores = inputs.scores()
+    stats = group_stats(scores, inputs.index)
+    return torch.where(stats.constant, 0.0, scores.to(torch.float64) - stats.mean)
 
 
-@register_adv_estimator("remax", needs_baseline=True)
-def compute_remax_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_estimator("remax", needs_baseline=True)
+def compute_remax_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> AdvantageOutput:
     """ReMax (Li et al. 2023): A_t = Σ_{u>=t} r_u - b, b the score of the greedy response.
 
     rewards, mask: (B, T); reward_baselines: (B,). returns = Σ_{u>=t} r_u: (B, T);
     advantages = returns - b on the response tokens: (B, T).
     """
-    assert reward_baselines is not None  # checked by the registry entry
-    dtype = _float_dtype(token_level_rewards)
-    returns = _reverse_scan(token_level_rewards.to(dtype), response_mask, 1.0)
-    advantages = torch.where(response_mask.bool(), returns - reward_baselines.to(dtype)[:, None], 0.0)
+    assert inputs.reward_baselines is not None  # checked by the registry entry
+    dtype = inputs.float_dtype
+    returns = _reverse_scan(inputs.token_level_rewards.to(dtype), inputs.response_mask, 1.0)
+    baselines = inputs.reward_baselines.to(dtype)[:, None]
+    advantages = torch.where(inputs.response_mask.bool(), returns - baselines, 0.0)
     return advantages, returns
 
 
-@register_adv_estimator("opo", needs_groups=True)
-def compute_opo_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("opo")
+def compute_opo_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """OPO (Hao et al. 2025): A_i = s_i - b_G, b_G = Σ_j L_j s_j / Σ_j L_j (L_j = response length).
 
     The length-weighted baseline is the optimal one for sequence-level rewards.
     (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask).to(torch.float64)
-    lengths = response_mask.bool().sum(dim=-1).to(torch.float64)
-    gid, n_groups = group_ids(index)
+    scores = inputs.scores().to(torch.float64)
+    lengths = inputs.response_mask.bool().sum(dim=-1).to(torch.float64)
+    gid, n_groups = group_ids(inputs.index)
     gid = gid.to(scores.device)
     zeros = torch.zeros(n_groups, dtype=torch.float64, device=scores.device)
     weighted = zeros.index_add(0, gid, lengths * scores)
     total_len = zeros.index_add(0, gid, lengths)
     baseline = (weighted / total_len.clamp_min(1.0))[gid]
-    adv = torch.where(group_stats(scores, index).constant, 0.0, scores - baseline)
-    advantages = to_tokens(adv, response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return torch.where(group_stats(scores, inputs.index).constant, 0.0, scores - baseline)
 
 
-@register_adv_estimator("gpg", needs_groups=True)
-def compute_gpg_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("gpg")
+def compute_gpg_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """GPG (Chu et al. 2025): A_i = α (s_i - mean_G) / F_norm, α = B / (B - M).
 
     M counts the samples whose group has all-equal scores (they carry no gradient), so α
     rescales the batch gradient to the informative samples. F_norm is 1, or the group std
     with `gpg_norm_by_std`. (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask)
-    stats = group_stats(scores, index)
+    scores = inputs.scores()
+    stats = group_stats(scores, inputs.index)
     batch = float(scores.shape[0])
     n_invalid = float(stats.constant.sum().item())
     alpha = batch / max(batch - n_invalid, 1.0)
     adv = scores.to(torch.float64) - stats.mean
     if config.gpg_norm_by_std:
         adv = adv / (stats.std + config.epsilon)
-    adv = torch.where(stats.constant, 0.0, alpha * adv)
-    advantages = to_tokens(adv, response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return torch.where(stats.constant, 0.0, alpha * adv)
 
 
 def _pass_at_k_values(group_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -272,24 +275,17 @@ def _pass_at_k_values(group_scores: torch.Tensor, k: int) -> tuple[torch.Tensor,
     return mean_max, mean_max_sq, per_sample
 
 
-@register_adv_estimator("grpo_passk", needs_groups=True)
-def compute_grpo_passk_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("grpo_passk")
+def compute_grpo_passk_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """Pass@k GRPO as verl defines ``grpo_passk``: only the best sample of each group is pushed.
 
     A = (s_best - s_second) / (std_G + ε) for the group's best sample (the first of equal bests),
     0 for the others; no std division when `norm_adv_by_std_in_grpo` is false. A group of one
     gets 0 (verl raises). (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask).to(torch.float64).cpu()
-    gid, n_groups = group_ids(index)
-    stats = group_stats(scores, index)
+    scores = inputs.scores().to(torch.float64).cpu()
+    gid, n_groups = group_ids(inputs.index)
+    stats = group_stats(scores, inputs.index)
     adv = torch.zeros_like(scores)
     for g in range(n_groups):
         members = (gid == g).nonzero(as_tuple=True)[0]
@@ -300,8 +296,7 @@ def compute_grpo_passk_outcome_advantage(
         if config.norm_adv_by_std_in_grpo:
             gap = gap / (stats.std[members[0]] + config.epsilon)
         adv[members[top.indices[0]]] = gap
-    advantages = to_tokens(adv.to(token_level_rewards.device), response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return adv
 
 
 def _pass_at_k_signal(config: AdvantageConfig, group_size: int) -> str | None:
@@ -313,15 +308,8 @@ def _pass_at_k_signal(config: AdvantageConfig, group_size: int) -> str | None:
     return None
 
 
-@register_adv_estimator("pass_at_k", needs_groups=True, signal_check=_pass_at_k_signal)
-def compute_pass_at_k_outcome_advantage(
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    index: np.ndarray | Any,
-    config: AdvantageConfig,
-    values: torch.Tensor | None = None,
-    reward_baselines: torch.Tensor | None = None,
-) -> AdvantageOutput:
+@_outcome_estimator("pass_at_k", signal_check=_pass_at_k_signal)
+def compute_pass_at_k_outcome_advantage(inputs: EstimatorInputs, config: AdvantageConfig) -> torch.Tensor:
     """Pass@k advantage (Chen et al. 2025, "Pass@k Training"), analytical form.
 
     The reward of a k-subset of a group is its best score (pass@k for 0/1 rewards). Over all
@@ -332,8 +320,8 @@ def compute_pass_at_k_outcome_advantage(
     k = `pass_k`, clamped to the group size; no σ division when `norm_adv_by_std_in_grpo`
     is false. (B, T) → advantages = returns: (B, T).
     """
-    scores = sequence_scores(token_level_rewards, response_mask).to(torch.float64).cpu()
-    gid, n_groups = group_ids(index)
+    scores = inputs.scores().to(torch.float64).cpu()
+    gid, n_groups = group_ids(inputs.index)
     adv = torch.zeros_like(scores)
     for g in range(n_groups):
         members = (gid == g).nonzero(as_tuple=True)[0]
@@ -345,5 +333,4 @@ def compute_pass_at_k_outcome_advantage(
         if bool((scores[members] == scores[members][0]).all()):
             group_adv = torch.zeros_like(group_adv)
         adv[members] = group_adv
-    advantages = to_tokens(adv.to(token_level_rewards.device), response_mask, _float_dtype(token_level_rewards))
-    return advantages, advantages
+    return adv

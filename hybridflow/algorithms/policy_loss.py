@@ -80,12 +80,7 @@ _POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss", "actor_rollout_
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: register a policy loss of the signature above under `name` (no duplicates)."""
-
-    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        _POLICY_LOSSES.add(name, fn)
-        return fn
-
-    return decorator
+    return _POLICY_LOSSES.decorator(name)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -105,6 +100,14 @@ def clamped_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, config
     """log r = log π - log π_old, clamped to ±log_ratio_clamp: (B, T) → (B, T)."""
     bound = config.log_ratio_clamp
     return torch.clamp(log_prob - old_log_prob, min=-bound, max=bound)
+
+
+def clipped_surrogates(
+    ratio: torch.Tensor, advantages: torch.Tensor, config: PolicyLossConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token losses -A·r and -A·clip(r, 1-ε_low, 1+ε_high): (B, T) each."""
+    low, high = config.clip_bounds()
+    return -advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
 
 
 def clip_metrics(
@@ -145,6 +148,13 @@ def no_clip_metrics(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> dic
     }
 
 
+def unclipped_loss(
+    per_token: torch.Tensor, log_ratio: torch.Tensor, response_mask: torch.Tensor, loss_agg: LossAggregation | str
+) -> PolicyLossOutput:
+    """A loss without ratio clipping: its per-token losses (B, T) aggregated, and ``no_clip_metrics``."""
+    return agg_loss(per_token, response_mask, loss_agg), no_clip_metrics(log_ratio, response_mask)
+
+
 # ---- the losses -----------------------------------------------------------------------
 
 
@@ -163,11 +173,8 @@ def compute_policy_loss_vanilla(
     L = min(L, -A·c) (dual clip, Ye et al. 2020), so a huge ratio cannot blow up the loss.
     Asymmetric ε_low ≠ ε_high is DAPO's clip-higher (Yu et al. 2025). All inputs (B, T).
     """
-    low, high = config.clip_bounds()
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
-    ratio = torch.exp(log_ratio)
-    surr = -advantages * ratio
-    surr_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    surr, surr_clipped = clipped_surrogates(torch.exp(log_ratio), advantages, config)
     clip_loss = torch.maximum(surr, surr_clipped)
     dual_bound = -advantages * config.clip_ratio_c
     dual_held = (advantages < 0) & (clip_loss > dual_bound)
@@ -192,13 +199,11 @@ def compute_policy_loss_gspo(
     max(-A·s_it, -A·clip(s_it, 1-ε_low, 1+ε_high)). The paper uses tiny ranges
     (clip_ratio_low=3e-4, clip_ratio_high=4e-4) and `seq-mean-token-mean`. All inputs (B, T).
     """
-    low, high = config.clip_bounds()
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # (B,)
     token_log_ratio = seq_log_ratio.detach()[:, None] + log_prob - log_prob.detach()
     ratio = torch.exp(torch.clamp(token_log_ratio, max=config.log_ratio_clamp))
-    surr = -advantages * ratio
-    surr_clipped = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    surr, surr_clipped = clipped_surrogates(ratio, advantages, config)
     pg_losses = torch.maximum(surr, surr_clipped)
     loss = agg_loss(pg_losses, response_mask, loss_agg)
     return loss, clip_metrics(surr, surr_clipped, advantages, response_mask, log_ratio)
@@ -215,8 +220,7 @@ def compute_policy_loss_gpg(
 ) -> PolicyLossOutput:
     """GPG (Chu et al. 2025): the plain policy gradient L = -A·log π, no ratio, no clip. (B, T)."""
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
-    loss = agg_loss(-advantages * log_prob, response_mask, loss_agg)
-    return loss, no_clip_metrics(log_ratio, response_mask)
+    return unclipped_loss(-advantages * log_prob, log_ratio, response_mask, loss_agg)
 
 
 @register_policy_loss("cispo")

@@ -7,7 +7,8 @@ easy to fix.
 
 from __future__ import annotations
 
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -27,6 +28,17 @@ class Registry(Generic[T]):
         if name in self._entries:
             raise ValueError(f"{self.kind} {name!r} is already registered")
         self._entries[name] = entry
+
+    def decorator(self, name: str, entry_of: Callable[[Any], T] | None = None) -> Callable[[Any], T]:
+        """A decorator that registers ``entry_of(fn)`` (``fn`` itself without ``entry_of``) under ``name`` and binds
+        the decorated name to that entry."""
+
+        def register(fn: Any) -> T:
+            entry = fn if entry_of is None else entry_of(fn)
+            self.add(name, entry)
+            return entry
+
+        return register
 
     def get(self, name: str) -> T:
         """The entry registered as `name`; ValueError listing the known names otherwise."""

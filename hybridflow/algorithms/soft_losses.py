@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.algorithms.aggregation import LossAggregation, agg_loss
+from hybridflow.algorithms.aggregation import LossAggregation
 from hybridflow.algorithms.masked import masked_mean, masked_sum
 from hybridflow.algorithms.policy_loss import (
     PolicyLossConfig,
@@ -16,6 +16,7 @@ from hybridflow.algorithms.policy_loss import (
     clamped_log_ratio,
     no_clip_metrics,
     register_policy_loss,
+    unclipped_loss,
 )
 
 
@@ -91,8 +92,7 @@ def compute_policy_loss_sapo(
         torch.as_tensor(config.tau_neg, dtype=ratio.dtype, device=ratio.device),
     )
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    loss = agg_loss(-gate * advantages, response_mask, loss_agg)
-    return loss, no_clip_metrics(log_ratio, response_mask)
+    return unclipped_loss(-gate * advantages, log_ratio, response_mask, loss_agg)
 
 
 @register_policy_loss("dro")
@@ -112,5 +112,4 @@ def compute_policy_loss_dro(
     """
     log_ratio = clamped_log_ratio(log_prob, old_log_prob, config)
     per_token = -(advantages * log_prob - 0.5 * config.dro_beta * log_ratio**2)
-    loss = agg_loss(per_token, response_mask, loss_agg)
-    return loss, no_clip_metrics(log_ratio, response_mask)
+    return unclipped_loss(per_token, log_ratio, response_mask, loss_agg)

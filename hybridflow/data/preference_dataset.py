@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from jinja2.exceptions import TemplateError
@@ -29,8 +29,9 @@ from jinja2.exceptions import TemplateError
 from hybridflow.batch_keys import INDEX, PAIR_MARGIN
 from hybridflow.data.chat_mask import TRAIN_KEY, ChatMaskError, TextSample
 from hybridflow.data.config import PreferenceDatasetConfig
-from hybridflow.data.io import data_files, rows_of_files
-from hybridflow.data.token_rows import LOSS_MASK, OverlongSample, SampleEncoder, collate_rows, is_messages
+from hybridflow.data.file_dataset import FileDataset
+from hybridflow.data.io import rows_of_files
+from hybridflow.data.token_rows import LOSS_MASK, OverlongSample, collate_rows, is_messages
 from hybridflow.protocol import DataProto
 from hybridflow.validation import ConfigError, InputFileError
 
@@ -105,58 +106,83 @@ def check_pairs_left(
         raise ConfigError("data.max_length", f"no pair of {[str(f) for f in files]} is left to train on", "raise it")
 
 
-class PreferenceDataset:
-    """Pairs tokenised once, up front; ``collate`` makes DataProto batches of 2 rows per pair."""
+class PairDataset(FileDataset[PreferenceDatasetConfig]):
+    """Pairs of token rows, a chosen and a rejected answer each, tokenised once, up front; ``collate`` makes DataProto
+    batches of 2 rows per pair."""
 
-    def __init__(
-        self,
-        files: str | Path | Sequence[str | Path],
-        tokenizer: Any,
-        config: PreferenceDatasetConfig,
-        *,
-        generation_eos: int | list[int] | None = None,
-        key: str = "data.train_files",
-    ) -> None:
-        """generation_eos: the model's generation EOS, a stop token besides the tokenizer's. key: the setting that
-        named ``files`` (errors name it, the file and the row)."""
-        if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; collate needs one")
-        self.tokenizer = tokenizer
-        self.config = config
-        self.encoder = SampleEncoder(
-            tokenizer, max_length=config.max_length, overlong=config.overlong, generation_eos=generation_eos
-        )
-        self.files = data_files(files, key)
+    unit = "pairs"  # what one item is, in messages
+    truncation: ClassVar[str]  # what data.overlong=truncate does to a long answer (the overlong error suggests it)
+
+    def _load(self, key: str, generation_eos: int | list[int] | None) -> None:
+        config = self.config
         self.pairs: list[dict[str, Any]] = []
         dropped = truncated = total = 0
         for row_number, (file, index, row) in enumerate(rows_of_files(self.files, key, FORMAT_HINT)):
             total += 1
             try:
-                chosen, rejected = self._samples(row)
-                margin = pair_margin(row, self.config.margin_key)
-                encoded = [self.encoder.encode(chosen), self.encoder.encode(rejected)]
+                pair, cut = self._pair(row, row_number)
             except OverlongSample as error:
                 raise ConfigError(
                     "data.max_length",
                     f"row {index} of {file}: an answer is {error.length} tokens long once templated, longer than "
                     f"{config.max_length}",
-                    "raise data.max_length, or set data.overlong=drop (skip such pairs) or truncate (cut answers at "
-                    "the limit)",
+                    "raise data.max_length, or set data.overlong=drop (skip such pairs) or truncate "
+                    f"({self.truncation})",
                 ) from None
             except (ChatMaskError, TemplateError, ValueError) as error:
                 raise InputFileError(file, f"row {index}: {error}", f"give {FORMAT_HINT}", key) from None
-            if any(e.row is None for e in encoded):
+            if pair is None:
                 dropped += 1
                 continue
-            truncated += sum(e.truncated for e in encoded)
-            self.pairs.append(
-                {
-                    CHOSEN: {**encoded[0].row, INDEX: row_number},
-                    REJECTED: {**encoded[1].row, INDEX: row_number},
-                    MARGIN: margin,
-                }
-            )
+            truncated += cut
+            self.pairs.append(pair)
         check_pairs_left(self.pairs, self.files, config, dropped=dropped, truncated=truncated, total=total)
+
+    def _pair(self, row: dict[str, Any], row_number: int) -> tuple[dict[str, Any] | None, int]:
+        """The pair of data row ``row_number`` (None: ``data.overlong=drop`` drops it) and how many of its answers
+        were cut; ValueError naming what is wrong with the row, OverlongSample for an answer too long to keep."""
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        """One pair: ``chosen`` and ``rejected`` token rows (``prompt_ids``, ``response_ids``, ``loss_mask``,
+        ``index``), and its ``margin``."""
+        return self.pairs[i]
+
+    def collate(self, pairs: Sequence[dict[str, Any]]) -> DataProto:
+        """2P rows, pair k's chosen answer at row 2k and its rejected one at 2k+1, in the RL step's layout
+        (``token_rows.collate_rows``), with ``pair_margin`` (2P,) on both rows of a pair."""
+        rows = [pair[side] for pair in pairs for side in (CHOSEN, REJECTED)]
+        batch = collate_rows(rows, self.tokenizer.pad_token_id)
+        margins = torch.tensor([pair[MARGIN] for pair in pairs for _ in range(2)], dtype=torch.float32)
+        batch.batch[PAIR_MARGIN] = margins
+        return batch
+
+
+class PreferenceDataset(PairDataset):
+    """Pairs as the trained model reads them: each answer rendered with its chat template, its loss mask on the
+    assistant's tokens."""
+
+    truncation = "cut answers at the limit"
+
+    def _load(self, key: str, generation_eos: int | list[int] | None) -> None:
+        self.encoder = self.sample_encoder(generation_eos)
+        super()._load(key, generation_eos)
+
+    def _pair(self, row: dict[str, Any], row_number: int) -> tuple[dict[str, Any] | None, int]:
+        chosen, rejected = self._samples(row)
+        margin = pair_margin(row, self.config.margin_key)
+        encoded = [self.encoder.encode(chosen), self.encoder.encode(rejected)]
+        if any(e.row is None for e in encoded):
+            return None, 0
+        pair = {
+            CHOSEN: {**encoded[0].row, INDEX: row_number},
+            REJECTED: {**encoded[1].row, INDEX: row_number},
+            MARGIN: margin,
+        }
+        return pair, sum(e.truncated for e in encoded)
 
     # ---- a row -> the two answers' text samples ----------------------------------------------
 
@@ -189,25 +215,6 @@ class PreferenceDataset:
 
     # ---- pairs -> batches -------------------------------------------------------------------
 
-    unit = "pairs"  # what one item is, in messages
-
-    def __len__(self) -> int:
-        return len(self.pairs)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        """One pair: ``chosen`` and ``rejected`` token rows (``prompt_ids``, ``response_ids``, ``loss_mask``,
-        ``index``), and its ``margin``."""
-        return self.pairs[i]
-
     def trained_tokens(self) -> int:
         """Answer tokens the loss covers, both answers of every pair."""
         return sum(sum(pair[side][LOSS_MASK]) for pair in self.pairs for side in (CHOSEN, REJECTED))
-
-    def collate(self, pairs: Sequence[dict[str, Any]]) -> DataProto:
-        """2P rows, pair k's chosen answer at row 2k and its rejected one at 2k+1, in the RL step's layout
-        (``token_rows.collate_rows``), with ``pair_margin`` (2P,) on both rows of a pair."""
-        rows = [pair[side] for pair in pairs for side in (CHOSEN, REJECTED)]
-        batch = collate_rows(rows, self.tokenizer.pad_token_id)
-        margins = torch.tensor([pair[MARGIN] for pair in pairs for _ in range(2)], dtype=torch.float32)
-        batch.batch[PAIR_MARGIN] = margins
-        return batch

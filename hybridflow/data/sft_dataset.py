@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from jinja2.exceptions import TemplateError
@@ -24,13 +23,13 @@ from jinja2.exceptions import TemplateError
 from hybridflow.batch_keys import INDEX
 from hybridflow.data.chat_mask import ChatMaskError, TextSample
 from hybridflow.data.config import SFTDatasetConfig
-from hybridflow.data.io import data_files, rows_of_files
+from hybridflow.data.file_dataset import FileDataset
+from hybridflow.data.io import rows_of_files
 from hybridflow.data.token_rows import (
     LOSS_MASK,
     PROMPT_IDS,
     RESPONSE_IDS,
     OverlongSample,
-    SampleEncoder,
     collate_rows,
     is_messages,
 )
@@ -47,28 +46,11 @@ FORMAT_HINT = (
 )
 
 
-class SFTDataset:
+class SFTDataset(FileDataset[SFTDatasetConfig]):
     """Token sequences with their loss masks, tokenised once, up front; ``collate`` makes DataProto batches."""
 
-    def __init__(
-        self,
-        files: str | Path | Sequence[str | Path],
-        tokenizer: Any,
-        config: SFTDatasetConfig,
-        *,
-        generation_eos: int | list[int] | None = None,
-        key: str = "data.train_files",
-    ) -> None:
-        """generation_eos: the model's generation EOS (its generation_config), a stop token besides the tokenizer's.
-        key: the setting that named ``files`` (errors name it and the file)."""
-        if tokenizer.pad_token_id is None:
-            raise ValueError("the tokenizer has no pad token; collate needs one")
-        self.tokenizer = tokenizer
-        self.config = config
-        self.encoder = SampleEncoder(
-            tokenizer, max_length=config.max_length, overlong=config.overlong, generation_eos=generation_eos
-        )
-        self.files = data_files(files, key)
+    def _load(self, key: str, generation_eos: int | list[int] | None) -> None:
+        self.encoder = self.sample_encoder(generation_eos)
         samples: list[tuple[int, TextSample]] = []  # (row number over all files, sample)
         for row_number, (file, index, row) in enumerate(rows_of_files(self.files, key, FORMAT_HINT)):
             try:

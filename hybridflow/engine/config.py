@@ -14,7 +14,15 @@ from hybridflow.algorithms import AGG_MODES, KL_TYPES, PolicyLossConfig
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.engine.optim import OptimConfig
 from hybridflow.models.dtypes import DTYPE_CHOICES, DTYPES
-from hybridflow.validation import require, require_choice, require_positive, require_positive_fields
+from hybridflow.validation import require, require_choice, require_positive_fields
+
+# the sizes of a role's parallel layout, each a count of ranks (so positive)
+_PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "ulysses_sequence_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+)
 
 
 @dataclass(kw_only=True)
@@ -87,10 +95,7 @@ class UpdateConfig:
             self,
             "ppo_micro_batch_size_per_gpu",
             "ppo_epochs",
-            "tensor_model_parallel_size",
-            "ulysses_sequence_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
+            *_PARALLEL_SIZES,
             "ppo_max_token_len_per_gpu",
             "grad_clip",
         )
@@ -147,12 +152,9 @@ class RefConfig:
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
-        require_positive(self.log_prob_micro_batch_size_per_gpu, "log_prob_micro_batch_size_per_gpu")
-        require_positive(self.pipeline_model_parallel_size, "pipeline_model_parallel_size")
-        require_positive(self.virtual_pipeline_model_parallel_size, "virtual_pipeline_model_parallel_size")
-        require_positive(self.log_prob_max_token_len_per_gpu, "log_prob_max_token_len_per_gpu")
-        require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
-        require_positive(self.ulysses_sequence_parallel_size, "ulysses_sequence_parallel_size")
+        require_positive_fields(
+            self, "log_prob_micro_batch_size_per_gpu", *_PARALLEL_SIZES, "log_prob_max_token_len_per_gpu"
+        )
 
 
 @dataclass(kw_only=True)
@@ -199,14 +201,7 @@ class SFTEngineConfig:
 
     def __post_init__(self) -> None:
         require_positive_fields(
-            self,
-            "micro_batch_size_per_gpu",
-            "max_token_len_per_gpu",
-            "tensor_model_parallel_size",
-            "ulysses_sequence_parallel_size",
-            "pipeline_model_parallel_size",
-            "virtual_pipeline_model_parallel_size",
-            "grad_clip",
+            self, "micro_batch_size_per_gpu", "max_token_len_per_gpu", *_PARALLEL_SIZES, "grad_clip"
         )
 
     def update_config(self, optim: OptimConfig) -> UpdateConfig:

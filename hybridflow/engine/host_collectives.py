@@ -153,18 +153,12 @@ def _is_view_of(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
     return start <= tensor.data_ptr() < start + buffer.numel() and tensor.is_contiguous()
 
 
-class SharedMemoryReduceScatter(ReduceScatter):
-    """FSDP2's reduce-scatter (``set_custom_reduce_scatter``): sum and, for ``AVG``, divide by the world size."""
+class InPlaceReduceScatter(ReduceScatter):
+    """A reduce-scatter whose ``allocate`` may hand out the input buffer (``pending`` until the call): the call
+    reduces it in place where ``reduce_in_place`` can, else through the process group (gloo)."""
 
-    def __init__(self, host: HostCollectives) -> None:
-        self.host = host
+    def __init__(self) -> None:
         self.pending: torch.Tensor | None = None  # the input handed out, not yet reduced
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if self.pending is not None or device.type != "cpu":  # the output (FSDP2 asks for the input first)
-            return torch.empty(*size, dtype=dtype, device=device)
-        self.pending = _shared_view(self.host.gradients, self.host.rank, size, dtype)
-        return self.pending
 
     def __call__(
         self,
@@ -175,9 +169,37 @@ class SharedMemoryReduceScatter(ReduceScatter):
         async_op: bool = False,
     ) -> dist.Work | None:
         pending, self.pending = self.pending, None
+        if pending is not None and self.reduce_in_place(output_tensor, input_tensor, group, op):
+            return None
+        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    def reduce_in_place(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
+    ) -> bool:
+        """Reduce the handed-out ``input_tensor`` into ``output_tensor`` without the process group; False where this
+        call is not one it can take."""
+        return False
+
+
+class SharedMemoryReduceScatter(InPlaceReduceScatter):
+    """FSDP2's reduce-scatter (``set_custom_reduce_scatter``): sum and, for ``AVG``, divide by the world size."""
+
+    def __init__(self, host: HostCollectives) -> None:
+        super().__init__()
+        self.host = host
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.pending is not None or device.type != "cpu":  # the output (FSDP2 asks for the input first)
+            return torch.empty(*size, dtype=dtype, device=device)
+        self.pending = _shared_view(self.host.gradients, self.host.rank, size, dtype)
+        return self.pending
+
+    def reduce_in_place(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp
+    ) -> bool:
         host = self.host
-        if group is not host.group or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) or pending is None:
-            return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        if group is not host.group or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            return False
         buffers = host.gradients.current()
         mine = buffers[host.rank]
         if not _is_view_of(input_tensor, mine):
@@ -198,10 +220,32 @@ class SharedMemoryReduceScatter(ReduceScatter):
                 out.add_(part)
             if op == dist.ReduceOp.AVG:
                 output_tensor.div_(host.world)
-        return None
+        return True
 
 
-class SharedMemoryAllGather(AllGather):
+class InPlaceAllGather(AllGather):
+    """An all-gather that skips the process group (gloo) where ``gather_in_place`` has the output ready."""
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if self.gather_in_place(output_tensor, input_tensor, group):
+            return None
+        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    def gather_in_place(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> bool:
+        """Make ``output_tensor`` the gathered shards without the process group; False where this call is not one
+        it can take."""
+        raise NotImplementedError
+
+
+class SharedMemoryAllGather(InPlaceAllGather):
     """FSDP2's all-gather (``set_custom_all_gather``): the output is one buffer that every rank maps."""
 
     def __init__(self, host: HostCollectives) -> None:
@@ -212,31 +256,24 @@ class SharedMemoryAllGather(AllGather):
             return torch.empty(*size, dtype=dtype, device=device)
         return _shared_view(self.host.weights, 0, size, dtype)
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
+    def gather_in_place(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> bool:
         host = self.host
         shared = host.weights.current()[0] if host.weights.views else None
         if group is not host.group or shared is None or not _is_view_of(output_tensor, shared):
-            return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+            return False
         host.weights.slot ^= 1
         with torch.profiler.record_function(ALL_GATHER_EVENT):
             host.barrier()  # every rank's shard is in its slot of the shared output
-        return None
+        return True
 
 
-class OneRankReduceScatter(ReduceScatter):
+class OneRankReduceScatter(InPlaceReduceScatter):
     """FSDP2's reduce-scatter on a group of one rank. FSDP2 then skips the collective but still copies the input
     buffer (the gradients, cast to the reduce dtype) into a second buffer of the same size; handing out the input
     as the output makes that copy a no-op (``copy_`` of a tensor onto itself), the same values without a pass over
-    every gradient."""
-
-    def __init__(self) -> None:
-        self.pending: torch.Tensor | None = None  # the input handed out; FSDP2 asks for the output next
+    every gradient. (``pending``: the input handed out; FSDP2 asks for the output next.)"""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         pending, self.pending = self.pending, None
@@ -245,35 +282,19 @@ class OneRankReduceScatter(ReduceScatter):
         self.pending = torch.empty(*size, dtype=dtype, device=device)
         return self.pending
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        op: dist.ReduceOp,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        self.pending = None
-        return dist.reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
-
-class OneRankAllGather(AllGather):
+class OneRankAllGather(InPlaceAllGather):
     """FSDP2's all-gather on a group of one rank: its copy-in already wrote the input into the output, so there is
     nothing to gather (gloo would copy it onto itself)."""
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(
-        self,
-        output_tensor: torch.Tensor,
-        input_tensor: torch.Tensor,
-        group: dist.ProcessGroup,
-        async_op: bool = False,
-    ) -> dist.Work | None:
-        if input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel():
-            return None  # one rank: the input is the output
-        return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+    def gather_in_place(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup
+    ) -> bool:
+        # one rank: the input is the output
+        return input_tensor.data_ptr() == output_tensor.data_ptr() and input_tensor.numel() == output_tensor.numel()
 
 
 def shared_memory_needed(units: Sequence[FSDPModule], world: int) -> int:

@@ -63,6 +63,10 @@ class TinyModelSpec:
         if self.vocab_size < tiny_tokenizer.MIN_VOCAB_SIZE:
             raise ValueError(f"vocab_size must be at least {tiny_tokenizer.MIN_VOCAB_SIZE}, got {self.vocab_size}")
 
+    def config_fields(self) -> dict[str, int]:
+        """The fields that are Hugging Face config keys, by name: all but ``seed``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "seed"}
+
     @classmethod
     def with_overrides(cls, **overrides: int) -> TinyModelSpec:
         known = {f.name for f in dataclasses.fields(cls)}
@@ -99,18 +103,7 @@ def tiny_cache_key(name: str, spec: TinyModelSpec) -> str:
 def tiny_config(name: str, spec: TinyModelSpec, pad_token_id: int, eos_token_id: int) -> PretrainedConfig:
     """The Hugging Face config of a tiny model."""
     family = TINY_FAMILIES[name]
-    common = dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        pad_token_id=pad_token_id,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-    )
+    common = dict(spec.config_fields(), pad_token_id=pad_token_id, bos_token_id=None, eos_token_id=eos_token_id)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
     return Qwen2Config(**common, tie_word_embeddings=True)

@@ -13,12 +13,11 @@ from hybridflow.algorithms.objectives.base import (
     ForwardOutputs,
     Objective,
 )
-from hybridflow.algorithms.objectives.direct_preference import batch_pairs
+from hybridflow.algorithms.objectives.direct_preference import batch_pairs, pair_shares
 from hybridflow.algorithms.preference import bradley_terry_loss, pair_halves, score_pair_metrics
 from hybridflow.batch_keys import PAIR_MARGIN, SEQUENCE_SCORE
 
 RM_LOSS = "rm/loss"  # the mean pair loss of a step
-RM_PAIR_METRICS = ("rm/accuracy", "rm/chosen_score", "rm/rejected_score", "rm/score_margin")
 
 
 class BradleyTerry(Objective):
@@ -26,7 +25,7 @@ class BradleyTerry(Objective):
     output = SEQUENCE_SCORES
     model = SEQUENCE_CLASSIFIER
     paired = True
-    share_keys = (RM_LOSS, *RM_PAIR_METRICS)
+    share_keys = (RM_LOSS, "rm/accuracy", "rm/chosen_score", "rm/rejected_score", "rm/score_margin")
     shown = ((RM_LOSS, "loss"), ("rm/accuracy", "acc"), ("val/rm/accuracy", "val acc"))
 
     def loss(self, outputs: ForwardOutputs, batch: Columns, agg: LossAggregation) -> tuple[torch.Tensor, dict]:
@@ -35,15 +34,7 @@ class BradleyTerry(Objective):
         margin = pair_halves(batch[PAIR_MARGIN])[0].to(scores.device)
         pairs = batch_pairs(agg)
         loss = bradley_terry_loss(chosen, rejected, margin).sum() / pairs
-        chosen, rejected = chosen.detach(), rejected.detach()
-        metrics = {
-            RM_LOSS: loss.detach(),
-            "rm/accuracy": (chosen > rejected).sum() / pairs,
-            "rm/chosen_score": chosen.sum() / pairs,
-            "rm/rejected_score": rejected.sum() / pairs,
-            "rm/score_margin": (chosen - rejected).sum() / pairs,
-        }
-        return loss, metrics
+        return loss, pair_shares(self.share_keys, loss, chosen.detach(), rejected.detach(), pairs)
 
     def held_out_rows(self, outputs: ForwardOutputs, batch: Columns) -> dict[str, torch.Tensor]:
         return {SEQUENCE_SCORE: outputs.scores, PAIR_MARGIN: batch[PAIR_MARGIN]}

@@ -19,12 +19,22 @@ from hybridflow.algorithms.preference import (
 from hybridflow.batch_keys import ANSWER_LOG_PROB, REF_ANSWER_LOG_PROB, REF_LOG_PROB, RESPONSE_MASK
 
 DPO_LOSS = "dpo/loss"  # the mean pair loss of a step
-PAIR_METRICS = ("dpo/reward_accuracy", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/reward_margin")
 
 
 def batch_pairs(agg: LossAggregation) -> float:
     """The batch's pairs on all ranks: every answer has trained tokens, so its rows / 2."""
     return max((agg.global_seqs or 0.0) / 2, 1.0)
+
+
+def pair_shares(
+    keys: tuple[str, ...], loss: torch.Tensor, chosen: torch.Tensor, rejected: torch.Tensor, pairs: float
+) -> dict[str, torch.Tensor | float]:
+    """A pair objective's step metrics, named by ``keys`` (its ``share_keys``, in this order): the loss, then as shares
+    of the batch's ``pairs``: the accuracy (chosen above rejected; a tie counts as wrong), the chosen and the rejected
+    values (P,), and their margin."""
+    margins = chosen - rejected
+    shares = ((margins > 0).sum(), chosen.sum(), rejected.sum(), margins.sum())
+    return dict(zip(keys, (loss.detach(), *(share / pairs for share in shares)), strict=True))
 
 
 class DirectPreference(Objective):
@@ -33,7 +43,7 @@ class DirectPreference(Objective):
     name = "dpo"
     paired = True
     reference = True
-    share_keys = (DPO_LOSS, *PAIR_METRICS)
+    share_keys = (DPO_LOSS, "dpo/reward_accuracy", "dpo/chosen_reward", "dpo/rejected_reward", "dpo/reward_margin")
     shown = ((DPO_LOSS, "loss"), ("dpo/reward_accuracy", "reward acc"), ("val/dpo/reward_accuracy", "val acc"))
 
     def __init__(self, settings: PreferenceConfig):
@@ -49,15 +59,7 @@ class DirectPreference(Objective):
         output = preference_loss(*pair_halves(policy), *pair_halves(reference), self.settings)
         pairs = batch_pairs(agg)
         loss = output.losses.sum() / pairs
-        margins = output.chosen_rewards - output.rejected_rewards
-        metrics = {
-            DPO_LOSS: loss.detach(),
-            "dpo/reward_accuracy": (margins > 0).sum() / pairs,
-            "dpo/chosen_reward": output.chosen_rewards.sum() / pairs,
-            "dpo/rejected_reward": output.rejected_rewards.sum() / pairs,
-            "dpo/reward_margin": margins.sum() / pairs,
-        }
-        return loss, metrics
+        return loss, pair_shares(self.share_keys, loss, output.chosen_rewards, output.rejected_rewards, pairs)
 
     def held_out_rows(self, outputs: ForwardOutputs, batch: Columns) -> dict[str, torch.Tensor]:
         return {
