@@ -58,4 +58,3 @@ def test_the_value_objective_is_the_clipped_value_loss():
     expected = 0.5 * masked_mean(torch.maximum((new - returns) ** 2, (clipped - returns) ** 2))
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(metrics["critic/vf_loss"], expected)
-
