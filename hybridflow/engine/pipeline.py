@@ -55,6 +55,17 @@ def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, tensor
 
 
+def held_tensors(
+    model: nn.Module, produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``produce(model)`` (e.g. lora.py ``policy_parameters``): of a pipelined model, of this rank's stages only, under
+    the unsplit names (``PipelinedModel.held_named``)."""
+    if isinstance(model, PipelinedModel):
+        yield from model.held_named(produce)
+    else:
+        yield from produce(model)
+
+
 def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh:
     """The (dp, pp, tp) mesh over the process group's ranks, rank = (dp_index * pp + pp_index) * tp + tp_index: the pp
     (and tp) ranks of one dp index hold the same rows."""
@@ -293,6 +304,22 @@ class PipelinedModel(nn.Module):
                 dist.broadcast(tensor, src=owner, group=self.group)
                 seen.add(name)
                 yield name, tensor, made is None
+
+    def stage_named(
+        self, produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]], stage: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``produce`` (e.g. lora.py ``policy_parameters``) of this rank's module of ``stage``, under the unsplit
+        names, without the last stage's copy of a tied embedding (the unsplit model has one tensor)."""
+        for name, tensor in produce(self.local_stage(stage)):
+            if name != self.tied_head_name:
+                yield name, tensor
+
+    def held_named(
+        self, produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``stage_named`` of every stage of this rank, in order."""
+        for stage in self.indices:
+            yield from self.stage_named(produce, stage)
 
     def share_from_last(self, value):
         """``value`` as the rank holding the last stage has it, on every rank of the pp group (an object)."""

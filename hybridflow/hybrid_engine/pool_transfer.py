@@ -225,10 +225,11 @@ def send_weights(
     timeout: float,
     in_flight: int = 2,
 ) -> TransferReport:
-    """Send this actor rank's buckets of ``plan`` of the weights ``named`` (the plan's, in its order: the model's
-    ``policy_parameters``, or a LoRA model's ``base_parameters`` or ``adapter_tensors``, engine/lora.py); every
-    actor rank calls it: a weight is gathered over dp
-    (cast to ``dtype`` first) by all the ranks of each dp group of which some rank sends a piece of it.
+    """Send this actor rank's buckets of ``plan`` of the weights ``named`` (the plan's that this rank holds, in its
+    order: the model's ``policy_parameters``, or a LoRA model's ``base_parameters`` or ``adapter_tensors``,
+    engine/lora.py; in pipeline stages, those of this rank's stages); every actor rank calls it: a weight is
+    gathered over dp (cast to ``dtype`` first) by all the ranks of each dp group of which some rank sends a piece
+    of it.
     About ``in_flight`` buckets' bytes at most wait for their receiver at a time; each buffer lives until
     its send completes."""
     start = time.perf_counter()
@@ -237,6 +238,7 @@ def send_weights(
     _check_dtype(dtype, plan)
     rank = group.pool_rank
     tp_index = rank % plan.t
+    held = plan.held_by(plan.pipeline_index(rank))
     mine = plan.sends(rank)
     number = {id(b): n for n, b in enumerate(mine, 1)}
     pieces: dict[int, list[tuple[Bucket, Piece]]] = {}  # weight -> where its blocks go
@@ -245,7 +247,7 @@ def send_weights(
         ready.setdefault(bucket.ready, []).append(bucket)
         for piece in bucket.pieces:
             pieces.setdefault(piece.param, []).append((bucket, piece))
-    if [n for n, _ in named] != [p.name for p in plan.params]:
+    if [n for n, _ in named] != [plan.params[index].name for index in held]:
         raise ValueError("the weights to send are not the plan's (names or order differ)")
     buffers: dict[int, torch.Tensor] = {}
     pending: deque[tuple[Bucket, dist.Work, torch.Tensor]] = deque()
@@ -265,7 +267,7 @@ def send_weights(
             f"weight transfer failed: actor rank {rank}, sending to {where}; the rollout side's log may say why",
         )
 
-    for index, (_, param) in enumerate(named):
+    for index, (_, param) in zip(held, named):
         if not plan.needs_unshard(index, tp_index):
             continue
         while pending and (pending[0][1].is_completed() or sum(b.nbytes for b, _, _ in pending) > limit):
@@ -382,7 +384,9 @@ def _check_dtype(dtype: torch.dtype, plan: TransferPlan) -> None:
 
 
 def _predicted_sent(plan: TransferPlan, actor_rank: int) -> float:
-    split, whole = plan.split_and_whole_bytes()
+    """``predicted_sent_bytes`` of the weights this rank's stages hold, for its dp and tp index."""
+    split, whole = plan.split_and_whole_bytes(plan.pipeline_index(actor_rank))
+    dp_index, tp_index = actor_rank // (plan.pp * plan.t), actor_rank % plan.t
     return predicted_sent_bytes(
-        split, whole, dp=plan.dp, t=plan.t, replicas=plan.replicas, tg=plan.tg, actor_rank=actor_rank
+        split, whole, dp=plan.dp, t=plan.t, replicas=plan.replicas, tg=plan.tg, actor_rank=dp_index * plan.t + tp_index
     )

@@ -8,6 +8,11 @@ r receives, for every split weight, the overlap of its generation shard with eac
 the actor rank with dp index p % dp (the replicas are spread over the actor's dp replicas) and that
 tp index; a weight that is not split comes whole from tp index j % t.
 
+With pipeline stages (pp > 1, actor rank = (dp_index * pp + pp_index) * t + tp_index) a weight lives on the pp
+ranks of its stage only (``ParamSpec.holder``): it comes from the actor rank of that pp index, the dp index and tp
+index being chosen as above. A rank sends only the weights of its own stages, so each sender's buckets still follow
+the order in which it gathers them.
+
 A (sender, receiver) pair exchanges at most one piece per weight, in weight order, packed into buckets
 of at most ``bucket_bytes`` (a piece larger than that is a bucket alone). Every bucket is "ready" once
 its sender has gathered its last weight. The plan's buckets are in one order, by (ready, sender,
@@ -17,13 +22,16 @@ is ready after the weight it is gathering, so neither side can deadlock (pool_tr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from math import prod
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.engine.lora import adapter_tensors, base_parameters
+from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models.tensor_parallel import layer_split
 
@@ -32,12 +40,14 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One weight as the actor's model names it: its full (Hugging Face) shape and the dimension that
-    tensor parallelism splits (None: every tp rank holds it whole)."""
+    """One weight as the actor's model names it: its full (Hugging Face) shape, the dimension that
+    tensor parallelism splits (None: every tp rank holds it whole) and the pp index of the ranks holding it (its
+    pipeline stage's; 0 without stages)."""
 
     name: str
     shape: tuple[int, ...]
     dim: int | None
+    holder: int = 0
 
     @property
     def numel(self) -> int:
@@ -98,6 +108,7 @@ class TransferPlan:
     """Every bucket of one actor-to-rollout weight transfer, in the order both sides follow."""
 
     dp: int
+    pp: int
     t: int
     replicas: int
     tg: int
@@ -109,7 +120,15 @@ class TransferPlan:
 
     @property
     def actors(self) -> int:
-        return self.dp * self.t
+        return self.dp * self.pp * self.t
+
+    def pipeline_index(self, actor_rank: int) -> int:
+        """The pp index of ``actor_rank``: which stages' weights it holds."""
+        return actor_rank // self.t % self.pp
+
+    def held_by(self, pp_index: int) -> list[int]:
+        """The weights the actor ranks of pp index ``pp_index`` hold (all of them without stages), in order."""
+        return [index for index, spec in enumerate(self.params) if spec.holder == pp_index]
 
     @property
     def rollouts(self) -> int:
@@ -143,10 +162,12 @@ class TransferPlan:
         shape[spec.dim] //= self.tg
         return tuple(shape)
 
-    def split_and_whole_bytes(self) -> tuple[int, int]:
-        """Bytes of the split weights and of the unsplit ones, whole, in the generation dtype."""
-        split = sum(p.numel for p in self.params if p.dim is not None) * self.element_size
-        whole = sum(p.numel for p in self.params if p.dim is None) * self.element_size
+    def split_and_whole_bytes(self, pp_index: int | None = None) -> tuple[int, int]:
+        """Bytes of the split weights and of the unsplit ones, whole, in the generation dtype: of all of them, or
+        of those the ranks of ``pp_index`` hold."""
+        params = [p for p in self.params if pp_index is None or p.holder == pp_index]
+        split = sum(p.numel for p in params if p.dim is not None) * self.element_size
+        whole = sum(p.numel for p in params if p.dim is None) * self.element_size
         return split, whole
 
 
@@ -160,27 +181,43 @@ def predicted_sent_bytes(
 ) -> float:
     """Bytes actor rank (d, i) = (actor_rank // t, actor_rank % t) sends: for each replica it serves
     (p ≡ d mod dp) its whole tp shard of the split weights (the replica's tg generation shards cover
-    it once) and the unsplit weights once per generation shard j with j % t = i."""
+    it once) and the unsplit weights once per generation shard j with j % t = i. With pipeline stages, ``d`` is
+    the rank's dp index, and the bytes are those of the weights its stages hold."""
     d, i = divmod(actor_rank, t)
     served = len(range(d, replicas, dp))
     whole_copies = len(range(i, tg, t))
     return served * (split_bytes / t + whole_bytes * whole_copies)
 
 
+def _specs(model: nn.Module, named: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]) -> list[ParamSpec]:
+    """``named(model)``'s tensors as ParamSpecs, each split as its family's table says; a pipelined model's, every
+    stage's with its holder, the same list on every rank (a collective of the pp group)."""
+    split = layer_split(model.config.model_type)
+    if not isinstance(model, PipelinedModel):
+        return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in named(model)]
+    mine = {stage: [(name, tuple(t.shape)) for name, t in model.stage_named(named, stage)] for stage in model.indices}
+    every: list = [None] * model.pp_size
+    dist.all_gather_object(every, mine, group=model.group)
+    held = {stage: (pp_index, names) for pp_index, stages in enumerate(every) for stage, names in stages.items()}
+    specs = []
+    for stage in range(model.num_stages):
+        pp_index, names = held[stage]
+        specs.extend(ParamSpec(name, shape, split.shard_dim(name), pp_index) for name, shape in names)
+    return specs
+
+
 def transfer_params(model: nn.Module) -> list[ParamSpec]:
     """The parameter list of a Hugging Face model (full shapes, also of DTensors or on the meta device; of a LoRA
     model its base, engine/lora.py ``base_parameters``, the weights its first transfer sends), with each weight's
-    split dimension from its family's table (models/tensor_parallel.py)."""
-    split = layer_split(model.config.model_type)
-    return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in base_parameters(model)]
+    split dimension from its family's table (models/tensor_parallel.py) and, in pipeline stages, its holder."""
+    return _specs(model, base_parameters)
 
 
 def adapter_transfer_params(model: nn.Module) -> list[ParamSpec]:
     """A LoRA model's adapters as they travel (models/adapters.py), in the model's order, each split as its
     family's table splits it (B A splits as the layer's weight: B by rows in a column-split layer, A by columns
     in a row-split one; the other whole)."""
-    split = layer_split(model.config.model_type)
-    return [ParamSpec(name, tuple(t.shape), split.shard_dim(name)) for name, t in adapter_tensors(model)]
+    return _specs(model, adapter_tensors)
 
 
 def _overlap(lo: int, hi: int, lo2: int, hi2: int) -> tuple[int, int] | None:
@@ -247,21 +284,25 @@ def plan_transfer(
     element_size: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> TransferPlan:
-    """The transfer from ``actor``'s training layout (its dp and t; its tg is not used) to ``replicas``
+    """The transfer from ``actor``'s training layout (its dp, pp and t; its tg is not used) to ``replicas``
     rollout replicas of ``tg`` ranks each, of ``params`` in the actor's parameter order, in a dtype of
-    ``element_size`` bytes. ValueError for a split weight whose dimension t or tg does not divide."""
+    ``element_size`` bytes. ValueError for a split weight whose dimension t or tg does not divide, or a holder
+    outside the pp ranks."""
     if replicas < 1 or tg < 1:
         raise ValueError(f"a rollout of {replicas} replicas x tg={tg} ranks")
     if bucket_bytes < 1 or element_size < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} and element_size={element_size} must be positive")
     specs = tuple(p if isinstance(p, ParamSpec) else ParamSpec(p[0], tuple(p[1]), p[2]) for p in params)
-    dp, t = actor.fsdp, actor.t  # the ranks holding FSDP shards (sequence-parallel ones too)
+    dp, pp, t = actor.fsdp, actor.pp, actor.t  # dp: the ranks holding FSDP shards (sequence-parallel ones too)
+    outside = [spec for spec in specs if not 0 <= spec.holder < pp]
+    if outside:
+        raise ValueError(f"{outside[0].name}: held by pp index {outside[0].holder}, but the actor has pp={pp}")
     pairs: dict[tuple[int, int], list[Piece]] = {}
     for receiver in range(replicas * tg):
         replica, j = divmod(receiver, tg)
         for index, spec in enumerate(specs):
             for tp_index, source, target, length in _blocks(spec, t, tg, j):
-                sender = (replica % dp) * t + tp_index
+                sender = ((replica % dp) * pp + spec.holder) * t + tp_index
                 piece = Piece(index, spec.name, spec.dim, source, target, length, _block_shape(spec, length), 0)
                 pairs.setdefault((sender, receiver), []).append(piece)
     buckets = [
@@ -271,4 +312,4 @@ def plan_transfer(
     ]
     buckets.sort(key=lambda b: (b.ready, b.sender, b.receiver, b.index))
     unsharded = frozenset((p.param, b.sender % t) for b in buckets for p in b.pieces)
-    return TransferPlan(dp, t, replicas, tg, element_size, bucket_bytes, specs, tuple(buckets), unsharded)
+    return TransferPlan(dp, pp, t, replicas, tg, element_size, bucket_bytes, specs, tuple(buckets), unsharded)

@@ -89,13 +89,11 @@ def schedule_micro_batches(layout: LayoutShape, workload: Workload, *, backward:
 
 def stages_filled(role: Role, layout: LayoutShape, workload: Workload) -> bool:
     """Whether the run plan accepts ``role``'s pipeline stages (trainer/setup/run_plan.py): every schedule has a
-    micro-batch for each of the pp stages, and a hybrid actor whose rollout is apart trains without stages."""
+    micro-batch for each of the pp stages (the role's own micro-batches and optimizer steps)."""
     if layout.pp == 1:
         return True
-    if role is Role.ActorRollout and workload.rollout_apart:
-        return False
     trained = role in TRAINED
-    return schedule_micro_batches(layout, workload, backward=trained) >= layout.pp
+    return schedule_micro_batches(layout, workload.for_role(role), backward=trained) >= layout.pp
 
 
 def stage_traffic_seconds(
@@ -201,7 +199,8 @@ def update_seconds(
 
 
 def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> dict:
-    """Seconds of each of ``role``'s stages (its part's) in ``layout``."""
+    """Seconds of each of ``role``'s stages (its part's) in ``layout``, with its own micro-batches."""
+    workload = workload.for_role(role)
     if role is Role.ActorRollout:
         seconds = {
             "old_log_prob": pass_seconds(shape, layout, workload, cluster, backward=False),
@@ -228,6 +227,7 @@ def stage_seconds(role: Role, shape: ModelShape, layout: LayoutShape, workload: 
 
 def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: Workload) -> tuple[float, float]:
     """(held all the time, largest transient) bytes per device of ``role``'s model in ``layout``."""
+    workload = workload.for_role(role)
     if role is Role.Rollout:  # only the generation weights (1/tg) and the KV cache
         return _generation_memory(shape, layout, workload)
     shard = layout.world

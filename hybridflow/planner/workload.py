@@ -119,6 +119,8 @@ class Workload:
     critic_epochs: int = 1
     micro_batch: int = 8  # samples per forward/backward on one device (activation memory)
     optimizer_steps: int = 1  # per update epoch (train batch / mini-batch): a pipeline runs one schedule per step
+    critic_micro_batch: int = 0  # the critic's micro_batch (0: the actor's)
+    critic_optimizer_steps: int = 0  # the critic's optimizer_steps (0: the actor's)
     gradient_checkpointing: bool = False  # keep only each layer's input for the backward
     max_num_seqs: int = 256  # most sequences a generation group decodes at once (its KV cache's slots)
     # LoRA: the trained weights of each role that trains adapters (the rest of its model is frozen)
@@ -137,6 +139,17 @@ class Workload:
         if training_mode(mode).rollout_apart:
             models[Role.Rollout] = models[Role.ActorRollout]
         return dataclasses.replace(self, models=models)
+
+    def for_role(self, role: Role) -> Workload:
+        """The step as ``role`` runs it: with its own micro-batch and optimizer steps (the critic's section has
+        them; every other role's passes are the actor's)."""
+        if role is not Role.Critic:
+            return self
+        return dataclasses.replace(
+            self,
+            micro_batch=self.critic_micro_batch or self.micro_batch,
+            optimizer_steps=self.critic_optimizer_steps or self.optimizer_steps,
+        )
 
     @property
     def samples(self) -> int:
@@ -179,6 +192,8 @@ def workload_from_config(config) -> Workload:
         critic_epochs=config.critic.ppo_epochs,
         micro_batch=arr.actor.ppo_micro_batch_size_per_gpu,
         optimizer_steps=max(config.data.train_batch_size // arr.actor.ppo_mini_batch_size, 1),
+        critic_micro_batch=config.critic.ppo_micro_batch_size_per_gpu,
+        critic_optimizer_steps=max(config.data.train_batch_size // config.critic.ppo_mini_batch_size, 1),
         gradient_checkpointing=arr.model.enable_gradient_checkpointing,
         max_num_seqs=arr.rollout.native.max_num_seqs,
         adapters=adapters,

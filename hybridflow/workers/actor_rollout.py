@@ -27,7 +27,7 @@ from hybridflow.engine.lora import (
     policy_parameters,
 )
 from hybridflow.engine.memory import peak_memory_gb
-from hybridflow.engine.pipeline import whole_parameters
+from hybridflow.engine.pipeline import held_tensors, whole_parameters
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.hybrid_engine import HybridEngine
@@ -124,19 +124,20 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def send_weights(self) -> TransferReport:
         """Send this rank's slices of the current weights to the rollout's ranks (every rank takes part): all
-        of them, or a LoRA model's adapters (its base too the first time)."""
+        of them, or a LoRA model's adapters (its base too the first time); in pipeline stages, its stages'."""
         model = self.actor.model
 
-        def send(named, plan) -> TransferReport:
+        def send(produce, plan) -> TransferReport:
+            named = list(held_tensors(model, produce))
             return send_weights(named, self.generation_dtype, plan, self.transfer, timeout=self.transfer_timeout)
 
         if self.adapter_plan is None:
-            return send(list(policy_parameters(model)), self.transfer_plan)
+            return send(policy_parameters, self.transfer_plan)
         report = TransferReport()
         if not self.base_sent:
-            report = send(list(base_parameters(model)), self.transfer_plan)
+            report = send(base_parameters, self.transfer_plan)
             self.base_sent = True
-        return report.add(send(list(adapter_tensors(model)), self.adapter_plan))
+        return report.add(send(adapter_tensors, self.adapter_plan))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:

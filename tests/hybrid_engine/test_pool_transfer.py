@@ -28,6 +28,7 @@ from hybridflow.controller import (
 )
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling, policy_parameters
+from hybridflow.engine.pipeline import build_pipelined, held_tensors, pipeline_mesh
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.hybrid_engine.pool_transfer import (
@@ -84,6 +85,20 @@ class ActorSide(Process):
         apply_tensor_parallel(model, mesh["tp"])
         self.model = shard_model(model, mesh["dp"], FP32)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def build_stages(self, path: str, lora: bool = False) -> None:
+        """The model in 2 pipeline stages over the 2 ranks (pp 2, dp 1, t 1)."""
+        mesh = pipeline_mesh(torch.device("cpu"), 1, 2, 1)
+        model = perturbed_lora_model(path) if lora else trained_model(path)
+        unfused = dataclasses.replace(FP32, host_collectives=False)
+        shard = lambda part: shard_model(part, mesh["dp"], unfused)  # noqa: E731
+        self.model = build_pipelined(model, mesh, shard, stages_per_rank=1, activation_dtype=torch.float32)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def params(self, part: str = "policy") -> list:
+        """What a transfer of ``part`` moves, as the actor's model (in stages: all of them) says."""
+        return adapter_transfer_params(self.model) if part == "adapters" else transfer_params(self.model)
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, execute_mode=Execute.RANK_ZERO)
     def host(self) -> TransferAddress:
         self.store, address = host_transfer_store(timeout=60.0)
@@ -110,8 +125,8 @@ class ActorSide(Process):
         )
         if not act:
             return None
-        named = {"policy": policy_parameters, "base": base_parameters, "adapters": adapter_tensors}[part](self.model)
-        return send_weights(list(named), dtype, plan, self.group, timeout=timeout)
+        produce = {"policy": policy_parameters, "base": base_parameters, "adapters": adapter_tensors}[part]
+        return send_weights(list(held_tensors(self.model, produce)), dtype, plan, self.group, timeout=timeout)
 
 
 class RolloutSide(Process):
@@ -308,6 +323,62 @@ def test_a_lora_policy_crosses_as_its_base_then_its_adapters_each_split_like_its
     assert split and whole  # B of the column-split layers and A of the row-split ones are sliced, the rest whole
     assert sum(o["report"].received for o in received) == split + whole * tg
     assert all(torch.equal(r, expected.batch[RESPONSES]) for r in rollout.generate()[:tg])
+
+
+@pytest.mark.parametrize("lora, replicas, tg", [(False, 1, 2), (True, 2, 1)], ids=["stages-tg2", "lora-stages-2x1"])
+def test_an_actor_in_pipeline_stages_sends_each_weight_from_its_stage(pools, path, expected, lora, replicas, tg):
+    """pp 2: each weight comes from the rank of its stage (the embedding from the first, the final norm from the
+    last; the tied head is the embedding, sent once); every rollout rank receives exactly its generation shard, the
+    bytes of the formula, and generates what one process does."""
+    model = perturbed_lora_model(path) if lora else expected[0]
+    actor, rollout = pools
+    actor.build_stages(path, lora)
+    rollout.build(path, tg, torch.float32)
+    parts = [("base", transfer_params(model)), ("adapters", adapter_transfer_params(model))] if lora else []
+    parts = parts or [("policy", transfer_params(model))]
+    received = []
+    for part, whole_model in parts:
+        params = actor.params(part)
+        assert params[0] == params[1]  # the same list on both ranks
+        params = params[0]
+        assert [(p.name, p.shape, p.dim) for p in params] == [(p.name, p.shape, p.dim) for p in whole_model]
+        holders = {p.name: p.holder for p in params}
+        if part != "adapters":
+            assert holders["model.embed_tokens.weight"] == 0 and holders["model.norm.weight"] == 1
+            assert "lm_head.weight" not in holders  # tied: the embedding
+        assert {holders[p.name] for p in params if ".layers.0." in p.name} == {0}
+        assert {holders[p.name] for p in params if ".layers.1." in p.name} == {1}
+        plan = plan_transfer(
+            LayoutShape(dp=1, pp=2, t=1, tg=1),
+            replicas=replicas,
+            tg=tg,
+            params=params,
+            element_size=4,
+            bucket_bytes=BUCKET_BYTES,
+        )
+        address = actor.host()
+        args = (address, plan, torch.float32, f"stages-{lora}-{part}", TIMEOUT, True, part)
+        sent = actor.send.future(*args)
+        received = rollout.receive.future(*args, lora_scaling(model) if lora else 0.0).get()
+        sent = sent.get()
+        for rank, report in enumerate(sent):
+            assert report.sent == plan.sent_bytes(rank) == report.predicted > 0
+        for rank, out in enumerate(received):
+            assert out["report"].received == plan.received_bytes(rank) == out["report"].predicted
+        assert sum(r.sent for r in sent) == sum(o["report"].received for o in received)
+    if lora:
+        merged = copy.deepcopy(model).merge_and_unload()
+        single = NativeRollout(merged, load_tokenizer(path), engine_config=ENGINE)
+        responses = single.generate_sequences(prompts(), GREEDY).batch[RESPONSES]
+    else:
+        responses = expected[1]
+        full = dict(model.named_parameters())
+        for rank, out in enumerate(received):
+            shard = TensorParallelGroup(SPLIT, size=tg, rank=rank % tg)
+            for weight, got in out["weights"].items():
+                want = shard.shard(weight, full[weight].detach())
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{weight} on rollout rank {rank}")
+    assert all(torch.equal(r, responses) for r in rollout.generate()[: replicas * tg])
 
 
 def test_a_rollout_waiting_for_an_actor_that_never_sends_fails_in_time_naming_both(pools, path, expected):

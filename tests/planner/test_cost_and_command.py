@@ -265,3 +265,21 @@ def test_plan_writes_only_the_sizes_a_section_has(tmp_path):
     out = tmp_path / "plan.yaml"
     out.write_text(OmegaConf.to_yaml(OmegaConf.create(overrides)))
     assert load_config([], out).actor_rollout_ref.actor.pipeline_model_parallel_size == 2
+
+
+def test_the_critic_runs_its_own_micro_batches_and_optimizer_steps():
+    config = load_config(
+        [
+            "algorithm.adv_estimator=gae",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+            "critic.ppo_mini_batch_size=2",
+            "critic.ppo_micro_batch_size_per_gpu=1",
+        ]
+    )
+    workload = workload_from_config(config)
+    assert (workload.micro_batch, workload.optimizer_steps) == (16, 1)
+    critic = workload.for_role(Role.Critic)
+    assert (critic.micro_batch, critic.optimizer_steps) == (1, 4)
+    assert workload.for_role(Role.RefPolicy) is workload

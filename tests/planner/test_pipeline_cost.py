@@ -115,13 +115,18 @@ def test_stages_are_candidates_where_the_layers_split_evenly_and_never_with_ulys
 
 
 def test_a_layout_whose_schedules_leave_a_stage_idle_is_no_candidate():
-    """The run plan refuses an optimizer step with fewer micro-batches than stages, and stages for an actor that sends
-    its weights to a rollout role apart."""
+    """The run plan refuses an optimizer step with fewer micro-batches than stages, each role's own (the critic's
+    section has its micro-batch and mini-batch)."""
     assert stages_filled(Role.Critic, STAGES, WORK)  # 4 micro-batches per step on 2 stages
     assert stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=2))  # 2 of 2 rows
     assert not stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=4))  # 1 of 4 rows
     assert not stages_filled(Role.Critic, STAGES, replace(WORK, optimizer_steps=4))  # 1 row per step
     assert not stages_filled(Role.Critic, LayoutShape(dp=1, t=1, tg=1, pp=8), WORK)
     assert stages_filled(Role.ActorRollout, STAGES, WORK)
-    assert not stages_filled(Role.ActorRollout, STAGES, WORK.in_mode("one_step_off"))
-    assert stages_filled(Role.ActorRollout, ONE, WORK.in_mode("one_step_off"))
+    # an actor in stages sends its weights to a rollout role apart (hybrid_engine/transfer_plan.py)
+    assert stages_filled(Role.ActorRollout, STAGES, WORK.in_mode("one_step_off"))
+    # the critic's own batch: its micro-batch of 4 leaves a stage idle where the actor's of 1 does not, and back
+    assert not stages_filled(Role.Critic, STAGES, replace(WORK, critic_micro_batch=4))
+    assert stages_filled(Role.ActorRollout, STAGES, replace(WORK, critic_micro_batch=4))
+    assert stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=4, critic_micro_batch=1))
+    assert not stages_filled(Role.Critic, STAGES, replace(WORK, critic_optimizer_steps=4))

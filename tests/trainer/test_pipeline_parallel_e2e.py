@@ -1,8 +1,9 @@
 """Whole GRPO and PPO runs (fp32) on 2 ranks: with the actor, its reference and (PPO, GAE) the critic split into 2
 pipeline stages (1F1B, one data-parallel rank) every metric of each step equals the run with the rows split over 2
 data-parallel ranks (pp = 1), up to float rounding; and the checkpoint of step 2 written at pp = 2 resumes at pp = 1 to
-the metrics of steps 3 and 4. The kill -9 resume at pp = 2 is tests/trainer/test_kill_and_resume.py's "pipeline"
-mode."""
+the metrics of steps 3 and 4. One step off, the actor in 2 stages sends its weights to a rollout pool of its own, and
+the run equals the one with the actor over 2 data-parallel ranks. The kill -9 resume at pp = 2 is
+tests/trainer/test_kill_and_resume.py's "pipeline" mode."""
 
 import pytest
 from layout_runs import grpo_equals_data_parallel, ppo_equals_data_parallel_and_resumes_there
@@ -35,6 +36,25 @@ def test_grpo_with_interleaved_stages_equals_pp_1(local_ray, tmp_path):
 
 def test_ppo_at_pp_2_equals_pp_1_and_its_checkpoint_resumes_at_pp_1(local_ray, tmp_path):
     ppo_equals_data_parallel_and_resumes_there(tmp_path, "pipeline", PP_1)
+
+
+def test_one_step_off_with_the_actor_in_stages_equals_pp_1(local_ray, tmp_path):
+    """The actor (2 ranks: 2 stages, or 2 data-parallel ranks) sends its weights to the rollout's pool (1 rank) after
+    each update, each weight from the rank of its stage; the reference on the actor's pool, unsplit."""
+    one_step_off = [
+        "trainer.async_training.mode=one_step_off",
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.placement=custom",
+        "trainer.resource_pool_spec.train=[2]",
+        "trainer.resource_pool_spec.generate=[1]",
+        "trainer.role_pool.actor_rollout=train",
+        "trainer.role_pool.ref=train",
+        "trainer.role_pool.rollout=generate",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    grpo_equals_data_parallel(tmp_path, "sync", [PP_1[0]], tuple(one_step_off))
 
 
 def test_the_pipeline_mode_splits_every_trained_and_scoring_role():

@@ -43,7 +43,6 @@ from hybridflow.trainer.setup.role_parts import (
 from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
-PP_KEY = "actor_rollout_ref.actor.pipeline_model_parallel_size"
 
 
 def _missing_model(path: str, key: str, error: FileNotFoundError) -> ConfigError:
@@ -290,12 +289,6 @@ def _actor_layout(config: HybridFlowConfig, training: LayoutShape) -> LayoutShap
     LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
     t = training.t
     if config.trainer.async_training.rollout_apart:
-        if training.pp > 1:
-            raise ConfigError(
-                PP_KEY,
-                f"{training.pp}: a pipeline-staged actor sends its weights to a rollout pool of its own: not yet built",
-                "set it to 1 with trainer.async_training, or train synchronously",
-            )
         return training
     tg = _generation_size(config)
     try:
