@@ -4,6 +4,7 @@ engine, optionally tensor-parallel in groups of tg) on the same devices."""
 from __future__ import annotations
 
 import time
+from dataclasses import KW_ONLY, dataclass, field
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,8 +25,10 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams
 
 OFFLOAD_DEVICE = torch.device("cpu")
+ONE_PROCESS = LayoutShape(dp=1, t=1, tg=1)
 
 
+@dataclass(eq=False)
 class HybridEngine:
     """One actor in two modes. ``generate`` switches to generation, generates, and switches back.
 
@@ -47,30 +50,17 @@ class HybridEngine:
     actor's update raises to the step's peak: the counter is reset here, at the step's start).
     """
 
-    def __init__(
-        self,
-        trained: TrainedModel,
-        rollout: Rollout,
-        device: torch.device,
-        *,
-        param_offload: bool,
-        optimizer_offload: bool,
-        dtype: torch.dtype,
-        shape: LayoutShape | None = None,
-        gather_group: torch.distributed.ProcessGroup | None = None,
-    ):
-        """trained: the actor's training state, shared with its PolicyEngine; dtype: of the generation
-        weights (what travels); shape and gather_group: the actor's layouts (hybrid_engine/layout.py); None
-        for a model on one process."""
-        self.trained = trained
-        self.rollout = rollout
-        self.device = device
-        self.param_offload = param_offload
-        self.optimizer_offload = optimizer_offload
-        self.dtype = dtype
-        self.shape = shape or LayoutShape(dp=1, t=1, tg=1)
-        self.gather_group = gather_group
-        self.base_synced = False  # a LoRA model's frozen base is in the rollout (sent at the first switch)
+    trained: TrainedModel  # the actor's training state, shared with its PolicyEngine
+    rollout: Rollout
+    device: torch.device
+    _: KW_ONLY
+    param_offload: bool
+    optimizer_offload: bool
+    dtype: torch.dtype  # of the generation weights (what travels)
+    # the actor's layouts (hybrid_engine/layout.py); the defaults: a model on one process
+    shape: LayoutShape = ONE_PROCESS
+    gather_group: torch.distributed.ProcessGroup | None = None
+    base_synced: bool = field(default=False, init=False)  # a LoRA model's frozen base is in the rollout (sent once)
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
         """The rollout's output, with the switch metrics in ``meta_info[METRICS]``."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -38,6 +39,7 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 
 API_KEY = APIKeyHeader(name="X-API-Key", scheme_name="APIKey", auto_error=False, description="a key of the service")
 QUEUED = (400, 401, 404, 413, 429, 503)  # the refusals of a request that waits for the worker
+NOT_QUEUED = (400, 401, 404, 413)  # of a request about something that may not exist, answered at once
 FUTURE_LINKS = {"retrieve_future": doc.link("retrieve_future", request_id="request_id")}
 MODEL_LINKS = {  # where a model request's answer leads
     **FUTURE_LINKS,
@@ -169,6 +171,24 @@ def _error_handlers(app: FastAPI) -> None:
         return refusal(500, f"the service failed on this request: {type(error).__name__}", "server")
 
 
+def _body_route(
+    app: FastAPI,
+    reader: RequestReader,
+    name: str,
+    body: type[RequestT],
+    call: Callable[[str, RequestT], Any],
+    reply: type[BaseModel],
+    **described: Any,
+) -> None:
+    """The route of a call that takes one JSON ``body`` message: ``POST {API}/<name>`` answers ``call(owner, body)``;
+    its OpenAPI operation is ``name``, its 200 answer ``reply`` (``described``: doc.route's errors and links)."""
+
+    async def route(request: Request, owner: str = Security(reader.owner_of)):
+        return call(owner, await reader.parsed(request, body))
+
+    app.post(f"{API}/{name}", name=name, **doc.route(name, reply, body=body, **described))(route)
+
+
 def _service_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
     """The service itself: health, its OpenAPI document, the SDK's settings, capabilities, telemetry."""
 
@@ -216,16 +236,12 @@ def _session_routes(app: FastAPI, service: TrainingService, reader: RequestReade
         "finish_session": doc.path_link("finish_session", "session_id", "session_id"),
     }
 
-    @app.post(
-        f"{API}/create_session",
-        **doc.route("create_session", doc.SessionReply, body=m.CreateSession, links=session_links),
-    )
-    async def create_session(request: Request, owner: str = Security(reader.owner_of)):
-        return service.create_session(owner, await reader.parsed(request, m.CreateSession))
+    body_route = functools.partial(_body_route, app, reader)
+    body_route("create_session", m.CreateSession, service.create_session, doc.SessionReply, links=session_links)
 
     @app.post(
         f"{API}/session_heartbeat",
-        **doc.route("session_heartbeat", doc.HeartbeatReply, body=m.SessionRef, errors=(400, 401, 404, 413)),
+        **doc.route("session_heartbeat", doc.HeartbeatReply, body=m.SessionRef, errors=NOT_QUEUED),
     )
     async def heartbeat(request: Request, owner: str = Security(reader.owner_of)):
         return service.heartbeat(owner, (await reader.parsed(request, m.SessionRef)).session_id)
@@ -242,15 +258,10 @@ def _session_routes(app: FastAPI, service: TrainingService, reader: RequestReade
 
 def _training_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
     """Training models: created, described, trained, saved and loaded (each a future)."""
+    body_route = functools.partial(_body_route, app, reader)
+    body_route("create_model", m.CreateModel, service.create_model, doc.ModelFuture, errors=QUEUED, links=MODEL_LINKS)
 
-    @app.post(
-        f"{API}/create_model",
-        **doc.route("create_model", doc.ModelFuture, body=m.CreateModel, errors=QUEUED, links=MODEL_LINKS),
-    )
-    async def create_model(request: Request, owner: str = Security(reader.owner_of)):
-        return service.create_model(owner, await reader.parsed(request, m.CreateModel))
-
-    @app.post(f"{API}/get_info", **doc.route("get_info", doc.InfoReply, body=m.ModelRef, errors=(400, 401, 404, 413)))
+    @app.post(f"{API}/get_info", **doc.route("get_info", doc.InfoReply, body=m.ModelRef, errors=NOT_QUEUED))
     async def get_info(request: Request, owner: str = Security(reader.owner_of)):
         return service.get_info(owner, (await reader.parsed(request, m.ModelRef)).model_id)
 
@@ -271,39 +282,18 @@ def _training_routes(app: FastAPI, service: TrainingService, reader: RequestRead
             raise ServiceError(str(error)) from None
         return service.forward_backward(owner, call)
 
-    @app.post(
-        f"{API}/optim_step",
-        **doc.route("optim_step", doc.ModelFuture, body=m.OptimStep, errors=QUEUED, links=FUTURE_LINKS),
-    )
-    async def optim_step(request: Request, owner: str = Security(reader.owner_of)):
-        return service.optim_step(owner, await reader.parsed(request, m.OptimStep))
+    body_route("optim_step", m.OptimStep, service.optim_step, doc.ModelFuture, errors=QUEUED, links=FUTURE_LINKS)
 
 
 def _weights_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
     """A model's weights saved (for training on, or for sampling) and loaded (each a future)."""
-
-    @app.post(
-        f"{API}/save_weights",
-        **doc.route("save_weights", doc.ModelFuture, body=m.SaveWeights, errors=QUEUED, links=FUTURE_LINKS),
+    weights = (
+        ("save_weights", m.SaveWeights, service.save_weights, FUTURE_LINKS),
+        ("save_weights_for_sampler", m.SaveWeightsForSampler, service.save_weights_for_sampler, FUTURE_LINKS),
+        ("load_weights", m.LoadWeights, service.load_weights, MODEL_LINKS),
     )
-    async def save_weights(request: Request, owner: str = Security(reader.owner_of)):
-        return service.save_weights(owner, await reader.parsed(request, m.SaveWeights))
-
-    @app.post(
-        f"{API}/save_weights_for_sampler",
-        **doc.route(
-            "save_weights_for_sampler", doc.ModelFuture, body=m.SaveWeightsForSampler, errors=QUEUED, links=FUTURE_LINKS
-        ),
-    )
-    async def save_weights_for_sampler(request: Request, owner: str = Security(reader.owner_of)):
-        return service.save_weights_for_sampler(owner, await reader.parsed(request, m.SaveWeightsForSampler))
-
-    @app.post(
-        f"{API}/load_weights",
-        **doc.route("load_weights", doc.ModelFuture, body=m.LoadWeights, errors=QUEUED, links=MODEL_LINKS),
-    )
-    async def load_weights(request: Request, owner: str = Security(reader.owner_of)):
-        return service.load_weights(owner, await reader.parsed(request, m.LoadWeights))
+    for name, body, call, links in weights:
+        _body_route(app, reader, name, body, call, doc.ModelFuture, errors=QUEUED, links=links)
 
 
 def _sampling_routes(app: FastAPI, service: TrainingService, reader: RequestReader) -> None:
@@ -313,28 +303,21 @@ def _sampling_routes(app: FastAPI, service: TrainingService, reader: RequestRead
         "get_sampler": doc.path_link("get_sampler", "sampler_id", "sampling_session_id"),
     }
 
-    @app.post(
-        f"{API}/create_sampling_session",
-        **doc.route(
-            "create_sampling_session",
-            doc.SamplingSessionReply,
-            body=m.CreateSamplingSession,
-            errors=(400, 401, 404, 413),
-            links=sampler_links,
-        ),
+    body_route = functools.partial(_body_route, app, reader)
+    body_route(
+        "create_sampling_session",
+        m.CreateSamplingSession,
+        service.create_sampling_session,
+        doc.SamplingSessionReply,
+        errors=NOT_QUEUED,
+        links=sampler_links,
     )
-    async def create_sampling_session(request: Request, owner: str = Security(reader.owner_of)):
-        return service.create_sampling_session(owner, await reader.parsed(request, m.CreateSamplingSession))
 
     @app.get(f"{API}/samplers/{{sampler_id}}", **doc.route("get_sampler", doc.SamplerReply, errors=(401, 404)))
     async def get_sampler(sampler_id: str, owner: str = Security(reader.owner_of)):
         return service.get_sampler(owner, sampler_id)
 
-    @app.post(
-        f"{API}/asample", **doc.route("asample", doc.SampleFuture, body=m.Sample, errors=QUEUED, links=FUTURE_LINKS)
-    )
-    async def asample(request: Request, owner: str = Security(reader.owner_of)):
-        return service.sample(owner, await reader.parsed(request, m.Sample))
+    body_route("asample", m.Sample, service.sample, doc.SampleFuture, errors=QUEUED, links=FUTURE_LINKS)
 
     results = {"anyOf": [doc.ref(model) for model in doc.FUTURE_RESULTS]}
 

@@ -25,11 +25,11 @@ from hybridflow.serve.config import SERVE_DEFAULT_CONFIG, ServeConfig, load_serv
 from hybridflow.serve.service import ServedModel, TrainingService
 from hybridflow.serve.storage import owner_of
 from hybridflow.trainer.setup.cluster import check_local_cluster, ray_for_run
-from hybridflow.trainer.setup.config import ConfigError, config_sections, default_config
-from hybridflow.trainer.setup.config_help import config_command_args
+from hybridflow.trainer.setup.config import ConfigError, default_config
+from hybridflow.trainer.setup.config_help import config_command_args, run_as_module
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.run_plan import model_dir_or_name, resolve_model_dir
-from hybridflow.validation import reading_file, run_command, split_debug_flag
+from hybridflow.validation import reading_file
 from hybridflow.workers.adapter_service import AdapterServiceWorker
 
 KEYS_ENV = "HYBRIDFLOW_SERVE_API_KEYS"
@@ -145,24 +145,16 @@ def serve(config: ServeConfig) -> None:
             pool.release(keep_processes=False)
 
 
-def serve_usage() -> str:
-    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections(ServeConfig))
-    return f"""usage: hybridflow serve [--config FILE] [--debug] key=value ...
-       hybridflow serve --help [SECTION]    every key of SECTION with its default and help
-
-A training service with the Tinker API: LoRA training clients on one base model, sampling clients, saved
+ABOUT = f"""A training service with the Tinker API: LoRA training clients on one base model, sampling clients, saved
 weights under tinker:// paths (docs/serve.md). Every key has its default in {SERVE_DEFAULT_CONFIG}:
   hybridflow serve model.path=smollm2-135m-instruct service.port=8000
 Then, in the client's shell: TINKER_BASE_URL=http://127.0.0.1:8000 TINKER_API_KEY=<key> python my_loop.py
-
-config sections:
-{sections}
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    parsed = config_command_args(args, "serve", serve_usage, ServeConfig, SERVE_DEFAULT_CONFIG)
+    parsed = config_command_args(args, "serve", ABOUT, ServeConfig, SERVE_DEFAULT_CONFIG)
     if parsed is not None:
         try:
             serve(load_serve_config(*parsed))
@@ -172,5 +164,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # python -m hybridflow.serve.main: the same command as hybridflow serve
-    debug, arguments = split_debug_flag(sys.argv[1:])
-    sys.exit(run_command(lambda: main(arguments), debug))
+    sys.exit(run_as_module(main))

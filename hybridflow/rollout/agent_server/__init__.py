@@ -5,7 +5,9 @@ docs/agent_server.md and docs/environments.md are the user's guides.
 
     config.py      rollout.agent.*: the user's agent function and the endpoint's bounds
     errors.py      OpenAI-style errors with their HTTP status
-    openai_api.py  requests read and checked, responses written (chat completions, responses, models)
+    openai_api.py  OpenAI requests read and checked (chat completions, responses)
+    openai_messages.py  their messages and tools, checked and normalised
+    openai_replies.py   replies written (chat completions whole or streamed, responses, models)
     generate_api.py  the token route's requests and replies (/inference/v1/generate: ids in, ids out)
     rendering.py   messages and tools to token ids: whole conversations, and tails after a generated turn
     sessions.py    sessions and their branches: the token-exact record of what the model saw and produced

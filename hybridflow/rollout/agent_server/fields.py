@@ -18,6 +18,14 @@ def refuse_unknown(body: dict[str, Any], known: set[str], where: str = "") -> No
             raise bad_request(f"unknown parameter: {where}{key!r}", param=f"{where}{key}", code="unknown_parameter")
 
 
+def refuse_given(body: dict[str, Any], names: tuple[str, ...], message: str) -> None:
+    """400 naming the first of ``names`` that ``body`` gives (null counts as not given): a parameter the endpoint
+    knows and does not support; ``message`` says why, its ``{name}`` the parameter's name, quoted."""
+    for name in names:
+        if body.get(name) is not None:
+            raise bad_request(message.format(name=repr(name)), param=name, code="unsupported_value")
+
+
 def check_model(body: dict[str, Any], served: str) -> None:
     model = body.get("model")
     if not isinstance(model, str) or not model:

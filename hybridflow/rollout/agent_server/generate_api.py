@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.rollout.agent_server.errors import bad_request
-from hybridflow.rollout.agent_server.fields import boolean, check_model, integer, only, refuse_unknown, string
+from hybridflow.rollout.agent_server.fields import (
+    boolean,
+    check_model,
+    integer,
+    only,
+    refuse_given,
+    refuse_unknown,
+    string,
+)
 from hybridflow.rollout.agent_server.openai_api import check_sampling
 
 _KEYS = {"model", "token_ids", "sampling_params", "cache_salt", "request_id", "priority", "features", "content_parts"}
@@ -129,13 +137,8 @@ def read_generate_request(
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     refuse_unknown(body, _KEYS)
-    for key in ("features", "content_parts"):
-        if body.get(key) is not None:
-            raise bad_request(
-                f"{key!r}: multimodal inputs are not supported (the run's model reads text tokens)",
-                param=key,
-                code="unsupported_value",
-            )
+    multimodal = ("features", "content_parts")
+    refuse_given(body, multimodal, "{name}: multimodal inputs are not supported (the run's model reads text tokens)")
     check_model(body, model)
     for key in ("cache_salt", "request_id"):
         string(body, key)

@@ -326,22 +326,22 @@ def _completion(kind: str, choice: Schema, choices: Schema, required: tuple[str,
     return obj({**fields, "choices": {"type": "array", **choices, "items": choice}, "usage": _USAGE}, required)
 
 
+def _choice(part: str, content: Schema, calls: Schema, finish: Schema, required: tuple[str, ...]) -> Schema:
+    """A completion's one choice: its ``part`` (a completion's ``message``, a chunk's ``delta``) the assistant's
+    ``content`` and tool ``calls`` (the array's items and bounds), a whole message's role and content required."""
+    message = ("role", "content") if part == "message" else ()
+    assistant = {"role": {"const": "assistant"}, "content": content, "tool_calls": {"type": "array", **calls}}
+    fields = {"index": {"const": 0}, part: obj(assistant, message), "finish_reason": finish, "logprobs": _LOGPROBS}
+    return obj(fields, required)
+
+
 CHAT_COMPLETION = _completion(
     "chat.completion",
-    obj(
-        {
-            "index": {"const": 0},
-            "message": obj(
-                {
-                    "role": {"const": "assistant"},
-                    "content": {"type": ["string", "null"]},
-                    "tool_calls": {"type": "array", "minItems": 1, "items": _REPLY_CALL},
-                },
-                ("role", "content"),
-            ),
-            "finish_reason": _FINISH,
-            "logprobs": _LOGPROBS,
-        },
+    _choice(
+        "message",
+        {"type": ["string", "null"]},
+        {"minItems": 1, "items": _REPLY_CALL},
+        _FINISH,
         ("index", "message", "finish_reason", "logprobs"),
     ),
     {"minItems": 1, "maxItems": 1},
@@ -349,22 +349,11 @@ CHAT_COMPLETION = _completion(
 )
 CHAT_CHUNK = _completion(
     "chat.completion.chunk",
-    obj(
-        {
-            "index": {"const": 0},
-            "delta": obj(
-                {
-                    "role": {"const": "assistant"},
-                    "content": STRING,
-                    "tool_calls": {
-                        "type": "array",
-                        "items": {"allOf": [_REPLY_CALL_FIELDS, {"required": ["index"]}]},
-                    },
-                }
-            ),
-            "finish_reason": {"enum": ["stop", "length", "tool_calls", None]},
-            "logprobs": _LOGPROBS,
-        },
+    _choice(
+        "delta",
+        STRING,
+        {"items": {"allOf": [_REPLY_CALL_FIELDS, {"required": ["index"]}]}},
+        {"enum": ["stop", "length", "tool_calls", None]},
         ("index", "delta", "finish_reason"),
     ),
     {"maxItems": 1},

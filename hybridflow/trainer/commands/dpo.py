@@ -12,8 +12,8 @@ import sys
 
 from hybridflow.data import PreferenceDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
-from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig, load_dpo_config
-from hybridflow.validation import run_command, split_debug_flag
+from hybridflow.trainer.setup.config_help import run_as_module
+from hybridflow.trainer.setup.dpo_config import DPO_DEFAULT_CONFIG, DPOConfig
 
 ABOUT = """Direct preference optimisation: the model learns to prefer each pair's chosen answer over its rejected one,
 relative to the reference (the starting model; under LoRA the model with its adapters off). Rows hold a "prompt"
@@ -28,7 +28,6 @@ DPO = SupervisedCommand(
     name="dpo",
     config_class=DPOConfig,
     default_config=DPO_DEFAULT_CONFIG,
-    load_config=load_dpo_config,
     about=ABOUT,
     dataset_class=PreferenceDataset,
     objective="dpo",
@@ -38,5 +37,4 @@ DPO = SupervisedCommand(
 check_dpo_config, run, main = DPO.check, DPO.run, DPO.main
 
 if __name__ == "__main__":  # python -m hybridflow.trainer.commands.dpo: the same command as hybridflow dpo
-    debug, arguments = split_debug_flag(sys.argv[1:])
-    sys.exit(run_command(lambda: main(arguments), debug))
+    sys.exit(run_as_module(main))

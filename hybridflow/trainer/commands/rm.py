@@ -15,8 +15,8 @@ import sys
 from hybridflow.data.reward_pairs import RewardPairDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
 from hybridflow.trainer.setup.config import ConfigError
-from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig, load_rm_config
-from hybridflow.validation import run_command, split_debug_flag
+from hybridflow.trainer.setup.config_help import run_as_module
+from hybridflow.trainer.setup.rm_config import RM_DEFAULT_CONFIG, RMConfig
 
 ABOUT = """Reward-model training: the model (a backbone with a scalar head) learns to score each pair's chosen
 answer above its rejected one (the Bradley-Terry loss, minus the pair's margin with data.margin_key). Rows are as for
@@ -42,7 +42,6 @@ RM = SupervisedCommand(
     name="rm",
     config_class=RMConfig,
     default_config=RM_DEFAULT_CONFIG,
-    load_config=load_rm_config,
     about=ABOUT,
     dataset_class=RewardPairDataset,
     objective="rm",
@@ -52,5 +51,4 @@ RM = SupervisedCommand(
 check_rm_config, run, main = RM.check, RM.run, RM.main
 
 if __name__ == "__main__":  # python -m hybridflow.trainer.commands.rm: the same command as hybridflow rm
-    debug, arguments = split_debug_flag(sys.argv[1:])
-    sys.exit(run_command(lambda: main(arguments), debug))
+    sys.exit(run_as_module(main))

@@ -12,8 +12,8 @@ import sys
 
 from hybridflow.data import SFTDataset
 from hybridflow.trainer.commands.supervised_run import SupervisedCommand
-from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig, load_sft_config
-from hybridflow.validation import run_command, split_debug_flag
+from hybridflow.trainer.setup.config_help import run_as_module
+from hybridflow.trainer.setup.sft_config import SFT_DEFAULT_CONFIG, SFTConfig
 
 ABOUT = """Supervised fine-tuning: the loss on the assistant turns of conversations (a "messages" column), or on the
 answers of prompt/response pairs. Every key has its default in {defaults}; a --config file holds
@@ -28,7 +28,6 @@ SFT = SupervisedCommand(
     name="sft",
     config_class=SFTConfig,
     default_config=SFT_DEFAULT_CONFIG,
-    load_config=load_sft_config,
     about=ABOUT,
     dataset_class=SFTDataset,
     objective="sft",
@@ -36,5 +35,4 @@ SFT = SupervisedCommand(
 check_sft_config, run, main = SFT.check, SFT.run, SFT.main
 
 if __name__ == "__main__":  # python -m hybridflow.trainer.commands.sft: the same command as hybridflow sft
-    debug, arguments = split_debug_flag(sys.argv[1:])
-    sys.exit(run_command(lambda: main(arguments), debug))
+    sys.exit(run_as_module(main))

@@ -34,7 +34,7 @@ from hybridflow.trainer.setup.check_config import (
     check_lora_targets,
 )
 from hybridflow.trainer.setup.cluster import check_local_cluster, ray_for_run
-from hybridflow.trainer.setup.config import ConfigError, config_sections, to_yaml
+from hybridflow.trainer.setup.config import ConfigError, load_config, to_yaml
 from hybridflow.trainer.setup.config_help import config_command_args
 from hybridflow.trainer.setup.placement import Placement
 from hybridflow.trainer.setup.role_parts import PARALLEL_SIZES
@@ -246,9 +246,8 @@ class SupervisedCommand:
     """One supervised command: what differs between ``hybridflow sft``, ``dpo`` and ``rm``."""
 
     name: str  # the command's name, and its pool's
-    config_class: type
-    default_config: Path
-    load_config: Callable[..., Any]  # (overrides, config file) -> the config
+    config_class: type  # the config's dataclass
+    default_config: Path  # the YAML of every key's default
     about: str  # the usage's paragraph: what it trains, on which rows, an example; "{defaults}": the default file
     dataset_class: type
     objective: str  # the registered objective (algorithms/objectives/)
@@ -273,21 +272,11 @@ class SupervisedCommand:
             settings=self.settings(config),
         )
 
-    def usage(self) -> str:
-        sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections(self.config_class))
-        command = f"hybridflow {self.name}"
-        return f"""usage: {command} [--config FILE] [--debug] key=value ...
-       {command} --help [SECTION]{" " * (9 - len(self.name))}every key of SECTION with its default and help
-
-{self.about.format(defaults=self.default_config)}
-config sections:
-{sections}
-"""
-
     def main(self, argv: list[str] | None = None) -> int:
         """``hybridflow <name> [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
         args = list(sys.argv[1:] if argv is None else argv)
-        parsed = config_command_args(args, self.name, self.usage, self.config_class, self.default_config)
+        about = self.about.format(defaults=self.default_config)
+        parsed = config_command_args(args, self.name, about, self.config_class, self.default_config)
         if parsed is not None:
-            self.run(self.load_config(*parsed))
+            self.run(load_config(*parsed, root=self.config_class, defaults=self.default_config))
         return 0

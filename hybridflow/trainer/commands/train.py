@@ -22,14 +22,13 @@ from hybridflow.trainer.loop.mode_parts import rl_trainer
 from hybridflow.trainer.loop.step_loop import fit_run
 from hybridflow.trainer.setup.check_config import check_config
 from hybridflow.trainer.setup.cluster import ray_for_run
-from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, config_sections, load_config
-from hybridflow.trainer.setup.config_help import config_command_args
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, HybridFlowConfig, load_config
+from hybridflow.trainer.setup.config_help import config_command_args, run_as_module
 from hybridflow.trainer.setup.placement import build_groups
 from hybridflow.trainer.setup.role_parts import ROLE_PARTS
 from hybridflow.trainer.setup.roles import RoleGroups
 from hybridflow.trainer.setup.run_dir import check_run_dir
 from hybridflow.trainer.setup.run_plan import RunPlan, total_training_steps
-from hybridflow.validation import run_command, split_debug_flag
 
 
 def role_specs(config: HybridFlowConfig, plan: RunPlan, total_steps: int) -> dict[Role, RoleSpec]:
@@ -125,29 +124,20 @@ def run(config: HybridFlowConfig) -> dict[str, float]:
             groups.release(keep_processes=finished)
 
 
-def train_usage() -> str:
-    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections())
-    return f"""usage: hybridflow train [--config FILE] [--debug] key=value ...
-       hybridflow train --help [SECTION]      every key of SECTION with its default and help
-
-Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
+ABOUT = f"""Trains with PPO/GRPO. Every key has its default in {DEFAULT_CONFIG}; a --config file
 holds only the keys it changes, and key=value overrides any key, for example
   hybridflow train data.train_files=[data/arithmetic/train.parquet] trainer.total_training_steps=20
-
-config sections:
-{sections}
 """
 
 
 def main(argv: list[str] | None = None) -> int:
     """``hybridflow train [--config FILE] key=value ...``; returns the exit code (UserError: see run_command)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    parsed = config_command_args(args, "train", train_usage, HybridFlowConfig, DEFAULT_CONFIG)
+    parsed = config_command_args(args, "train", ABOUT, HybridFlowConfig, DEFAULT_CONFIG)
     if parsed is not None:
         run(load_config(*parsed))
     return 0
 
 
 if __name__ == "__main__":  # python -m hybridflow.trainer.commands.train: the same command as hybridflow train
-    debug, arguments = split_debug_flag(sys.argv[1:])
-    sys.exit(run_command(lambda: main(arguments), debug))
+    sys.exit(run_as_module(main))

@@ -130,10 +130,9 @@ class AsyncQueue(BatchSource):
         loader: PromptDataLoader,
         run_dir: Path,
     ):
-        super().__init__(groups, loader)
+        super().__init__(generation, groups, loader)  # its pad token and the actor's ranks order the batches
         self.rollouter = rollouter
         self.push = push
-        self.generation = generation  # its pad token and the actor's ranks order the batches
         self.run_dir = run_dir
         self.taken: Taken | None = None  # the groups of the step being trained
 

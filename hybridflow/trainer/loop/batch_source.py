@@ -33,7 +33,8 @@ class BatchSource:
     """What the RL trainer asks of a source. A subclass implements ``next``; the rest defaults to a source that runs
     nothing beside the step (``GenerateNow``)."""
 
-    def __init__(self, groups: RoleGroups, loader: PromptDataLoader):
+    def __init__(self, generation: Generation, groups: RoleGroups, loader: PromptDataLoader):
+        self.generation = generation
         self.groups = groups
         self.loader = loader
 
@@ -70,8 +71,7 @@ class GenerateNow(BatchSource):
     """sync: the step's prompts generated at the start of the step, by the weights it then trains."""
 
     def __init__(self, generation: Generation, groups: RoleGroups, loader: PromptDataLoader, total_epochs: int):
-        super().__init__(groups, loader)
-        self.generation = generation
+        super().__init__(generation, groups, loader)
         self.batches = train_batches(loader, total_epochs)  # one iterator: dynamic sampling draws more prompts from it
 
     def next(self, step: int, timeline: StepTimeline) -> tuple[DataProto, Metrics] | None:

@@ -64,8 +64,7 @@ class GenerateAhead(BatchSource):
         total_epochs: int,
         total_steps: int,
     ):
-        super().__init__(groups, loader)
-        self.generation = generation
+        super().__init__(generation, groups, loader)
         self.total_steps = total_steps
         self.batches: Iterator[DataProto] = train_batches(loader, total_epochs)
         self.generating = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate-ahead")

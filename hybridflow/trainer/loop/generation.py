@@ -12,6 +12,7 @@ is timed, so the same object serves a step generated now (``sync``), one step ah
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import KW_ONLY, dataclass
 
 import numpy as np
 import torch
@@ -105,25 +106,17 @@ class Scorer:
         return scores
 
 
+@dataclass
 class Generation:
     """Rollouts of prompts on ``generator`` (the hybrid actor, or the rollout role's pool), scored by ``score``."""
 
-    def __init__(
-        self,
-        config: HybridFlowConfig,
-        generator: RayWorkerGroup,
-        score: Scorer,
-        estimator: AdvantageEstimator,
-        *,
-        pad_token_id: int,
-        actor_ranks: int,
-    ):
-        self.config = config
-        self.generator = generator
-        self.score = score
-        self.estimator = estimator
-        self.pad_token_id = pad_token_id
-        self.actor_ranks = actor_ranks  # the actor's data-parallel ranks in training, which the batch's order serves
+    config: HybridFlowConfig
+    generator: RayWorkerGroup
+    score: Scorer
+    estimator: AdvantageEstimator
+    _: KW_ONLY
+    pad_token_id: int
+    actor_ranks: int  # the actor's data-parallel ranks in training, which the batch's order serves
 
     def experience(
         self, prompts: DataProto, more_prompts: Iterator[DataProto], step: int, timeline: StepTimeline, metrics: Metrics

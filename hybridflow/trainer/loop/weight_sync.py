@@ -11,6 +11,7 @@ checkpoint) before anything is generated.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from hybridflow.trainer.asynchronous.rollouter import Rollouter
@@ -34,11 +35,11 @@ class SameWeights:
         pass
 
 
+@dataclass
 class TransferEachStep:
     """The actor's weights of each step to the rollout's ranks as the step ends (both pools idle meanwhile)."""
 
-    def __init__(self, link: WeightLink):
-        self.link = link
+    link: WeightLink
 
     def begin(self, step: int, timeline: StepTimeline) -> None:
         self.link.connect()
@@ -49,16 +50,16 @@ class TransferEachStep:
             metrics.update(self.link.send(version=step))
 
 
+@dataclass
 class PushEvery:
     """The actor's weights to the rollout's ranks every ``every`` steps, the rollouter paused between two of its
     calls (or, with partial rollout, its call cut short)."""
 
-    def __init__(self, link: WeightLink, rollouter: Rollouter, groups: RoleGroups, rollout_pool: str, every: int):
-        self.link = link
-        self.rollouter = rollouter
-        self.groups = groups
-        self.rollout_pool = rollout_pool
-        self.every = every
+    link: WeightLink
+    rollouter: Rollouter
+    groups: RoleGroups
+    rollout_pool: str  # whose spans a push collects: the receiving side's
+    every: int
 
     def begin(self, step: int, timeline: StepTimeline) -> None:
         self.link.connect()

@@ -16,6 +16,7 @@ import functools
 import inspect
 import io
 import re
+import sys
 import textwrap
 import tokenize
 import typing
@@ -27,7 +28,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from hybridflow.rollout.backend import rollout_backends
-from hybridflow.trainer.setup.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig
+from hybridflow.trainer.setup.config import DEFAULT_CONFIG, ConfigError, HybridFlowConfig, config_sections
+from hybridflow.validation import run_command, split_debug_flag
 
 WIDTH = 120  # ruff's line length; a help that does not fit after its key goes above it
 
@@ -119,21 +121,42 @@ def keys_usage(section: str, root: type = HybridFlowConfig, defaults: Path = DEF
     return "\n".join(lines)
 
 
+def command_usage(command: str, root: type, about: str) -> str:
+    """A config command's help (``hybridflow <command> --help``): its usage, ``about`` (what it does, where its
+    defaults are, an example) and the top-level sections of its config ``root``."""
+    sections = "\n".join(f"  {name:<24} {help}" for name, help in config_sections(root))
+    gap = " " * (9 - len(command))  # every command's help column at the same place
+    return f"""usage: hybridflow {command} [--config FILE] [--debug] key=value ...
+       hybridflow {command} --help [SECTION]{gap}every key of SECTION with its default and help
+
+{about}
+config sections:
+{sections}
+"""
+
+
 def config_command_args(
-    args: list[str], command: str, usage: Callable[[], str], root: type, defaults: Path
+    args: list[str], command: str, about: str, root: type, defaults: Path
 ) -> tuple[list[str], str | None] | None:
     """A config command's arguments (``hybridflow train`` / ``sft [--config FILE] key=value ...``): None after
-    printing its help (``--help``, or every key of a section with ``--help SECTION``); else the ``key=value``
-    overrides and the ``--config`` file (or None)."""
+    printing its help (``--help``: its usage with ``about``, see command_usage; ``--help SECTION``: every key of a
+    section); else the ``key=value`` overrides and the ``--config`` file (or None)."""
     if any(arg in ("-h", "--help") for arg in args):
         sections = [arg for arg in args if not arg.startswith("-")]
-        print(keys_usage(sections[0], root, defaults) if sections else usage())
+        print(keys_usage(sections[0], root, defaults) if sections else command_usage(command, root, about))
         return None
     if args and args[0] == "--config":
         if len(args) < 2:
             raise ConfigError("--config", "needs a file", f"hybridflow {command} --config FILE [key=value ...]")
         return args[2:], args[1]
     return args, None
+
+
+def run_as_module(main: Callable[[list[str]], int]) -> int:
+    """A command run as ``python -m <its module>``: ``main`` on this process's arguments, as ``hybridflow`` runs it
+    (errors included; ``--debug`` anywhere: with tracebacks)."""
+    debug, arguments = split_debug_flag(sys.argv[1:])
+    return run_command(lambda: main(arguments), debug)
 
 
 def yaml_with_help(text: str, helps: dict[str, Help | None]) -> str:

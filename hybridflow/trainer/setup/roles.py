@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, Role
@@ -17,6 +18,16 @@ def needed_roles(config: HybridFlowConfig, estimator: AdvantageEstimator) -> lis
     unless the actor trains LoRA adapters; the critic for an estimator that needs values; the reward model when
     enabled; the rollout role when generation runs apart; the teacher when one is given)."""
     return [role for role, part in ROLE_PARTS.items() if part.needed(config, estimator)]
+
+
+class GroupOf:
+    """A ``RoleGroups`` attribute that is one role's group (None for a role the run does not need)."""
+
+    def __init__(self, role: Role):
+        self.role = role
+
+    def __get__(self, groups: RoleGroups | None, owner: type | None = None) -> Any:
+        return self if groups is None else groups.of(self.role)
 
 
 @dataclass(kw_only=True)
@@ -51,26 +62,11 @@ class RoleGroups:
     def actor_rollout(self) -> RayWorkerGroup:
         return self.groups[Role.ActorRollout]
 
-    @property
-    def ref(self) -> RayWorkerGroup | None:
-        return self.of(Role.RefPolicy)
-
-    @property
-    def critic(self) -> RayWorkerGroup | None:
-        return self.of(Role.Critic)
-
-    @property
-    def reward_model(self) -> RayWorkerGroup | None:
-        return self.of(Role.RewardModel)
-
-    @property
-    def rollout(self) -> RayWorkerGroup | None:
-        """Generation apart from the actor (async modes); None: the actor generates."""
-        return self.of(Role.Rollout)
-
-    @property
-    def teacher(self) -> RayWorkerGroup | None:
-        return self.of(Role.Teacher)
+    ref = GroupOf(Role.RefPolicy)  # the reference's, or a LoRA actor's (adapters off)
+    critic = GroupOf(Role.Critic)
+    reward_model = GroupOf(Role.RewardModel)
+    rollout = GroupOf(Role.Rollout)  # generation apart from the actor (async modes); None: the actor generates
+    teacher = GroupOf(Role.Teacher)
 
     def scoring_passes(self) -> list[tuple[RayWorkerGroup, str]]:
         """(group, method) of each role that scores every batch after generation (its part's ``scores``), in the

@@ -113,6 +113,19 @@ struct Scratch {
   float* data() { return FIXED ? fixed : grown.data(); }
 };
 
+// Runs task(index, b, h, group_rows, row) for every (sequence b, kv head h) of the batch, index = b * kv_heads + h,
+// on the threads of at::parallel_for; each thread's scratch: group_rows, groups * dim floats, and row, dim floats
+// (on the stack when GROUPS and DIM are known at compile time).
+template <int64_t GROUPS, int64_t DIM, typename Task>
+void for_each_head(int64_t batch, int64_t kv_heads, int64_t groups, int64_t dim, Task task) {
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch<GROUPS && DIM ? GROUPS * DIM : 0> group_rows(groups * dim);
+    Scratch<DIM> row(dim);
+    for (int64_t index = begin; index < end; ++index)
+      task(index, index / kv_heads, index % kv_heads, group_rows.data(), row.data());
+  });
+}
+
 // GROUPS and DIM: compile-time sizes for the common shapes (accumulators stay in registers); 0 = read at run time
 template <typename scalar_t, int64_t GROUPS, int64_t DIM>
 void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths, const int64_t* slots, float* scores,
@@ -120,44 +133,38 @@ void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths,
                    int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
                    int64_t width, float scale) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch<GROUPS && DIM ? GROUPS * DIM : 0> query_buffer(groups * dim);
-    Scratch<DIM> row_buffer(dim);
-    float* query = query_buffer.data();
-    float* row = row_buffer.data();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const int64_t n = lengths[b];
-      const scalar_t* qp = q + task * groups * dim;
-      const scalar_t* kp = k + slots[b] * slot_stride + h * head_stride;
-      float* out = scores + task * groups * width;
+  for_each_head<GROUPS, DIM>(batch, kv_heads, groups, dim, [&](int64_t task, int64_t b, int64_t h, float* query,
+                                                             float* row) {
+    const int64_t n = lengths[b];
+    const scalar_t* qp = q + task * groups * dim;
+    const scalar_t* kp = k + slots[b] * slot_stride + h * head_stride;
+    float* out = scores + task * groups * width;
 #if defined(__AVX512F__)
-      const bool vectorised = has_avx512_scores<scalar_t>(dim);
+    const bool vectorised = has_avx512_scores<scalar_t>(dim);
 #else
-      const bool vectorised = false;
+    const bool vectorised = false;
 #endif
-      if (vectorised) {
+    if (vectorised) {
 #if defined(__AVX512F__)
-        scores_task_avx512<scalar_t>(qp, kp, n, groups, dim, out, width, scale);
+      scores_task_avx512<scalar_t>(qp, kp, n, groups, dim, out, width, scale);
 #endif
-      } else {
-        for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* kr = kp + t * dim;
+    } else {
+      for (int64_t i = 0; i < groups * dim; ++i) query[i] = widen(qp[i]) * scale;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* kr = kp + t * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) row[d] = widen(kr[d]);
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qg = query + g * dim;
-            float sum = 0.f;
+        for (int64_t d = 0; d < dim; ++d) row[d] = widen(kr[d]);
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = query + g * dim;
+          float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-            for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
-            out[g * width + t] = sum;
-          }
+          for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
+          out[g * width + t] = sum;
         }
       }
-      for (int64_t g = 0; g < groups; ++g)
-        for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
     }
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t t = n; t < width; ++t) out[g * width + t] = -std::numeric_limits<float>::infinity();
   });
 }
 
@@ -167,31 +174,25 @@ void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths
                    int64_t kv_heads, int64_t groups_, int64_t dim_, int64_t slot_stride, int64_t head_stride,
                    int64_t width) {
   const int64_t groups = GROUPS ? GROUPS : groups_, dim = DIM ? DIM : dim_;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    Scratch<GROUPS && DIM ? GROUPS * DIM : 0> acc_buffer(groups * dim);
-    Scratch<DIM> row_buffer(dim);
-    float* acc = acc_buffer.data();
-    float* row = row_buffer.data();
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const int64_t n = lengths[b];
-      for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
-      const scalar_t* vp = v + slots[b] * slot_stride + h * head_stride;
-      const float* p = probs + task * groups * width;
-      for (int64_t t = 0; t < n; ++t) {
-        const scalar_t* vr = vp + t * dim;
+  for_each_head<GROUPS, DIM>(batch, kv_heads, groups, dim, [&](int64_t task, int64_t b, int64_t h, float* acc,
+                                                             float* row) {
+    const int64_t n = lengths[b];
+    for (int64_t i = 0; i < groups * dim; ++i) acc[i] = 0.f;
+    const scalar_t* vp = v + slots[b] * slot_stride + h * head_stride;
+    const float* p = probs + task * groups * width;
+    for (int64_t t = 0; t < n; ++t) {
+      const scalar_t* vr = vp + t * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) row[d] = widen(vr[d]);
-        for (int64_t g = 0; g < groups; ++g) {
-          const float w = p[g * width + t];
-          float* ag = acc + g * dim;
+      for (int64_t d = 0; d < dim; ++d) row[d] = widen(vr[d]);
+      for (int64_t g = 0; g < groups; ++g) {
+        const float w = p[g * width + t];
+        float* ag = acc + g * dim;
 #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) ag[d] += w * row[d];
-        }
+        for (int64_t d = 0; d < dim; ++d) ag[d] += w * row[d];
       }
-      scalar_t* op = out + task * groups * dim;
-      for (int64_t i = 0; i < groups * dim; ++i) op[i] = static_cast<scalar_t>(acc[i]);
     }
+    scalar_t* op = out + task * groups * dim;
+    for (int64_t i = 0; i < groups * dim; ++i) op[i] = static_cast<scalar_t>(acc[i]);
   });
 }
 
@@ -222,6 +223,26 @@ void check_slots_and_lengths(const at::Tensor& slots, const at::Tensor& lengths,
   }
 }
 
+// Calls use(groups, dim) as std::integral_constant values: the query's own (G, D) when the kernels have a build
+// for it (its loops unrolled at compile time), else (0, 0), the build that reads both at run time.
+template <typename Use>
+void with_shape(int64_t groups, int64_t dim, Use use) {
+  using G1 = std::integral_constant<int64_t, 1>;
+  using G3 = std::integral_constant<int64_t, 3>;
+  using G4 = std::integral_constant<int64_t, 4>;
+  using G7 = std::integral_constant<int64_t, 7>;
+  using D64 = std::integral_constant<int64_t, 64>;
+  using D128 = std::integral_constant<int64_t, 128>;
+  using Any = std::integral_constant<int64_t, 0>;
+  if (dim == 64 && groups == 3) use(G3{}, D64{});
+  else if (dim == 64 && groups == 1) use(G1{}, D64{});
+  else if (dim == 64 && groups == 4) use(G4{}, D64{});
+  else if (dim == 128 && groups == 1) use(G1{}, D128{});
+  else if (dim == 128 && groups == 4) use(G4{}, D128{});
+  else if (dim == 128 && groups == 7) use(G7{}, D128{});
+  else use(Any{}, Any{});
+}
+
 // q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
 // slots (B,): the cache slot of each query (several may share one: consecutive tokens of a sequence in an extend).
 at::Tensor scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tensor slots, int64_t width,
@@ -236,14 +257,9 @@ at::Tensor scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tens
              q.size(0), q.size(1), q.size(2), q.size(3), k_layer.stride(0), k_layer.stride(1), width,
              static_cast<float>(scale));
     };
-    const int64_t groups = q.size(2), dim = q.size(3);
-    if (dim == 64 && groups == 3) run(scores_kernel<scalar_t, 3, 64>);
-    else if (dim == 64 && groups == 1) run(scores_kernel<scalar_t, 1, 64>);
-    else if (dim == 64 && groups == 4) run(scores_kernel<scalar_t, 4, 64>);
-    else if (dim == 128 && groups == 1) run(scores_kernel<scalar_t, 1, 128>);
-    else if (dim == 128 && groups == 4) run(scores_kernel<scalar_t, 4, 128>);
-    else if (dim == 128 && groups == 7) run(scores_kernel<scalar_t, 7, 128>);
-    else run(scores_kernel<scalar_t, 0, 0>);
+    with_shape(q.size(2), q.size(3), [&](auto groups, auto dim) {
+      run(scores_kernel<scalar_t, decltype(groups)::value, decltype(dim)::value>);
+    });
   });
   return out;
 }
@@ -261,14 +277,9 @@ at::Tensor values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::
              slots.data_ptr<int64_t>(), out.data_ptr<scalar_t>(), probs.size(0), probs.size(1), probs.size(2), v_layer.size(3),
              v_layer.stride(0), v_layer.stride(1), probs.size(3));
     };
-    const int64_t groups = probs.size(2), dim = v_layer.size(3);
-    if (dim == 64 && groups == 3) run(values_kernel<scalar_t, 3, 64>);
-    else if (dim == 64 && groups == 1) run(values_kernel<scalar_t, 1, 64>);
-    else if (dim == 64 && groups == 4) run(values_kernel<scalar_t, 4, 64>);
-    else if (dim == 128 && groups == 1) run(values_kernel<scalar_t, 1, 128>);
-    else if (dim == 128 && groups == 4) run(values_kernel<scalar_t, 4, 128>);
-    else if (dim == 128 && groups == 7) run(values_kernel<scalar_t, 7, 128>);
-    else run(values_kernel<scalar_t, 0, 0>);
+    with_shape(probs.size(2), v_layer.size(3), [&](auto groups, auto dim) {
+      run(values_kernel<scalar_t, decltype(groups)::value, decltype(dim)::value>);
+    });
   });
   return out;
 }
