@@ -15,9 +15,13 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-def assert_same_metrics(got: dict, want: dict, steps: list[int]) -> None:
+def assert_same_metrics(got: dict, want: dict, steps: list[int], layout_bound: tuple[str, ...] = ()) -> None:
+    """Every comparable metric of each step equal up to float rounding, but those the layout sets
+    (``layout_bound``)."""
     for step in steps:
         have, expected = comparable(got[step]), comparable(want[step])
+        for key in layout_bound:
+            have.pop(key), expected.pop(key)
         assert have.keys() == expected.keys() and len(expected) > 30
         for key, value in expected.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
@@ -29,9 +33,11 @@ def task_files(tmp_path):
     return data / "train.parquet", data / "test.parquet"
 
 
-def grpo_equals_data_parallel(tmp_path, mode: str, baseline: list[str], both: tuple[str, ...] = ()) -> None:
+def grpo_equals_data_parallel(
+    tmp_path, mode: str, baseline: list[str], both: tuple[str, ...] = (), layout_bound: tuple[str, ...] = ()
+) -> dict:
     """GRPO (no critic; the actor and its reference split) against the baseline, 3 steps, the task's own reward;
-    ``both``: overrides of both runs."""
+    ``both``: overrides of both runs; ``layout_bound``: metrics the layout sets, not compared. Both runs' records."""
     files = task_files(tmp_path)
     grpo = [
         "algorithm.adv_estimator=grpo",
@@ -45,7 +51,8 @@ def grpo_equals_data_parallel(tmp_path, mode: str, baseline: list[str], both: tu
         runs[name] = records(tmp_path / name)
     assert sorted(runs["split"]) == sorted(runs["baseline"]) == [1, 2, 3]
     assert "critic/vf_loss" not in runs["split"][1] and runs["split"][3]["actor/kl_loss"] > 0  # the policy moved
-    assert_same_metrics(runs["split"], runs["baseline"], [1, 2, 3])
+    assert_same_metrics(runs["split"], runs["baseline"], [1, 2, 3], layout_bound)
+    return runs
 
 
 def ppo_equals_data_parallel_and_resumes_there(tmp_path, mode: str, baseline: list[str]) -> None:

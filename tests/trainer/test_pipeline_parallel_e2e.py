@@ -54,7 +54,15 @@ def test_one_step_off_with_the_actor_in_stages_equals_pp_1(local_ray, tmp_path):
         "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
     ]
-    grpo_equals_data_parallel(tmp_path, "sync", [PP_1[0]], tuple(one_step_off))
+    runs = grpo_equals_data_parallel(
+        tmp_path, "sync", [PP_1[0]], tuple(one_step_off), ("transfer/sent_mb", "transfer/buckets")
+    )
+    # the busiest actor rank: with stages each sends its own stage's weights, about half of them, and the rollout
+    # rank receives a bucket from each
+    split, baseline = runs["split"][1]["transfer/sent_mb"], runs["baseline"][1]["transfer/sent_mb"]
+    assert 0.4 * baseline < split < 0.6 * baseline
+    assert runs["split"][1]["transfer/mb"] == runs["baseline"][1]["transfer/mb"] > 0
+    assert runs["split"][1]["transfer/buckets"] == 2 * runs["baseline"][1]["transfer/buckets"]
 
 
 def test_the_pipeline_mode_splits_every_trained_and_scoring_role():
