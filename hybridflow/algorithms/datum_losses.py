@@ -10,7 +10,8 @@ weights or advantages it sends), and it makes a batch split into chunks give the
     ppo                  -min(ratio · A, clip(ratio, low, high) · A)  low, high: clip_low/high_threshold
 
 Tensors are (B, T) with a 0/1 ``mask`` of each datum's real tokens (padding contributes nothing). A loss returns
-the per-token loss (B, T), zero on padding, and its sum is the loss that is differentiated.
+the per-token loss (B, T), zero on padding, and its sum is the loss that is differentiated. Each is an objective of
+the registry (objectives/datum.py: its inputs, its settings and their defaults).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ ADVANTAGES = "advantages"
 
 PPO_CLIP_LOW = "clip_low_threshold"
 PPO_CLIP_HIGH = "clip_high_threshold"
-PPO_DEFAULTS = {PPO_CLIP_LOW: 0.8, PPO_CLIP_HIGH: 1.2}  # on the ratio: 1 - 0.2 and 1 + 0.2
 
 
 @dataclass(frozen=True)
@@ -46,18 +46,6 @@ class DatumOutput:
 
 
 DatumLossFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor], torch.Tensor, Mapping[str, float]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class DatumLoss:
-    """A loss of the registry: the function, the per-token inputs it reads besides ``target_tokens``, the
-    settings ``loss_fn_config`` may give (with their defaults), and ``trains``: the input whose zeros make a
-    token's loss gradient exactly zero (a weight or an advantage), so the pass differentiates only the others."""
-
-    fn: DatumLossFn
-    inputs: tuple[str, ...]
-    settings: Mapping[str, float]
-    trains: str
 
 
 def cross_entropy(
@@ -87,28 +75,3 @@ def ppo(
     advantages = inputs[ADVANTAGES]
     clipped = torch.clamp(ratio, settings[PPO_CLIP_LOW], settings[PPO_CLIP_HIGH])
     return -torch.minimum(ratio * advantages, clipped * advantages) * mask
-
-
-DATUM_LOSSES: dict[str, DatumLoss] = {
-    "cross_entropy": DatumLoss(cross_entropy, (WEIGHTS,), {}, trains=WEIGHTS),
-    "importance_sampling": DatumLoss(importance_sampling, (SAMPLER_LOGPROBS, ADVANTAGES), {}, trains=ADVANTAGES),
-    "ppo": DatumLoss(ppo, (SAMPLER_LOGPROBS, ADVANTAGES), PPO_DEFAULTS, trains=ADVANTAGES),
-}
-
-
-def loss_settings(name: str, given: Mapping[str, float] | None) -> dict[str, float]:
-    """The loss's settings: its defaults updated by ``given``; ValueError naming a setting it does not have or a
-    ppo pair that is not low <= 1 <= high."""
-    loss = DATUM_LOSSES[name]
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(loss.settings))
-    if unknown:
-        known = sorted(loss.settings) or "none"
-        raise ValueError(f"loss_fn_config {unknown} is not a setting of {name} (its settings: {known})")
-    settings = {**loss.settings, **{key: float(value) for key, value in given.items()}}
-    if name == "ppo" and not settings[PPO_CLIP_LOW] <= 1.0 <= settings[PPO_CLIP_HIGH]:
-        raise ValueError(
-            f"ppo needs {PPO_CLIP_LOW} <= 1 <= {PPO_CLIP_HIGH} (bounds on the ratio, e.g. 0.8 and 1.2), "
-            f"got {settings[PPO_CLIP_LOW]} and {settings[PPO_CLIP_HIGH]}"
-        )
-    return settings

@@ -1,7 +1,8 @@
 """Forward (and backward) passes over datums: token sequences with a target token at every position, through the
 packed forward every training pass uses (engine/forward.py).
 
-A datum is the Tinker API's unit (``algorithms/datum_losses.py``): ``tokens`` (N,) and per-position inputs, among
+A datum is the Tinker API's unit (``algorithms/datum_losses.py``; its losses are objectives,
+``algorithms/objectives/datum.py``): ``tokens`` (N,) and per-position inputs, among
 them ``target_tokens`` (N,), the token each position is scored on (usually the next one, but any token). The pass
 reads the log-probability of each target under the model, the loss per token, and with a backward pass adds the
 summed loss's gradient to the parameters' gradients: calls accumulate until the optimizer step, as the API says.
@@ -21,12 +22,13 @@ layer, costs what the trained tokens cost, as in ``hybridflow sft``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
-from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS, Datum, DatumOutput
+from hybridflow.algorithms.datum_losses import TARGET_TOKENS, Datum, DatumOutput
+from hybridflow.algorithms.objectives import DatumObjective, ForwardOutputs
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from hybridflow.engine.dynamic_batch import group_by_tokens, split_by_groups
 from hybridflow.engine.forward import response_log_probs
@@ -96,8 +98,7 @@ def head_gradient_at(model: nn.Module, trained: torch.Tensor) -> Iterator[None]:
 def run_datums(
     model: nn.Module,
     datums: Sequence[Datum],
-    loss_name: str,
-    settings: Mapping[str, float],
+    objective: DatumObjective,
     *,
     backward: bool,
     max_tokens: int,
@@ -107,18 +108,17 @@ def run_datums(
     """Each datum's log-probs and per-token loss, and the summed loss; with ``backward`` the gradient of
     ``loss_scale`` x the summed loss is added to the parameters' gradients (``loss_scale``: the data-parallel size,
     whose average FSDP takes). Micro-batches hold at most ``max_tokens`` real tokens (a longer datum runs alone)."""
-    loss = DATUM_LOSSES[loss_name]
-    rows = datum_rows(datums, loss.inputs, device)
+    rows = datum_rows(datums, objective.inputs, device)
     outputs: list[DatumOutput | None] = [None] * len(datums)
     total = 0.0
     groups = [sorted(group) for group in group_by_tokens([len(d.tokens) + 1 for d in datums], max_tokens)]
     for group, micro in zip(groups, split_by_groups(rows, groups)):
         mask = micro.batch[RESPONSE_MASK]
-        trained = micro.batch[loss.trains][mask.bool()] != 0  # the packed head positions, row-major
+        trained = micro.batch[objective.trains][mask.bool()] != 0  # the packed head positions, row-major
         head = head_gradient_at(model, trained) if backward else contextlib.nullcontext()
         with torch.set_grad_enabled(backward), head:
             logprobs, _ = response_log_probs(model, micro, remove_padding=True)
-            per_token = loss.fn(logprobs, {name: micro.batch[name] for name in loss.inputs}, mask.float(), settings)
+            per_token = objective.per_token(ForwardOutputs(log_probs=logprobs), micro.batch)
             summed = per_token.sum()
             if backward:
                 (summed * loss_scale).backward()

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hybridflow.algorithms.datum_losses import DATUM_LOSSES, TARGET_TOKENS, Datum, loss_settings
+from hybridflow.algorithms.datum_losses import TARGET_TOKENS, Datum
+from hybridflow.algorithms.objectives import datum_objective
 from hybridflow.models.adapters import ATTN, MLP, UNEMBED
 from hybridflow.serve import messages as m
 from hybridflow.serve.futures import ServiceError
@@ -139,10 +140,8 @@ class TrainingPart(ServiceState):
     def _datums(self, call: ForwardBackwardCall) -> list[Datum]:
         """The call's datums, every bound and input checked (ValueError naming the datum and what is wrong)."""
         limits = self.limits
-        loss = DATUM_LOSSES.get(call.loss_fn)
-        if loss is None:
-            raise ValueError(f"loss_fn {call.loss_fn!r} is not served here (this service has {sorted(DATUM_LOSSES)})")
-        loss_settings(call.loss_fn, call.loss_fn_config)
+        loss = datum_objective(call.loss_fn)
+        loss.checked(call.loss_fn_config)
         if not call.tokens:
             raise ValueError("forward_backward with no datums")
         if len(call.tokens) > limits.max_datums_per_request:

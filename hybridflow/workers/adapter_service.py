@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridflow.algorithms.datum_losses import TARGET_TOKENS, WEIGHTS, Datum, DatumOutput, loss_settings
+from hybridflow.algorithms.datum_losses import TARGET_TOKENS, WEIGHTS, Datum, DatumOutput
+from hybridflow.algorithms.objectives import datum_objective
 from hybridflow.controller import Dispatch, Worker, register
 from hybridflow.engine.adapter_slots import AdapterSlots, AdapterState
 from hybridflow.engine.config import FSDPConfig
@@ -136,14 +137,13 @@ class AdapterServiceWorker(Worker):
     ) -> tuple[list[DatumOutput], float]:
         """Each datum's log-probs and per-token loss and the summed loss; unless ``forward_only`` its gradient is
         added to adapter ``key``'s."""
-        settings = loss_settings(loss_name, config)
+        objective = datum_objective(loss_name)(config)
         self.slots.activate(key)
         self.model.train(not forward_only)
         return run_datums(
             self.model,
             datums,
-            loss_name,
-            settings,
+            objective,
             backward=not forward_only,
             max_tokens=self.max_tokens,
             device=self.device,
@@ -233,8 +233,9 @@ class AdapterServiceWorker(Worker):
         if state is not None:
             self.slots.activate(sampler)
         with adapters_off(self.model) if state is None else contextlib.nullcontext():
+            scoring = datum_objective("cross_entropy")()  # zero weights: the log-probs alone
             outputs, _ = run_datums(
-                self.model, datums, "cross_entropy", {}, backward=False, max_tokens=self.max_tokens, device=self.device
+                self.model, datums, scoring, backward=False, max_tokens=self.max_tokens, device=self.device
             )
         for i, output in zip(scored, outputs):
             out[i] = [math.nan, *output.logprobs.tolist()]

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.algorithms.datum_losses import Datum, loss_settings
+from hybridflow.algorithms.datum_losses import Datum
+from hybridflow.algorithms.objectives import datum_objective
 from hybridflow.engine.adapter_slots import AdapterSlots
 from hybridflow.engine.datum_pass import run_datums
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
@@ -15,6 +16,7 @@ from hybridflow.models import load_causal_lm
 from hybridflow.models.adapters import ATTN, MLP, UNEMBED
 
 CPU = torch.device("cpu")
+CROSS_ENTROPY = datum_objective("cross_entropy")()
 ADAM = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
 
 
@@ -39,14 +41,14 @@ def datums(vocab: int, seed: int, count: int = 3) -> list[Datum]:
 
 def train_step(slots: AdapterSlots, key: str, data: list[Datum]) -> float:
     slots.activate(key)
-    _, loss = run_datums(slots.model, data, "cross_entropy", {}, backward=True, max_tokens=64, device=CPU)
+    _, loss = run_datums(slots.model, data, CROSS_ENTROPY, backward=True, max_tokens=64, device=CPU)
     slots.step(**ADAM)
     return loss
 
 
 def logprobs(slots: AdapterSlots, key: str, data: list[Datum]) -> list[np.ndarray]:
     slots.activate(key)
-    outputs, _ = run_datums(slots.model, data, "cross_entropy", {}, backward=False, max_tokens=64, device=CPU)
+    outputs, _ = run_datums(slots.model, data, CROSS_ENTROPY, backward=False, max_tokens=64, device=CPU)
     return [o.logprobs for o in outputs]
 
 
@@ -80,11 +82,11 @@ def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path, parts,
         data = datums(vocab, seed=step)
         slot_loss = train_step(slots, "a", data)
         optimizer.zero_grad()
-        _, alone_loss = run_datums(alone, data, "cross_entropy", {}, backward=True, max_tokens=64, device=CPU)
+        _, alone_loss = run_datums(alone, data, CROSS_ENTROPY, backward=True, max_tokens=64, device=CPU)
         optimizer.step()
         assert slot_loss == pytest.approx(alone_loss, rel=1e-6)
     held_out = datums(vocab, seed=99)
-    expected, _ = run_datums(alone, held_out, "cross_entropy", {}, backward=False, max_tokens=64, device=CPU)
+    expected, _ = run_datums(alone, held_out, CROSS_ENTROPY, backward=False, max_tokens=64, device=CPU)
     for got, want in zip(logprobs(slots, "a", held_out), expected):
         np.testing.assert_allclose(got, want.logprobs, atol=1e-5)
     # the rows and columns beyond rank 2 and the layers of other parts stayed exactly zero; the adapted ones trained
@@ -102,10 +104,10 @@ def test_interleaved_adapters_keep_their_own_gradients_and_optimizer_state(tiny_
     # a: forward_backward, then b's whole step, then a's second pass and step: a's gradients wait in its state
     for step in range(2):
         both.activate("a")
-        run_datums(both.model, datums(vocab, 10 + step), "cross_entropy", {}, backward=True, max_tokens=64, device=CPU)
+        run_datums(both.model, datums(vocab, 10 + step), CROSS_ENTROPY, backward=True, max_tokens=64, device=CPU)
         train_step(both, "b", datums(vocab, 20 + step))
         both.activate("a")
-        run_datums(both.model, datums(vocab, 30 + step), "cross_entropy", {}, backward=True, max_tokens=64, device=CPU)
+        run_datums(both.model, datums(vocab, 30 + step), CROSS_ENTROPY, backward=True, max_tokens=64, device=CPU)
         both.step(**ADAM)
     alone = slotted(tiny_path)
     alone.create("a", rank=4, parts=frozenset({ATTN, MLP}), scaling=1.0, seed=1)
@@ -151,7 +153,7 @@ def test_a_forward_only_pass_adds_no_gradient_and_datum_logprobs_are_the_models(
     slots.create("a", rank=2, parts=frozenset({ATTN}), scaling=1.0, seed=0)
     slots.activate("a")
     data = datums(slots.model.config.vocab_size, 3)
-    outputs, loss = run_datums(slots.model, data, "cross_entropy", {}, backward=False, max_tokens=64, device=CPU)
+    outputs, loss = run_datums(slots.model, data, CROSS_ENTROPY, backward=False, max_tokens=64, device=CPU)
     assert all(p.grad is None for p in slots.model.parameters())
     with torch.no_grad():  # one datum alone, by hand
         d = data[1]
@@ -172,7 +174,7 @@ def test_creation_is_refused_outside_the_slot(tiny_path):
     with pytest.raises(ValueError, match="exists"):
         slots.create("a", rank=2, parts=frozenset({ATTN}), scaling=1.0, seed=0)
     with pytest.raises(ValueError, match="not a setting of cross_entropy"):
-        loss_settings("cross_entropy", {"clip_low_threshold": 0.5})
+        datum_objective("cross_entropy")({"clip_low_threshold": 0.5})
 
 
 def test_the_packed_datum_pass_gives_each_target_s_log_prob_and_micro_batching_changes_nothing(tiny_path):
@@ -186,7 +188,7 @@ def test_the_packed_datum_pass_gives_each_target_s_log_prob_and_micro_batching_c
     results = []
     for budget in (1, 1000):
         model.zero_grad(set_to_none=True)
-        outputs, loss = run_datums(model, data, "cross_entropy", {}, backward=True, max_tokens=budget, device=CPU)
+        outputs, loss = run_datums(model, data, CROSS_ENTROPY, backward=True, max_tokens=budget, device=CPU)
         results.append((outputs, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     with torch.no_grad():
         for datum, output in zip(data, results[0][0]):

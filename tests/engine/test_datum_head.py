@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from hybridflow.algorithms.datum_losses import DATUM_LOSSES, Datum, loss_settings
+from hybridflow.algorithms.datum_losses import Datum
+from hybridflow.algorithms.objectives import datum_objective, datum_objectives
 from hybridflow.engine import datum_pass
 from hybridflow.engine.datum_pass import head_gradient_at, run_datums
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
@@ -41,13 +42,13 @@ def run(model, data, loss, monkeypatch, split: bool):
         monkeypatch.setattr(datum_pass, "head_gradient_at", everywhere)
     model.zero_grad(set_to_none=True)
     outputs, total = run_datums(
-        model, data, loss, loss_settings(loss, {}), backward=True, max_tokens=24, device=CPU, loss_scale=2.0
+        model, data, datum_objective(loss)(), backward=True, max_tokens=24, device=CPU, loss_scale=2.0
     )
     monkeypatch.undo()
     return outputs, total, gradients(model)
 
 
-@pytest.mark.parametrize("loss", sorted(DATUM_LOSSES))
+@pytest.mark.parametrize("loss", datum_objectives())
 @pytest.mark.parametrize("lora", [True, False])
 def test_gradients_logprobs_and_losses_equal_the_plain_pass(tiny_path, monkeypatch, loss, lora):
     torch.manual_seed(0)
