@@ -31,7 +31,6 @@ from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
-from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
 
 
@@ -83,7 +82,7 @@ class ResponseOutputs(NamedTuple):
     shard: ResponseShard | None
 
 
-def _sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> int:
+def sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> int:
     """The ranks of ``sp_group``; ValueError for a padded pass under sequence parallelism (it splits packed rows)."""
     sp = sp_size(sp_group)
     if sp > 1 and not remove_padding:
@@ -103,7 +102,7 @@ def response_outputs(
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
-    sp = _sp_of_packed(sp_group, remove_padding)
+    sp = sp_of_packed(sp_group, remove_padding)
     if not remove_padding:
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
         return ResponseOutputs(model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None)
@@ -124,7 +123,7 @@ def packed_responses(batch: DataProto) -> tuple[PackedBatch, torch.Tensor]:
     return packed, packed.response_index[packed.response_valid]
 
 
-def _local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBatch, SequenceShards, int]:
+def local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBatch, SequenceShards, int]:
     """This rank's slice of the packed tokens (every rank's as long: the sequence padded to a multiple of sp), the
     shards the attention exchanges over, and the slice's first packed position."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -143,7 +142,7 @@ def _sharded_outputs(
     model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, ResponseShard]:
     """This rank's slice of the packed tokens through the model, and its outputs among ``keep``."""
-    local, shards, start = _local_slice(packed, group)
+    local, shards, start = local_slice(packed, group)
     held = (keep >= start) & (keep < start + local.input_ids.shape[1])
     if _accepts_logits_to_keep(model):
         outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
@@ -238,7 +237,7 @@ def _batched(
     return [of_outputs(m, response_outputs(model, m, remove_padding, sp_group)) for m in micro_batches], groups
 
 
-def _check_pipelined(remove_padding: bool, sp_group: dist.ProcessGroup | None) -> None:
+def check_pipelined(remove_padding: bool, sp_group: dist.ProcessGroup | None) -> None:
     if not remove_padding:
         raise ValueError("pipeline parallelism runs on packed rows: set use_remove_padding=true")
     if sp_size(sp_group) > 1:
@@ -255,7 +254,7 @@ def pipelined_outputs(
     """``response_outputs`` of every micro-batch through a pipelined model's stages. With ``loss`` (training): loss(i,
     outputs) is micro-batch i's loss, which the schedule backwards; returns None. Without: forward only; returns the
     outputs on the rank holding the last stage, None elsewhere."""
-    _check_pipelined(remove_padding, sp_group)
+    check_pipelined(remove_padding, sp_group)
     packed = [packed_responses(micro) for micro in micro_batches]
 
     def outputs(index: int, logits: torch.Tensor) -> ResponseOutputs:
@@ -315,83 +314,3 @@ def batched_values(
         sp_group,
     )
     return restore_order(parts, groups)
-
-
-def score_columns(input_ids: torch.Tensor, attention_mask: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B,) each row's scored column: its rightmost real token that is not the pad token (0 if none)."""
-    scored = attention_mask.bool() & (input_ids != pad_token_id)
-    columns = torch.arange(input_ids.shape[1], device=input_ids.device)
-    return (columns * scored).argmax(dim=1)
-
-
-def head_module(model: nn.Module) -> nn.Module:
-    """The score head (under LoRA: peft's wrapper of it, whose output is the trained copy's)."""
-    names = [name for name, _ in model.named_modules() if name.split(".")[-1] == HEAD_NAME]
-    if not names:
-        raise ValueError(f"{type(model).__name__} has no {HEAD_NAME!r} head: not a sequence classifier")
-    return model.get_submodule(min(names, key=len))
-
-
-def sequence_scores(
-    model: nn.Module,
-    batch: DataProto,
-    pad_token_id: int,
-    remove_padding: bool,
-    sp_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """(B,) fp32: a sequence classifier's score of each row, at its last token that is not the pad token.
-
-    This is transformers' ``*ForSequenceClassification`` rule, which the RL reward worker relies on. The padded pass
-    takes the score from the model's own output; the packed pass runs the real tokens only (rows sharing their first
-    tokens compute them once) and reads the head's output at the same tokens; with ``sp_group`` (Ulysses) each rank
-    runs its slice and gives the scores of the rows whose scored token it holds."""
-    if isinstance(model, PipelinedModel):
-        raise ValueError(
-            "a sequence score (a reward model) does not run through pipeline stages yet: set the reward "
-            "model's pipeline_model_parallel_size to 1"
-        )
-    tensors = batch.batch
-    ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
-    sp = _sp_of_packed(sp_group, remove_padding)
-    if not remove_padding:
-        return (
-            model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False)
-            .logits[:, 0]
-            .float()
-        )
-    packed = pack(ids, mask, tensors[POSITION_IDS], tensors[RESPONSES].shape[1])
-    columns = score_columns(ids, mask, pad_token_id)
-    slots = (mask.long().cumsum(dim=1) - 1).gather(1, columns.unsqueeze(1))  # the scored token among its row's
-    positions = packed.segments.index.gather(1, slots).squeeze(1)  # (B,) its packed position
-    shards, start = None, 0
-    if sp > 1:
-        packed, shards, start = _local_slice(packed, sp_group)
-    outputs: list[torch.Tensor] = []
-    hook = head_module(model).register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
-    try:  # the model's pooled output reads one token of the pack: the head's output is what is used
-        packed_forward(model, packed, shards=shards)
-    finally:
-        hook.remove()
-    token_scores = outputs[-1][0, :, 0]  # the head's output at every packed token (of this rank's slice)
-    if shards is None:
-        return token_scores[positions].float()
-    held = (positions >= start) & (positions < start + packed.input_ids.shape[1])
-    return ResponseShard(held, sp_group).whole(token_scores[positions[held] - start].float())
-
-
-@torch.no_grad()
-def batched_scores(
-    model: nn.Module,
-    data: DataProto,
-    micro_batch_size: int,
-    pad_token_id: int,
-    *,
-    remove_padding: bool = False,
-    max_token_len: int | None = None,
-    sp_group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Sequence scores of a whole batch, (B,); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
-    compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding, sp_group)  # noqa: E731
-    sharing = packed_prompt_sharing(data, remove_padding)
-    groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
-    return restore_order([compute(micro) for micro in split_by_groups(data, groups)], groups)

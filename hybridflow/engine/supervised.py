@@ -10,6 +10,7 @@ micro-batching. The reference is a frozen model, or (None) this model with its L
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,19 +24,11 @@ from hybridflow.algorithms.objectives import SEQUENCE_SCORES, ForwardOutputs, Ob
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine.config import SFTEngineConfig
 from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import (
-    ResponseOutputs,
-    batched_log_probs,
-    batched_scores,
-    log_probs_of,
-    pass_work,
-    response_outputs,
-    sequence_scores,
-)
+from hybridflow.engine.forward import ResponseOutputs, batched_log_probs, log_probs_of, pass_work, response_outputs
 from hybridflow.engine.lora import adapters_off
 from hybridflow.engine.optim import OptimConfig, TrainedModel
-from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
+from hybridflow.engine.sequence_scores import batched_scores, pipelined_scores, sequence_scores
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -63,8 +56,6 @@ class SupervisedEngine:
         dp_group: dist.ProcessGroup | None = None,
         sp_group: dist.ProcessGroup | None = None,
     ):
-        if objective.output == SEQUENCE_SCORES and isinstance(trained.model, PipelinedModel):
-            raise ValueError(f"the {objective.name!r} objective's sequence scores do not run through pipeline stages")
         self.trained = trained
         self.config = config
         self.objective = objective
@@ -113,6 +104,12 @@ class SupervisedEngine:
         )
         return log_probs
 
+    def _staged(self) -> dict:
+        """run_updates' pass through pipeline stages where it is not the token outputs' (a sequence score's)."""
+        if self.objective.output != SEQUENCE_SCORES:
+            return {}
+        return {"staged": functools.partial(pipelined_scores, pad_token_id=self.pad_token_id)}
+
     def _micro_loss(
         self, micro: DataProto, agg: LossAggregation, outputs: torch.Tensor | ResponseOutputs
     ) -> tuple[torch.Tensor, dict]:
@@ -139,6 +136,7 @@ class SupervisedEngine:
             loss_share_keys=self.objective.share_keys,
             dp_group=self.dp_group,
             row_units=pair_units if self.objective.paired else None,
+            **self._staged(),
         )
         return DataProto(meta_info={METRICS: metrics})
 

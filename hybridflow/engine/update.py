@@ -50,6 +50,9 @@ from hybridflow.protocol import DataProto
 
 # (micro-batch, the mini-batch's loss aggregation, the model's outputs on it) -> its loss and metrics
 MicroLossFn = Callable[[DataProto, LossAggregation, Any], tuple[torch.Tensor, dict[str, float]]]
+# a pipelined model's pass over micro-batches (forward.py ``pipelined_outputs``' signature): the loss of each on the
+# last stage, backwarded by the schedule
+StagedForward = Callable[..., Any]
 
 
 class UpdatedEngine:
@@ -113,11 +116,13 @@ def run_updates(
     loss_share_keys: tuple[str, ...] = (),
     dp_group: dist.ProcessGroup | None = None,
     row_units: Callable[[DataProto], Sequence[int]] | None = None,
+    staged: StagedForward = pipelined_outputs,
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
     ``forward`` gives the model's outputs on a micro-batch and ``micro_loss`` its loss and metrics from them (a
-    pipelined model's stages give its ``response_outputs`` instead, the last stage computing the loss). ``prefix``
+    pipelined model's stages give them through ``staged`` instead: ``response_outputs`` by default, the sequence
+    scores with sequence_scores.py ``pipelined_scores``; the last stage computes the loss). ``prefix``
     names the step's own metrics (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and
     ``pass_name`` its FLOP/s over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
     Metrics are the mini-batch's whatever its micro-batches and ranks: a micro-batch's value weighted by its
@@ -148,7 +153,7 @@ def run_updates(
         groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing, units)
         shares: dict[str, float] = defaultdict(float)
         micro_batches = split_by_groups(mini_batch, groups)
-        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config)
+        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config, staged)
         for micro_batch, metrics in zip(micro_batches, backwarded):
             tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
             token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
@@ -188,6 +193,7 @@ def _backward(
     forward: Callable[[DataProto], Any],
     micro_loss: MicroLossFn,
     config: UpdateConfig,
+    staged: StagedForward,
 ) -> list[dict[str, float]]:
     """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
     A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
@@ -200,7 +206,7 @@ def _backward(
             metrics[index] = {key: _to_float(value) for key, value in values.items()}
             return loss * world_size
 
-        pipelined_outputs(model, micro_batches, config.use_remove_padding, loss=staged_loss)
+        staged(model, micro_batches, config.use_remove_padding, loss=staged_loss)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
     results = []
     with gathered_through_backward(model, keep=not config.reshard_after_forward):

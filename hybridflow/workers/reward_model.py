@@ -17,7 +17,7 @@ from hybridflow.batch_keys import (
 from hybridflow.controller import Worker, register
 from hybridflow.controller.decorator import mesh_compute_proto
 from hybridflow.data.reward_text import reward_model_text, scored_conversation
-from hybridflow.engine.forward import batched_scores
+from hybridflow.engine.sequence_scores import batched_scores
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_reward_model, load_tokenizer
 from hybridflow.protocol import DataProto

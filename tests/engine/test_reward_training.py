@@ -15,9 +15,9 @@ from hybridflow.algorithms.objectives.bradley_terry import RM_LOSS, BradleyTerry
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, METRICS, RESPONSE_MASK, SEQUENCE_SCORE
 from hybridflow.data.io import write_rows
 from hybridflow.data.reward_pairs import RewardPairDataset
-from hybridflow.engine.forward import score_columns
 from hybridflow.engine.lora import LoraConfig, apply_lora
 from hybridflow.engine.optim import TrainedModel
+from hybridflow.engine.sequence_scores import score_columns
 from hybridflow.engine.supervised import SupervisedEngine
 from hybridflow.models import load_reward_model, load_tokenizer
 from tests.data.test_preference_dataset import CONFIG as DATA

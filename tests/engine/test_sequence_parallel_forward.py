@@ -13,7 +13,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from hybridflow.engine.forward import response_log_probs, response_values, sequence_scores
+from hybridflow.engine.forward import response_log_probs, response_values
+from hybridflow.engine.sequence_scores import sequence_scores
 from hybridflow.models import load_causal_lm, load_critic, load_reward_model, resolve_model_path
 from hybridflow.protocol import DataProto
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hybridflow.algorithms.objectives import OBJECTIVES, SEQUENCE_SCORES
+from hybridflow.algorithms.objectives import OBJECTIVES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
@@ -204,15 +204,8 @@ def run_supervised(
 
 
 def check_supervised_stages(config: Any, objective: Any, layout: LayoutShape) -> None:
-    """Pipeline stages run token log-probs (a reward model's sequence score does not run through them yet), with at
-    least one micro-batch per stage in a step."""
+    """At least one micro-batch per pipeline stage in a step."""
     key = "engine.pipeline_model_parallel_size"
-    if objective.output == SEQUENCE_SCORES:
-        raise ConfigError(
-            key,
-            f"{layout.pp}: a sequence score (the {objective.name} objective's) does not run through stages yet",
-            "set it to 1",
-        )
     engine = config.engine
     if not engine.use_dynamic_bsz:
         rows = config.data.train_batch_size * (2 if objective.paired else 1) // layout.dp
