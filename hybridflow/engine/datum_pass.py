@@ -114,8 +114,9 @@ def run_datums(
     groups = [sorted(group) for group in group_by_tokens([len(d.tokens) + 1 for d in datums], max_tokens)]
     for group, micro in zip(groups, split_by_groups(rows, groups)):
         mask = micro.batch[RESPONSE_MASK]
-        trained = micro.batch[objective.trains][mask.bool()] != 0  # the packed head positions, row-major
-        head = head_gradient_at(model, trained) if backward else contextlib.nullcontext()
+        head = contextlib.nullcontext()
+        if backward:  # the packed head positions (row-major) whose loss has a gradient
+            head = head_gradient_at(model, micro.batch[objective.trains][mask.bool()] != 0)
         with torch.set_grad_enabled(backward), head:
             logprobs, _ = response_log_probs(model, micro, remove_padding=True)
             per_token = objective.per_token(ForwardOutputs(log_probs=logprobs), micro.batch)

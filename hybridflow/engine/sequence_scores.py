@@ -128,11 +128,11 @@ def batched_scores(
     sp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Sequence scores of a whole batch, (B,); micro-batches and ``sp_group`` as in ``batched_log_probs``."""
-    compute = lambda micro: sequence_scores(model, micro, pad_token_id, remove_padding, sp_group)  # noqa: E731
     sharing = packed_prompt_sharing(data, remove_padding)
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     micro_batches = split_by_groups(data, groups)
     if isinstance(model, PipelinedModel):  # every micro-batch in one schedule
         scores = pipelined_scores(model, micro_batches, remove_padding, sp_group, pad_token_id=pad_token_id)
         return restore_order(model.share_from_last(scores), groups)
-    return restore_order([compute(micro) for micro in micro_batches], groups)
+    scores = [sequence_scores(model, micro, pad_token_id, remove_padding, sp_group) for micro in micro_batches]
+    return restore_order(scores, groups)
