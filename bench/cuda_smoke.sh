@@ -1,7 +1,8 @@
 #!/bin/bash
 # The CUDA path end to end on one GPU (run by hand on a GPU machine; CI has none): bench/cuda_check.py, then short
 # GRPO, PPO (critic, reference, reward model, KL), LoRA, multi-turn with the calculator tool (sandboxed) and SFT
-# runs with trainer.device=cuda on a local Ray cluster; first, on a machine with 2 GPUs or more, PPO with the actor,
+# runs, then DPO and reward-model training on pairs made from the arithmetic task's answers, with trainer.device=cuda
+# on a local Ray cluster; first, on a machine with 2 GPUs or more, PPO with the actor,
 # its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU), then in 2 pipeline stages (pp = 2).
 # Logs go to $OUT.
 #
@@ -10,7 +11,7 @@
 #   WHEELS=dir ...                                            # first install the wheels in dir (a machine without PyPI)
 #   PARTS=2 SIZES="1024:128 --profile" RUNS=none ...          # only the update's timing, profiled at that size
 #
-# What one H100 gave is in docs/results.md (the H100 rows).
+# What one H100 and one H200 gave is in docs/results.md (the GPU rows).
 set -u
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}; PY=${PY:-python3}; OUT=${OUT:-/tmp/cuda_smoke}; mkdir -p "$OUT"
@@ -42,7 +43,17 @@ run() {  # name, seconds allowed, then the module and its arguments
   grep -E "^step |Error|error:" "$OUT/$name.log" | tail -6
 }
 GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
-for what in ${RUNS:-sp pp grpo ppo lora agent sft}; do
+if [ ! -f /tmp/cuda_smoke_pairs/test.parquet ]; then  # a right answer chosen over a wrong one (any model's)
+  $PY -c "
+import sys, pandas as pd
+for split in ('train', 'test'):
+    rows = pd.read_parquet(f'data/arithmetic/{split}.parquet').head(64)
+    truth = [row['ground_truth'] for row in rows['reward_model']]
+    pd.DataFrame({'prompt': list(rows['prompt']), 'chosen': truth, 'rejected': [str(int(t) + 1) for t in truth]}).to_parquet(f'{sys.argv[1]}/{split}.parquet')
+" "$(mkdir -p /tmp/cuda_smoke_pairs && echo /tmp/cuda_smoke_pairs)"
+fi
+PAIRS="data.train_files=[/tmp/cuda_smoke_pairs/train.parquet] data.val_files=[/tmp/cuda_smoke_pairs/test.parquet]"
+for what in ${RUNS:-sp pp grpo ppo lora agent sft dpo rm}; do
   case $what in
     sp) if [ "$GPUS" -lt 2 ]; then echo "== sp: needs 2 GPUs, this machine has $GPUS"; continue; fi
         run sp 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
@@ -77,6 +88,10 @@ for what in ${RUNS:-sp pp grpo ppo lora agent sft}; do
             model.path="$MODEL" "data.train_files=[/tmp/cuda_smoke_calc/train.parquet]" \
             "data.val_files=[/tmp/cuda_smoke_calc/test.parquet]" trainer.total_training_steps=3 \
             trainer.default_local_dir=/tmp/cuda_smoke_sft ;;
+    dpo|rm) # shellcheck disable=SC2086  # PAIRS is two arguments
+        run "$what" 150 hybridflow.trainer.commands."$what" --config "examples/${what}_arithmetic_smollm2.yaml" $COMMON \
+            model.path="$MODEL" $PAIRS trainer.total_training_steps=3 trainer.test_freq=2 \
+            trainer.default_local_dir="/tmp/cuda_smoke_$what" ;;
   esac
 done
 date

@@ -90,7 +90,7 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves state off a GPU; none here")
 def test_offload_round_trip_on_gpu():
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())  # the index named: cuda != cuda:0 for torch.device
     model = torch.nn.Linear(64, 32).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(8, 64, device=device)).sum().backward()
