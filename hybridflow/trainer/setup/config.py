@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, MissingMandatoryValue, OmegaConfBaseException
 
 from hybridflow.algorithms import AlgorithmConfig
@@ -223,6 +223,32 @@ class HybridFlowConfig:
     def world_size(self) -> int:
         return self.trainer.world_size
 
+    def __getattr__(self, name: str):
+        """A section that a part brings (``register_section``), read as the composed sections are."""
+        sections = self.__dict__.get("part_sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+
+
+# Top-level sections that parts bring beside HybridFlowConfig's own (a role's, trainer/setup/role_parts.py): name ->
+# its dataclass, whose field defaults are the section's defaults. They are read and checked like the others.
+PART_SECTIONS: dict[str, type] = {}
+
+
+def register_section(name: str, cls: type) -> None:
+    """Add the top-level section ``name``, held by the dataclass ``cls`` (every field with a default)."""
+    if name in PART_SECTIONS or name in {field.name for field in dataclasses.fields(HybridFlowConfig)}:
+        raise ValueError(f"the config already has a section {name!r}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.default is f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"section {name!r}: {cls.__name__} needs a default for {', '.join(missing)}")
+    PART_SECTIONS[name] = cls
+
+
+def _part_sections(root: type) -> dict[str, type]:
+    return PART_SECTIONS if root is HybridFlowConfig else {}
+
 
 def _known_keys(node, prefix: str = "") -> list[str]:
     keys = []
@@ -234,10 +260,13 @@ def _known_keys(node, prefix: str = "") -> list[str]:
     return keys
 
 
-def _explain(error: OmegaConfBaseException, defaults: Path) -> ConfigError:
+def _explain(error: OmegaConfBaseException, defaults: Path, parts: dict[str, type]) -> ConfigError:
     key = getattr(error, "full_key", None) or "?"
     if isinstance(error, ConfigKeyError):
-        close = difflib.get_close_matches(key, _known_keys(OmegaConf.load(defaults)), n=3)
+        known = _known_keys(OmegaConf.load(defaults))
+        for name, cls in parts.items():
+            known += _known_keys(OmegaConf.structured(cls), f"{name}.")
+        close = difflib.get_close_matches(key, known, n=3)
         hint = f"did you mean {', '.join(close)}?" if close else f"see hybridflow/config/{defaults.name} for the keys"
         return ConfigError(key, "no such key", hint)
     if isinstance(error, MissingMandatoryValue):
@@ -318,22 +347,30 @@ def load_config(
 ):
     """The ``defaults`` YAML <- ``config_file`` (if given) <- ``key=value`` overrides, as the typed dataclasses of
     ``root`` (RL's config by default; the SFT trainer's: trainer/setup/sft_config.py)."""
+    parts = _part_sections(root)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(root), OmegaConf.load(defaults))
+        with open_dict(merged):
+            for name, cls in parts.items():
+                merged[name] = OmegaConf.structured(cls)
         if config_file is not None:
             merged = OmegaConf.merge(merged, _config_file(config_file))
         for override in overrides or []:
             merged = OmegaConf.merge(merged, _override(override))
         values = OmegaConf.to_container(merged, resolve=True, throw_on_missing=True)
     except OmegaConfBaseException as error:
-        raise _explain(error, defaults) from None
-    return build(root, values)
+        raise _explain(error, defaults, parts) from None
+    config = build(root, values)
+    if parts:
+        config.part_sections = {name: build(cls, values[name], f"{name}.") for name, cls in parts.items()}
+    return config
 
 
 def config_sections(root: type = HybridFlowConfig) -> list[tuple[str, str]]:
     """(top-level key, the first line of its dataclass's docstring), for ``hybridflow train --help``."""
     hints = typing.get_type_hints(root)
-    return [(f.name, (hints[f.name].__doc__ or "").strip().splitlines()[0]) for f in dataclasses.fields(root)]
+    sections = [(f.name, hints[f.name]) for f in dataclasses.fields(root)] + list(_part_sections(root).items())
+    return [(name, (cls.__doc__ or "").strip().splitlines()[0]) for name, cls in sections]
 
 
 def default_config() -> HybridFlowConfig:
@@ -343,5 +380,10 @@ def default_config() -> HybridFlowConfig:
 
 
 def to_yaml(config: object) -> str:
-    """A composed config (RL's or the SFT trainer's) as YAML, as the run directory keeps it."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """A composed config (RL's or the SFT trainer's) as YAML, as the run directory keeps it: its parts' sections
+    beside its own, so that the YAML reads back as the same config."""
+    node = OmegaConf.structured(config)
+    with open_dict(node):
+        for name, section in getattr(config, "__dict__", {}).get("part_sections", {}).items():
+            node[name] = OmegaConf.structured(section)
+    return OmegaConf.to_yaml(node)

@@ -4,7 +4,8 @@ generation, its stages in the planner's cost model, and checks of its own.
 
 The run plan (needed roles, placement, layouts), the driver (its worker groups, the scoring passes of a step), the
 checks and the planner read these parts; none of them names a role's particulars. A new role is a module with a
-``RolePart`` and one ``register_role_part`` call (tests/trainer/test_role_parts.py adds one).
+``RolePart`` and one ``register_role_part`` call, with its config section if it needs one
+(tests/trainer/test_role_parts.py adds one).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from hybridflow.algorithms.advantage import AdvantageEstimator
 from hybridflow.controller import Role, RoleSpec
 from hybridflow.models.tokenizer_match import tokenizer_differences
-from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig
+from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, register_section
 from hybridflow.workers import (
     ActorRolloutWorker,
     ActorWorker,
@@ -36,7 +37,9 @@ class RolePart:
     """One role. ``worker(config, plan, total_steps)``: its worker class and keyword arguments, the same on every rank;
     ``model(config, paths)``: the model it loads, as the config names it and as a directory (None: none);
     ``section``: the config section of its training or scoring settings, where its parallel sizes are
-    (``TENSOR_PARALLEL``, ``SEQUENCE_PARALLEL``; "": one rank per layer and per sequence); ``scores``: the method its
+    (``TENSOR_PARALLEL``, ``SEQUENCE_PARALLEL``; "": one rank per layer and per sequence); ``config``: the dataclass
+    of a section of its own, which registering the part adds to the run's config as the top-level ``section``
+    (None: ``section`` is one the config already has); ``scores``: the method its
     group runs on each batch after generation, whose columns join the batch ("": none); ``stages``: its passes in the
     planner's cost model; ``check(config, plan)``: checks once its models are built, before Ray."""
 
@@ -46,6 +49,7 @@ class RolePart:
     worker: Callable[[HybridFlowConfig, Plan, int], RoleSpec]
     model: Callable[[HybridFlowConfig, Any], tuple[str, str]] | None = None
     section: str = ""
+    config: type | None = None
     scores: str = ""
     stages: tuple[str, ...] = ()
     check: Callable[[HybridFlowConfig, Plan], None] | None = None
@@ -81,6 +85,8 @@ def register_role_part(part: RolePart) -> None:
     """Add a role's part; a role has one."""
     if part.role in ROLE_PARTS:
         raise ValueError(f"role {part.role} already has a part")
+    if part.config is not None:
+        register_section(part.section, part.config)
     ROLE_PARTS[part.role] = part
 
 
