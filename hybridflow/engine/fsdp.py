@@ -40,16 +40,19 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
-    """Shard parameters over ``mesh`` (fp32 masters); forward and backward run in ``param_dtype``."""
+def shard_model(
+    model: nn.Module, mesh: DeviceMesh, config: FSDPConfig, ignored: set[nn.Parameter] | None = None
+) -> nn.Module:
+    """Shard parameters over ``mesh`` (fp32 masters); forward and backward run in ``param_dtype``. ``ignored``:
+    parameters laid out otherwise, which FSDP2 neither shards nor casts nor reduces (expert-parallel weights)."""
     policy = MixedPrecisionPolicy(
         param_dtype=parse_dtype(config.param_dtype, torch.device(mesh.device_type)),
         reduce_dtype=parse_dtype(config.reduce_dtype),
     )
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     if config.host_collectives and mesh.device_type == "cpu":
         use_host_collectives([*layers, model], mesh.get_group())
     return model

@@ -18,6 +18,8 @@ from hybridflow.models import smollm2, tiny
 _BUILTIN_DESCRIPTIONS = {
     "tiny-llama": "random-initialised tiny Llama with a byte-level BPE tokenizer, for tests",
     "tiny-qwen2": "random-initialised tiny Qwen2 (tied embeddings) with the same tokenizer, for tests",
+    "tiny-qwen3-moe": "random-initialised tiny Qwen3-MoE (4 experts, 2 per token, tied embeddings), for tests",
+    "tiny-olmoe": "random-initialised tiny OLMoE (4 experts, 2 per token) with the same tokenizer, for tests",
     smollm2.NAME: f"pretrained SmolLM2-135M-Instruct, converted from the GGUF in `{smollm2.PACKAGE}`",
 }
 

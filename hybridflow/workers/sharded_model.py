@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
+from hybridflow.engine.expert_parallel import apply_expert_parallel, expert_mesh
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
 from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
@@ -79,12 +80,14 @@ def build_sharded(
     gradient_checkpointing: bool = False,
     lora: LoraConfig | None = None,
     stages_per_rank: int = 1,
+    expert_parallel: int = 1,
 ) -> nn.Module:
     """Load the model directory ``path`` (the run plan's), then shard: over all ranks (FSDP2), or on a
     (dp, tp) ``mesh`` tensor parallelism inside each tp group and FSDP2 over dp; on a (dp, pp, tp) mesh split into
     pipeline stages first, ``stages_per_rank`` on each pp rank (above 1: the interleaved 1F1B schedule), each stage
     sharded so. With ``lora`` enabled the model gets peft's adapters first, its frozen base kept in the compute dtype
-    (no fp32 master copy)."""
+    (no fp32 master copy). ``expert_parallel`` > 1 (data parallelism alone): each MoE layer's experts split over
+    that many ranks (engine/expert_parallel.py), the rest sharded by FSDP2 over all ranks."""
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(path, dtype=torch.float32)
@@ -94,6 +97,11 @@ def build_sharded(
     if lora is not None and lora.enabled:
         module = apply_lora(module, lora, frozen_dtype=parse_dtype(fsdp.param_dtype, device))
     module = module.to(device)
+    if expert_parallel > 1:
+        if mesh is not None:
+            raise ValueError("expert parallelism runs on data-parallel ranks alone (no tensor or pipeline split)")
+        experts = apply_expert_parallel(module, expert_mesh(device, dist.get_world_size(), expert_parallel))
+        return shard_model(module, data_parallel_mesh(device), fsdp, ignored=experts)
     if mesh is None:
         return shard_model(module, data_parallel_mesh(device), fsdp)
 
@@ -123,6 +131,7 @@ def build_trainable(
     total_steps: int,
     mesh: DeviceMesh | None = None,
     stages_per_rank: int = 1,
+    expert_parallel: int = 1,
 ) -> TrainedModel:
     """``build_sharded`` (``model``: its gradient checkpointing and LoRA), with AdamW over the trainable
     parameters and its learning-rate schedule over ``total_steps`` training steps."""
@@ -136,6 +145,7 @@ def build_trainable(
         gradient_checkpointing=model.enable_gradient_checkpointing,
         lora=model.lora,
         stages_per_rank=stages_per_rank,
+        expert_parallel=expert_parallel,
     )
     return TrainedModel.build(sharded, optim, total_steps)
 

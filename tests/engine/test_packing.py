@@ -93,7 +93,7 @@ def test_shared_prompt_layout_by_hand():
     assert unshared.input_ids.shape[1] == 9
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-olmoe"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("attention", ["matmul", "sdpa"])
 def test_packed_log_probs_entropy_and_gradient_equal_padded(batch, name, checkpointing, attention, monkeypatch):

@@ -109,7 +109,13 @@ def test_a_saved_head_is_kept(tmp_path):
 
 
 def test_builtin_names_are_listed():
-    assert set(list_builtin_models()) == {"tiny-llama", "tiny-qwen2", "smollm2-135m-instruct"}
+    assert set(list_builtin_models()) == {
+        "tiny-llama",
+        "tiny-qwen2",
+        "tiny-qwen3-moe",
+        "tiny-olmoe",
+        "smollm2-135m-instruct",
+    }
 
 
 def test_unknown_name_says_what_is_expected():

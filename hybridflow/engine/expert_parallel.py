@@ -1,0 +1,181 @@
+"""Expert parallelism: each mixture-of-experts layer's experts split over ``ep`` data-parallel ranks, tokens sent to
+the rank that holds their expert and back by all-to-all.
+
+The data-parallel ranks form an (edp, ep) mesh (``expert_mesh``): ``ep`` consecutive ranks split the experts, rank e
+of a group holding experts [e·E/ep, (e+1)·E/ep), and the ranks at one position of every group hold the same experts
+(replicas). An expert weight (Hugging Face's fused ``gate_up_proj`` (E, 2I, H) and ``down_proj`` (E, H, I)) becomes a
+DTensor on that mesh, placements (Replicate, Shard(0)): checkpoints, exports and the gradient norm read it whole as
+they read tensor-parallel weights. FSDP2 leaves these weights alone (``expert_weights`` are its ignored parameters);
+the router and every other weight are sharded over all data-parallel ranks as before.
+
+An experts module's forward on this rank's tokens (T, H), with their top-k experts and routing weights (T, k):
+
+1. each (token, choice) pair goes to the rank that holds its expert: the pairs sorted by expert (stable), the counts
+   exchanged, the token vectors sent by all-to-all, whose backward is the reverse exchange;
+2. the rank runs each of its experts on the rows it received for it (an expert with none runs on zero rows, so that
+   every rank joins every collective of the backward);
+3. the outputs go back by the reverse all-to-all, are scaled by their routing weights and summed per token.
+
+Gradients: FSDP2 averages a gradient over the dp ranks, and each rank's loss carries the dp size as a factor
+(engine/update.py), so a weight's gradient is the batch's. An expert weight's gradient on its rank already sums the
+contributions of every token its group sent it; it is summed over the replicas and divided by the dp size in the
+backward of the weight's use (``_ReplicaMean``), which gives the same gradient. Forgetting the division is the known
+pitfall: expert gradients come out dp times too large.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert weights, experts on dimension 0
+
+
+def expert_mesh(device: torch.device, dp: int, ep: int) -> DeviceMesh:
+    """The (edp, ep) mesh over ``dp`` data-parallel ranks: ``ep`` consecutive ranks split the experts."""
+    if ep < 1 or dp % ep:
+        raise ValueError(f"expert parallel size {ep} must divide the data-parallel size {dp}")
+    return init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's experts modules (one per MoE layer): those with Hugging Face's fused 3-D expert weights."""
+    found = []
+    for module in model.modules():
+        weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
+        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+            found.append(module)
+    return found
+
+
+def check_experts(module: nn.Module, ep: int) -> None:
+    """Refuse an experts module this forward does not compute as the family does, or whose experts ``ep`` does not
+    split evenly."""
+    layout = {
+        name: getattr(module, name, None) for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+    }
+    if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}:
+        raise ValueError(
+            f"{type(module).__name__}: expert parallelism runs gated experts stored [gate; up] without biases "
+            f"(Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE); this one is {layout}"
+        )
+    experts = module.gate_up_proj.shape[0]
+    if experts % ep:
+        raise ValueError(f"{type(module).__name__}: expert parallel size {ep} does not divide its {experts} experts")
+
+
+class _Exchange(torch.autograd.Function):
+    """Rows of ``x`` sent to the ranks of ``group``, ``send[i]`` rows to rank i, ``receive[i]`` rows from it; the
+    backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = grad.new_empty((sum(ctx.send), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), ctx.send, ctx.receive, group=ctx.group)
+        return back, None, None, None
+
+
+class _ReplicaMean(torch.autograd.Function):
+    """The identity; its backward sums the gradient over the replicas (``group``) and divides it by ``dp``."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, group: dist.ProcessGroup | None, dp: int) -> torch.Tensor:
+        ctx.group, ctx.dp = group, dp
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        if ctx.group is not None:
+            dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.dp, None, None
+
+
+def _counts(index: torch.Tensor, bins: int) -> torch.Tensor:
+    return torch.bincount(index, minlength=bins)
+
+
+def expert_parallel_forward(
+    experts: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    mesh: DeviceMesh,
+) -> torch.Tensor:
+    """The experts' output (T, H) for this rank's tokens ``hidden`` (T, H): see the module docstring."""
+    group, ep = mesh["ep"].get_group(), mesh["ep"].size()
+    replicas = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    local_gate_up = _ReplicaMean.apply(gate_up.to_local(), replicas, mesh.size())
+    local_down = _ReplicaMean.apply(down.to_local(), replicas, mesh.size())
+    per_rank = local_gate_up.shape[0]  # experts on each rank
+    tokens, k = top_k_index.shape
+    chosen = top_k_index.reshape(-1)  # (T·k,): pair p is token p // k's choice p % k
+    order = torch.argsort(chosen, stable=True)  # pairs by expert, so by the rank that holds it
+    send = _counts(chosen // per_rank, ep)
+    receive = torch.empty_like(send)
+    dist.all_to_all_single(receive, send, group=group)
+    send_list, receive_list = send.tolist(), receive.tolist()
+    rows = _Exchange.apply(hidden[order // k], send_list, receive_list, group)
+    # which of this rank's experts each received row is for: the experts' ids travel the same way
+    ids = torch.empty(sum(receive_list), dtype=chosen.dtype, device=chosen.device)
+    dist.all_to_all_single(ids, chosen[order].contiguous(), receive_list, send_list, group=group)
+    local = ids - dist.get_rank(group) * per_rank
+    by_expert = torch.argsort(local, stable=True)
+    sizes = _counts(local, per_rank).tolist()
+    outputs, start = [], 0
+    sorted_rows = rows[by_expert]
+    for expert, size in enumerate(sizes):  # every one of its experts, also on zero rows
+        x = sorted_rows[start : start + size]
+        gated = experts._apply_gate(nn.functional.linear(x, local_gate_up[expert].to(x.dtype)))
+        outputs.append(nn.functional.linear(gated, local_down[expert].to(x.dtype)))
+        start += size
+    computed = torch.empty_like(sorted_rows)
+    computed = computed.index_copy(0, by_expert, torch.cat(outputs)) if outputs else computed
+    returned = _Exchange.apply(computed, receive_list, send_list, group)  # in the order the pairs were sent
+    weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
+    combined = torch.zeros_like(hidden)
+    return combined.index_add(0, order // k, returned * weights[:, None])
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Split every experts module's weights over ``mesh``'s "ep" ranks (replicated over "edp") and route its tokens
+    there; returns the expert weights, which FSDP2 must leave alone. The weights must be the same on every rank
+    (loaded from one directory), each rank keeping its own experts' rows."""
+    ep = mesh["ep"].size()
+    modules = experts_modules(model)
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no mixture-of-experts layers to split over {ep} ranks")
+    weights: set[nn.Parameter] = set()
+    for module in modules:
+        check_experts(module, ep)
+        for name in EXPERT_WEIGHTS:
+            whole = getattr(module, name)
+            sharded = distribute_tensor(whole.detach(), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+            parameter = nn.Parameter(sharded, requires_grad=whole.requires_grad)
+            setattr(module, name, parameter)
+            weights.add(parameter)
+        module.forward = _bound_forward(module, mesh)
+    return weights
+
+
+def _bound_forward(module: nn.Module, mesh: DeviceMesh):
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return expert_parallel_forward(module, hidden_states, top_k_index, top_k_weights, mesh)
+
+    return forward
+
+
+def is_expert_weight(parameter: torch.Tensor) -> bool:
+    """Whether a parameter is an expert weight split by ``apply_expert_parallel``."""
+    return isinstance(parameter, DTensor) and parameter.device_mesh.mesh_dim_names == ("edp", "ep")

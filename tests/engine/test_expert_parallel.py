@@ -1,0 +1,133 @@
+"""Expert parallelism (engine/expert_parallel.py) on 4 gloo ranks, data-parallel, against the same ranks with every
+expert on every rank (ep = 1, transformers' own experts forward): ep = 2 (two replicas of each half of the experts)
+and ep = 4 (one expert per rank) give the same log-probs, gradients (relative 1e-5) and parameters after 2 optimizer
+steps of the actor's update, fp32, for two MoE families (Qwen3-MoE with tied embeddings, OLMoE), and for a model
+whose first layer sends every token to the same two experts, so that a rank receives no token at all."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridflow.batch_keys import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK
+from hybridflow.engine.expert_parallel import experts_modules, is_expert_weight
+from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.policy import PolicyEngine
+from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.workers.sharded_model import build_trainable
+from tests.conftest import fp32_actor_config
+
+WORLD = 4
+EP_SIZES = (1, 2, 4)
+
+
+def _grads(model, share) -> dict[str, torch.Tensor]:
+    """Whole gradients of the packed forward's log-probs, summed over every rank's rows (each rank's loss carries the
+    data-parallel size, as the update's does)."""
+    log_probs, _ = response_log_probs(model, share, remove_padding=True)
+    (log_probs * share.batch[RESPONSE_MASK] * share.batch[ADVANTAGES]).sum().mul(WORLD).backward()
+    grads = {}
+    for name, parameter in model.named_parameters():
+        grad = parameter.grad
+        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+        parameter.grad = None
+    return grads
+
+
+def _run(rank: int, path: str, config, batch, ep: int) -> dict:
+    actor = config.actor
+    trained = build_trainable(
+        load_causal_lm, path, config.model, actor.fsdp, actor.optim, torch.device("cpu"), 0, 10, expert_parallel=ep
+    )
+    split = [p for p in trained.model.parameters() if is_expert_weight(p)]
+    share = batch.chunk(WORLD)[rank]
+    grads = _grads(trained.model, share)
+    engine = PolicyEngine(trained, actor)
+    log_probs = engine.compute_log_prob(share, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+    metrics = [engine.update_policy(share, len(share), 1.0, seed=step).meta_info["metrics"] for step in range(2)]
+    params = {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in trained.model.named_parameters()
+    }
+    return dict(split=len(split), log_probs=log_probs, grads=grads, metrics=metrics, params=params)
+
+
+def _ranks(rank: int, init_file: str, models: dict, batch, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        results = {}
+        for name, path in models.items():
+            config = fp32_actor_config(path, 1e-2, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+            results[name] = {ep: _run(rank, path, config, batch, ep) for ep in EP_SIZES}
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero_first_router(tmp_path) -> str:
+    """tiny-qwen3-moe with its first layer's router at zero: every token ties, and top-k takes the same two experts."""
+    model = load_causal_lm(str(resolve_model_path("tiny-qwen3-moe")), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.zero_()
+    model.save_pretrained(tmp_path / "model")
+    load_tokenizer(str(resolve_model_path("tiny-qwen3-moe"))).save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory, rollout_batch) -> list[dict]:
+    batch = rollout_batch.reorder([0, 1, 2, 3, 4, 5, 1, 4])  # 8 rows: 2 a rank
+    directory = tmp_path_factory.mktemp("expert_parallel")
+    models = {
+        "qwen3_moe": str(resolve_model_path("tiny-qwen3-moe")),
+        "olmoe": str(resolve_model_path("tiny-olmoe")),
+        "one_pair": _zero_first_router(directory),
+    }
+    out = str(directory / "results.pt")
+    mp.spawn(_ranks, args=(str(directory / "init"), models, batch, out), nprocs=WORLD)
+    return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    scale = expected.abs().max().clamp(min=1e-6)
+    assert ((actual - expected).abs().max() / scale) < 1e-5, what
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe", "one_pair"])
+@pytest.mark.parametrize("ep", [2, 4])
+def test_experts_split_over_ranks_train_as_on_every_rank(results, model, ep):
+    for rank, by_model in enumerate(results):
+        plain, split = by_model[model][1], by_model[model][ep]
+        assert plain["split"] == 0 and split["split"] == 4  # gate_up_proj and down_proj of both layers
+        _close(split["log_probs"], plain["log_probs"], f"rank {rank} log-probs")
+        assert set(split["grads"]) == set(plain["grads"])
+        for name, grad in plain["grads"].items():
+            _close(split["grads"][name], grad, f"rank {rank} gradient of {name}")
+        for step, (got, want) in enumerate(zip(split["metrics"], plain["metrics"], strict=True)):
+            for key in ("actor/pg_loss", "actor/grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (rank, step, key)
+        for name, value in plain["params"].items():
+            _close(split["params"][name], value, f"rank {rank} parameter {name} after 2 steps")
+        moved = [name for name, value in plain["params"].items() if "experts" in name]
+        assert moved  # the expert weights are among those compared
+
+
+def test_the_gradients_reach_every_expert_and_the_router(results):
+    grads = results[0]["qwen3_moe"][1]["grads"]
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        per_expert = grads[name].flatten(1).abs().sum(dim=1)
+        assert bool((per_expert > 0).all()), name
+    assert grads["model.layers.0.mlp.gate.weight"].abs().sum() > 0
+
+
+def test_a_zero_router_sends_every_token_to_two_experts_so_one_rank_gets_none():
+    model = load_causal_lm(str(resolve_model_path("tiny-qwen3-moe")), dtype=torch.float32)
+    block = model.model.layers[0].mlp
+    with torch.no_grad():
+        block.gate.weight.zero_()
+        _, _, chosen = block.gate(torch.randn(10, model.config.hidden_size))
+    assert len(experts_modules(model)) == 2
+    assert (
+        chosen.unique() // 2
+    ).unique().numel() == 1  # two experts of one ep = 2 rank: the other receives nothing here
