@@ -27,7 +27,7 @@ _PARALLEL_SIZES = (
 
 @dataclass(kw_only=True)
 class ModelPathConfig:
-    path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+    path: str  # local Hugging Face directory, or a built-in name (tiny-llama, smollm2-135m-instruct; models/builtin.py)
 
 
 @dataclass(kw_only=True)
@@ -75,6 +75,13 @@ class UpdateConfig:
     pipeline_model_parallel_size: int
     # stages per pipeline rank: 1 runs the 1F1B schedule, more the interleaved 1F1B one (smaller bubble, more sends)
     virtual_pipeline_model_parallel_size: int
+    # mixture of experts: data-parallel ranks that split each MoE layer's experts, tokens sent to them by all-to-all
+    # (1: every rank holds every expert); divides the data-parallel ranks and the experts; no tensor, sequence or
+    # pipeline split with it
+    expert_model_parallel_size: int
+    # mixture of experts: weight of the routers' load-balancing loss in the update (null: the model config's
+    # router_aux_loss_coef; 0: none)
+    router_aux_loss_coef: float | None
     use_remove_padding: bool  # run forward/backward on the packed real tokens only (no compute on padding)
     use_dynamic_bsz: bool  # micro-batches by token count (the *_max_token_len_per_gpu keys) instead of sample count
     ppo_max_token_len_per_gpu: int  # use_dynamic_bsz: most real tokens per forward/backward micro-batch on one rank
@@ -98,8 +105,20 @@ class UpdateConfig:
             *_PARALLEL_SIZES,
             "ppo_max_token_len_per_gpu",
             "grad_clip",
+            "expert_model_parallel_size",
         )
         require_choice(self.loss_agg_mode, AGG_MODES, "loss_agg_mode")
+        coefficient = self.router_aux_loss_coef
+        require(coefficient is None or coefficient >= 0, "router_aux_loss_coef", f"must be >= 0, got {coefficient}")
+        if self.expert_model_parallel_size > 1:
+            split = [f"{name}={getattr(self, name)}" for name in _PARALLEL_SIZES[:3] if getattr(self, name) > 1]
+            require(
+                not split,
+                "expert_model_parallel_size",
+                f"is {self.expert_model_parallel_size} with {', '.join(split)}: experts split over data-parallel ranks "
+                "alone (tensor, sequence and pipeline splits with experts are not built)",
+                "set expert_model_parallel_size=1 or the other sizes to 1",
+            )
 
 
 @dataclass(kw_only=True)
@@ -214,6 +233,8 @@ class SFTEngineConfig:
             ulysses_sequence_parallel_size=self.ulysses_sequence_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            expert_model_parallel_size=1,
+            router_aux_loss_coef=None,  # a mixture of experts' own weight (its config's)
             use_remove_padding=self.use_remove_padding,
             use_dynamic_bsz=self.use_dynamic_bsz,
             ppo_max_token_len_per_gpu=self.max_token_len_per_gpu,

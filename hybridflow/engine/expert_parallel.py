@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert weights, experts on dimension 0
+from hybridflow.engine.moe import EXPERT_WEIGHTS, experts_modules
 
 
 def expert_mesh(device: torch.device, dp: int, ep: int) -> DeviceMesh:
@@ -39,16 +39,6 @@ def expert_mesh(device: torch.device, dp: int, ep: int) -> DeviceMesh:
     if ep < 1 or dp % ep:
         raise ValueError(f"expert parallel size {ep} must divide the data-parallel size {dp}")
     return init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
-
-
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's experts modules (one per MoE layer): those with Hugging Face's fused 3-D expert weights."""
-    found = []
-    for module in model.modules():
-        weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
-        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
-            found.append(module)
-    return found
 
 
 def check_experts(module: nn.Module, ep: int) -> None:

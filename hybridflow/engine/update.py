@@ -42,6 +42,7 @@ from hybridflow.engine.forward import (
     response_outputs,
 )
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
+from hybridflow.engine.moe import aux_loss_coefficient, recording_routers
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
@@ -153,7 +154,7 @@ def run_updates(
         groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing, units)
         shares: dict[str, float] = defaultdict(float)
         micro_batches = split_by_groups(mini_batch, groups)
-        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config, staged)
+        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config, staged, prefix)
         for micro_batch, metrics in zip(micro_batches, backwarded):
             tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
             token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
@@ -194,11 +195,14 @@ def _backward(
     micro_loss: MicroLossFn,
     config: UpdateConfig,
     staged: StagedForward,
+    prefix: str,
 ) -> list[dict[str, float]]:
     """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
     A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
-    and every rank of the pp group gets the metrics."""
+    and every rank of the pp group gets the metrics. A mixture of experts adds its routers' balancing loss
+    (engine/moe.py), each micro-batch's weighted by 1 / their count."""
     if isinstance(model, PipelinedModel):
+        _refuse_router_loss(model, config, "pipeline stages")
         metrics: dict[int, dict[str, float]] = {}
 
         def staged_loss(index: int, outputs: Any) -> torch.Tensor:
@@ -208,10 +212,27 @@ def _backward(
 
         staged(model, micro_batches, config.use_remove_padding, loss=staged_loss)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
+    if config.ulysses_sequence_parallel_size > 1:
+        _refuse_router_loss(model, config, "sequence parallelism")
     results = []
-    with gathered_through_backward(model, keep=not config.reshard_after_forward):
+    keep = not config.reshard_after_forward
+    with gathered_through_backward(model, keep=keep), recording_routers(model, config.router_aux_loss_coef) as routers:
         for micro_batch in micro_batches:
+            if routers is not None:
+                routers.clear()
             loss, values = micro_loss(micro_batch, agg, forward(micro_batch))
+            if routers is not None:
+                balance, balance_metrics = routers.loss_and_metrics(prefix)
+                loss = loss + routers.coefficient * balance / len(micro_batches)
+                values = {**values, **balance_metrics}
             (loss * world_size).backward()
             results.append({key: _to_float(value) for key, value in values.items()})
     return results
+
+
+def _refuse_router_loss(model: nn.Module, config: UpdateConfig, layout: str) -> None:
+    if aux_loss_coefficient(model, config.router_aux_loss_coef):
+        raise NotImplementedError(
+            f"the routers' balancing loss is computed over one rank's whole micro-batch; with {layout} a rank holds "
+            "a part of it: set router_aux_loss_coef=0 for this layout"
+        )

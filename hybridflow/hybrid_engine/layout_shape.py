@@ -13,6 +13,8 @@ blocks of t ranks that split each layer (regroup.py says why the groups are thes
 
 Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and the
 same tensor-parallel shard of each layer (FSDP2 shards over them too): attention exchanges the shard's heads.
+Expert parallelism (ep > 1) splits each MoE layer's experts over ep of the dp ranks (engine/expert_parallel.py);
+it needs t = sp = pp = 1 and changes no rank table.
 Pipeline parallelism (pp > 1) splits the decoder layers into stages over pp ranks that hold the same rows. They
 generate with the whole model (pg = 1, the generation engine runs no stages): each rank gathers its generation shard
 of its own stage's layers in its gather group as above, and the other stages' from its pp peers, which hold the same
@@ -38,11 +40,14 @@ class LayoutShape:
     tg: int
     sp: int = 1
     pp: int = 1
+    ep: int = 1  # of the dp ranks, those that split each MoE layer's experts
 
     def __post_init__(self) -> None:
         Regrouping(t=self.t, tg=self.tg)  # the one check that tg divides t
         if self.pp > 1 and self.sp > 1:
             raise ValueError("pipeline and sequence parallelism do not combine yet: set one of them to 1")
+        if self.ep > 1 and (self.dp % self.ep or self.t * self.sp * self.pp > 1):
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp}, with t, sp and pp 1")
 
     @classmethod
     def over(cls, devices: int, t: int = 1, tg: int = 1) -> LayoutShape:

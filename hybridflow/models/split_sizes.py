@@ -63,3 +63,21 @@ def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) ->
         kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         intermediate_size=config.intermediate_size,
     )
+
+
+def expert_count(config: PretrainedConfig) -> int:
+    """The experts of each MoE layer of a Hugging Face config (0: a dense model)."""
+    text = config.get_text_config()
+    return int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0)
+
+
+def check_expert_parallel_size(config: PretrainedConfig, size: int, data_parallel: int) -> None:
+    """ValueError unless ``size`` ranks, among ``data_parallel`` ones, can each hold an equal share of every MoE
+    layer's experts."""
+    experts = expert_count(config)
+    if not experts:
+        raise ValueError(f"{size}: the model ({config.model_type}) has no mixture-of-experts layers to split")
+    if experts % size:
+        raise ValueError(f"{size} does not divide the model's {experts} experts")
+    if data_parallel % size:
+        raise ValueError(f"{size} does not divide the {data_parallel} data-parallel ranks")

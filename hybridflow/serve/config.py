@@ -70,7 +70,7 @@ class LimitsConfig:
 class ServedModelConfig:
     """The base model every adapter of this service sits on."""
 
-    path: str  # local Hugging Face directory, or a built-in name (tiny-llama, tiny-qwen2, smollm2-135m-instruct)
+    path: str  # local Hugging Face directory, or a built-in name (tiny-llama, smollm2-135m-instruct; models/builtin.py)
     name: str  # the base_model name clients ask for ("": the path as given)
     max_lora_rank: int  # highest LoRA rank a client may ask for (every adapter is held at this size)
     lora_alpha: float  # an adapter of rank r is scaled by lora_alpha / r

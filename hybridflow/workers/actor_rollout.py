@@ -84,6 +84,7 @@ class ActorWorker(Worker):
             total_training_steps,
             meshes.training,
             config.actor.virtual_pipeline_model_parallel_size,
+            expert_parallel=layout.ep,
         )
         self.actor = PolicyEngine(trained, config.actor, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
         # LoRA: the reference policy is this model with its adapters off (no second copy of the weights)

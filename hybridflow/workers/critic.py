@@ -49,6 +49,7 @@ class CriticWorker(Worker):
             total_training_steps,
             meshes.training,
             config.virtual_pipeline_model_parallel_size,
+            expert_parallel=layout.ep,
         )
         self.critic = CriticEngine(trained, config, dp_group=meshes.dp_group, sp_group=meshes.sp_group)
 

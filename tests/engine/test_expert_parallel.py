@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hybridflow.batch_keys import ADVANTAGES, OLD_LOG_PROBS, RESPONSE_MASK
-from hybridflow.engine.expert_parallel import experts_modules, is_expert_weight
+from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, INPUT_IDS, OLD_LOG_PROBS, POSITION_IDS, RESPONSE_MASK
+from hybridflow.engine.expert_parallel import is_expert_weight
 from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.moe import experts_modules
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.workers.sharded_model import build_trainable
@@ -19,6 +20,7 @@ from tests.conftest import fp32_actor_config
 
 WORLD = 4
 EP_SIZES = (1, 2, 4)
+ROWS = [0, 1, 2, 3, 4, 5, 1, 4]  # the 6 rows of the rollout batch and two again: 2 a rank
 
 
 def _grads(model, share) -> dict[str, torch.Tensor]:
@@ -60,6 +62,12 @@ def _ranks(rank: int, init_file: str, models: dict, batch, out: str) -> None:
         for name, path in models.items():
             config = fp32_actor_config(path, 1e-2, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
             results[name] = {ep: _run(rank, path, config, batch, ep) for ep in EP_SIZES}
+        # the balancing loss at a weight of 0.5 and at 0, each rank's 2 rows in one micro-batch
+        whole = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
+        for coefficient in (0.5, 0.0):
+            extra = [*whole, f"actor_rollout_ref.actor.router_aux_loss_coef={coefficient}"]
+            config = fp32_actor_config(models["qwen3_moe"], 1e-2, *extra)
+            results[f"aux {coefficient}"] = {ep: _run(rank, models["qwen3_moe"], config, batch, ep) for ep in (1, 2)}
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -77,7 +85,7 @@ def _zero_first_router(tmp_path) -> str:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, rollout_batch) -> list[dict]:
-    batch = rollout_batch.reorder([0, 1, 2, 3, 4, 5, 1, 4])  # 8 rows: 2 a rank
+    batch = rollout_batch[ROWS]
     directory = tmp_path_factory.mktemp("expert_parallel")
     models = {
         "qwen3_moe": str(resolve_model_path("tiny-qwen3-moe")),
@@ -111,6 +119,46 @@ def test_experts_split_over_ranks_train_as_on_every_rank(results, model, ep):
             _close(split["params"][name], value, f"rank {rank} parameter {name} after 2 steps")
         moved = [name for name, value in plain["params"].items() if "experts" in name]
         assert moved  # the expert weights are among those compared
+
+
+def _transformers_balancing_loss(batch) -> float:
+    """transformers' own balancing loss of tiny-qwen3-moe on these rows (padded, its attention mask)."""
+    model = load_causal_lm(str(resolve_model_path("tiny-qwen3-moe")), dtype=torch.float32)
+    with torch.no_grad():
+        out = model(
+            input_ids=batch.batch[INPUT_IDS],
+            attention_mask=batch.batch[ATTENTION_MASK],
+            position_ids=batch.batch[POSITION_IDS],
+            output_router_logits=True,
+        )
+    return float(out.aux_loss)
+
+
+def test_the_balancing_loss_is_transformers_and_moves_the_routers(results, rollout_batch):
+    shares = rollout_batch[ROWS].chunk(WORLD)
+    tokens = [float(share.batch[RESPONSE_MASK].sum()) for share in shares]
+    for rank, by_model in enumerate(results):
+        weighted, unweighted = by_model["aux 0.5"], by_model["aux 0.0"]
+        first = weighted[1]["metrics"][0]
+        # a rank's metric is its share of the batch's (by response tokens) times the ranks, which the driver averages
+        expected = _transformers_balancing_loss(shares[rank]) * tokens[rank] / sum(tokens) * WORLD
+        assert first["actor/router_aux_loss"] == pytest.approx(expected, rel=1e-5)
+        assert "actor/router_aux_loss" not in unweighted[1]["metrics"][0]
+        router = "model.layers.0.mlp.gate.weight"
+        assert not torch.allclose(weighted[1]["params"][router], unweighted[1]["params"][router], rtol=0, atol=1e-7)
+        for step in range(2):  # expert parallelism changes nothing with the loss on
+            got, want = weighted[2]["metrics"][step], weighted[1]["metrics"][step]
+            for key in ("actor/router_aux_loss", "actor/grad_norm"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (rank, step, key)
+        for name, value in weighted[1]["params"].items():
+            _close(weighted[2]["params"][name], value, f"rank {rank} parameter {name}")
+
+
+def test_the_busiest_expert_s_load_is_reported_for_each_layer(results):
+    for layer in (0, 1):  # the driver's mean over the ranks: the batch's, between balanced (1) and E / k = 2
+        key = f"actor/expert_load_max/layer_{layer}"
+        load = sum(by_model["aux 0.5"][1]["metrics"][0][key] for by_model in results) / WORLD
+        assert 1.0 <= load <= 2.0, (layer, load)
 
 
 def test_the_gradients_reach_every_expert_and_the_router(results):

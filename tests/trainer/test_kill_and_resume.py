@@ -79,6 +79,17 @@ MODES = {
         "critic.fsdp.param_dtype=fp32",
         "critic.optim.lr=1e-3",
     ],
+    # a mixture-of-experts critic (PPO with GAE; tiny-qwen3-moe beside the tiny-llama actor: one tokenizer) whose
+    # experts split over the 2 ranks (tests/trainer/test_expert_parallel_e2e.py compares it with ep = 1)
+    "experts": [
+        "algorithm.adv_estimator=gae",
+        "critic.model.path=tiny-qwen3-moe",
+        "critic.expert_model_parallel_size=2",
+        "critic.router_aux_loss_coef=0.01",
+        "critic.ppo_mini_batch_size=2",
+        "critic.fsdp.param_dtype=fp32",
+        "critic.optim.lr=1e-3",
+    ],
     # on-policy distillation of a LoRA student, mixed with the task reward, the teacher (tiny-llama of another seed,
     # args puts its directory in) on a pool of its own
     "lora_distill": [

@@ -57,11 +57,11 @@ def lora_layer_plan(layer: nn.Module, split: LayerSplit) -> dict[str, ParallelSt
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place); a LoRA
     model's adapters split with the layers they wrap (``lora_layer_plan``)."""
-    split = layer_split(model.config.model_type)
     tp = tp_mesh.size()
-    check_tensor_parallel_size(model.config, tp, "tensor_model_parallel_size")
-    if tp == 1:
+    if tp == 1:  # nothing to split: any family
         return model
+    split = layer_split(model.config.model_type)
+    check_tensor_parallel_size(model.config, tp, "tensor_model_parallel_size")
     for layer in decoder_layers(model):
         parallelize_module(layer, tp_mesh, lora_layer_plan(layer, split))
     return model

@@ -296,6 +296,7 @@ MEGATRON_SPELLINGS = (
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
     "tensor_model_parallel_size",
+    "expert_model_parallel_size",
 )
 
 

@@ -77,6 +77,7 @@ SEQUENCE_PARALLEL = "ulysses_sequence_parallel_size"  # a section's ranks that s
 PIPELINE_PARALLEL = "pipeline_model_parallel_size"  # a section's ranks that split the decoder layers into stages
 VIRTUAL_PIPELINE = "virtual_pipeline_model_parallel_size"  # a section's stages per pipeline rank
 PARALLEL_SIZES = (TENSOR_PARALLEL, SEQUENCE_PARALLEL, PIPELINE_PARALLEL, VIRTUAL_PIPELINE)
+EXPERT_PARALLEL = "expert_model_parallel_size"  # a section's data-parallel ranks that split each MoE layer's experts
 
 ROLE_PARTS: dict[Role, RolePart] = {}
 

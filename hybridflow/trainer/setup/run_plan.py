@@ -28,11 +28,16 @@ from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import list_builtin_models, resolve_model_path
 from hybridflow.models import model_config as read_model_config
-from hybridflow.models.split_sizes import check_sequence_parallel_size, check_tensor_parallel_size
+from hybridflow.models.split_sizes import (
+    check_expert_parallel_size,
+    check_sequence_parallel_size,
+    check_tensor_parallel_size,
+)
 from hybridflow.rollout.backend import rollout_backend
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig, TrainerConfig
 from hybridflow.trainer.setup.placement import Placement, place_roles
 from hybridflow.trainer.setup.role_parts import (
+    EXPERT_PARALLEL,
     PARALLEL_SIZES,
     PIPELINE_PARALLEL,
     ROLE_PARTS,
@@ -340,8 +345,24 @@ def role_layouts(
                 keys=tuple(part.key(name) for name in PARALLEL_SIZES),
                 packed=(part.packs(config), part.key("use_remove_padding")),
             )
+            shape = _with_experts(config, role, shape, part.model(config, paths)[1])
         layouts[role] = _actor_layout(config, shape) if role is Role.ActorRollout else shape
     return layouts
+
+
+def _with_experts(config: HybridFlowConfig, role: Role, shape: LayoutShape, model_path: str) -> LayoutShape:
+    """``shape`` with its role's expert-parallel size, checked against the model and the data-parallel ranks."""
+    part = ROLE_PARTS[role]
+    ep, key = part.parallel_size(config, EXPERT_PARALLEL), part.key(EXPERT_PARALLEL)
+    if ep == 1:
+        return shape
+    if role is Role.ActorRollout:
+        raise ConfigError(key, f"{ep}: generation does not run mixtures of experts yet", "set it to 1")
+    try:
+        check_expert_parallel_size(model_config(model_path), ep, shape.dp)
+    except ValueError as error:
+        raise ConfigError(key, str(error), "choose a divisor of both, or 1") from None
+    return dataclasses.replace(shape, ep=ep)
 
 
 def make_run_plan(config: HybridFlowConfig) -> RunPlan:

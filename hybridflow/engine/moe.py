@@ -1,0 +1,98 @@
+"""Mixture-of-experts layers of a Hugging Face model, found by their parts, and their routers' statistics in the
+update: the load-balancing loss added to a micro-batch's loss and each layer's expert loads as metrics.
+
+A MoE block has a ``gate`` (the router: its forward returns the logits (T, E) first) and ``experts`` with the fused
+3-D expert weights (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE). ``RouterRecorder`` hooks the routers while an update runs.
+Its statistic is the micro-batch's (the tokens one rank runs together), as transformers computes it for a batch; a
+mini-batch's loss adds each micro-batch's, weighted by 1 / (its micro-batches) like a mean over them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
+
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert weights, experts on dimension 0
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's experts modules (one per MoE layer): those with Hugging Face's fused 3-D expert weights."""
+    found = []
+    for module in model.modules():
+        weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
+        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+            found.append(module)
+    return found
+
+
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The router of each MoE layer, in layer order."""
+    experts = {id(module) for module in experts_modules(model)}
+    return [m.gate for m in model.modules() if id(getattr(m, "experts", None)) in experts and hasattr(m, "gate")]
+
+
+def model_config(model: nn.Module):
+    """The Hugging Face config under any wrapper (FSDP2 keeps the class; peft exposes ``config`` too)."""
+    return getattr(model, "config", None)
+
+
+class RouterRecorder:
+    """The routers' logits of the forwards since the last ``clear``."""
+
+    def __init__(self, model: nn.Module, coefficient: float) -> None:
+        config = model_config(model)
+        self.coefficient = coefficient
+        self.top_k = int(config.num_experts_per_tok)
+        self.logits: list[torch.Tensor] = []
+        self.handles = [router.register_forward_hook(self._record) for router in routers(model)]
+
+    def _record(self, module: nn.Module, inputs, output) -> None:
+        self.logits.append(output[0] if isinstance(output, tuple) else output)
+
+    def clear(self) -> None:
+        self.logits = []
+
+    def loss_and_metrics(self, prefix: str) -> tuple[torch.Tensor, dict[str, float]]:
+        """The recorded forward's balancing loss (differentiable) and its metrics: the loss, and per layer the busiest
+        expert's share of the choices relative to an even split (1: balanced; E / k at most)."""
+        if not self.logits:
+            raise RuntimeError("no router ran since the last clear: the forward did not pass through the MoE layers")
+        loss = load_balancing_loss(self.logits, self.top_k)
+        loads = expert_loads(self.logits, self.top_k) * self.logits[0].shape[-1]
+        metrics = {f"{prefix}/router_aux_loss": float(loss.detach())}
+        for layer, busiest in enumerate(loads.max(dim=1).values.tolist()):
+            metrics[f"{prefix}/expert_load_max/layer_{layer}"] = busiest
+        return loss, metrics
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def aux_loss_coefficient(model: nn.Module, configured: float | None) -> float:
+    """The balancing loss's weight: the configured one, or (None) the model config's ``router_aux_loss_coef``; 0 for a
+    model without MoE layers."""
+    if not routers(model):
+        return 0.0
+    if configured is not None:
+        return float(configured)
+    return float(getattr(model_config(model), "router_aux_loss_coef", 0.0) or 0.0)
+
+
+@contextmanager
+def recording_routers(model: nn.Module, configured: float | None) -> Iterator[RouterRecorder | None]:
+    """A recorder on the model's routers for the block (None: no MoE layers, or a zero weight)."""
+    coefficient = aux_loss_coefficient(model, configured)
+    if coefficient == 0.0:
+        yield None
+        return
+    recorder = RouterRecorder(model, coefficient)
+    try:
+        yield recorder
+    finally:
+        recorder.remove()

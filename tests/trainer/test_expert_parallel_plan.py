@@ -1,0 +1,41 @@
+"""The expert-parallel size in the run's config and plan: read (verl's Megatron spelling too), laid out for the
+critic, and refused before anything starts where it cannot run, naming the key and the fix."""
+
+import pytest
+
+from hybridflow.controller import Role
+from hybridflow.trainer.setup.config import ConfigError, load_config
+from hybridflow.trainer.setup.run_plan import make_run_plan
+
+MOE_CRITIC = ["algorithm.adv_estimator=gae", "critic.model.path=tiny-qwen3-moe", "trainer.n_workers_per_node=2"]
+KEY = "critic.expert_model_parallel_size"
+
+
+def test_the_critic_splits_its_experts_over_its_data_parallel_ranks():
+    plan = make_run_plan(load_config([*MOE_CRITIC, f"{KEY}=2"]))
+    assert plan.layouts[Role.Critic].ep == 2 and plan.layouts[Role.Critic].dp == 2
+    assert plan.layouts[Role.ActorRollout].ep == 1
+    spelled = load_config([*MOE_CRITIC, "critic.megatron.expert_model_parallel_size=2"])
+    assert spelled.critic.expert_model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["critic.model.path=tiny-llama", f"{KEY}=2"], r"2: the model \(llama\) has no mixture-of-experts layers"),
+        ([f"{KEY}=4"], "4 does not divide the 2 data-parallel ranks"),
+        (["critic.model.path=tiny-qwen3-moe", "trainer.n_workers_per_node=3", f"{KEY}=3"], "3 does not divide"),
+        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "generation does not run mixtures of experts"),
+    ],
+)
+def test_sizes_that_cannot_work_are_refused_with_the_key(overrides, message):
+    key = overrides[-1].split("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}.*{message}"):
+        make_run_plan(load_config([*MOE_CRITIC, *overrides]))
+
+
+def test_experts_split_over_data_parallel_ranks_alone():
+    with pytest.raises(ConfigError, match=rf"{KEY}.*with tensor_model_parallel_size=2.*alone"):
+        load_config([*MOE_CRITIC, f"{KEY}=2", "critic.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"critic.router_aux_loss_coef.*must be >= 0"):
+        load_config([*MOE_CRITIC, "critic.router_aux_loss_coef=-1"])
