@@ -29,6 +29,8 @@ commands:
   serve [--config FILE] key=value ...   a training service with the Tinker API on this machine (docs/serve.md)
   plan [--config FILE] [--cluster NAME] [--nodes N] key=value ...
                                         choose the placement and parallel layouts of a run (writes plan.yaml)
+  upcycle MODEL OUT [--experts E] [--top-k K]
+                                        a dense model as a mixture of experts that answers exactly as it does
 """
 
 EXPORT_USAGE = """usage: hybridflow export CHECKPOINT|RUN_DIR OUT_DIR [--merged]
@@ -103,6 +105,12 @@ def _distill_data(args: list[str]) -> int:
     return distill_data(args)
 
 
+def _upcycle(args: list[str]) -> int:
+    from hybridflow.trainer.commands.upcycle import main as upcycle
+
+    return upcycle(args)
+
+
 def _plan(args: list[str]) -> int:
     from hybridflow.planner.command import main as plan
 
@@ -120,6 +128,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "plan": _plan,
     "measure": _measure,
     "distill-data": _distill_data,
+    "upcycle": _upcycle,
 }
 
 

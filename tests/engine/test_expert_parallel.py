@@ -1,8 +1,9 @@
 """Expert parallelism (engine/expert_parallel.py) on 4 gloo ranks, data-parallel, against the same ranks with every
 expert on every rank (ep = 1, transformers' own experts forward): ep = 2 (two replicas of each half of the experts)
 and ep = 4 (one expert per rank) give the same log-probs, gradients (relative 1e-5) and parameters after 2 optimizer
-steps of the actor's update, fp32, for two MoE families (Qwen3-MoE with tied embeddings, OLMoE), and for a model
-whose first layer sends every token to the same two experts, so that a rank receives no token at all."""
+steps of the actor's update, fp32, for three MoE families (Qwen3-MoE with tied embeddings, OLMoE, and Mixtral:
+tiny-llama upcycled, whose experts start equal), and for a model whose first layer sends every token to the same two
+experts, so that a rank receives no token at all."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from hybridflow.engine.forward import response_log_probs
 from hybridflow.engine.moe import experts_modules
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.models.upcycle import upcycle
 from hybridflow.workers.sharded_model import build_trainable
 from tests.conftest import fp32_actor_config
 
@@ -91,6 +93,7 @@ def results(tmp_path_factory, rollout_batch) -> list[dict]:
         "qwen3_moe": str(resolve_model_path("tiny-qwen3-moe")),
         "olmoe": str(resolve_model_path("tiny-olmoe")),
         "one_pair": _zero_first_router(directory),
+        "mixtral": str(upcycle(resolve_model_path("tiny-llama"), directory / "mixtral", experts=4, top_k=2)),
     }
     out = str(directory / "results.pt")
     mp.spawn(_ranks, args=(str(directory / "init"), models, batch, out), nprocs=WORLD)
@@ -102,7 +105,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert ((actual - expected).abs().max() / scale) < 1e-5, what
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe", "one_pair"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "olmoe", "mixtral", "one_pair"])
 @pytest.mark.parametrize("ep", [2, 4])
 def test_experts_split_over_ranks_train_as_on_every_rank(results, model, ep):
     for rank, by_model in enumerate(results):
