@@ -4,6 +4,7 @@ critic, and refused before anything starts where it cannot run, naming the key a
 import pytest
 
 from hybridflow.controller import Role
+from hybridflow.trainer.setup.check_config import check_config
 from hybridflow.trainer.setup.config import ConfigError, load_config
 from hybridflow.trainer.setup.run_plan import make_run_plan
 
@@ -25,7 +26,7 @@ def test_the_critic_splits_its_experts_over_its_data_parallel_ranks():
         (["critic.model.path=tiny-llama", f"{KEY}=2"], r"2: the model \(llama\) has no mixture-of-experts layers"),
         ([f"{KEY}=4"], "4 does not divide the 2 data-parallel ranks"),
         (["critic.model.path=tiny-qwen3-moe", "trainer.n_workers_per_node=3", f"{KEY}=3"], "3 does not divide"),
-        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "generation does not run mixtures of experts"),
+        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "the switch to generation does not gather split experts"),
     ],
 )
 def test_sizes_that_cannot_work_are_refused_with_the_key(overrides, message):
@@ -39,3 +40,13 @@ def test_experts_split_over_data_parallel_ranks_alone():
         load_config([*MOE_CRITIC, f"{KEY}=2", "critic.tensor_model_parallel_size=2"])
     with pytest.raises(ConfigError, match=r"critic.router_aux_loss_coef.*must be >= 0"):
         load_config([*MOE_CRITIC, "critic.router_aux_loss_coef=-1"])
+
+
+def test_the_native_engine_refuses_a_family_it_does_not_run_before_ray(arithmetic_files):
+    train, test = arithmetic_files
+    files = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "actor_rollout_ref.model.path=tiny-olmoe"]
+    with pytest.raises(
+        ConfigError, match=r"(?s)rollout.name.*native cannot generate with tiny-olmoe \(olmoe\).*rollout.name=hf"
+    ):
+        check_config(load_config(files))
+    assert check_config(load_config([*files, "actor_rollout_ref.rollout.name=hf"])).layouts[Role.ActorRollout].dp == 2

@@ -357,7 +357,7 @@ def _with_experts(config: HybridFlowConfig, role: Role, shape: LayoutShape, mode
     if ep == 1:
         return shape
     if role is Role.ActorRollout:
-        raise ConfigError(key, f"{ep}: generation does not run mixtures of experts yet", "set it to 1")
+        raise ConfigError(key, f"{ep}: the switch to generation does not gather split experts yet", "set it to 1")
     try:
         check_expert_parallel_size(model_config(model_path), ep, shape.dp)
     except ValueError as error:
