@@ -20,6 +20,7 @@ _BUILTIN_DESCRIPTIONS = {
     "tiny-qwen2": "random-initialised tiny Qwen2 (tied embeddings) with the same tokenizer, for tests",
     "tiny-qwen3-moe": "random-initialised tiny Qwen3-MoE (4 experts, 2 per token, tied embeddings), for tests",
     "tiny-olmoe": "random-initialised tiny OLMoE (4 experts, 2 per token) with the same tokenizer, for tests",
+    "tiny-mixtral": "random-initialised tiny Mixtral (4 experts, 2 per token) with the same tokenizer, for tests",
     smollm2.NAME: f"pretrained SmolLM2-135M-Instruct, converted from the GGUF in `{smollm2.PACKAGE}`",
 }
 

@@ -53,6 +53,7 @@ LLAMA = LayerSplit(
     column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
     row=("self_attn.o_proj", "mlp.down_proj"),
 )
+UNSPLIT = LayerSplit(column=(), row=())  # a layer on one rank: any family, nothing split
 LAYER_SPLITS: dict[str, LayerSplit] = {"llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
 
 

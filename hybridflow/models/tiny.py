@@ -7,7 +7,8 @@ rest of hybridflow only ever sees a directory path. `tiny-llama` keeps a separat
 and `tiny-qwen2` ties it to the input embedding (as Llama and small Qwen2 models do), so
 tests cover both layouts; Qwen2 also has biases on q/k/v. The two MoE families replace every MLP with
 `num_experts` experts of width `moe_intermediate_size`, `num_experts_per_tok` of them chosen per token: Qwen3-MoE
-renormalising the chosen weights (as its released checkpoints do) and tying the head, OLMoE not, with its own head.
+renormalising the chosen weights (as its released checkpoints do) and tying the head, OLMoE not, with its own head;
+`tiny-mixtral` is Llama's attention with a mixture of experts (Mixtral always renormalises), its own head.
 
 Default size (about 140k / 108k parameters) is set by `TinyModelSpec`; any field can be
 overridden, e.g. `resolve_model_path("tiny-llama", hidden_size=128, num_hidden_layers=4)`.
@@ -25,6 +26,7 @@ from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
+    MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
     Qwen2Config,
@@ -37,7 +39,13 @@ from hybridflow.models.cache import materialise, model_cache_dir
 # Bump when the way a tiny model is built changes, so that old cache entries are not reused.
 BUILD_VERSION = 1
 
-TINY_FAMILIES = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-qwen3-moe": "qwen3_moe", "tiny-olmoe": "olmoe"}
+TINY_FAMILIES = {
+    "tiny-llama": "llama",
+    "tiny-qwen2": "qwen2",
+    "tiny-qwen3-moe": "qwen3_moe",
+    "tiny-olmoe": "olmoe",
+    "tiny-mixtral": "mixtral",
+}
 MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")  # the spec's fields only MoE models read
 
 
@@ -131,7 +139,7 @@ def tiny_cache_key(name: str, spec: TinyModelSpec) -> str:
 
 def is_moe(name: str) -> bool:
     """Whether tiny model ``name`` is a mixture of experts."""
-    return TINY_FAMILIES[name] in ("qwen3_moe", "olmoe")
+    return TINY_FAMILIES[name] in ("qwen3_moe", "olmoe", "mixtral")
 
 
 def tiny_config(name: str, spec: TinyModelSpec, pad_token_id: int, eos_token_id: int) -> PretrainedConfig:
@@ -146,6 +154,17 @@ def tiny_config(name: str, spec: TinyModelSpec, pad_token_id: int, eos_token_id:
         return Qwen3MoeConfig(**common, head_dim=head_dim, norm_topk_prob=True, tie_word_embeddings=True)
     if family == "olmoe":
         return OlmoeConfig(**common, norm_topk_prob=False, tie_word_embeddings=False)
+    if family == "mixtral":  # experts of width moe_intermediate_size (Mixtral names it intermediate_size)
+        mixtral = {
+            k: v for k, v in common.items() if k not in ("intermediate_size", "num_experts", "moe_intermediate_size")
+        }
+        return MixtralConfig(
+            **mixtral,
+            intermediate_size=spec.moe_intermediate_size,
+            num_local_experts=spec.num_experts,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        )
     return Qwen2Config(**common, tie_word_embeddings=True)
 
 

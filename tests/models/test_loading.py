@@ -110,6 +110,7 @@ def test_a_saved_head_is_kept(tmp_path):
 
 def test_builtin_names_are_listed():
     assert set(list_builtin_models()) == {
+        "tiny-mixtral",
         "tiny-llama",
         "tiny-qwen2",
         "tiny-qwen3-moe",

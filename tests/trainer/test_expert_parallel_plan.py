@@ -26,7 +26,7 @@ def test_the_critic_splits_its_experts_over_its_data_parallel_ranks():
         (["critic.model.path=tiny-llama", f"{KEY}=2"], r"2: the model \(llama\) has no mixture-of-experts layers"),
         ([f"{KEY}=4"], "4 does not divide the 2 data-parallel ranks"),
         (["critic.model.path=tiny-qwen3-moe", "trainer.n_workers_per_node=3", f"{KEY}=3"], "3 does not divide"),
-        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "the switch to generation does not gather split experts"),
+        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "switch to generation does not gather split"),
     ],
 )
 def test_sizes_that_cannot_work_are_refused_with_the_key(overrides, message):

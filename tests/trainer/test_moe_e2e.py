@@ -1,6 +1,7 @@
-"""A whole GRPO run with a mixture-of-experts actor (tiny Qwen3-MoE, generating through transformers' generate:
-the native engine does not run MoE yet), rewarded for digits as tests/trainer/test_train_e2e.py's dense run: the
-reward rises, and every step reports the routers' balancing loss and each layer's expert load."""
+"""Whole GRPO runs with a mixture-of-experts actor, rewarded for digits as tests/trainer/test_train_e2e.py's dense
+run: tiny Mixtral generating on the native engine, and tiny Qwen3-MoE through transformers' generate (the native
+engine runs Mixtral's layers, not Qwen3's). The reward rises, and every step reports the routers' balancing loss and
+each layer's expert load."""
 
 import json
 import math
@@ -14,15 +15,16 @@ from hybridflow.trainer.setup.config import load_config
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_files, tmp_path):
+@pytest.mark.parametrize("model, rollout", [("tiny-mixtral", "native"), ("tiny-qwen3-moe", "hf")])
+def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_files, tmp_path, model, rollout):
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
     train, _ = arithmetic_files
     config = load_config(
         [
             f"data.train_files=[{train}]",
-            "actor_rollout_ref.model.path=tiny-qwen3-moe",
-            "actor_rollout_ref.rollout.name=hf",
+            f"actor_rollout_ref.model.path={model}",
+            f"actor_rollout_ref.rollout.name={rollout}",
             "actor_rollout_ref.actor.router_aux_loss_coef=0.01",
             "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8",

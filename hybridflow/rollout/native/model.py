@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from hybridflow.rollout.native import ragged_attention
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.spec import ModelSpec
-from hybridflow.rollout.native.weights import LayerWeights, Weights
+from hybridflow.rollout.native.weights import Experts, LayerWeights, Weights
 
 
 class RotaryTables:
@@ -60,10 +60,35 @@ def _qkv(layer: LayerWeights, x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
 
 
 def _output_and_mlp(weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Residual stream after the attention output projection and the SwiGLU MLP: (..., H)."""
+    """Residual stream after the attention output projection and the SwiGLU MLP (or mixture of experts): (..., H)."""
     x = x + weights.tp.all_reduce(layer.o(attn))
-    gate, up = layer.gate_up(rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)).chunk(2, dim=-1)
+    normed = rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)
+    if layer.experts is not None:
+        return x + routed_mlp(layer.experts, normed)
+    gate, up = layer.gate_up(normed).chunk(2, dim=-1)
     return x + weights.tp.all_reduce(layer.down(F.silu(gate) * up))
+
+
+def routed_mlp(experts: Experts, x: torch.Tensor) -> torch.Tensor:
+    """(..., H) -> (..., H): each token through its top-k experts (softmax over the router's logits in fp32, the
+    chosen weights renormalised to sum to 1, as Mixtral routes), computed expert by expert on the rows routed to it
+    (one matmul pair per expert, not per token) and summed per token in expert order, as transformers does."""
+    shape, flat = x.shape, x.reshape(-1, x.shape[-1])
+    probs = torch.softmax(F.linear(flat, experts.router).float(), dim=-1)
+    weights, chosen = probs.topk(experts.top_k, dim=-1)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    pairs = chosen.reshape(-1)
+    order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
+    tokens = order // experts.top_k
+    rows = flat[tokens]
+    outputs, start = [], 0
+    for expert, count in enumerate(torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()):
+        if count:
+            gate, up = F.linear(rows[start : start + count], experts.gate_up[expert]).chunk(2, dim=-1)
+            outputs.append(F.linear(F.silu(gate) * up, experts.down[expert]))
+        start += count
+    scaled = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(flat.dtype)
+    return torch.zeros_like(flat).index_add_(0, tokens, scaled).reshape(shape)
 
 
 def _logits(weights: Weights, x: torch.Tensor) -> torch.Tensor:

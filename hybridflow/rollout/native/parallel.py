@@ -65,6 +65,8 @@ class TensorParallelGroup:
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
         """The shapes one rank computes: 1/size of the query heads, key/value heads and MLP width."""
+        if spec.num_experts and self.size > 1:
+            raise NotImplementedError("the native engine generates with a mixture of experts on one rank (tg = 1)")
         check_split_sizes(
             self.size,
             "rollout.tensor_model_parallel_size",

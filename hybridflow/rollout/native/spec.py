@@ -1,4 +1,5 @@
-"""The shape of a Llama-family decoder (Llama, Qwen2, Mistral), read from a Hugging Face config."""
+"""The shape of a Llama-family decoder (Llama, Qwen2, Mistral, and Mixtral: Mistral's layers with a mixture of
+experts for the MLP), read from a Hugging Face config."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,10 @@ class ModelSpec:
     max_position_embeddings: int
     sliding_window: int | None = None
     """Mistral's attention window; sequences longer than it are refused (the engine attends to all keys)."""
+    num_experts: int = 0
+    """Experts of each layer's MLP (0: a dense MLP); each of width ``intermediate_size``."""
+    experts_per_token: int = 0
+    """Experts each token is routed to; their routing weights renormalised to sum to 1 (Mixtral's routing)."""
 
     @property
     def group_size(self) -> int:
@@ -45,7 +50,8 @@ class ModelSpec:
     def flops_per_token(self, context: int = 0) -> float:
         """Forward FLOPs of one token: 2 per weight of the matmuls, plus attention over `context` keys."""
         h, i = self.hidden_size, self.intermediate_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i
+        active = self.experts_per_token if self.num_experts else 1  # the experts a token runs through
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i * active + h * self.num_experts
         attention = 2 * self.num_heads * self.head_dim * context  # q.k and p.v per layer
         return self.num_layers * (2 * per_layer + 2 * attention) + 2 * h * self.vocab_size
 
@@ -63,7 +69,7 @@ def spec_from_config(config: PretrainedConfig) -> ModelSpec:
     if rope_type != "default":
         raise NotImplementedError(f"native rollout implements the default rotary embedding, not {rope_type!r}")
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    uses_window = getattr(config, "use_sliding_window", config.model_type in ("mistral", "mixtral"))
     window = getattr(config, "sliding_window", None) if uses_window else None
     num_heads = config.num_attention_heads
     return ModelSpec(
@@ -79,4 +85,6 @@ def spec_from_config(config: PretrainedConfig) -> ModelSpec:
         tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         max_position_embeddings=config.max_position_embeddings,
         sliding_window=window,
+        num_experts=getattr(config, "num_local_experts", 0) if config.model_type == "mixtral" else 0,
+        experts_per_token=getattr(config, "num_experts_per_tok", 0) if config.model_type == "mixtral" else 0,
     )

@@ -28,6 +28,16 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # b
 
 
 @dataclass
+class Experts:
+    """A layer's mixture of experts (Mixtral's): E experts of width I, each token routed to ``top_k`` of them."""
+
+    router: torch.Tensor  # (E, H)
+    gate_up: torch.Tensor  # (E, 2I, H): rows gate | up, Hugging Face's fused layout
+    down: torch.Tensor  # (E, H, I)
+    top_k: int
+
+
+@dataclass
 class LayerWeights:
     """One decoder block; shapes with H = hidden, Q = Hq*D, K = Hkv*D, I = intermediate."""
 
@@ -35,8 +45,12 @@ class LayerWeights:
     qkv: Matrix  # weight (Q + 2K, H): rows q | k | v; bias (Q + 2K,) for Qwen2
     o: Matrix  # weight (H, Q); bias (H,) if the model has one
     post_norm: torch.Tensor  # (H,)
-    gate_up: Matrix  # weight (2I, H): rows gate | up
-    down: Matrix  # weight (H, I)
+    gate_up: Matrix | None  # weight (2I, H): rows gate | up (None: the layer's MLP is ``experts``)
+    down: Matrix | None  # weight (H, I)
+    experts: Experts | None = None  # a mixture of experts in place of the dense MLP
+
+    def matrices(self) -> list[Matrix]:
+        return [m for m in (self.qkv, self.o, self.gate_up, self.down) if m is not None]
 
 
 @dataclass
@@ -67,14 +81,20 @@ class Weights:
         def empty(*shape: int) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
 
+        e = spec.num_experts
+
+        def experts() -> Experts | None:
+            return Experts(empty(e, h), empty(e, 2 * i, h), empty(e, h, i), spec.experts_per_token) if e else None
+
         layers = [
             LayerWeights(
                 input_norm=empty(h),
                 qkv=Matrix(empty(q + 2 * k, h), empty(q + 2 * k) if qkv_bias else None),
                 o=Matrix(empty(h, q), empty(h) if o_bias else None),
                 post_norm=empty(h),
-                gate_up=Matrix(empty(2 * i, h)),
-                down=Matrix(empty(h, i)),
+                gate_up=None if e else Matrix(empty(2 * i, h)),
+                down=None if e else Matrix(empty(h, i)),
+                experts=experts(),
             )
             for _ in range(spec.num_layers)
         ]
@@ -84,7 +104,7 @@ class Weights:
 
     def matrices(self) -> list[Matrix]:
         """Every weight matrix that a forward multiplies by."""
-        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [m for layer in self.layers for m in layer.matrices()] + [self.lm_head]
 
     def nbytes(self) -> int:
         """Bytes of this rank's weights (a tied LM head once; not the packed copies that `Matrix` keeps
@@ -92,8 +112,9 @@ class Weights:
         tensors = [self.embed, self.norm, self.lm_head.weight]
         for layer in self.layers:
             tensors += [layer.input_norm, layer.post_norm]
-            matrices = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            tensors += [t for m in matrices for t in (m.weight, m.bias) if t is not None]
+            tensors += [t for m in layer.matrices() for t in (m.weight, m.bias) if t is not None]
+            if layer.experts is not None:
+                tensors += [layer.experts.router, layer.experts.gate_up, layer.experts.down]
         unique = {id(t): t for t in tensors}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -121,7 +142,10 @@ class Weights:
         layer = self.layers[0]
         per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.o_proj.weight"]
         per_layer += [f"self_attn.{p}_proj.weight" for p in "qkv"]
-        per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if layer.experts is None:
+            per_layer += [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        else:
+            per_layer += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if layer.qkv.bias is not None:
             per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         if layer.o.bias is not None:
@@ -149,10 +173,15 @@ class Weights:
             "post_attention_layernorm.weight": (layer.post_norm, None),
             "self_attn.o_proj.weight": (layer.o.weight, layer.o),
             "self_attn.o_proj.bias": (layer.o.bias, layer.o),
-            "mlp.gate_proj.weight": (layer.gate_up.weight[:i], layer.gate_up),
-            "mlp.up_proj.weight": (layer.gate_up.weight[i:], layer.gate_up),
-            "mlp.down_proj.weight": (layer.down.weight, layer.down),
         }
+        if layer.experts is None:
+            direct["mlp.gate_proj.weight"] = (layer.gate_up.weight[:i], layer.gate_up)
+            direct["mlp.up_proj.weight"] = (layer.gate_up.weight[i:], layer.gate_up)
+            direct["mlp.down_proj.weight"] = (layer.down.weight, layer.down)
+        else:
+            direct["mlp.gate.weight"] = (layer.experts.router, None)
+            direct["mlp.experts.gate_up_proj"] = (layer.experts.gate_up, None)
+            direct["mlp.experts.down_proj"] = (layer.experts.down, None)
         for p, rows in slices.items():
             direct[f"self_attn.{p}_proj.weight"] = (layer.qkv.weight[rows], layer.qkv)
             if layer.qkv.bias is not None:
@@ -200,10 +229,11 @@ class Weights:
             "self_attn.k_proj": (layer.qkv, slice(q, q + k)),
             "self_attn.v_proj": (layer.qkv, slice(q + k, q + 2 * k)),
             "self_attn.o_proj": (layer.o, slice(None)),
-            "mlp.gate_proj": (layer.gate_up, slice(0, i)),
-            "mlp.up_proj": (layer.gate_up, slice(i, 2 * i)),
-            "mlp.down_proj": (layer.down, slice(None)),
         }
+        if layer.experts is None:  # adapters on experts are not served
+            rows["mlp.gate_proj"] = (layer.gate_up, slice(0, i))
+            rows["mlp.up_proj"] = (layer.gate_up, slice(i, 2 * i))
+            rows["mlp.down_proj"] = (layer.down, slice(None))
         if part not in rows:
             raise KeyError(f"native rollout cannot serve adapters on {layer_name!r}: not a decoder layer's linear")
         return rows[part]

@@ -6,9 +6,10 @@ import torch
 from hybridflow.models import load_causal_lm, load_tokenizer
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-mixtral"])
 def tiny(request):
-    """(name, fp32 HF model, tokenizer) for both tiny families (untied Llama, tied Qwen2 with q/k/v biases)."""
+    """(name, fp32 HF model, tokenizer) for the tiny families: untied Llama, tied Qwen2 with q/k/v biases, and Mixtral
+    (a mixture of experts, 2 of 4 per token)."""
     model = load_causal_lm(request.param, dtype=torch.float32).eval()
     return request.param, model, load_tokenizer(request.param)
 
