@@ -50,7 +50,7 @@ def check_experts(module: nn.Module, ep: int) -> None:
     if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}:
         raise ValueError(
             f"{type(module).__name__}: expert parallelism runs gated experts stored [gate; up] without biases "
-            f"(Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE); this one is {layout}"
+            f"(Qwen3-MoE, OLMoE, Mixtral); this one is {layout}"
         )
     experts = module.gate_up_proj.shape[0]
     if experts % ep:
@@ -91,10 +91,6 @@ class _ReplicaMean(torch.autograd.Function):
         return grad / ctx.dp, None, None
 
 
-def _counts(index: torch.Tensor, bins: int) -> torch.Tensor:
-    return torch.bincount(index, minlength=bins)
-
-
 def expert_parallel_forward(
     experts: nn.Module,
     hidden: torch.Tensor,
@@ -109,10 +105,10 @@ def expert_parallel_forward(
     local_gate_up = _ReplicaMean.apply(gate_up.to_local(), replicas, mesh.size())
     local_down = _ReplicaMean.apply(down.to_local(), replicas, mesh.size())
     per_rank = local_gate_up.shape[0]  # experts on each rank
-    tokens, k = top_k_index.shape
+    k = top_k_index.shape[1]
     chosen = top_k_index.reshape(-1)  # (T·k,): pair p is token p // k's choice p % k
     order = torch.argsort(chosen, stable=True)  # pairs by expert, so by the rank that holds it
-    send = _counts(chosen // per_rank, ep)
+    send = torch.bincount(chosen // per_rank, minlength=ep)
     receive = torch.empty_like(send)
     dist.all_to_all_single(receive, send, group=group)
     send_list, receive_list = send.tolist(), receive.tolist()
@@ -122,7 +118,7 @@ def expert_parallel_forward(
     dist.all_to_all_single(ids, chosen[order].contiguous(), receive_list, send_list, group=group)
     local = ids - dist.get_rank(group) * per_rank
     by_expert = torch.argsort(local, stable=True)
-    sizes = _counts(local, per_rank).tolist()
+    sizes = torch.bincount(local, minlength=per_rank).tolist()
     outputs, start = [], 0
     sorted_rows = rows[by_expert]
     for expert, size in enumerate(sizes):  # every one of its experts, also on zero rows
@@ -130,8 +126,7 @@ def expert_parallel_forward(
         gated = experts._apply_gate(nn.functional.linear(x, local_gate_up[expert].to(x.dtype)))
         outputs.append(nn.functional.linear(gated, local_down[expert].to(x.dtype)))
         start += size
-    computed = torch.empty_like(sorted_rows)
-    computed = computed.index_copy(0, by_expert, torch.cat(outputs)) if outputs else computed
+    computed = torch.empty_like(sorted_rows).index_copy(0, by_expert, torch.cat(outputs))  # back in received order
     returned = _Exchange.apply(computed, receive_list, send_list, group)  # in the order the pairs were sent
     weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
     combined = torch.zeros_like(hidden)
