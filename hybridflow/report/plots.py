@@ -141,6 +141,14 @@ FIGURES = (
             Panel("waits (s)", ("async/trainer_wait_s", "async/rollouter_idle_s", "async/push_wait_s")),
         ),
     ),
+    FigureSpec(
+        "experts",
+        "Mixture of experts",
+        (
+            Panel("routers' balancing loss (k when balanced)", ("*/router_aux_loss",)),
+            Panel("busiest expert's share of a layer's choices (1: balanced)", ("*/expert_load_max/layer_*",)),
+        ),
+    ),
     FigureSpec("timing", "Time per stage", stacked=True),
     FigureSpec(
         "throughput",

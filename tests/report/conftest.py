@@ -66,6 +66,9 @@ def training_metrics(step: int, rng: random.Random) -> dict[str, float]:
         "rm/chosen_score": 2.0 * progress,
         "rm/rejected_score": -2.0 * progress,
         "rm/grad_norm": 5.0 + rng.random(),
+        # a mixture of experts' routers (engine/moe.py)
+        "actor/router_aux_loss": 2.0 + 0.1 * rng.random(),
+        **{f"actor/expert_load_max/layer_{layer}": 1.0 + 0.5 * progress + 0.1 * layer for layer in range(3)},
         **{f"timing_s/{name}": seconds for name, seconds in timings.items()},
         "timing_s/step": sum(timings.values()) + 0.1,
     }

@@ -21,6 +21,7 @@ ALL_FIGURES = {
     "loss",
     "preference",
     "staleness",
+    "experts",
     "timing",
     "throughput",
 }
