@@ -133,9 +133,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.mark.slow
-def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
-    """A random tiny model rarely writes digits (about 1% of characters); rewarded for them, it learns to."""
+def digits_run(arithmetic_files, tmp_path, *extra: str) -> list[dict]:
+    """10 GRPO steps of 8 prompts x 8 samples rewarded for digits (DIGITS_REWARD); its records, after checking that
+    the score rose from under 0.1 by more than 0.5. ``extra``: the run's own overrides (its model, its backend)."""
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
     train, _ = arithmetic_files
@@ -152,11 +152,19 @@ def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={tmp_path}",
             f"custom_reward_function.path={reward_file}",
+            *extra,
         ]
     )
     run(config)
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    scores = [json.loads(line)["critic/score/mean"] for line in lines]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    scores = [record["critic/score/mean"] for record in records]
     assert len(scores) == 10
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.1 and last > first + 0.5, scores
+    return records
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path):
+    """A random tiny model rarely writes digits (about 1% of characters); rewarded for them, it learns to."""
+    digits_run(arithmetic_files, tmp_path)
