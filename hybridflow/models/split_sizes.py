@@ -55,7 +55,12 @@ def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str, 
 
 
 def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
-    """``check_split_sizes`` with the sizes of a Hugging Face config."""
+    """``check_split_sizes`` with the sizes of a Hugging Face config; a mixture of experts is not split (yet)."""
+    if size > 1 and expert_count(config):
+        raise ValueError(
+            f"{size}: tensor parallelism does not split a mixture of experts' layers yet (set it to 1; "
+            "expert_model_parallel_size splits the experts over data-parallel ranks in training)"
+        )
     check_split_sizes(
         size,
         key,

@@ -50,3 +50,17 @@ def test_the_native_engine_refuses_a_family_it_does_not_run_before_ray(arithmeti
     ):
         check_config(load_config(files))
     assert check_config(load_config([*files, "actor_rollout_ref.rollout.name=hf"])).layouts[Role.ActorRollout].dp == 2
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.actor.tensor_model_parallel_size"],
+)
+def test_tensor_parallelism_over_a_mixture_of_experts_is_refused_before_ray(key):
+    moe_actor = ["actor_rollout_ref.model.path=tiny-mixtral", "trainer.n_workers_per_node=2"]
+    if key.endswith("rollout.tensor_model_parallel_size"):  # generation groups of 2 need training groups of 2
+        moe_actor.append("actor_rollout_ref.actor.tensor_model_parallel_size=2")
+    with pytest.raises(
+        ConfigError, match=r"tensor_model_parallel_size.*2: tensor parallelism does not split a mixture"
+    ):
+        make_run_plan(load_config([*moe_actor, f"{key}=2"]))
