@@ -108,11 +108,12 @@ def expert_parallel_forward(
     k = top_k_index.shape[1]
     chosen = top_k_index.reshape(-1)  # (T·k,): pair p is token p // k's choice p % k
     order = torch.argsort(chosen, stable=True)  # pairs by expert, so by the rank that holds it
+    tokens = order // k  # each sent pair's token
     send = torch.bincount(chosen // per_rank, minlength=ep)
     receive = torch.empty_like(send)
     dist.all_to_all_single(receive, send, group=group)
     send_list, receive_list = send.tolist(), receive.tolist()
-    rows = _Exchange.apply(hidden[order // k], send_list, receive_list, group)
+    rows = _Exchange.apply(hidden[tokens], send_list, receive_list, group)
     # which of this rank's experts each received row is for: the experts' ids travel the same way
     ids = torch.empty(sum(receive_list), dtype=chosen.dtype, device=chosen.device)
     dist.all_to_all_single(ids, chosen[order].contiguous(), receive_list, send_list, group=group)
@@ -130,7 +131,7 @@ def expert_parallel_forward(
     returned = _Exchange.apply(computed, receive_list, send_list, group)  # in the order the pairs were sent
     weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
     combined = torch.zeros_like(hidden)
-    return combined.index_add(0, order // k, returned * weights[:, None])
+    return combined.index_add(0, tokens, returned * weights[:, None])
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:

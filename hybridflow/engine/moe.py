@@ -2,7 +2,7 @@
 update: the load-balancing loss added to a micro-batch's loss and each layer's expert loads as metrics.
 
 A MoE block has a ``gate`` (the router: its forward returns the logits (T, E) first) and ``experts`` with the fused
-3-D expert weights (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE). ``RouterRecorder`` hooks the routers while an update runs.
+3-D expert weights (Qwen3-MoE, OLMoE, Mixtral). ``RouterRecorder`` hooks the routers while an update runs.
 Its statistic is the micro-batch's (the tokens one rank runs together), as transformers computes it for a batch; a
 mini-batch's loss adds each micro-batch's, weighted by 1 / (its micro-batches) like a mean over them.
 """
@@ -36,20 +36,13 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return [m.gate for m in model.modules() if id(getattr(m, "experts", None)) in experts and hasattr(m, "gate")]
 
 
-def model_config(model: nn.Module):
-    """The Hugging Face config under any wrapper (FSDP2 keeps the class; peft exposes ``config`` too)."""
-    return getattr(model, "config", None)
-
-
 class RouterRecorder:
     """The routers' logits of the forwards since the last ``clear``."""
 
-    def __init__(self, model: nn.Module, coefficient: float) -> None:
-        config = model_config(model)
-        self.coefficient = coefficient
-        self.top_k = int(config.num_experts_per_tok)
+    def __init__(self, gates: list[nn.Module], top_k: int, coefficient: float) -> None:
+        self.coefficient, self.top_k = coefficient, top_k
         self.logits: list[torch.Tensor] = []
-        self.handles = [router.register_forward_hook(self._record) for router in routers(model)]
+        self.handles = [gate.register_forward_hook(self._record) for gate in gates]
 
     def _record(self, module: nn.Module, inputs, output) -> None:
         self.logits.append(output[0] if isinstance(output, tuple) else output)
@@ -74,24 +67,25 @@ class RouterRecorder:
             handle.remove()
 
 
-def aux_loss_coefficient(model: nn.Module, configured: float | None) -> float:
+def aux_loss_coefficient(model: nn.Module, configured: float | None, gates: list[nn.Module] | None = None) -> float:
     """The balancing loss's weight: the configured one, or (None) the model config's ``router_aux_loss_coef``; 0 for a
-    model without MoE layers."""
-    if not routers(model):
+    model without MoE layers (``gates``: its routers, when already found)."""
+    if not (routers(model) if gates is None else gates):
         return 0.0
     if configured is not None:
         return float(configured)
-    return float(getattr(model_config(model), "router_aux_loss_coef", 0.0) or 0.0)
+    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
 
 
 @contextmanager
 def recording_routers(model: nn.Module, configured: float | None) -> Iterator[RouterRecorder | None]:
     """A recorder on the model's routers for the block (None: no MoE layers, or a zero weight)."""
-    coefficient = aux_loss_coefficient(model, configured)
+    gates = routers(model)
+    coefficient = aux_loss_coefficient(model, configured, gates)
     if coefficient == 0.0:
         yield None
         return
-    recorder = RouterRecorder(model, coefficient)
+    recorder = RouterRecorder(gates, int(model.config.num_experts_per_tok), coefficient)
     try:
         yield recorder
     finally:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.models.split_sizes import check_split_sizes
-from hybridflow.models.tensor_parallel import LayerSplit
+from hybridflow.models.tensor_parallel import UNSPLIT, LayerSplit, layer_split
 from hybridflow.rollout.native.spec import ModelSpec
 
 
@@ -40,11 +40,12 @@ class TensorParallelGroup:
     group: dist.ProcessGroup | None = None
 
     @classmethod
-    def of(cls, split: LayerSplit, group: dist.ProcessGroup | None) -> TensorParallelGroup:
-        """The group's size and this rank's place in it (None: generation on one rank)."""
+    def of(cls, model_type: str, group: dist.ProcessGroup | None) -> TensorParallelGroup:
+        """The group's size and this rank's place in it, with the family's split (None: generation on one rank,
+        which splits nothing and so runs any family)."""
         if group is None or dist.get_world_size(group) == 1:
-            return cls(split)
-        return cls(split, size=dist.get_world_size(group), rank=dist.get_rank(group), group=group)
+            return cls(UNSPLIT)
+        return cls(layer_split(model_type), size=dist.get_world_size(group), rank=dist.get_rank(group), group=group)
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of the group's partial results of a row-parallel layer (in place)."""

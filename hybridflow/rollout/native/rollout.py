@@ -17,7 +17,6 @@ from hybridflow.batch_keys import (
     RESPONSES,
     ROLLOUT_LOG_PROBS,
 )
-from hybridflow.models.tensor_parallel import UNSPLIT, layer_split
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import (
     Rollout,
@@ -63,12 +62,7 @@ class NativeRollout(Rollout):
         self.stop_token_ids = list(self.eos_token_ids if stop_token_ids is None else stop_token_ids)
         dtype = dtype or next(model.parameters()).dtype
         spec = spec_from_config(model.config)
-        split = (
-            layer_split(model.config.model_type)
-            if tp_group is not None and dist.get_world_size(tp_group) > 1
-            else UNSPLIT
-        )
-        tp = TensorParallelGroup.of(split, tp_group)
+        tp = TensorParallelGroup.of(model.config.model_type, tp_group)
         weights = Weights.from_model(model, spec, dtype, tp)
         self.engine = Engine(weights, engine_config)
         self.adapters = engine_config.adapters
