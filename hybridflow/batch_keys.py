@@ -16,6 +16,9 @@ RESPONSE_MASK = "response_mask"  # (B, R) 1 on the response tokens losses train 
 GENERATED_MASK = "generated_mask"  # (B, R) 1 on generated tokens: response_mask as generation returned it
 TRUNCATED = "truncated"  # (B,) bool: the response holds no stop token (cut at the length budget)
 ROLLOUT_LOG_PROBS = "rollout_log_probs"  # (B, R) the generator's log-probs of the sampled tokens
+# (B, P+R, L, k) mixture of experts: the k experts the generator routed each token to in each of L MoE layers (-1: not
+# recorded), for routing replay (engine/router_replay.py)
+ROUTED_EXPERTS = "routed_experts"
 # ---- partial rollout (fully asynchronous training): a response generated across weight pushes
 PREFIX_LENGTH = "prefix_length"  # (B,) response tokens generated before this call (it continues after them)
 INTERRUPTED = "interrupted"  # (B,) bool: the call stopped before this response finished (a weight push)
@@ -79,6 +82,7 @@ SEQUENCE_SCORE = "sequence_score"  # reward-model evaluation: (B,) the model's s
 GLOBAL_STEP = "global_step"  # the training step a call belongs to (seeds derive from it)
 SAMPLING = "sampling"  # generation settings to use: one of SAMPLING_MODES
 SAMPLING_ROUND = "sampling_round"  # dynamic sampling: the step's generation round (0 first; seeds derive from it)
+RECORD_ROUTES = "record_routes"  # training samples of a mixture of experts: return routed_experts (routing replay)
 OLD_POLICY = "old_policy"  # "rollout": the update uses the rollout's log-probs as the old policy (bypass mode)
 METRICS = "metrics"  # a worker's measurements {name: float}; collected as the mean over ranks
 SFT_LOSS = "sft/loss"  # the SFT metric: a batch's mean negative log-likelihood per trained token

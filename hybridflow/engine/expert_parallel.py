@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from hybridflow.engine.moe import EXPERT_WEIGHTS, experts_modules
+from hybridflow.models.routing import EXPERT_WEIGHTS, experts_modules
 
 
 def expert_mesh(device: torch.device, dp: int, ep: int) -> DeviceMesh:

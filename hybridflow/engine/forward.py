@@ -25,12 +25,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, ROUTED_EXPERTS
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
+from hybridflow.models.routing import RouteReplay, replaying_routes
 from hybridflow.protocol import DataProto
 
 
@@ -91,7 +92,11 @@ def sp_of_packed(sp_group: dist.ProcessGroup | None, remove_padding: bool) -> in
 
 
 def response_outputs(
-    model: nn.Module, batch: DataProto, remove_padding: bool = False, sp_group: dist.ProcessGroup | None = None
+    model: nn.Module,
+    batch: DataProto,
+    remove_padding: bool = False,
+    sp_group: dist.ProcessGroup | None = None,
+    replay_routes: RouteReplay | None = None,
 ) -> ResponseOutputs:
     """The model's outputs (``.logits``) that predict the response tokens, where they go, and whose they are.
 
@@ -99,20 +104,29 @@ def response_outputs(
     (row-major over (B, R)), their (B, R) mask, and None; a causal LM's head then runs on those M positions only
     (``logits_to_keep``), not on the prompts and padding. With ``sp_group`` (Ulysses, packed only): this rank runs
     its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
+    ``replay_routes``: a mixture of experts routes each token through the batch's ``routed_experts`` where it has them,
+    counted there (models/routing.py).
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
     sp = sp_of_packed(sp_group, remove_padding)
+    routes = tensors[ROUTED_EXPERTS] if replay_routes is not None and ROUTED_EXPERTS in tensors.keys() else None
     if not remove_padding:
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-        return ResponseOutputs(model(**inputs, use_cache=False).logits[:, -response_length - 1 : -1, :], None, None)
+        with replaying_routes(model, None if routes is None else routes.flatten(0, 1), replay_routes):
+            logits = model(**inputs, use_cache=False).logits
+        return ResponseOutputs(logits[:, -response_length - 1 : -1, :], None, None)
     packed, keep = packed_responses(batch)
+    routes = None if routes is None else routes[packed.kept]
     if sp > 1:
-        outputs, shard = _sharded_outputs(model, packed, keep, sp_group)
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes)
         return ResponseOutputs(outputs, packed.response_valid, shard)
-    if _accepts_logits_to_keep(model):
-        return ResponseOutputs(packed_forward(model, packed, logits_to_keep=keep)[0], packed.response_valid, None)
-    return ResponseOutputs(packed_forward(model, packed)[0, keep], packed.response_valid, None)
+    with replaying_routes(model, routes, replay_routes):
+        if _accepts_logits_to_keep(model):
+            outputs = packed_forward(model, packed, logits_to_keep=keep)[0]
+        else:
+            outputs = packed_forward(model, packed)[0, keep]
+    return ResponseOutputs(outputs, packed.response_valid, None)
 
 
 def packed_responses(batch: DataProto) -> tuple[PackedBatch, torch.Tensor]:
@@ -139,15 +153,26 @@ def local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBa
 
 
 def _sharded_outputs(
-    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
+    model: nn.Module,
+    packed: PackedBatch,
+    keep: torch.Tensor,
+    group: dist.ProcessGroup,
+    routes: torch.Tensor | None = None,
+    replay: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, ResponseShard]:
-    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``."""
+    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``; ``routes``: the
+    packed tokens' recorded experts (N, L, k), replayed on the slice's."""
     local, shards, start = local_slice(packed, group)
-    held = (keep >= start) & (keep < start + local.input_ids.shape[1])
-    if _accepts_logits_to_keep(model):
-        outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
-    else:
-        outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
+    width = local.input_ids.shape[1]
+    held = (keep >= start) & (keep < start + width)
+    if routes is not None:  # the slice's tokens; the padding that evens the slices routes itself
+        routes = nn.functional.pad(routes, (0, 0, 0, 0, 0, shards.padded - routes.shape[0]), value=-1)
+        routes = routes[start : start + width]
+    with replaying_routes(model, routes, replay):
+        if _accepts_logits_to_keep(model):
+            outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
+        else:
+            outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
     return outputs, ResponseShard(held, group)
 
 
@@ -166,13 +191,15 @@ def response_log_probs(
     remove_padding: bool = False,
     entropy_grad: bool = True,
     sp_group: dist.ProcessGroup | None = None,
+    replay_routes: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log pi(response token), entropy or None), each (B, R) in fp32; 0 on response padding when packed.
 
     ``entropy_grad=False``: the entropy is a metric only, computed outside the autograd graph. ``sp_group``: Ulysses
-    sequence parallelism over its ranks (every rank gets every row's values).
+    sequence parallelism over its ranks (every rank gets every row's values). ``replay_routes``: through the batch's
+    recorded experts.
     """
-    outputs = response_outputs(model, batch, remove_padding, sp_group)
+    outputs = response_outputs(model, batch, remove_padding, sp_group, replay_routes)
     return log_probs_of(outputs, batch, temperature, with_entropy, entropy_grad)
 
 
@@ -222,11 +249,12 @@ def _batched(
     remove_padding: bool,
     max_token_len: int | None,
     sp_group: dist.ProcessGroup | None,
+    replay_routes: RouteReplay | None = None,
 ) -> tuple[list, list[list[int]]]:
     """``of_outputs`` of each micro-batch's ``response_outputs`` (``micro_batch_size`` rows, or with ``max_token_len``
     at most that many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
     ``restore_order``. A pipelined model runs every micro-batch through its stages in one schedule, and every rank of
-    its pp group gets the results of the last stage."""
+    its pp group gets the results of the last stage. ``replay_routes``: ``response_outputs``'."""
     sharing = packed_prompt_sharing(data, remove_padding)
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     micro_batches = split_by_groups(data, groups)
@@ -234,7 +262,8 @@ def _batched(
         outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group)
         parts = None if outputs is None else [of_outputs(m, o) for m, o in zip(micro_batches, outputs)]
         return model.share_from_last(parts), groups
-    return [of_outputs(m, response_outputs(model, m, remove_padding, sp_group)) for m in micro_batches], groups
+    outputs = (response_outputs(model, m, remove_padding, sp_group, replay_routes) for m in micro_batches)
+    return [of_outputs(m, o) for m, o in zip(micro_batches, outputs)], groups
 
 
 def check_pipelined(remove_padding: bool, sp_group: dist.ProcessGroup | None) -> None:
@@ -276,9 +305,10 @@ def batched_log_probs(
     remove_padding: bool = False,
     max_token_len: int | None = None,
     sp_group: dist.ProcessGroup | None = None,
+    replay_routes: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``); ``sp_group``:
-    Ulysses over its ranks, which all hold ``data``."""
+    Ulysses over its ranks, which all hold ``data``; ``replay_routes``: through the batch's recorded experts."""
     parts, groups = _batched(
         model,
         lambda micro, outputs: log_probs_of(outputs, micro, temperature, with_entropy),
@@ -287,6 +317,7 @@ def batched_log_probs(
         remove_padding,
         max_token_len,
         sp_group,
+        replay_routes,
     )
     log_probs = restore_order([p[0] for p in parts], groups)
     entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None

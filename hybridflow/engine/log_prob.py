@@ -13,6 +13,7 @@ from torch import nn
 from hybridflow.engine.config import ActorConfig, RefConfig
 from hybridflow.engine.flops import PassMeter
 from hybridflow.engine.forward import batched_log_probs, pass_work
+from hybridflow.models.routing import RouteReplay
 from hybridflow.protocol import DataProto
 
 
@@ -26,10 +27,12 @@ def log_prob_pass(
     temperature: float,
     with_entropy: bool,
     sp_group: dist.ProcessGroup | None = None,
+    replay_routes: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Log-probs of ``data``'s response tokens and their entropy (None unless ``with_entropy``), (B, R)
     each, without grad; and the pass's metrics ``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``,
-    ``perf/peak_tflops``. ``sp_group``: Ulysses sequence parallelism over its ranks (which all hold ``data``)."""
+    ``perf/peak_tflops``. ``sp_group``: Ulysses sequence parallelism over its ranks (which all hold ``data``);
+    ``replay_routes``: a mixture of experts routes through the batch's recorded experts (models/routing.py)."""
     model.eval()
     start = time.perf_counter()
     log_probs, entropy = batched_log_probs(
@@ -41,6 +44,7 @@ def log_prob_pass(
         remove_padding=config.use_remove_padding,
         max_token_len=config.log_prob_max_token_len_per_gpu if config.use_dynamic_bsz else None,
         sp_group=sp_group,
+        replay_routes=replay_routes,
     )
     work = pass_work(data, config.use_remove_padding)
     metrics = meter.metrics(pass_name, work, time.perf_counter() - start, training=False)

@@ -1,9 +1,8 @@
-"""Mixture-of-experts layers of a Hugging Face model, found by their parts, and their routers' statistics in the
-update: the load-balancing loss added to a micro-batch's loss and each layer's expert loads as metrics.
+"""The routers' statistics of a Hugging Face mixture of experts in the update: the load-balancing loss added to a
+micro-batch's loss and each layer's expert loads as metrics.
 
-A MoE block has a ``gate`` (the router: its forward returns the logits (T, E) first) and ``experts`` with the fused
-3-D expert weights (Qwen3-MoE, OLMoE, Mixtral). ``RouterRecorder`` hooks the routers while an update runs.
-Its statistic is the micro-batch's (the tokens one rank runs together), as transformers computes it for a batch; a
+The MoE layers are found by their parts (models/routing.py). ``RouterRecorder`` hooks the routers while an update
+runs. Its statistic is the micro-batch's (the tokens one rank runs together), as transformers computes it for a batch; a
 mini-batch's loss adds each micro-batch's, weighted by 1 / (its micro-batches) like a mean over them.
 """
 
@@ -16,24 +15,7 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
-
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert weights, experts on dimension 0
-
-
-def experts_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's experts modules (one per MoE layer): those with Hugging Face's fused 3-D expert weights."""
-    found = []
-    for module in model.modules():
-        weights = [getattr(module, name, None) for name in EXPERT_WEIGHTS]
-        if all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
-            found.append(module)
-    return found
-
-
-def routers(model: nn.Module) -> list[nn.Module]:
-    """The router of each MoE layer, in layer order."""
-    experts = {id(module) for module in experts_modules(model)}
-    return [m.gate for m in model.modules() if id(getattr(m, "experts", None)) in experts and hasattr(m, "gate")]
+from hybridflow.models.routing import routers
 
 
 class RouterRecorder:

@@ -73,6 +73,7 @@ class PackedBatch:
     segments: Segments
     response_index: torch.Tensor  # (b, R) packed position of the output predicting each response token
     response_valid: torch.Tensor  # (b, R) bool: the response token is real
+    kept: torch.Tensor  # (b, P+R) bool: the row tokens in the sequence (``values[kept]`` packs per-token values)
 
 
 def pack(
@@ -118,6 +119,7 @@ def pack(
         segments=segments,
         response_index=response_index,
         response_valid=mask[:, prompt_length:],
+        kept=keep,
     )
 
 
@@ -149,6 +151,7 @@ def pad_packed(packed: PackedBatch, length: int) -> PackedBatch:
         segments=Segments(index=new_index, real=real),
         response_index=packed.response_index,
         response_valid=packed.response_valid,
+        kept=packed.kept,
     )
 
 

@@ -95,6 +95,7 @@ def _empty_packed(like: PackedBatch) -> PackedBatch:
         segments=Segments(index=index, real=like.segments.real.new_zeros(0)),
         response_index=like.response_index.new_zeros(0, responses),
         response_valid=like.response_valid.new_zeros(0, responses),
+        kept=like.kept.new_zeros(0, like.kept.shape[1]),
     )
 
 

@@ -13,11 +13,12 @@ from hybridflow.algorithms import LossAggregation
 from hybridflow.algorithms.objectives import OBJECTIVES, ForwardOutputs
 from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, OLD_POLICY, RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.forward import ResponseOutputs, log_probs_of
+from hybridflow.engine.forward import ResponseOutputs, log_probs_of, response_outputs
 from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.update import UpdatedEngine, run_updates
+from hybridflow.models.routing import RouteReplay
 from hybridflow.protocol import DataProto
 
 _ROW = "_row_in_update"  # each sample's row in the update's input, carried through shuffling and micro-batching
@@ -51,6 +52,7 @@ class PolicyEngine(UpdatedEngine):
     def __init__(self, trained: TrainedModel, config: ActorConfig, **groups: dist.ProcessGroup | None):
         super().__init__(trained, config, **groups)
         self.objective = OBJECTIVES.get("policy")(config)
+        self.route_replay = RouteReplay() if config.router_replay.replays else None  # routing replay's counts
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
         """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
@@ -63,9 +65,17 @@ class PolicyEngine(UpdatedEngine):
             temperature=temperature,
             with_entropy=with_entropy,
             sp_group=self.sp_group,
+            replay_routes=self.route_replay,
         )
+        if self.route_replay is not None:
+            metrics |= self.route_replay.metrics("log_prob")
         tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
+
+    def outputs(self, micro: DataProto) -> ResponseOutputs:
+        """The model's outputs on a micro-batch's response tokens, with gradients; routed as the rollout routed them
+        with routing replay."""
+        return response_outputs(self.model, micro, self.config.use_remove_padding, self.sp_group, self.route_replay)
 
     def _micro_loss(
         self,
@@ -119,6 +129,8 @@ class PolicyEngine(UpdatedEngine):
             dp_group=self.dp_group,
             loss_share_keys=self.objective.share_keys,
         )
+        if self.route_replay is not None:
+            metrics |= self.route_replay.metrics("update")
         tensors = first_pass.tensors() if first_pass is not None else None
         if tensors is not None and isinstance(self.model, PipelinedModel):  # the last stage computed them
             tensors = self.model.share_from_last(tensors)

@@ -60,6 +60,7 @@ class RolloutBackend:
     tensor_parallel: bool = False  # generates in groups of rollout.tensor_model_parallel_size > 1 ranks
     request_api: bool = False  # has Rollout.request_engine(), which multi-turn agent loops drive
     partial_rollout: bool = False  # has Rollout.generate_partial(): pauses at a weight push, continues after it
+    records_routes: bool = False  # a mixture of experts: returns routed_experts when SamplingParams.record_routes
     # raises InvalidSetting (field relative to the rollout section, e.g. "vllm.max_num_batched_tokens")
     check: Callable[[BackendCheck], None] | None = None
 

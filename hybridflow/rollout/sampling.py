@@ -38,6 +38,8 @@ class SamplingParams:
     top_k: int  # -1: off
     max_new_tokens: int
     seed: int  # the call's seed; each request derives its own stream from it
+    # a mixture of experts: return each token's chosen experts (``routed_experts``) for routing replay
+    record_routes: bool = False
 
     @classmethod
     def from_config(cls, sampling: SamplingConfig, *, max_new_tokens: int, seed: int) -> SamplingParams:

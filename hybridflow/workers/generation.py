@@ -3,10 +3,12 @@ the rollout engine (with its agent loops' tools) on a worker's generation group.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 
-from hybridflow.batch_keys import GLOBAL_STEP, SAMPLING, SAMPLING_ROUND
+from hybridflow.batch_keys import GLOBAL_STEP, RECORD_ROUTES, SAMPLING, SAMPLING_ROUND
 from hybridflow.controller.decorator import MeshCoord
 from hybridflow.models import load_causal_lm
 from hybridflow.rollout.base import Rollout
@@ -27,7 +29,8 @@ def call_sampling(config: RolloutConfig, meta_info: dict, coord: MeshCoord) -> S
     if sampling == "greedy":
         return SamplingParams.greedy(max_new_tokens=config.response_length, seed=seed)
     source = config.val_kwargs if sampling == "validate" else config
-    return SamplingParams.from_config(source, max_new_tokens=config.response_length, seed=seed)
+    params = SamplingParams.from_config(source, max_new_tokens=config.response_length, seed=seed)
+    return dataclasses.replace(params, record_routes=bool(meta_info.get(RECORD_ROUTES, False)))
 
 
 def build_generator(

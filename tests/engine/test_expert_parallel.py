@@ -13,9 +13,9 @@ import torch.multiprocessing as mp
 from hybridflow.batch_keys import ADVANTAGES, ATTENTION_MASK, INPUT_IDS, OLD_LOG_PROBS, POSITION_IDS, RESPONSE_MASK
 from hybridflow.engine.expert_parallel import is_expert_weight
 from hybridflow.engine.forward import response_log_probs
-from hybridflow.engine.moe import experts_modules
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
+from hybridflow.models.routing import experts_modules
 from hybridflow.models.upcycle import upcycle
 from hybridflow.workers.sharded_model import build_trainable
 from tests.conftest import fp32_actor_config

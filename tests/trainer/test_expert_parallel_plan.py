@@ -4,6 +4,7 @@ critic, and refused before anything starts where it cannot run, naming the key a
 import pytest
 
 from hybridflow.controller import Role
+from hybridflow.models.tiny import tiny_model_config
 from hybridflow.trainer.setup.check_config import check_config
 from hybridflow.trainer.setup.config import ConfigError, load_config
 from hybridflow.trainer.setup.run_plan import make_run_plan
@@ -42,11 +43,17 @@ def test_experts_split_over_data_parallel_ranks_alone():
         load_config([*MOE_CRITIC, "critic.router_aux_loss_coef=-1"])
 
 
-def test_the_native_engine_refuses_a_family_it_does_not_run_before_ray(arithmetic_files):
+def test_the_native_engine_refuses_a_model_it_does_not_run_before_ray(arithmetic_files, tmp_path):
+    """A Qwen3-MoE whose first layer keeps a dense MLP (mlp_only_layers): the native engine runs experts in every
+    layer."""
+    config = tiny_model_config("tiny-qwen3-moe")
+    config.mlp_only_layers = [0]
+    config.save_pretrained(tmp_path)
     train, test = arithmetic_files
-    files = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", "actor_rollout_ref.model.path=tiny-olmoe"]
+    files = [f"data.train_files=[{train}]", f"data.val_files=[{test}]", f"actor_rollout_ref.model.path={tmp_path}"]
     with pytest.raises(
-        ConfigError, match=r"(?s)rollout.name.*native cannot generate with tiny-olmoe \(olmoe\).*rollout.name=hf"
+        ConfigError,
+        match=r"(?s)rollout.name.*native cannot generate with .* \(qwen3_moe\).*layers \[0\].*rollout.name=hf",
     ):
         check_config(load_config(files))
     assert check_config(load_config([*files, "actor_rollout_ref.rollout.name=hf"])).layouts[Role.ActorRollout].dp == 2
@@ -64,3 +71,30 @@ def test_tensor_parallelism_over_a_mixture_of_experts_is_refused_before_ray(key)
         ConfigError, match=r"tensor_model_parallel_size.*2: tensor parallelism does not split a mixture"
     ):
         make_run_plan(load_config([*moe_actor, f"{key}=2"]))
+
+
+REPLAY = "actor_rollout_ref.actor.router_replay.mode"
+SEPARATE = ["trainer.placement=separate", "trainer.n_workers_per_node=2"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.model.path=tiny-llama"], "R3: the policy has no experts"),
+        (["actor_rollout_ref.rollout.name=vllm"], "rollout.name=vllm does not record them.*rollout.name=hf or native"),
+        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "agent loops and user agents do not record routes"),
+        (
+            ["trainer.async_training.mode=fully_async", "trainer.async_training.partial_rollout=true", *SEPARATE],
+            "continued across weight pushes",
+        ),
+    ],
+)
+def test_routing_replay_that_cannot_work_is_refused_before_ray(arithmetic_files, overrides, message):
+    train, test = arithmetic_files
+    base = [f"data.train_files=[{train}]", "actor_rollout_ref.model.path=tiny-qwen3-moe"]
+    base += [f"{REPLAY}=R3", "algorithm.rollout_correction.rollout_is=token"]
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*{message}"):
+        check_config(load_config([*base, *overrides]))
+    assert check_config(load_config(base)).layouts[Role.ActorRollout].dp >= 1
+    with pytest.raises(ConfigError, match=rf"{REPLAY}.*'R9'"):
+        load_config([*base, f"{REPLAY}=R9"])

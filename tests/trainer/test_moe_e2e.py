@@ -1,7 +1,7 @@
 """Whole GRPO runs with a mixture-of-experts actor, rewarded for digits as tests/trainer/test_train_e2e.py's dense
-run: tiny Mixtral generating on the native engine, and tiny Qwen3-MoE through transformers' generate (the native
-engine runs Mixtral's layers, not Qwen3's). The reward rises, and every step reports the routers' balancing loss and
-each layer's expert load."""
+run: tiny Mixtral and OLMoE generating on the native engine, and tiny Qwen3-MoE through transformers' generate (the
+other backend's path). The reward rises, and every step reports the routers' balancing loss and each layer's expert
+load. With routing replay (R3, the last two) in fp32, the trainer's log-probs equal the rollout's at every step."""
 
 import math
 
@@ -10,11 +10,30 @@ from test_train_e2e import digits_run
 
 pytestmark = pytest.mark.slow
 
+REPLAY = [
+    "actor_rollout_ref.actor.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.dtype=fp32",
+    "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+]
+OWN_OLD_LOG_PROB_PASS = "actor_rollout_ref.actor.reuse_update_log_probs=false"  # replayed too, besides the update
 
-@pytest.mark.parametrize("model, rollout", [("tiny-mixtral", "native"), ("tiny-qwen3-moe", "hf")])
-def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_files, tmp_path, model, rollout):
+
+@pytest.mark.parametrize(
+    "model, rollout, extra",
+    [
+        ("tiny-mixtral", "native", []),
+        ("tiny-olmoe", "native", REPLAY),
+        ("tiny-qwen3-moe", "hf", [*REPLAY, OWN_OLD_LOG_PROB_PASS]),
+    ],
+)
+def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_files, tmp_path, model, rollout, extra):
     moe = [f"actor_rollout_ref.model.path={model}", f"actor_rollout_ref.rollout.name={rollout}"]
-    records = digits_run(arithmetic_files, tmp_path, *moe, "actor_rollout_ref.actor.router_aux_loss_coef=0.01")
+    records = digits_run(arithmetic_files, tmp_path, *moe, "actor_rollout_ref.actor.router_aux_loss_coef=0.01", *extra)
     for record in records:
         loads = [record[f"actor/expert_load_max/layer_{layer}"] for layer in (0, 1)]
         assert 0 < record["actor/router_aux_loss"] < 4 and all(math.isfinite(load) for load in loads)
+        if extra:  # the rollout's routes replayed (fp32): the log-probs agree as for a dense model
+            assert record["rollout/log_prob_diff_max"] < 1e-4, record["rollout/log_prob_diff_max"]
+            assert 0 <= record["router_replay/changed_update"] < 0.05
+        if OWN_OLD_LOG_PROB_PASS in extra:
+            assert 0 <= record["router_replay/changed_log_prob"] < 0.05

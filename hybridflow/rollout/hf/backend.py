@@ -13,5 +13,7 @@ def _build(model, tokenizer, settings: None, tp_group):
 
 
 HF = register_rollout_backend(
-    RolloutBackend(name="hf", summary="transformers' generate on a whole copy of the weights", build=_build)
+    RolloutBackend(
+        name="hf", summary="transformers' generate on a whole copy of the weights", build=_build, records_routes=True
+    )
 )

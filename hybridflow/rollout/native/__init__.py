@@ -1,4 +1,5 @@
-"""The native generation engine: continuous batching over an own Llama/Qwen2/Mistral forward.
+"""The native generation engine: continuous batching over an own forward of the Llama family
+(Llama, Qwen2, Mistral, and the mixtures of experts Mixtral, Qwen3-MoE and OLMoE).
 
 - backend.py   its registration as a backend (`rollout.name=native`)
 - config.py    NativeEngineConfig: the engine's batch limits (`rollout.native.*`)

@@ -35,6 +35,7 @@ NATIVE = register_rollout_backend(
         tensor_parallel=True,
         request_api=True,
         partial_rollout=True,
+        records_routes=True,
         check=_check,
     )
 )

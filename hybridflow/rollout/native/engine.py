@@ -26,6 +26,7 @@ from hybridflow.rollout.native import model
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.kv_cache import KVCache
+from hybridflow.rollout.native.route_log import RouteLog
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.native.weights import Weights
 from hybridflow.rollout.sampling import SamplingParams
@@ -81,6 +82,7 @@ class Engine:
         # after a `generate` call: which requests finished (False: interrupted) and how many tokens each has
         self.finished: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.routes: RouteLog | None = None  # after a call with ``params.record_routes``: each token's experts
         self.paused: _Run | None = None  # a call stopped with keep_on_stop, for resume
 
     @property
@@ -130,8 +132,10 @@ class Engine:
         cut short (``self.lengths`` how many tokens each has); ``keep_on_stop`` keeps the call's state and KV
         cache for ``resume``. ``seeds`` and ``streams``: request i samples from stream ``streams[i]`` of seed
         ``seeds[i]`` instead of stream i of ``params.seed`` (requests of several calls run together, each as alone).
+        ``params.record_routes`` (a mixture of experts): ``self.routes`` logs each token's experts.
         """
         self.paused = None
+        self.routes = None
         n, r = len(prompts), params.max_new_tokens
         self.stats = EngineStats()
         tokens_out = torch.full((n, r), pad_token_id, dtype=torch.long, device=self.device)
@@ -152,7 +156,13 @@ class Engine:
                 tokens_out[i, : len(prefix)] = torch.tensor(prefix)
                 log_probs_out[i, : len(prefix)] = torch.tensor(continuation.prefix_log_probs[i])
         capacity = min(n, self.max_num_seqs)
-        self.prepare(capacity + 1, max(len(p) + len(x) for p, x in zip(prompts, prefixes)) + r)  # +1: prefix slot
+        longest = max(len(p) + len(x) for p, x in zip(prompts, prefixes)) + r
+        self.prepare(capacity + 1, longest)  # +1: the prefix slot
+        if params.record_routes:
+            spec = self.weights.spec
+            if not spec.num_experts:
+                raise ValueError("record_routes: the model has no mixture-of-experts layers")
+            self.routes = RouteLog(n, longest, spec.num_layers, spec.experts_per_token, self.device)
         run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out, streams, seeds)
         by_prompt: dict[tuple[tuple[int, ...], int], _Group] = {}
         for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
@@ -220,6 +230,7 @@ class _Run:
         self.seeds = None if seeds is None else torch.tensor(seeds, dtype=torch.long, device=engine.device)
         self.cache: KVCache = engine.cache
         self.stats = engine.stats
+        self.routes = engine.routes  # None: the call records no routes
         device = engine.device
         self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
         self.tokens_out, self.log_probs_out = tokens_out, log_probs_out
@@ -249,7 +260,11 @@ class _Run:
         engine, device = self.engine, self.engine.device
         tokens = torch.tensor([first[:length]], device=device)
         slot = torch.tensor([self.prefix_slot], device=device)
-        model.prefill(engine.weights, engine.rope, self.cache, tokens, torch.tensor([length], device=device), slot)
+        record = None if self.routes is None else []
+        lengths = torch.tensor([length], device=device)
+        model.prefill(engine.weights, engine.rope, self.cache, tokens, lengths, slot, record=record)
+        if self.routes is not None:
+            self.routes.shared_prefix(record)
         self.prefix_len = length
         self.stats.prefill_calls += 1
         self.stats.prefill_tokens += length
@@ -330,6 +345,7 @@ class _Run:
             slot += len(group_requests)
         lengths_t = torch.tensor(lengths, device=device)
         self.cache.copy_slots([self.prefix_slot] * len(leaders), leaders, start)
+        record = None if self.routes is None else []
         logits = model.prefill(
             engine.weights,
             engine.rope,
@@ -338,7 +354,10 @@ class _Run:
             lengths_t - start,
             torch.tensor(leaders, device=device),
             start,
+            record,
         )
+        if self.routes is not None:
+            self.routes.prompts(record, tokens.shape[1], lengths, [members for _, members in admitted])
         self.cache.copy_slots(copies_src, copies_dst, max(lengths))
         new = slice(first, slot)
         self.running = slot
@@ -360,7 +379,12 @@ class _Run:
         """One token for every running sequence."""
         engine, b = self.engine, self.running
         running = slice(0, b)
-        logits = model.decode(engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b])
+        record = None if self.routes is None else []
+        logits = model.decode(
+            engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b], record=record
+        )
+        if self.routes is not None:
+            self.routes.tokens(record, self.request[running], self.position[running])
         self.position[running] += 1
         tokens, log_probs = sample(
             logits, self.params, self.streams[self.request[running]], self.step[running], self._seeds(running)

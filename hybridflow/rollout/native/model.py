@@ -1,10 +1,10 @@
-"""The decoder forward on the packed weights: RMSNorm, rotary embeddings, GQA attention, SwiGLU.
+"""The decoder forward on the packed weights: RMSNorm, rotary embeddings, GQA attention, SwiGLU or routed experts.
 
 Two entry points, both pure functions of (weights, rotary tables, cache, token tensors):
 `prefill` runs whole prompts and stores their keys/values, `decode` runs one new token per
 running sequence against the cache. Neither knows about requests or scheduling.
 
-Numerics follow transformers' Llama/Qwen2 modules op for op (norms in fp32, rotary tables
+Numerics follow transformers' modules op for op (norms in fp32, rotary tables
 computed in fp32 then cast, residual stream in the weights' dtype), so fp32 results match
 HF to rounding and bf16 results match HF bf16 closely.
 
@@ -55,28 +55,53 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def _qkv(layer: LayerWeights, x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """(..., H) -> (..., Q + 2K): queries | keys | values of every head."""
-    return layer.qkv(rms_norm(x, layer.input_norm, spec.rms_norm_eps))
+    """(..., H) -> (..., Q + 2K): queries | keys | values of every head, before rotary; q and k RMS-normalised where
+    the family does (spec.qk_norm), then all three clamped where it clips (spec.clip_qkv), as transformers orders it.
+    Every site that computes q/k (prefill, decode, extend) goes through here."""
+    qkv = layer.qkv(rms_norm(x, layer.input_norm, spec.rms_norm_eps))
+    if layer.q_norm is not None:
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        qkv = torch.cat([_group_norm(q, layer.q_norm, spec), _group_norm(k, layer.k_norm, spec), v], dim=-1)
+    if spec.clip_qkv is not None:
+        qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
+    return qkv
 
 
-def _output_and_mlp(weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Residual stream after the attention output projection and the SwiGLU MLP (or mixture of experts): (..., H)."""
+def _group_norm(x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    """(..., N) -> (..., N): RMSNorm over each group of weight.numel() values: each head's (a (D,) weight, Qwen3-MoE) or
+    all of them at once (an (N,) weight, OLMoE)."""
+    groups = x.unflatten(-1, (-1, weight.shape[0]))
+    return rms_norm(groups, weight, spec.rms_norm_eps).flatten(-2)
+
+
+def _output_and_mlp(
+    weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, record: list | None = None
+) -> torch.Tensor:
+    """Residual stream after the attention output projection and the SwiGLU MLP (or mixture of experts): (..., H).
+    ``record``: a mixture of experts appends its tokens' chosen experts (``routed_mlp``)."""
     x = x + weights.tp.all_reduce(layer.o(attn))
     normed = rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)
     if layer.experts is not None:
-        return x + routed_mlp(layer.experts, normed)
+        return x + routed_mlp(layer.experts, normed, record)
     gate, up = layer.gate_up(normed).chunk(2, dim=-1)
     return x + weights.tp.all_reduce(layer.down(F.silu(gate) * up))
 
 
-def routed_mlp(experts: Experts, x: torch.Tensor) -> torch.Tensor:
-    """(..., H) -> (..., H): each token through its top-k experts (softmax over the router's logits in fp32, the
-    chosen weights renormalised to sum to 1, as Mixtral routes), computed expert by expert on the rows routed to it
-    (one matmul pair per expert, not per token) and summed per token in expert order, as transformers does."""
+def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) -> torch.Tensor:
+    """(..., H) -> (..., H): each token through its top-k experts (softmax over the router's logits in fp32; the
+    chosen weights renormalised to sum to 1 if ``experts.renormalize``, as Mixtral always does and Qwen3-MoE / OLMoE
+    by ``norm_topk_prob``; rounded to x's dtype if ``experts.round_weights``, as the latter two do), computed expert
+    by expert on the rows routed to it (one matmul pair per expert, not per token) and summed per token in expert
+    order, as transformers does. ``record``: the tokens' chosen experts (N, k) are appended to it (routing replay)."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
     probs = torch.softmax(F.linear(flat, experts.router).float(), dim=-1)
     weights, chosen = probs.topk(experts.top_k, dim=-1)
-    weights = weights / weights.sum(dim=-1, keepdim=True)
+    if record is not None:
+        record.append(chosen)
+    if experts.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if experts.round_weights:
+        weights = weights.to(flat.dtype)
     pairs = chosen.reshape(-1)
     order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
     tokens = order // experts.top_k
@@ -104,6 +129,7 @@ def prefill(
     lengths: torch.Tensor,
     slots: torch.Tensor,
     start: int = 0,
+    record: list | None = None,
 ) -> torch.Tensor:
     """Run right-padded prompt tokens at positions start.. and store their keys/values in `slots`.
 
@@ -111,7 +137,8 @@ def prefill(
     the slots already hold the keys/values of positions 0..start-1 (a prefix shared by all
     rows), and the new tokens attend to them. Returns the logits after each row's last real
     token: (Bp, V). Pad positions are computed but never attended to by real ones
-    (causal), and their cache entries are overwritten before anything reads them.
+    (causal), and their cache entries are overwritten before anything reads them. ``record``: each MoE layer
+    appends its tokens' experts, (Bp * T, k) in row-major order.
     """
     spec = weights.spec
     b, t = tokens.shape
@@ -131,7 +158,7 @@ def prefill(
         q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
-        x = _output_and_mlp(weights, layer, x, attn)
+        x = _output_and_mlp(weights, layer, x, attn, record)
     last = x[torch.arange(b, device=x.device), lengths - 1]  # (Bp, H)
     return _logits(weights, last)
 
@@ -144,6 +171,7 @@ def decode(
     positions: torch.Tensor,
     ragged: bool = False,
     slots: torch.Tensor | None = None,
+    record: list | None = None,
 ) -> torch.Tensor:
     """One new token for each of the sequences in slots 0..B-1 (``ragged``: in cache slots ``slots``, any order).
 
@@ -154,9 +182,10 @@ def decode(
     this is several times faster on CPU than the fused kernel, and than slicing the rows
     (a slice would be copied). ``ragged``: the kernel of ragged_attention.py instead, which
     reads positions 0..positions[b] of each slot only (float32 scores and softmax; for slots
-    much longer than the sequences in them, as in multi-turn rollout).
+    much longer than the sequences in them, as in multi-turn rollout). ``record``: each MoE layer appends the
+    tokens' experts, (B, k).
     """
-    return _logits(weights, _decode_hidden(weights, rope, cache, tokens, positions, ragged, slots))
+    return _logits(weights, _decode_hidden(weights, rope, cache, tokens, positions, ragged, slots, record))
 
 
 def _decode_hidden(
@@ -167,6 +196,7 @@ def _decode_hidden(
     positions: torch.Tensor,
     ragged: bool,
     slots: torch.Tensor | None,
+    record: list | None = None,
 ) -> torch.Tensor:
     """`decode` up to the final norm: the residual stream after the last layer, (B, H). Each layer stores every
     token's keys/values before any attends, so in ragged mode several tokens may share a slot (consecutive
@@ -204,7 +234,7 @@ def _decode_hidden(
             q = qk[:, :hq].reshape(b * hkv, g, d)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
             attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
-        x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size))
+        x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size), record)
     return x
 
 

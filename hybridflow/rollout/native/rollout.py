@@ -16,6 +16,7 @@ from hybridflow.batch_keys import (
     PREFIX_LENGTH,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
 )
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import (
@@ -114,6 +115,9 @@ class NativeRollout(Rollout):
         )
         if should_stop is not None or continuation is not None:
             batch[INTERRUPTED] = interrupted
+        if params.record_routes:
+            lengths = prompt_mask.sum(dim=1)
+            batch[ROUTED_EXPERTS] = self.engine.routes.batch_rows(prompt_ids.shape[1], lengths, batch[ATTENTION_MASK])
         return DataProto.from_dict(batch, meta_info=dict(prompts.meta_info))
 
     @torch.no_grad()

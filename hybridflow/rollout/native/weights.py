@@ -29,12 +29,14 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # b
 
 @dataclass
 class Experts:
-    """A layer's mixture of experts (Mixtral's): E experts of width I, each token routed to ``top_k`` of them."""
+    """A layer's mixture of experts: E experts of width I, each token routed to ``top_k`` of them."""
 
     router: torch.Tensor  # (E, H)
     gate_up: torch.Tensor  # (E, 2I, H): rows gate | up, Hugging Face's fused layout
     down: torch.Tensor  # (E, H, I)
     top_k: int
+    renormalize: bool = True  # the chosen weights rescaled to sum to 1 (ModelSpec.normalize_top_k)
+    round_weights: bool = False  # the chosen weights rounded to the hidden dtype (ModelSpec.round_routing_weights)
 
 
 @dataclass
@@ -48,6 +50,8 @@ class LayerWeights:
     gate_up: Matrix | None  # weight (2I, H): rows gate | up (None: the layer's MLP is ``experts``)
     down: Matrix | None  # weight (H, I)
     experts: Experts | None = None  # a mixture of experts in place of the dense MLP
+    q_norm: torch.Tensor | None = None  # RMSNorm weight on the queries: (D,) per head or (Q,) whole (ModelSpec.qk_norm)
+    k_norm: torch.Tensor | None = None  # on the keys: (D,) or (K,)
 
     def matrices(self) -> list[Matrix]:
         return [m for m in (self.qkv, self.o, self.gate_up, self.down) if m is not None]
@@ -84,7 +88,12 @@ class Weights:
         e = spec.num_experts
 
         def experts() -> Experts | None:
-            return Experts(empty(e, h), empty(e, 2 * i, h), empty(e, h, i), spec.experts_per_token) if e else None
+            if not e:
+                return None
+            routing = dict(renormalize=spec.normalize_top_k, round_weights=spec.round_routing_weights)
+            return Experts(empty(e, h), empty(e, 2 * i, h), empty(e, h, i), spec.experts_per_token, **routing)
+
+        q_norm, k_norm = {"head": (spec.head_dim,) * 2, "full": (q, k)}.get(spec.qk_norm, (0, 0))  # sizes; 0: none
 
         layers = [
             LayerWeights(
@@ -95,6 +104,8 @@ class Weights:
                 gate_up=None if e else Matrix(empty(2 * i, h)),
                 down=None if e else Matrix(empty(h, i)),
                 experts=experts(),
+                q_norm=empty(q_norm) if q_norm else None,
+                k_norm=empty(k_norm) if k_norm else None,
             )
             for _ in range(spec.num_layers)
         ]
@@ -111,7 +122,7 @@ class Weights:
         for oneDNN on CPU in bf16, which double the matrices' share there)."""
         tensors = [self.embed, self.norm, self.lm_head.weight]
         for layer in self.layers:
-            tensors += [layer.input_norm, layer.post_norm]
+            tensors += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm) if t is not None]
             tensors += [t for m in layer.matrices() for t in (m.weight, m.bias) if t is not None]
             if layer.experts is not None:
                 tensors += [layer.experts.router, layer.experts.gate_up, layer.experts.down]
@@ -120,7 +131,7 @@ class Weights:
 
     @classmethod
     def from_model(cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallelGroup) -> Weights:
-        """A packed copy of a Hugging Face Llama/Qwen2/Mistral causal LM's weights in `dtype` (this
+        """A packed copy of a Hugging Face causal LM's weights (a family of SUPPORTED_MODEL_TYPES) in `dtype` (this
         rank's slices of them under tensor parallelism)."""
         params = dict(model.named_parameters())
         attn = "model.layers.0.self_attn"
@@ -148,6 +159,8 @@ class Weights:
             per_layer += ["mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
         if layer.qkv.bias is not None:
             per_layer += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        if layer.q_norm is not None:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         if layer.o.bias is not None:
             per_layer.append("self_attn.o_proj.bias")
         return names + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
@@ -173,6 +186,8 @@ class Weights:
             "post_attention_layernorm.weight": (layer.post_norm, None),
             "self_attn.o_proj.weight": (layer.o.weight, layer.o),
             "self_attn.o_proj.bias": (layer.o.bias, layer.o),
+            "self_attn.q_norm.weight": (layer.q_norm, None),
+            "self_attn.k_norm.weight": (layer.k_norm, None),
         }
         if layer.experts is None:
             direct["mlp.gate_proj.weight"] = (layer.gate_up.weight[:i], layer.gate_up)

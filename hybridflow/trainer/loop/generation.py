@@ -27,6 +27,7 @@ from hybridflow.batch_keys import (
     GLOBAL_STEP,
     METRICS,
     PROMPT_TENSORS,
+    RECORD_ROUTES,
     RESPONSE_MASK,
     REWARD_BASELINES,
     RM_SCORES,
@@ -234,7 +235,9 @@ class Generation:
     ) -> DataProto:
         """One ``generate_sequences`` call for ``step`` (new prompts, or samples to continue): its settings in the
         request's meta_info, the generator's metrics moved into ``metrics``."""
+        replay = sampling == "train" and self.config.actor_rollout_ref.actor.router_replay.replays
         request.meta_info = {GLOBAL_STEP: step, SAMPLING: sampling, SAMPLING_ROUND: round_index, **(meta or {})}
+        request.meta_info[RECORD_ROUTES] = replay
         return take_metrics(self.generator.generate_sequences(request), metrics)
 
     def greedy_baseline(self, prompts: DataProto, step: int, timeline: StepTimeline, round_index: int) -> torch.Tensor:

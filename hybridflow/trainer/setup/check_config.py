@@ -20,8 +20,9 @@ from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimato
 from hybridflow.controller import Role
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
+from hybridflow.models.split_sizes import expert_count
 from hybridflow.reward.custom import load_custom_reward_fn
-from hybridflow.rollout.backend import BackendCheck, rollout_backend
+from hybridflow.rollout.backend import BackendCheck, rollout_backend, rollout_backends
 from hybridflow.trainer.services.tracking import check_loggers
 from hybridflow.trainer.setup.cluster import check_local_cluster
 from hybridflow.trainer.setup.config import ConfigError, HybridFlowConfig
@@ -162,6 +163,42 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
     )
 
 
+def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """Routing replay needs experts, a backend that records the rollout's routes, and a training forward that sees
+    every token of a micro-batch with them."""
+    arr = cfg.actor_rollout_ref
+    key, mode = "actor_rollout_ref.actor.router_replay.mode", arr.actor.router_replay.mode
+    if not arr.actor.router_replay.replays:
+        return
+    off = "set it to disabled"
+    _check(expert_count(model_config(plan.paths.actor_model)) > 0, key, f"{mode}: the policy has no experts", off)
+    recorders = sorted(name for name, backend in rollout_backends().items() if backend.records_routes)
+    _check(
+        rollout_backend(arr.rollout.name).records_routes,
+        key,
+        f"{mode} replays the rollout's routes, and rollout.name={arr.rollout.name} does not record them",
+        f"use actor_rollout_ref.rollout.name={' or '.join(recorders)}, or {off}",
+    )
+    _check(
+        not (arr.rollout.multi_turn.enable or arr.rollout.agent.enabled),
+        key,
+        f"{mode}: agent loops and user agents do not record routes yet",
+        off,
+    )
+    _check(
+        not cfg.trainer.async_training.partial_rollout,
+        key,
+        f"{mode}: a response continued across weight pushes would mix two calls' routes",
+        "set trainer.async_training.partial_rollout=false, or " + off,
+    )
+    _check(
+        arr.actor.pipeline_model_parallel_size == 1,
+        key,
+        f"{mode} with pipeline stages is not built",
+        "set actor_rollout_ref.actor.pipeline_model_parallel_size=1, or " + off,
+    )
+
+
 def _lora_layers(model_dir: str, critic: bool) -> set[str]:
     """The linear layers LoRA may adapt in the model directory, read from a copy built on the meta device."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
@@ -242,6 +279,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     check_files(cfg.data.train_files, "data.train_files", required=True)
     check_files(cfg.data.val_files, "data.val_files", required=False)
     plan = make_run_plan(cfg)  # models, placement, layouts, batch splits: ConfigError where they do not fit
+    _check_router_replay(cfg, plan)
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)

@@ -6,10 +6,11 @@ import torch
 from hybridflow.models import load_causal_lm, load_tokenizer
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-mixtral"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"])
 def tiny(request):
-    """(name, fp32 HF model, tokenizer) for the tiny families: untied Llama, tied Qwen2 with q/k/v biases, and Mixtral
-    (a mixture of experts, 2 of 4 per token)."""
+    """(name, fp32 HF model, tokenizer) for the tiny families: untied Llama, tied Qwen2 with q/k/v biases, and the
+    mixtures of experts (2 of 4 per token) Mixtral, Qwen3-MoE (q/k norms per head, tied, renormalised routing) and
+    OLMoE (q/k norms over all heads, routing weights not renormalised)."""
     model = load_causal_lm(request.param, dtype=torch.float32).eval()
     return request.param, model, load_tokenizer(request.param)
 

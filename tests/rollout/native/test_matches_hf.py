@@ -46,10 +46,24 @@ def test_temperature_scales_the_returned_log_probs(tiny):
     assert torch.allclose(out["rollout_log_probs"][mask], expected[mask], atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["mistral", "llama-with-attention-bias"])
+LAYOUTS = ["mistral", "llama-with-attention-bias", "qwen3-moe-with-norm-weights-and-biases", "olmoe-with-clip-qkv"]
+
+
+@pytest.mark.parametrize("family", LAYOUTS)
 def test_other_layouts_match_transformers(family):
-    """Mistral, and Llama with biases on q/k/v/o, built from a config (random weights, seeded)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+    """Mistral, Llama with biases on q/k/v/o, Qwen3-MoE with q/k norm weights other than 1, biases and routing weights
+    not renormalised, and OLMoE with such norm weights, renormalised routing and q/k/v clamped: built from a config
+    (random weights, seeded)."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     from hybridflow.models import load_tokenizer
 
@@ -64,18 +78,43 @@ def test_other_layouts_match_transformers(family):
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    experts = dict(num_experts=4, num_experts_per_tok=2)
     torch.manual_seed(0)
     if family == "mistral":
         model = MistralForCausalLM(MistralConfig(**sizes, sliding_window=None, rope_theta=50_000.0))
+    elif family.startswith("qwen3"):
+        config = Qwen3MoeConfig(
+            **sizes, **experts, moe_intermediate_size=32, norm_topk_prob=False, attention_bias=True, head_dim=16
+        )
+        model = Qwen3MoeForCausalLM(config)
+    elif family.startswith("olmoe"):
+        model = OlmoeForCausalLM(OlmoeConfig(**sizes, **experts, norm_topk_prob=True, clip_qkv=0.5))
     else:
         model = LlamaForCausalLM(LlamaConfig(**sizes, attention_bias=True, tie_word_embeddings=True))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("bias"):
-                    param.normal_(std=0.5)  # transformers initialises biases at zero
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.5)  # transformers initialises biases at zero
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(mean=1.0, std=0.5)  # and norm weights at one
     model.eval()
     prompts = prompts_of(tokenizer, QUESTIONS)
     expected = HFRollout(model, tokenizer).generate_sequences(prompts, greedy(10)).batch
     got = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
     assert torch.equal(got["responses"], expected["responses"])
     assert torch.allclose(got["rollout_log_probs"], expected["rollout_log_probs"], atol=1e-5)
+
+
+def test_a_qwen3_moe_with_dense_layers_is_refused():
+    """transformers gives Qwen3-MoE's mlp_only_layers (and layers off decoder_sparse_step) a dense MLP of
+    intermediate_size; the engine runs experts in every layer and says so."""
+    from transformers import Qwen3MoeConfig
+
+    from hybridflow.rollout.native.spec import spec_from_config
+
+    base = dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2, intermediate_size=96)
+    spec = spec_from_config(Qwen3MoeConfig(**base, moe_intermediate_size=24))
+    assert (spec.num_experts, spec.intermediate_size, spec.qk_norm) == (4, 24, "head")  # the experts' width
+    for dense, refused in [(dict(mlp_only_layers=[2]), r"\[2\]"), (dict(decoder_sparse_step=2), r"\[0, 2\]")]:
+        with pytest.raises(NotImplementedError, match=rf"dense MLPs in layers {refused}"):
+            spec_from_config(Qwen3MoeConfig(**base, **dense))
