@@ -46,14 +46,17 @@ class SwitchReport:
     received: int = 0  # from other ranks
     split: int = 0  # whole size of the tensor-parallel weights (of this rank's pipeline stages)
     whole: int = 0  # whole size of the weights every tp rank holds in full (of this rank's pipeline stages)
+    experts: int = 0  # whole size of the expert weights split over the ep ranks (expert parallelism), of ``whole``
     held: int = 0  # the generation weights this rank was given: its generation shard
     from_stages: int = 0  # of ``received``: the generation shards of the stages other pp ranks hold
 
     def predicted(self, shape: LayoutShape) -> float:
         """What ``received`` must be by the paper's formulas for this rank's stages, plus the other stages' generation
-        shards as they arrived from their pp ranks (pg = 1: every rank generates with every layer)."""
-        own = predicted_switch_bytes(self.split, self.whole, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow")
-        return own + self.from_stages
+        shards as they arrived from their pp ranks (pg = 1: every rank generates with every layer). Expert weights
+        come from the ep ranks that split them (each of the dp / ep replicas holds them all): 1 - 1 / ep of them."""
+        others = self.whole - self.experts
+        own = predicted_switch_bytes(self.split, others, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow")
+        return own + self.experts * (shape.ep - 1) / shape.ep + self.from_stages
 
 
 def tensor_parallel_dim(tensor: DTensor) -> int | None:
@@ -222,6 +225,8 @@ def _gathered_together(bucket: list[tuple[str, DTensor]], report: SwitchReport) 
     """The whole tensors of FSDP2-only shards (``DTensor.numel`` counts the whole), gathered in one collective."""
     for (name, part), whole in zip(bucket, gather_rows([part for _, part in bucket])):
         report.whole += _nbytes(whole)
+        if (part.device_mesh.mesh_dim_names or ())[_row_mesh_dim(part)] == "ep":
+            report.experts += _nbytes(whole)
         report.received += _nbytes(whole) - _nbytes(part.to_local())
         report.held += _nbytes(whole)
         yield name, whole

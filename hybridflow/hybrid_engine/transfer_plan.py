@@ -33,7 +33,7 @@ from torch import nn
 from hybridflow.engine.lora import adapter_tensors, base_parameters
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
-from hybridflow.models.tensor_parallel import layer_split
+from hybridflow.models.tensor_parallel import LAYER_SPLITS, UNSPLIT
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -191,8 +191,9 @@ def predicted_sent_bytes(
 
 def _specs(model: nn.Module, named: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]) -> list[ParamSpec]:
     """``named(model)``'s tensors as ParamSpecs, each split as its family's table says; a pipelined model's, every
-    stage's with its holder, the same list on every rank (a collective of the pp group)."""
-    split = layer_split(model.config.model_type)
+    stage's with its holder, the same list on every rank (a collective of the pp group). A family without a table (a
+    mixture of experts) travels unsplit: tensor parallelism is refused for it on both sides before a run starts."""
+    split = LAYER_SPLITS.get(model.config.model_type, UNSPLIT)
     if not isinstance(model, PipelinedModel):
         return [ParamSpec(name, tuple(p.shape), split.shard_dim(name)) for name, p in named(model)]
     mine = {stage: [(name, tuple(t.shape)) for name, t in model.stage_named(named, stage)] for stage in model.indices}

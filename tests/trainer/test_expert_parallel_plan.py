@@ -13,10 +13,12 @@ MOE_CRITIC = ["algorithm.adv_estimator=gae", "critic.model.path=tiny-qwen3-moe",
 KEY = "critic.expert_model_parallel_size"
 
 
-def test_the_critic_splits_its_experts_over_its_data_parallel_ranks():
+def test_the_actor_and_the_critic_split_their_experts_over_their_data_parallel_ranks():
     plan = make_run_plan(load_config([*MOE_CRITIC, f"{KEY}=2"]))
     assert plan.layouts[Role.Critic].ep == 2 and plan.layouts[Role.Critic].dp == 2
     assert plan.layouts[Role.ActorRollout].ep == 1
+    actor = ["actor_rollout_ref.model.path=tiny-mixtral", "actor_rollout_ref.actor.expert_model_parallel_size=2"]
+    assert make_run_plan(load_config([*MOE_CRITIC, *actor])).layouts[Role.ActorRollout].ep == 2
     spelled = load_config([*MOE_CRITIC, "critic.megatron.expert_model_parallel_size=2"])
     assert spelled.critic.expert_model_parallel_size == 2
 
@@ -27,7 +29,7 @@ def test_the_critic_splits_its_experts_over_its_data_parallel_ranks():
         (["critic.model.path=tiny-llama", f"{KEY}=2"], r"2: the model \(llama\) has no mixture-of-experts layers"),
         ([f"{KEY}=4"], "4 does not divide the 2 data-parallel ranks"),
         (["critic.model.path=tiny-qwen3-moe", "trainer.n_workers_per_node=3", f"{KEY}=3"], "3 does not divide"),
-        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], "switch to generation does not gather split"),
+        (["actor_rollout_ref.actor.expert_model_parallel_size=2"], r"2: the model \(llama\) has no mixture-of-experts"),
     ],
 )
 def test_sizes_that_cannot_work_are_refused_with_the_key(overrides, message):

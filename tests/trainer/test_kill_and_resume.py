@@ -81,7 +81,12 @@ MODES = {
     ],
     # a mixture-of-experts critic (PPO with GAE; tiny-qwen3-moe beside the tiny-llama actor: one tokenizer) whose
     # experts split over the 2 ranks (tests/trainer/test_expert_parallel_e2e.py compares it with ep = 1)
+    # mixtures of experts: the actor (with routing replay) and the critic each split their experts over the 2 ranks
+    # (tests/trainer/test_expert_parallel_e2e.py compares them with ep = 1)
     "experts": [
+        "actor_rollout_ref.model.path=tiny-qwen3-moe",
+        "actor_rollout_ref.actor.expert_model_parallel_size=2",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
         "algorithm.adv_estimator=gae",
         "critic.model.path=tiny-qwen3-moe",
         "critic.expert_model_parallel_size=2",

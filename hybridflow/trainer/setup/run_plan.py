@@ -356,8 +356,6 @@ def _with_experts(config: HybridFlowConfig, role: Role, shape: LayoutShape, mode
     ep, key = part.parallel_size(config, EXPERT_PARALLEL), part.key(EXPERT_PARALLEL)
     if ep == 1:
         return shape
-    if role is Role.ActorRollout:
-        raise ConfigError(key, f"{ep}: the switch to generation does not gather split experts yet", "set it to 1")
     try:
         check_expert_parallel_size(model_config(model_path), ep, shape.dp)
     except ValueError as error:
