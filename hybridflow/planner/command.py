@@ -23,6 +23,7 @@ from hybridflow.planner.workload import Workload, workload_from_config
 from hybridflow.trainer.setup.config import default_config
 from hybridflow.trainer.setup.modes import ONE_STEP_OFF, SYNC, training_mode
 from hybridflow.trainer.setup.role_parts import (
+    EXPERT_PARALLEL,
     PIPELINE_PARALLEL,
     ROLE_PARTS,
     SEQUENCE_PARALLEL,
@@ -50,6 +51,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
             role_pool[role.value] = name
             part = ROLE_PARTS[role]
             sizes = {TENSOR_PARALLEL: layout.t, SEQUENCE_PARALLEL: layout.sp, PIPELINE_PARALLEL: layout.pp}
+            sizes[EXPERT_PARALLEL] = layout.ep
             sizes[VIRTUAL_PIPELINE] = 1  # the planner costs 1F1B, one stage per pipeline rank
             for size_name, size in sizes.items():  # those its section has (the reward model's: sp alone)
                 if part.section and hasattr(part.settings(defaults), size_name):
@@ -106,10 +108,11 @@ def merged(base: dict, changes: dict) -> dict:
 
 
 def _layout_text(role: Role, layout, generates: bool) -> str:
-    """``role t`` (``t/tg`` for an actor that generates), with ``spN`` under Ulysses and ``ppN`` with pipeline
-    stages."""
+    """``role t`` (``t/tg`` for an actor that generates), with ``spN`` under Ulysses, ``ppN`` with pipeline
+    stages and ``epN`` with split experts."""
     text = f"{role.value} {layout.t}/{layout.tg}" if generates else f"{role.value} {layout.t}"
-    return text + (f" sp{layout.sp}" if layout.sp > 1 else "") + (f" pp{layout.pp}" if layout.pp > 1 else "")
+    extra = {"sp": layout.sp, "pp": layout.pp, "ep": layout.ep}
+    return text + "".join(f" {name}{size}" for name, size in extra.items() if size > 1)
 
 
 def plans_table(plans: list[Plan], top: int) -> str:

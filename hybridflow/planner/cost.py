@@ -126,24 +126,42 @@ def pass_seconds(
     if backward and frozen_base:
         factor = 4
     stage_layers = shape.layers / layout.pp  # decoder layers a rank runs
-    weights = shape.layer_params / (layout.t * layout.pp) + shape.vocab * shape.hidden
+    weights = shape.active_layer_params / (layout.t * layout.pp) + shape.vocab * shape.hidden
     attention = 2 * stage_layers * shape.hidden * length / layout.t  # per token: QK^T and AV over half the context
     rate = cluster.flops * cluster.train_efficiency
     compute = factor * rows * length * (weights + attention) / layout.sp / rate  # a rank runs 1/sp of the tokens
     shards = layout.fsdp
-    gather = 2 * shape.params / (layout.t * layout.pp) * (shards - 1) / shards / cluster.link_bandwidth(layout.world)
+    gathered = shape.params - (shape.expert_params if layout.ep > 1 else 0)  # split experts stay where they are
+    gather = 2 * gathered / (layout.t * layout.pp) * (shards - 1) / shards / cluster.link_bandwidth(layout.world)
     micro_batches = ceil(rows / workload.micro_batch)
     per_layer = 4 if backward else 2
     activation = min(rows, workload.micro_batch) * length * shape.hidden * 2
     tp = micro_batches * stage_layers * per_layer * _collective(cluster, layout.t, activation)
     sp = micro_batches * stage_layers * 2 * per_layer * _all_to_all(cluster, layout.sp, activation / layout.sp)
+    ep = micro_batches * _expert_exchange_seconds(shape, layout, cluster, activation, backward)
     overhead = micro_batches * stage_layers * cluster.layer_overhead * (3 if backward else 1)
-    stage = max(compute, gather * (3 if backward else 1)) + tp + sp + overhead
+    stage = max(compute, gather * (3 if backward else 1)) + tp + sp + ep + overhead
     idle = pipeline_bubble(layout.pp, schedule_micro_batches(layout, workload, backward=backward))
     traffic = stage_traffic_seconds(
         cluster, layout, micro_batches=micro_batches, activation_bytes=activation, backward=backward
     )
     return epochs * (stage / (1 - idle) + traffic)
+
+
+def _expert_exchange_seconds(
+    shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec, activation: float, backward: bool
+) -> float:
+    """Expert parallelism's traffic for one micro-batch: in each MoE layer the tokens' k copies go to their experts'
+    ranks and back (two all-to-alls; the backward two more), and in training each layer's expert gradients are summed
+    over the dp / ep replicas of its experts (fp32)."""
+    if layout.ep == 1:
+        return 0.0
+    exchanges = (
+        (4 if backward else 2) * shape.layers * _all_to_all(cluster, layout.ep, activation * shape.experts_per_token)
+    )
+    replicas = layout.dp // layout.ep
+    gradients = _collective(cluster, replicas, 4 * shape.expert_params / layout.ep) if backward else 0.0
+    return exchanges + gradients
 
 
 def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> float:
@@ -152,11 +170,12 @@ def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workloa
     groups = layout.world // layout.tg
     waves = ceil(ceil(workload.samples / groups) / workload.max_num_seqs)
     batch = ceil(workload.samples / groups / waves)
-    weights = shape.layer_params / layout.tg + shape.vocab * shape.hidden  # multiplied per token on a rank
+    weights = shape.active_layer_params / layout.tg + shape.vocab * shape.hidden  # multiplied per token on a rank
     compute_rate = cluster.flops * cluster.train_efficiency
     prefill = 2 * weights * batch * workload.prompt_length / compute_rate
     context = workload.prompt_length + workload.response_length / 2  # the mean over decode steps
-    read = 2 * weights + batch * context * shape.kv_bytes_per_token() / layout.tg
+    read_weights = shape.read_params(batch) / layout.tg + shape.vocab * shape.hidden  # a mixture: the experts reached
+    read = 2 * read_weights + batch * context * shape.kv_bytes_per_token() / layout.tg
     memory_bound = read / (cluster.memory_bandwidth * cluster.decode_efficiency)
     compute_bound = 2 * weights * batch / compute_rate
     tp = 2 * shape.layers * _collective(cluster, layout.tg, batch * shape.hidden * 2)
@@ -171,11 +190,12 @@ def switch_bytes_received(shape: ModelShape, layout: LayoutShape) -> float:
     of the weights (hybrid_engine/regroup.py), and with pp stages the other stages' generation shards (1/tg of each
     split weight, the rest whole) from its pp peers, since every rank generates with every layer."""
     split, whole = 2 * shape.layer_params, 2 * shape.embedding_params
+    experts = 2 * shape.expert_params if layout.ep > 1 else 0  # gathered over the ep ranks that split them
     own_stage = predicted_switch_bytes(
-        split / layout.pp, whole / layout.pp, dp=layout.fsdp, t=layout.t, tg=layout.tg, method="hybridflow"
+        (split - experts) / layout.pp, whole / layout.pp, dp=layout.fsdp, t=layout.t, tg=layout.tg, method="hybridflow"
     )
     other_stages = (layout.pp - 1) / layout.pp * (split / layout.tg + whole)
-    return own_stage + other_stages
+    return own_stage + experts * (layout.ep - 1) / layout.ep + other_stages
 
 
 def switch_seconds(shape: ModelShape, layout: LayoutShape, cluster: ClusterSpec) -> float:
@@ -232,6 +252,9 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
         return _generation_memory(shape, layout, workload)
     shard = layout.world
     static = (16 if role in TRAINED else 4) * shape.params / shard
+    if layout.ep > 1:  # split experts: 1/ep of them on each rank, replicated over the dp / ep replicas
+        experts = shape.expert_params
+        static = (16 if role in TRAINED else 4) * ((shape.params - experts) / shard + experts / layout.ep)
     if role in workload.adapters:  # LoRA: no gradients, optimizer state or fp32 master for the frozen base
         static = (2 * shape.params + 16 * workload.adapters[role]) / shard
     length = workload.prompt_length + workload.response_length
@@ -266,13 +289,19 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
     node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
     pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp);
-    the reward model is data-parallel only."""
+    the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor runs
+    Ulysses or stages (its balancing loss needs whole micro-batches): a trained one splits its experts over ep of its
+    dp ranks instead."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]
     sizes = [t for t in in_node if shape.splits_over(t)]
     if role is Role.Rollout:  # replicas of tg ranks
         return [LayoutShape.over(devices, tg, tg) for tg in sizes]
+    tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
+    if shape.experts:
+        splits = [1, *shape.expert_splits(devices)] if role in TRAINED else [1]
+        return [LayoutShape(dp=devices, t=1, tg=1, ep=ep) for ep in splits]
     shapes = [
         (t, sp, 1) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
     ]  # (t, 1) for every t in sizes, and the Ulysses sizes beside each
@@ -282,5 +311,4 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
         for pp in range(2, devices // t + 1)
         if devices % (t * pp) == 0 and shape.layers % pp == 0
     ]  # stages of equal size beside each t
-    tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
     return [LayoutShape(dp=devices // (t * sp * pp), t=t, tg=tg, sp=sp, pp=pp) for t, sp, pp in shapes for tg in tgs[t]]

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hybridflow.controller import Role
-from hybridflow.models.split_sizes import indivisible_sizes, shares_heads
+from hybridflow.models.split_sizes import expert_count, indivisible_sizes, shares_heads
 from hybridflow.trainer.setup.modes import training_mode
 
 
@@ -24,18 +24,43 @@ class ModelShape:
     ffn: int
     vocab: int
     tied_embeddings: bool
+    experts: int = 0  # a mixture of experts: each layer's experts, each an MLP of width ffn (0: one dense MLP)
+    experts_per_token: int = 0  # the experts each token runs through
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
-    @property
-    def layer_params(self) -> int:
-        """Weights of the decoder layers: what tensor parallelism splits."""
+    def _layers_with(self, mlps: int) -> int:
+        """The decoder layers' weights with ``mlps`` MLPs of width ffn each (and a mixture's router)."""
         attention = (
             self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim + self.heads * self.head_dim * self.hidden
         )
-        return self.layers * (attention + 3 * self.hidden * self.ffn + 2 * self.hidden)
+        router = self.experts * self.hidden
+        return self.layers * (attention + 3 * self.hidden * self.ffn * mlps + router + 2 * self.hidden)
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of the decoder layers (every expert of a mixture): what tensor parallelism splits."""
+        return self._layers_with(max(self.experts, 1))
+
+    @property
+    def active_layer_params(self) -> int:
+        """The decoder weights a token is multiplied by: a mixture's k experts of E."""
+        return self._layers_with(self.experts_per_token if self.experts else 1)
+
+    @property
+    def expert_params(self) -> int:
+        """The experts' weights (0 for a dense model): what expert parallelism splits."""
+        return self.layers * self.experts * 3 * self.hidden * self.ffn
+
+    def read_params(self, tokens: int) -> int:
+        """The decoder weights a forward of ``tokens`` tokens reads: a mixture's experts that at most tokens x k
+        choices can reach (all of them, once they are as many as the experts)."""
+        if not self.experts:
+            return self.layer_params
+        reached = min(self.experts, tokens * self.experts_per_token)
+        return self.layer_params - self.expert_params + self.expert_params * reached // self.experts
 
     @property
     def embedding_params(self) -> int:
@@ -66,8 +91,15 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
     def splits_over(self, t: int) -> bool:
-        """Whole query and key/value heads and equal MLP slices on each of t ranks (models/split_sizes.py)."""
+        """Whole query and key/value heads and equal MLP slices on each of t ranks (models/split_sizes.py); a mixture
+        of experts is not split (expert parallelism splits its experts instead)."""
+        if self.experts and t > 1:
+            return False
         return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
+
+    def expert_splits(self, dp: int) -> list[int]:
+        """The expert-parallel sizes over ``dp`` data-parallel ranks: those dividing both them and the experts."""
+        return [ep for ep in range(2, dp + 1) if dp % ep == 0 and self.experts % ep == 0] if self.experts else []
 
     def shares_heads(self, sp: int) -> bool:
         """Whether each of sp Ulysses ranks attends with at least one query head (models/split_sizes.py)."""
@@ -91,16 +123,21 @@ PAPER_MODELS = {
 
 
 def shape_from_hf(config, name: str) -> ModelShape:
-    """The shape of a Hugging Face Llama-family config."""
+    """The shape of a Hugging Face Llama-family config, or of a mixture of experts on its layers (Mixtral, OLMoE,
+    Qwen3-MoE: whose experts' width is ``moe_intermediate_size``)."""
+    experts = expert_count(config)
+    width = (getattr(config, "moe_intermediate_size", None) if experts else None) or config.intermediate_size
     return ModelShape(
         name=name,
         layers=config.num_hidden_layers,
         hidden=config.hidden_size,
         heads=config.num_attention_heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        ffn=config.intermediate_size,
+        ffn=width,
         vocab=config.vocab_size,
         tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        experts=experts,
+        experts_per_token=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
     )
 
 

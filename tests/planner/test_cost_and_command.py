@@ -260,6 +260,7 @@ def test_plan_writes_only_the_sizes_a_section_has(tmp_path):
         "tensor_model_parallel_size": 1,
         "ulysses_sequence_parallel_size": 1,
         "pipeline_model_parallel_size": 2,
+        "expert_model_parallel_size": 1,
         "virtual_pipeline_model_parallel_size": 1,
     }
     out = tmp_path / "plan.yaml"

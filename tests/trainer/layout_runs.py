@@ -2,7 +2,9 @@
 end-to-end tests share. A ``mode`` of tests/trainer/test_kill_and_resume.py splits the models (its ``MODES`` entry);
 ``baseline`` overrides set the same models back to data parallelism over the same ranks."""
 
+import torch
 from test_kill_and_resume import args, comparable, records
+from transformers import AutoModelForCausalLM
 
 from hybridflow.cli import main as cli
 from hybridflow.data.tasks import write_task
@@ -25,6 +27,19 @@ def assert_same_metrics(got: dict, want: dict, steps: list[int], layout_bound: t
         assert have.keys() == expected.keys() and len(expected) > 30
         for key, value in expected.items():
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
+
+
+def assert_same_exports(split_checkpoint, whole_checkpoint, out) -> None:
+    """``hybridflow export`` of a split run's checkpoint writes one Hugging Face model that transformers loads, with the
+    weights of the same step of the run without the split (relative 1e-5)."""
+    exported = {}
+    for name, checkpoint in (("split", split_checkpoint), ("whole", whole_checkpoint)):
+        assert cli(["export", str(checkpoint), str(out / name)]) == 0
+        exported[name] = AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32).state_dict()
+    assert exported["split"].keys() == exported["whole"].keys()
+    for key, want in exported["whole"].items():
+        scale = want.abs().max().clamp(min=1e-6)
+        assert (exported["split"][key] - want).abs().max() / scale < 1e-5, key
 
 
 def task_files(tmp_path):
@@ -76,6 +91,8 @@ def ppo_equals_data_parallel_and_resumes_there(tmp_path, mode: str, baseline: li
     assert sorted(want) == sorted(got) == [1, 2, 3, 4]
     assert all(got[step]["critic/vf_loss"] > 0 for step in got)  # the critic learns something
     assert_same_metrics(got, want, [1, 2, 3, 4])
+
+    assert_same_exports(split / "global_step_4", data_parallel / "global_step_4", tmp_path / "exported")
 
     resumed = tmp_path / "resumed"
     assert run(resumed, *baseline, f"trainer.resume_mode={split / 'global_step_2'}") == 0
