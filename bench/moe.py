@@ -14,10 +14,13 @@ default dtype (bf16 where the host has bf16 matmul units), the load average prin
 2. Training: the actor update's forward and backward (the packed pass, engine/forward.py) over 64 rows of a prompt
    and ``--new-tokens`` response tokens, on a plain model in the compute dtype; MoE over dense.
 3. Routing replay: the rollout generates 64 samples in bf16 with the native engine, recording each token's experts;
-   the trainer computes the same tokens' log-probs in fp32 with its own routing and with the rollout's replayed
-   (models/routing.py). Upcycled experts are equal, so routing would not matter; here each expert is first moved
-   apart by seeded noise (``--diverge`` of each weight's standard deviation), as training moves them. Printed: the
-   mean and largest |log-prob gap| over the generated tokens, and the share of routes the trainer would change.
+   the trainer computes the same tokens' log-probs (packed, as the update does) in fp32 and in bf16 with its own
+   routing and with the rollout's replayed (models/routing.py). Upcycled experts are equal, so routing would not
+   matter; here each expert is first moved apart by seeded noise (``--diverge``: each a multiple of each weight's
+   standard deviation), as training moves them. Printed: the mean and largest |log-prob gap| over the generated
+   tokens, and the share of routes the trainer would change.
+
+``--parts`` chooses among generation, training and replay.
 """
 
 from __future__ import annotations
@@ -141,8 +144,8 @@ def diverged(path: Path, out: Path, spread: float, seed: int = 0) -> Path:
     return out
 
 
-def routing_replay(path: Path, new_tokens: int) -> dict[str, float]:
-    """The fp32 trainer's log-prob gap to a bf16 native rollout, with its own routing and with the rollout's."""
+def routing_replay(path: Path, new_tokens: int) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(trainer dtype, routing) -> (mean and largest log-prob gap to a bf16 native rollout, share of routes changed)."""
     tokenizer = load_tokenizer(str(path))
     config = default_config().actor_rollout_ref.rollout.native
     rollout = NativeRollout(load_causal_lm(str(path), dtype=torch.bfloat16).eval(), tokenizer, engine_config=config)
@@ -150,16 +153,16 @@ def routing_replay(path: Path, new_tokens: int) -> dict[str, float]:
         do_sample=True, temperature=1.0, top_p=1.0, top_k=-1, max_new_tokens=new_tokens, seed=0, record_routes=True
     )
     batch = rollout.generate_sequences(arithmetic_prompts(tokenizer, 64, 1), params)
-    trainer = load_causal_lm(str(path), dtype=torch.float32).eval()
     mask = batch.batch[RESPONSE_MASK].bool()
     gaps = {}
-    for label, replay in (("own routing", None), ("replayed", RouteReplay())):
-        with torch.no_grad():
-            log_probs, _ = response_log_probs(trainer, batch, remove_padding=True, replay_routes=replay)
-        gap = (log_probs - batch.batch[ROLLOUT_LOG_PROBS])[mask].abs()
-        gaps[label] = (gap.mean().item(), gap.max().item())
-        if replay is not None:
-            gaps["changed"] = replay.changed / max(replay.replayed, 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        trainer = load_causal_lm(str(path), dtype=dtype).eval()
+        for label, replay in (("own routing", None), ("replayed", RouteReplay())):
+            with torch.no_grad():
+                log_probs, _ = response_log_probs(trainer, batch, remove_padding=True, replay_routes=replay)
+            gap = (log_probs - batch.batch[ROLLOUT_LOG_PROBS])[mask].abs()
+            changed = replay.changed / max(replay.replayed, 1) if replay is not None else 0.0
+            gaps[(str(dtype).removeprefix("torch."), label)] = (gap.mean().item(), gap.max().item(), changed)
     return gaps
 
 
@@ -172,7 +175,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows of the training pass")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--diverge", type=float, default=0.05, help="routing replay: noise on the experts (x std)")
+    parser.add_argument(
+        "--diverge", default="0.05,0.5", help="routing replay: noise on the experts (x each weight's std), a comma list"
+    )
+    parser.add_argument("--parts", default="generation,training,replay")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = parse_dtype("auto")
@@ -181,19 +187,48 @@ def main() -> None:
         dense = resolve_model_path(DENSE)
         moe = upcycle(dense, Path(tmp) / "moe", experts=args.experts, top_k=args.top_k)
         models = {"dense": dense, f"moe {args.experts}x{args.top_k}": moe}
+        parts = args.parts.split(",")
         start = time.time()
-        gen = generation(models, args.backends.split(","), args.new_tokens, args.repeats, dtype)
+        gen = (
+            generation(models, args.backends.split(","), args.new_tokens, args.repeats, dtype)
+            if "generation" in parts
+            else None
+        )
         print(f"generation measured in {time.time() - start:.0f} s; load average {os.getloadavg()}", flush=True)
-        train = training(models, args.rows, args.new_tokens, args.repeats, dtype)
+        train = training(models, args.rows, args.new_tokens, args.repeats, dtype) if "training" in parts else None
         print(f"training measured; load average {os.getloadavg()}", flush=True)
-        gaps = routing_replay(diverged(moe, Path(tmp) / "diverged", args.diverge), args.new_tokens)
+        gaps = {}
+        for spread in map(float, args.diverge.split(",")) if "replay" in parts else ():
+            moved = diverged(moe, Path(tmp) / f"diverged-{spread}", spread)
+            gaps[spread] = routing_replay(moved, args.new_tokens)
     labels = list(models)
-    generated = 64 * args.new_tokens
-    print(f"\n## Generation: 64 prompts x {args.new_tokens} new tokens, {dtype}\n")
+    if gen is not None:
+        print_generation(gen, labels, args.backends.split(","), 64 * args.new_tokens, args.new_tokens, dtype)
+    if train is not None:
+        print(f"\n## Training: forward + backward, {args.rows} rows, packed, {dtype}\n")
+        print("| model | seconds | vs dense |\n| --- | --- | --- |")
+        for label in labels:
+            print(f"| {label} | {train[label]:.2f} | {train[label] / train[labels[0]]:.2f}x |")
+    if gaps:
+        print("\n## Routing replay: a bf16 native rollout against the trainer\n")
+        print(
+            "| experts moved apart (x std) | trainer dtype | trainer routing | mean abs log-prob gap | largest "
+            "| routes changed |"
+        )
+        print("| --- | --- | --- | --- | --- | --- |")
+        for spread, rows in gaps.items():
+            for (trainer_dtype, label), (mean, largest, changed) in rows.items():
+                share = f"{100 * changed:.2f} %" if label == "replayed" else "-"
+                print(f"| {spread} | {trainer_dtype} | {label} | {mean:.5f} | {largest:.4f} | {share} |")
+    print(f"load average after: {os.getloadavg()}")
+
+
+def print_generation(gen: dict, labels: list[str], backends: list[str], generated: int, new_tokens: int, dtype) -> None:
+    print(f"\n## Generation: 64 prompts x {new_tokens} new tokens, {dtype}\n")
     print("| model | backend | seconds | tokens/s | vs generate | MoE vs dense |")
     print("| --- | --- | --- | --- | --- | --- |")
     for label in labels:
-        for name in args.backends.split(","):
+        for name in backends:
             seconds = gen[(label, name)]
             if isinstance(seconds, str):
                 print(f"| {label} | {name} | - | - | - | cannot run it: {seconds} |")
@@ -203,17 +238,6 @@ def main() -> None:
             versus = f"{base / seconds:.2f}x" if isinstance(base, float) else "-"
             moe_cost = f"{seconds / dense_seconds:.2f}x the time" if isinstance(dense_seconds, float) else "-"
             print(f"| {label} | {name} | {seconds:.2f} | {generated / seconds:.0f} | {versus} | {moe_cost} |")
-    print(f"\n## Training: forward + backward, {args.rows} rows, packed, {dtype}\n")
-    print("| model | seconds | vs dense |\n| --- | --- | --- |")
-    for label in labels:
-        print(f"| {label} | {train[label]:.2f} | {train[label] / train[labels[0]]:.2f}x |")
-    print(f"\n## Routing replay: bf16 native rollout, fp32 trainer, experts moved apart by {args.diverge} std\n")
-    print("| trainer routing | mean abs log-prob gap | largest |\n| --- | --- | --- |")
-    for label in ("own routing", "replayed"):
-        mean, largest = gaps[label]
-        print(f"| {label} | {mean:.5f} | {largest:.4f} |")
-    print(f"\nroutes replay changed (the trainer's own router chose other experts): {100 * gaps['changed']:.2f} %")
-    print(f"load average after: {os.getloadavg()}")
 
 
 if __name__ == "__main__":
