@@ -31,7 +31,7 @@ from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
-from hybridflow.models.routing import RouteReplay, replaying_routes
+from hybridflow.models.routing import RouteReplay, replaying_routes, routes_into, rows_of_tokens
 from hybridflow.protocol import DataProto
 
 
@@ -97,6 +97,7 @@ def response_outputs(
     remove_padding: bool = False,
     sp_group: dist.ProcessGroup | None = None,
     replay_routes: RouteReplay | None = None,
+    record_routes: list[torch.Tensor] | None = None,
 ) -> ResponseOutputs:
     """The model's outputs (``.logits``) that predict the response tokens, where they go, and whose they are.
 
@@ -105,23 +106,32 @@ def response_outputs(
     (``logits_to_keep``), not on the prompts and padding. With ``sp_group`` (Ulysses, packed only): this rank runs
     its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
     ``replay_routes``: a mixture of experts routes each token through the batch's ``routed_experts`` where it has them,
-    counted there (models/routing.py).
+    counted there (models/routing.py). ``record_routes``: a list that receives the experts each token was routed to,
+    (B, P+R, L, k) in the batch's layout (-1 on padding); not under sequence parallelism.
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
     sp = sp_of_packed(sp_group, remove_padding)
     routes = tensors[ROUTED_EXPERTS] if replay_routes is not None and ROUTED_EXPERTS in tensors.keys() else None
+    mask = tensors[ATTENTION_MASK]
     if not remove_padding:
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-        with replaying_routes(model, None if routes is None else routes.flatten(0, 1), replay_routes):
+        rows = torch.arange(mask.numel(), device=mask.device).view(mask.shape)  # each slot's token in the forward
+        with (
+            replaying_routes(model, None if routes is None else routes.flatten(0, 1), replay_routes),
+            routes_into(model, record_routes, lambda recorded: rows_of_tokens(recorded, rows, mask)),
+        ):
             logits = model(**inputs, use_cache=False).logits
         return ResponseOutputs(logits[:, -response_length - 1 : -1, :], None, None)
     packed, keep = packed_responses(batch)
     routes = None if routes is None else routes[packed.kept]
     if sp > 1:
+        if record_routes is not None:
+            raise ValueError("recording routes under sequence parallelism is not built (each rank runs a slice)")
         outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes)
         return ResponseOutputs(outputs, packed.response_valid, shard)
-    with replaying_routes(model, routes, replay_routes):
+    to_rows = lambda recorded: rows_of_tokens(recorded, packed.token_position, mask)  # noqa: E731
+    with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
         if _accepts_logits_to_keep(model):
             outputs = packed_forward(model, packed, logits_to_keep=keep)[0]
         else:
@@ -250,11 +260,13 @@ def _batched(
     max_token_len: int | None,
     sp_group: dist.ProcessGroup | None,
     replay_routes: RouteReplay | None = None,
+    record_routes: list[torch.Tensor] | None = None,
 ) -> tuple[list, list[list[int]]]:
     """``of_outputs`` of each micro-batch's ``response_outputs`` (``micro_batch_size`` rows, or with ``max_token_len``
     at most that many real tokens: a collective under data parallelism, every rank runs as many), and the groups, for
     ``restore_order``. A pipelined model runs every micro-batch through its stages in one schedule, and every rank of
-    its pp group gets the results of the last stage. ``replay_routes``: ``response_outputs``'."""
+    its pp group gets the results of the last stage. ``replay_routes``: ``response_outputs``'; ``record_routes``: each
+    micro-batch's routes, in its rows' order (``restore_order`` puts them back)."""
     sharing = packed_prompt_sharing(data, remove_padding)
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     micro_batches = split_by_groups(data, groups)
@@ -262,7 +274,9 @@ def _batched(
         outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group)
         parts = None if outputs is None else [of_outputs(m, o) for m, o in zip(micro_batches, outputs)]
         return model.share_from_last(parts), groups
-    outputs = (response_outputs(model, m, remove_padding, sp_group, replay_routes) for m in micro_batches)
+    outputs = (
+        response_outputs(model, m, remove_padding, sp_group, replay_routes, record_routes) for m in micro_batches
+    )
     return [of_outputs(m, o) for m, o in zip(micro_batches, outputs)], groups
 
 
@@ -306,9 +320,12 @@ def batched_log_probs(
     max_token_len: int | None = None,
     sp_group: dist.ProcessGroup | None = None,
     replay_routes: RouteReplay | None = None,
+    routes: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropy) of a whole batch, micro-batch by micro-batch without grad (``_batched``); ``sp_group``:
-    Ulysses over its ranks, which all hold ``data``; ``replay_routes``: through the batch's recorded experts."""
+    Ulysses over its ranks, which all hold ``data``; ``replay_routes``: through the batch's recorded experts;
+    ``routes``: a list that receives the experts the forward routed each token to, (B, P+R, L, k)."""
+    recorded = [] if routes is not None else None
     parts, groups = _batched(
         model,
         lambda micro, outputs: log_probs_of(outputs, micro, temperature, with_entropy),
@@ -318,7 +335,10 @@ def batched_log_probs(
         max_token_len,
         sp_group,
         replay_routes,
+        recorded,
     )
+    if routes is not None:
+        routes.append(restore_order(recorded, groups))
     log_probs = restore_order([p[0] for p in parts], groups)
     entropy = restore_order([p[1] for p in parts], groups) if with_entropy else None
     return log_probs, entropy

@@ -74,6 +74,7 @@ class PackedBatch:
     response_index: torch.Tensor  # (b, R) packed position of the output predicting each response token
     response_valid: torch.Tensor  # (b, R) bool: the response token is real
     kept: torch.Tensor  # (b, P+R) bool: the row tokens in the sequence (``values[kept]`` packs per-token values)
+    token_position: torch.Tensor  # (b, P+R) packed position of each real token (a shared prompt's: its one copy)
 
 
 def pack(
@@ -120,6 +121,7 @@ def pack(
         response_index=response_index,
         response_valid=mask[:, prompt_length:],
         kept=keep,
+        token_position=position,
     )
 
 
@@ -152,6 +154,7 @@ def pad_packed(packed: PackedBatch, length: int) -> PackedBatch:
         response_index=packed.response_index,
         response_valid=packed.response_valid,
         kept=packed.kept,
+        token_position=packed.token_position,
     )
 
 

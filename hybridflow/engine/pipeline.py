@@ -96,6 +96,7 @@ def _empty_packed(like: PackedBatch) -> PackedBatch:
         response_index=like.response_index.new_zeros(0, responses),
         response_valid=like.response_valid.new_zeros(0, responses),
         kept=like.kept.new_zeros(0, like.kept.shape[1]),
+        token_position=like.token_position.new_zeros(0, like.kept.shape[1]),
     )
 
 

@@ -11,7 +11,15 @@ import torch.distributed as dist
 
 from hybridflow.algorithms import LossAggregation
 from hybridflow.algorithms.objectives import OBJECTIVES, ForwardOutputs
-from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, OLD_POLICY, RESPONSES, ROLLOUT_LOG_PROBS
+from hybridflow.batch_keys import (
+    ENTROPYS,
+    METRICS,
+    OLD_LOG_PROBS,
+    OLD_POLICY,
+    RESPONSES,
+    ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
+)
 from hybridflow.engine.config import ActorConfig
 from hybridflow.engine.forward import ResponseOutputs, log_probs_of, response_outputs
 from hybridflow.engine.log_prob import log_prob_pass
@@ -55,7 +63,10 @@ class PolicyEngine(UpdatedEngine):
         self.route_replay = RouteReplay() if config.router_replay.replays else None  # routing replay's counts
 
     def compute_log_prob(self, data: DataProto, temperature: float, with_entropy: bool) -> DataProto:
-        """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics."""
+        """Old log-probs (and entropy), (B, R) each, with the pass's FLOP/s as metrics. Routing replay: R3 routes the
+        pass as the rollout did; R2 returns the experts it routed each token to, for the update to replay."""
+        mode = self.config.router_replay.mode
+        routes = [] if mode == "R2" else None
         log_probs, entropy, metrics = log_prob_pass(
             self.model,
             self.meter,
@@ -65,11 +76,14 @@ class PolicyEngine(UpdatedEngine):
             temperature=temperature,
             with_entropy=with_entropy,
             sp_group=self.sp_group,
-            replay_routes=self.route_replay,
+            replay_routes=self.route_replay if mode == "R3" else None,
+            routes=routes,
         )
         if self.route_replay is not None:
             metrics |= self.route_replay.metrics("log_prob")
         tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
+        if routes:
+            tensors[ROUTED_EXPERTS] = routes[0]
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
 
     def outputs(self, micro: DataProto) -> ResponseOutputs:

@@ -19,7 +19,7 @@ a token with -1 routes itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -166,3 +166,25 @@ def recording_routes(model: nn.Module) -> Iterator[RouteRecorder]:
         yield recorder
     finally:
         recorder.remove()
+
+
+@contextmanager
+def routes_into(
+    model: nn.Module, out: list[torch.Tensor] | None, to_rows: Callable[[torch.Tensor], torch.Tensor]
+) -> Iterator[None]:
+    """Within the block (one forward), the experts the model's MoE layers chose, (T, L, k) by the forward's tokens,
+    appended to ``out`` as ``to_rows`` lays them out (None: nothing recorded)."""
+    if out is None:
+        yield
+        return
+    with recording_routes(model) as recorder:
+        yield
+    (routes,) = recorder.routes()
+    out.append(to_rows(routes))
+
+
+def rows_of_tokens(routes: torch.Tensor, token_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Routes of a forward's tokens (N, L, k) in the rows' layout (b, S, L, k): each real token's from its position
+    among the forward's (``token_position`` (b, S)), -1 where ``mask`` (b, S) is 0."""
+    rows = routes[token_position.clamp(min=0, max=routes.shape[0] - 1)]
+    return rows.masked_fill(~mask.bool()[:, :, None, None], -1)

@@ -1,6 +1,6 @@
-"""Routing replay (models/routing.py): the rollout's recorded experts, replayed in the training forward, give the
+"""Routing replay (models/routing.py): the rollout's recorded experts (R3), replayed in the training forward, give the
 rollout's log-probs where the trainer's own router would choose other experts; replaying a model's own routes
-changes nothing, values or gradients."""
+changes nothing, values or gradients; the trainer's old-log-prob pass records them too (R2)."""
 
 import copy
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridflow.batch_keys import RESPONSE_MASK, ROLLOUT_LOG_PROBS, ROUTED_EXPERTS
-from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.forward import batched_log_probs, response_log_probs
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, renormalizes, replayed_choice, replaying_routes, routers
 from hybridflow.protocol import DataProto
@@ -175,3 +175,30 @@ def test_the_native_engine_logs_every_fed_token_through_its_shared_prefix_groups
     replay = RouteReplay()
     response_log_probs(model, out, replay_routes=replay)  # padded: each row's every token, shared prompts too
     assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_trainers_old_log_prob_pass_records_every_tokens_experts_for_r2(family, packed):
+    """R2: the old-log-prob pass (micro-batches of 2 rows, the 3 samples of a prompt sharing it when packed) records
+    each real token's experts in the batch's layout, and the update replaying them changes nothing at the same
+    weights (every route is the one it would choose)."""
+    model, tokenizer = family
+    rows = [[7, 8, 9, 21, 22], [7, 8, 23], [5, 6, 7, 8, 24, 25]]
+    ids = torch.tensor([[0] * (6 - len(r)) + r for r in rows for _ in range(3)])
+    mask = (ids != 0).long()
+    prompts_ = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(0)}
+    )
+    batch = HFRollout(model, tokenizer).generate_sequences(
+        prompts_, dataclasses.replace(RECORDING, record_routes=False)
+    )
+    recorded: list[torch.Tensor] = []
+    batched_log_probs(model, batch, 2, 1.0, False, remove_padding=packed, routes=recorded)
+    (routes,) = recorded
+    real = batch.batch["attention_mask"].bool()
+    assert routes.shape == (*real.shape, len(routers(model)), 2) and routes.dtype == ROUTE_DTYPE
+    assert torch.equal((routes >= 0).all(-1).all(-1), real)
+    replay = RouteReplay()
+    batch.batch[ROUTED_EXPERTS] = routes
+    response_log_probs(model, batch, replay_routes=replay)  # padded: every row's every token
+    assert replay.replayed == int(real.sum()) * len(routers(model)) and replay.changed == 0

@@ -29,17 +29,21 @@ def assert_same_metrics(got: dict, want: dict, steps: list[int], layout_bound: t
             assert abs(have[key] - value) <= 1e-5 * max(1.0, abs(value)), (step, key, have[key], value)
 
 
-def assert_same_exports(split_checkpoint, whole_checkpoint, out) -> None:
-    """``hybridflow export`` of a split run's checkpoint writes one Hugging Face model that transformers loads, with the
-    weights of the same step of the run without the split (relative 1e-5)."""
+def assert_same_exports(split_run, whole_run, out) -> None:
+    """``hybridflow export`` of a split run's checkpoint of step 4 writes one Hugging Face model transformers loads,
+    with the weights of the same step of the run without the split: to 1e-3, the rounding that a few Adam steps grow
+    from the two layouts' float sums (the metrics agree to 1e-5); a weight missing, or from another step or stage,
+    differs by what training moves it, over 10x that (the split run's step 2 against its step 4, checked)."""
     exported = {}
-    for name, checkpoint in (("split", split_checkpoint), ("whole", whole_checkpoint)):
+    for name, checkpoint in (("split", split_run / "global_step_4"), ("whole", whole_run / "global_step_4")):
         assert cli(["export", str(checkpoint), str(out / name)]) == 0
         exported[name] = AutoModelForCausalLM.from_pretrained(out / name, dtype=torch.float32).state_dict()
     assert exported["split"].keys() == exported["whole"].keys()
     for key, want in exported["whole"].items():
-        scale = want.abs().max().clamp(min=1e-6)
-        assert (exported["split"][key] - want).abs().max() / scale < 1e-5, key
+        torch.testing.assert_close(exported["split"][key], want, rtol=0, atol=1e-3, msg=key)
+    assert cli(["export", str(split_run / "global_step_2"), str(out / "earlier")]) == 0
+    earlier = AutoModelForCausalLM.from_pretrained(out / "earlier", dtype=torch.float32).state_dict()
+    assert max((earlier[key] - want).abs().max() for key, want in exported["split"].items()) > 1e-2
 
 
 def task_files(tmp_path):
@@ -92,7 +96,7 @@ def ppo_equals_data_parallel_and_resumes_there(tmp_path, mode: str, baseline: li
     assert all(got[step]["critic/vf_loss"] > 0 for step in got)  # the critic learns something
     assert_same_metrics(got, want, [1, 2, 3, 4])
 
-    assert_same_exports(split / "global_step_4", data_parallel / "global_step_4", tmp_path / "exported")
+    assert_same_exports(split, data_parallel, tmp_path / "exported")
 
     resumed = tmp_path / "resumed"
     assert run(resumed, *baseline, f"trainer.resume_mode={split / 'global_step_2'}") == 0

@@ -100,3 +100,16 @@ def test_routing_replay_that_cannot_work_is_refused_before_ray(arithmetic_files,
     assert check_config(load_config(base)).layouts[Role.ActorRollout].dp >= 1
     with pytest.raises(ConfigError, match=rf"{REPLAY}.*'R9'"):
         load_config([*base, f"{REPLAY}=R9"])
+
+
+def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
+    train, _ = arithmetic_files
+    base = [f"data.train_files=[{train}]", "actor_rollout_ref.model.path=tiny-qwen3-moe", f"{REPLAY}=R2"]
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 replays the routes of the trainer's old-log-prob pass"):
+        check_config(load_config(base))  # one optimizer step on each batch: no such pass
+    own_pass = [*base, "actor_rollout_ref.actor.reuse_update_log_probs=false"]
+    assert check_config(load_config(own_pass)).layouts[Role.ActorRollout].dp >= 1
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 replays the routes"):
+        check_config(load_config([*own_pass, "actor_rollout_ref.rollout.old_log_prob_source=auto"]))
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*Ulysses splits"):
+        check_config(load_config([*own_pass, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))

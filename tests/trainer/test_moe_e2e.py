@@ -1,7 +1,8 @@
 """Whole GRPO runs with a mixture-of-experts actor, rewarded for digits as tests/trainer/test_train_e2e.py's dense
 run: tiny Mixtral and OLMoE generating on the native engine, and tiny Qwen3-MoE through transformers' generate (the
 other backend's path). The reward rises, and every step reports the routers' balancing loss and each layer's expert
-load. With routing replay (R3, the last two) in fp32, the trainer's log-probs equal the rollout's at every step."""
+load. With routing replay (R3) in fp32, the trainer's log-probs equal the rollout's at every step; with R2 the update
+replays the routes of the trainer's own old-log-prob pass."""
 
 import math
 
@@ -16,6 +17,9 @@ REPLAY = [
     "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
 ]
 OWN_OLD_LOG_PROB_PASS = "actor_rollout_ref.actor.reuse_update_log_probs=false"  # replayed too, besides the update
+# R2: the update replays the old-log-prob pass's routes, over 2 optimizer steps a batch (the second after the weights
+# moved, where the update's own routing may differ)
+R2 = ["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
 
 
 @pytest.mark.parametrize(
@@ -24,6 +28,7 @@ OWN_OLD_LOG_PROB_PASS = "actor_rollout_ref.actor.reuse_update_log_probs=false"  
         ("tiny-mixtral", "native", []),
         ("tiny-olmoe", "native", REPLAY),
         ("tiny-qwen3-moe", "hf", [*REPLAY, OWN_OLD_LOG_PROB_PASS]),
+        ("tiny-qwen3-moe", "native", [*R2, OWN_OLD_LOG_PROB_PASS]),
     ],
 )
 def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_files, tmp_path, model, rollout, extra):
@@ -32,8 +37,12 @@ def test_grpo_trains_a_mixture_of_experts_to_emit_digits(local_ray, arithmetic_f
     for record in records:
         loads = [record[f"actor/expert_load_max/layer_{layer}"] for layer in (0, 1)]
         assert 0 < record["actor/router_aux_loss"] < 4 and all(math.isfinite(load) for load in loads)
-        if extra:  # the rollout's routes replayed (fp32): the log-probs agree as for a dense model
+        if REPLAY[0] in extra:  # the rollout's routes replayed (fp32): the log-probs agree as for a dense model
             assert record["rollout/log_prob_diff_max"] < 1e-4, record["rollout/log_prob_diff_max"]
             assert 0 <= record["router_replay/changed_update"] < 0.05
-        if OWN_OLD_LOG_PROB_PASS in extra:
+        if REPLAY[0] in extra and OWN_OLD_LOG_PROB_PASS in extra:
             assert 0 <= record["router_replay/changed_log_prob"] < 0.05
+        if R2[0] in extra:  # the update replayed the old-log-prob pass's routes; that pass replays nothing
+            assert 0 <= record["router_replay/changed_update"] <= 1 and "router_replay/changed_log_prob" not in record
+    if R2[0] in extra:  # at a learning rate of 2e-2, the second optimizer step's own routing moved (a third of it)
+        assert max(record["router_replay/changed_update"] for record in records) > 0.01

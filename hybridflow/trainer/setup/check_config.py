@@ -164,14 +164,36 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
 
 
 def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """Routing replay needs experts, a backend that records the rollout's routes, and a training forward that sees
-    every token of a micro-batch with them."""
+    """Routing replay needs experts and a training forward that sees every token of a micro-batch; R3 a backend that
+    records the rollout's routes, R2 an old-log-prob pass of the trainer's to record them."""
     arr = cfg.actor_rollout_ref
     key, mode = "actor_rollout_ref.actor.router_replay.mode", arr.actor.router_replay.mode
     if not arr.actor.router_replay.replays:
         return
     off = "set it to disabled"
     _check(expert_count(model_config(plan.paths.actor_model)) > 0, key, f"{mode}: the policy has no experts", off)
+    _check(
+        arr.actor.pipeline_model_parallel_size == 1,
+        key,
+        f"{mode} with pipeline stages is not built",
+        "set actor_rollout_ref.actor.pipeline_model_parallel_size=1, or " + off,
+    )
+    if mode == "R2":
+        _check(
+            arr.actor.ulysses_sequence_parallel_size == 1,
+            key,
+            "R2 records the old-log-prob pass's routes, which Ulysses splits over its ranks (not built)",
+            "set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or use R3",
+        )
+        _check(
+            not plan.on_policy_update and arr.rollout.old_log_prob_source == "recompute",
+            key,
+            "R2 replays the routes of the trainer's old-log-prob pass, and this run skips that pass (one optimizer "
+            "step on each batch, whose own forward is the old policy, or the rollout's log-probs as the old policy)",
+            "use R3, or compute old log-probs (actor_rollout_ref.actor.reuse_update_log_probs=false, "
+            "actor_rollout_ref.rollout.old_log_prob_source=recompute)",
+        )
+        return
     recorders = sorted(name for name, backend in rollout_backends().items() if backend.records_routes)
     _check(
         rollout_backend(arr.rollout.name).records_routes,
@@ -190,12 +212,6 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         key,
         f"{mode}: a response continued across weight pushes would mix two calls' routes",
         "set trainer.async_training.partial_rollout=false, or " + off,
-    )
-    _check(
-        arr.actor.pipeline_model_parallel_size == 1,
-        key,
-        f"{mode} with pipeline stages is not built",
-        "set actor_rollout_ref.actor.pipeline_model_parallel_size=1, or " + off,
     )
 
 
