@@ -55,6 +55,9 @@ class RewardModelConfig:
     # Ulysses: ranks that hold the same conversations and split each micro-batch's tokens (attention by all-to-all
     # over heads); the data-parallel ranks are the rest
     ulysses_sequence_parallel_size: int
+    # pipeline parallelism: ranks that split the decoder layers into stages (each batch's micro-batches in one 1F1B
+    # schedule); they hold the same conversations; the data-parallel ranks are the rest; not with Ulysses
+    pipeline_model_parallel_size: int
     fsdp: FSDPConfig
 
     def __post_init__(self) -> None:
@@ -75,3 +78,4 @@ class RewardModelConfig:
         )
         require_positive(self.micro_batch_size_per_gpu, "micro_batch_size_per_gpu")
         require_positive(self.max_length, "max_length")
+        require_positive(self.pipeline_model_parallel_size, "pipeline_model_parallel_size")

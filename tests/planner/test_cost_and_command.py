@@ -247,15 +247,15 @@ def test_plan_writes_the_stages_it_chooses_and_train_accepts_them(arithmetic_fil
 
 
 def test_plan_writes_only_the_sizes_a_section_has(tmp_path):
-    """The reward model's section has a sequence-parallel size alone (no tensor-parallel layers, no stages): the plan
-    writes no other size there, and the config loads."""
+    """The reward model's section has sequence-parallel and pipeline sizes alone (no tensor-parallel layers, no
+    interleaved stages, no split experts): the plan writes no other size there, and the config loads."""
     from hybridflow.planner.command import plan_overrides
     from hybridflow.planner.search import DeviceSet, Plan
 
     layouts = {Role.ActorRollout: LayoutShape(dp=1, t=1, tg=1, pp=2), Role.RewardModel: LayoutShape(dp=2, t=1, tg=1)}
     plan = Plan((DeviceSet(tuple(layouts), 2, layouts, {}),), 0.0, ())
     overrides = plan_overrides(plan, replace(CLUSTER, devices_per_node=2))
-    assert overrides["reward_model"] == {"ulysses_sequence_parallel_size": 1}
+    assert overrides["reward_model"] == {"ulysses_sequence_parallel_size": 1, "pipeline_model_parallel_size": 1}
     assert overrides["actor_rollout_ref"]["actor"] == {
         "tensor_model_parallel_size": 1,
         "ulysses_sequence_parallel_size": 1,

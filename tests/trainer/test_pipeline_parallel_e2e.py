@@ -67,3 +67,19 @@ def test_one_step_off_with_the_actor_in_stages_equals_pp_1(local_ray, tmp_path):
 
 def test_the_pipeline_mode_splits_every_trained_and_scoring_role():
     assert set(PP_KEYS) <= {entry.partition("=")[0] for entry in MODES["pipeline"]}
+
+
+def test_grpo_with_the_reward_model_in_stages_equals_pp_1(local_ray, tmp_path, reward_model_dir):
+    """The reward model (a random scoring head, so that rewards differ) scores each step's samples in 2 stages on the
+    2 ranks, one conversation a micro-batch: every metric, the rewards first, equals its scoring on 2 data-parallel
+    ranks."""
+    reward_model = (
+        "reward_model.enable=true",
+        f"reward_model.model.path={reward_model_dir}",
+        "reward_model.fsdp.param_dtype=fp32",
+        "reward_model.micro_batch_size_per_gpu=1",
+        "reward_model.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+    )
+    runs = grpo_equals_data_parallel(tmp_path, "sync", ["reward_model.pipeline_model_parallel_size=1"], reward_model)
+    assert len({round(runs["split"][step]["critic/score/mean"], 6) for step in (1, 2, 3)}) > 1  # the scores vary

@@ -1,5 +1,6 @@
 """The reward-model worker scores each conversation as the model does alone, at the response's last token, with its rows
-split over 2 data-parallel ranks or each micro-batch's tokens over 2 Ulysses ranks."""
+split over 2 data-parallel ranks, each micro-batch's tokens over 2 Ulysses ranks, or its layers into 2 pipeline stages
+(1F1B, one micro-batch a conversation)."""
 
 import pytest
 import torch
@@ -43,17 +44,24 @@ def test_worker_scores_match_scoring_each_conversation_alone(local_ray, reward_m
         "reward_model.enable=true",
         f"reward_model.model.path={reward_model_dir}",
         "reward_model.fsdp.param_dtype=fp32",
+        "reward_model.micro_batch_size_per_gpu=1",  # 3 micro-batches: a schedule fills both stages
     ]
     config = load_config(overrides).reward_model
     kwargs = {"config": config, "model_path": str(reward_model_dir), "policy_model_path": policy_path, "seed": 0}
     by_layout = {}
-    for name, layout in (("dp 2", LayoutShape(dp=2, t=1, tg=1)), ("sp 2", LayoutShape(dp=1, t=1, tg=1, sp=2))):
+    layouts = {
+        "dp 2": LayoutShape(dp=2, t=1, tg=1),
+        "sp 2": LayoutShape(dp=1, t=1, tg=1, sp=2),
+        "pp 2": LayoutShape(dp=1, t=1, tg=1, pp=2),
+    }
+    for name, layout in layouts.items():
         pool = RayResourcePool([2])
         group = RayWorkerGroup(pool, RoleSpec(RewardModelWorker, kwargs=kwargs | {"layout": layout}))
         by_layout[name] = group.compute_rm_score(data).batch[RM_SCORES]
         pool.release()
     scores = by_layout["dp 2"]
     torch.testing.assert_close(by_layout["sp 2"], scores, atol=1e-5, rtol=1e-5)  # Ulysses: each rank half the tokens
+    torch.testing.assert_close(by_layout["pp 2"], scores, atol=1e-5, rtol=1e-5)  # stages: each rank half the layers
 
     model = load_reward_model(reward_model_dir).eval()
     for i, (messages, answer) in enumerate(zip(prompts, answers)):
