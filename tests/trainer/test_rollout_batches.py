@@ -1,7 +1,7 @@
 import numpy as np
 import torch
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSES, UID
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, RESPONSES, ROUTED_EXPERTS, UID
 from hybridflow.protocol import DataProto
 from hybridflow.trainer.asynchronous.rollout_batches import concat_rollouts
 
@@ -36,3 +36,15 @@ def test_concat_pads_narrow_prompts_on_the_left():
     assert whole.batch[PROMPTS].tolist() == [[3, 4, 5], [PAD, PAD, 6]]
     assert list(whole.non_tensor_batch[UID]) == ["a", "b"]
     assert narrow.batch[INPUT_IDS].shape == (1, 3)  # the input batches are kept as they were
+
+
+def test_concat_pads_the_routed_experts_of_narrow_prompts_with_none():
+    """Routing replay's routes begin with the prompt too: (B, P+R, layers, k), padded with -1 (no route)."""
+    wide, narrow = rollout_batch([[3, 4, 5]], width=3, uid="a"), rollout_batch([[6]], width=1, uid="b")
+    for batch, first in ((wide, 10), (narrow, 20)):
+        width = batch.batch[INPUT_IDS].shape[1]
+        batch.batch[ROUTED_EXPERTS] = torch.arange(first, first + width * 2).view(1, width, 1, 2)
+    routes = concat_rollouts([wide, narrow], pad_token_id=PAD).batch[ROUTED_EXPERTS]
+    assert routes.shape == (2, 5, 1, 2)
+    assert routes[1, :, 0].tolist() == [[-1, -1], [-1, -1], [20, 21], [22, 23], [24, 25]]
+    assert routes[0, :, 0].tolist() == [[10 + 2 * i, 11 + 2 * i] for i in range(5)]

@@ -11,11 +11,11 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, PROMPTS, ROUTED_EXPERTS
 from hybridflow.protocol import DataProto
 
 # columns that begin with the prompt, and the value their left padding takes (None: the pad token)
-_PROMPT_LEADING = {INPUT_IDS: None, PROMPTS: None, ATTENTION_MASK: 0, POSITION_IDS: 0}
+_PROMPT_LEADING = {INPUT_IDS: None, PROMPTS: None, ATTENTION_MASK: 0, POSITION_IDS: 0, ROUTED_EXPERTS: -1}
 
 
 def prompt_width(batch: DataProto) -> int:
@@ -36,7 +36,8 @@ def left_pad_prompts(batch: DataProto, width: int, pad_token_id: int) -> DataPro
             continue
         column = batch.batch[key]
         fill = pad_token_id if value is None else value
-        padding = torch.full((column.shape[0], extra), fill, dtype=column.dtype, device=column.device)
+        shape = (column.shape[0], extra, *column.shape[2:])  # routed experts: (B, P+R, layers, k)
+        padding = torch.full(shape, fill, dtype=column.dtype, device=column.device)
         padded.batch[key] = torch.cat([padding, column], dim=1)
     return padded
 
