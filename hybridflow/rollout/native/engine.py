@@ -134,8 +134,7 @@ class Engine:
         ``seeds[i]`` instead of stream i of ``params.seed`` (requests of several calls run together, each as alone).
         ``params.record_routes`` (a mixture of experts): ``self.routes`` logs each token's experts.
         """
-        self.paused = None
-        self.routes = None
+        self.paused, self.routes = None, None
         n, r = len(prompts), params.max_new_tokens
         self.stats = EngineStats()
         tokens_out = torch.full((n, r), pad_token_id, dtype=torch.long, device=self.device)
@@ -158,11 +157,7 @@ class Engine:
         capacity = min(n, self.max_num_seqs)
         longest = max(len(p) + len(x) for p, x in zip(prompts, prefixes)) + r
         self.prepare(capacity + 1, longest)  # +1: the prefix slot
-        if params.record_routes:
-            spec = self.weights.spec
-            if not spec.num_experts:
-                raise ValueError("record_routes: the model has no mixture-of-experts layers")
-            self.routes = RouteLog(n, longest, spec.num_layers, spec.experts_per_token, self.device)
+        self.routes = self._route_log(n, longest) if params.record_routes else None
         run = _Run(self, capacity, params, stop_token_ids, tokens_out, log_probs_out, streams, seeds)
         by_prompt: dict[tuple[tuple[int, ...], int], _Group] = {}
         for i, (prompt, prefix) in enumerate(zip(prompts, prefixes)):
@@ -172,6 +167,12 @@ class Engine:
         run.share_prefix([group.prompt for group in by_prompt.values()])
         run.prefix_lengths = [len(prefix) for prefix in prefixes]
         return self._drive(run, should_stop, keep_on_stop)
+
+    def _route_log(self, requests: int, positions: int) -> RouteLog:
+        spec = self.weights.spec
+        if not spec.num_experts:
+            raise ValueError("record_routes: the model has no mixture-of-experts layers")
+        return RouteLog(requests, positions, spec.num_layers, spec.experts_per_token, self.device)
 
     @torch.no_grad()
     def resume(self, should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
