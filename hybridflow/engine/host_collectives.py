@@ -338,9 +338,16 @@ _HOSTS: weakref.WeakValueDictionary[str, HostCollectives] = weakref.WeakValueDic
 
 
 def host_collectives_for(group: dist.ProcessGroup) -> HostCollectives | None:
-    """The shared-memory collectives of ``group`` (its FSDP2 units use them), None where it has none."""
+    """The shared-memory collectives of ``group`` (its FSDP2 units use them), None where it has none. A collective:
+    every rank of the group calls it, and all get an answer alike. An entry lives as long as a model uses it, and each
+    rank collects a dropped model at its own time, so one rank may still find the entry that another no longer has:
+    the ranks then agree on none (an all-reduce of one integer), where acting on their own answers would send some
+    through shared memory and the rest through gloo, and hang."""
     host = _HOSTS.get(group.group_name)
-    return host if host is not None and host.group is group else None
+    mine = host if host is not None and host.group is group else None
+    everyone = torch.tensor([int(mine is not None)])
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=group)
+    return mine if int(everyone) else None
 
 
 def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) -> HostCollectives | None:

@@ -75,8 +75,8 @@ def _run(rank: int, path: str, config, batch, ep: int) -> dict:
 
 
 def _ranks(rank: int, init_file: str, models: dict, batch, out: str) -> None:
-    # a collective that waits 5 minutes fails the test, instead of holding the suite (one hang seen under load, not
-    # reproduced since: 4 x 40 s runs beside 2 busy cores passed)
+    # a collective that waits 5 minutes fails the test, instead of holding the suite (this test once hung when ranks
+    # disagreed on whether a dropped model's shared-memory collectives still existed: host_collectives_for now agrees)
     timeout = datetime.timedelta(minutes=5)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timeout)
     try:

@@ -4,6 +4,7 @@ in /dev/shm; gloo kept when a rank is on another host or /dev/shm lacks room. On
 with the same result. The FSDP2 update through shared memory: tests/engine/test_fsdp.py."""
 
 import errno
+import gc
 import glob
 import time
 import warnings
@@ -19,6 +20,7 @@ from hybridflow.engine.host_collectives import (
     OneRankReduceScatter,
     SharedMemoryAllGather,
     SharedMemoryReduceScatter,
+    host_collectives_for,
     ranks_share_host,
     use_host_collectives,
 )
@@ -96,8 +98,16 @@ def _ranks(rank: int, init_file: str, out: str) -> None:
             refused = str(error)
         if rank == 2:  # this rank reports another machine
             host_collectives._host_identity = lambda: "elsewhere/0"
+        # a model's collectives dropped on every rank but rank 0, which has not collected them yet: every rank answers
+        # none alike (acting alone, rank 0 would wait in shared memory while the others gather through gloo)
+        kept = HostCollectives(dist.group.WORLD)
+        host_collectives._HOSTS[dist.group.WORLD.group_name] = kept
+        if rank != 0:
+            del kept
+            gc.collect()
+        agreed_none = host_collectives_for(dist.group.WORLD) is None
         model = fully_shard(torch.nn.Linear(4, 4))
-        kept_gloo = use_host_collectives([model], dist.group.WORLD) is None
+        kept_gloo = use_host_collectives([model], dist.group.WORLD) is None and agreed_none
         torch.save((everyone, paired, kept_gloo and no_room and room_warned, refused), f"{out}-{rank}.pt")
     finally:
         dist.destroy_process_group()
