@@ -107,7 +107,7 @@ def response_outputs(
     its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
     ``replay_routes``: a mixture of experts routes each token through the batch's ``routed_experts`` where it has them,
     counted there (models/routing.py). ``record_routes``: a list that receives the experts each token was routed to,
-    (B, P+R, L, k) in the batch's layout (-1 on padding); not under sequence parallelism.
+    (B, P+R, L, k) in the batch's layout (-1 on padding). Neither under sequence parallelism (not built).
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
@@ -116,19 +116,22 @@ def response_outputs(
     mask = tensors[ATTENTION_MASK]
     if not remove_padding:
         inputs = {key: tensors[key] for key in (INPUT_IDS, ATTENTION_MASK, POSITION_IDS)}
-        rows = torch.arange(mask.numel(), device=mask.device).view(mask.shape)  # each slot's token in the forward
+
+        def to_rows(recorded: torch.Tensor) -> torch.Tensor:  # the forward's tokens are the batch's slots, row-major
+            return rows_of_tokens(recorded, torch.arange(mask.numel(), device=mask.device).view(mask.shape), mask)
+
         with (
             replaying_routes(model, None if routes is None else routes.flatten(0, 1), replay_routes),
-            routes_into(model, record_routes, lambda recorded: rows_of_tokens(recorded, rows, mask)),
+            routes_into(model, record_routes, to_rows),
         ):
             logits = model(**inputs, use_cache=False).logits
         return ResponseOutputs(logits[:, -response_length - 1 : -1, :], None, None)
     packed, keep = packed_responses(batch)
     routes = None if routes is None else routes[packed.kept]
     if sp > 1:
-        if record_routes is not None:
-            raise ValueError("recording routes under sequence parallelism is not built (each rank runs a slice)")
-        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes)
+        if routes is not None or record_routes is not None:
+            raise ValueError("routing replay under sequence parallelism is not built (each rank runs a slice)")
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group)
         return ResponseOutputs(outputs, packed.response_valid, shard)
     to_rows = lambda recorded: rows_of_tokens(recorded, packed.token_position, mask)  # noqa: E731
     with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
@@ -163,26 +166,15 @@ def local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBa
 
 
 def _sharded_outputs(
-    model: nn.Module,
-    packed: PackedBatch,
-    keep: torch.Tensor,
-    group: dist.ProcessGroup,
-    routes: torch.Tensor | None = None,
-    replay: RouteReplay | None = None,
+    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
 ) -> tuple[torch.Tensor, ResponseShard]:
-    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``; ``routes``: the
-    packed tokens' recorded experts (N, L, k), replayed on the slice's."""
+    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``."""
     local, shards, start = local_slice(packed, group)
-    width = local.input_ids.shape[1]
-    held = (keep >= start) & (keep < start + width)
-    if routes is not None:  # the slice's tokens; the padding that evens the slices routes itself
-        routes = nn.functional.pad(routes, (0, 0, 0, 0, 0, shards.padded - routes.shape[0]), value=-1)
-        routes = routes[start : start + width]
-    with replaying_routes(model, routes, replay):
-        if _accepts_logits_to_keep(model):
-            outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
-        else:
-            outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
+    held = (keep >= start) & (keep < start + local.input_ids.shape[1])
+    if _accepts_logits_to_keep(model):
+        outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
+    else:
+        outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
     return outputs, ResponseShard(held, group)
 
 

@@ -111,5 +111,5 @@ def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
     assert check_config(load_config(own_pass)).layouts[Role.ActorRollout].dp >= 1
     with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 replays the routes"):
         check_config(load_config([*own_pass, "actor_rollout_ref.rollout.old_log_prob_source=auto"]))
-    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*Ulysses splits"):
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 with Ulysses is not built"):
         check_config(load_config([*own_pass, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))

@@ -235,9 +235,9 @@ class Generation:
     ) -> DataProto:
         """One ``generate_sequences`` call for ``step`` (new prompts, or samples to continue): its settings in the
         request's meta_info, the generator's metrics moved into ``metrics``."""
-        replay = sampling == "train" and self.config.actor_rollout_ref.actor.router_replay.rollout_records
-        request.meta_info = {GLOBAL_STEP: step, SAMPLING: sampling, SAMPLING_ROUND: round_index, **(meta or {})}
-        request.meta_info[RECORD_ROUTES] = replay
+        record = sampling == "train" and self.config.actor_rollout_ref.actor.router_replay.rollout_records
+        request.meta_info = {GLOBAL_STEP: step, SAMPLING: sampling, SAMPLING_ROUND: round_index, RECORD_ROUTES: record}
+        request.meta_info |= meta or {}
         return take_metrics(self.generator.generate_sequences(request), metrics)
 
     def greedy_baseline(self, prompts: DataProto, step: int, timeline: StepTimeline, round_index: int) -> torch.Tensor:
