@@ -19,10 +19,23 @@ def randomise_adapters(model: torch.nn.Module, seed: int = 0, scale: float = 0.1
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * scale)
 
 
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]  # a mixture's expert weights (peft's target_parameters)
+
+
 def lora_model(
-    model: torch.nn.Module, *, seed: int = 0, rank: int = 4, alpha: float = 8.0, targets: list[str] = ALL
+    model: torch.nn.Module,
+    *,
+    seed: int = 0,
+    rank: int = 4,
+    alpha: float = 8.0,
+    targets: list[str] = ALL,
+    parameters: list[str] | None = None,
 ) -> torch.nn.Module:
-    """``model`` (wrapped in place) with adapters of ``rank`` on ``targets``, randomised with ``seed``."""
-    adapted = apply_lora(model, LoraConfig(rank=rank, alpha=alpha, dropout=0.0, target_modules=list(targets)))
+    """``model`` (wrapped in place) with adapters of ``rank`` on ``targets`` (and on the expert weights
+    ``parameters``), randomised with ``seed``."""
+    settings = LoraConfig(
+        rank=rank, alpha=alpha, dropout=0.0, target_modules=list(targets), target_parameters=list(parameters or [])
+    )
+    adapted = apply_lora(model, settings)
     randomise_adapters(adapted, seed)
     return adapted

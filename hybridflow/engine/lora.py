@@ -6,21 +6,24 @@ Only the adapter matrices train: peft freezes the base, so the base has no gradi
 
     y = x W^T + scaling · (x A^T) B^T,      scaling = alpha / rank
 
-so the weight it stands for is W + scaling · B A (``merged_parameters``).
+so the weight it stands for is W + scaling · B A (``merged_parameters``). A mixture's experts, one 3-D parameter
+per projection (E, out, in), are adapted through peft's ``target_parameters``: each expert e gets its own
+B_e A_e (models/adapters.py ``adapter_delta``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hybridflow.models.adapters import LORA_A, LORA_B, adapter_name
+from hybridflow.models.adapters import LORA_A, LORA_B, adapted_layer, adapter_delta, adapter_name
 from hybridflow.validation import require
 
 ALL_LINEAR = "all-linear"  # every linear layer of the decoder (not the output head), as peft reads it
@@ -37,16 +40,25 @@ class LoraConfig:
     dropout: float  # dropout on the adapters' input while training
     # linear layers to adapt, by the last part of their name (q_proj, v_proj, ...), or [all-linear]
     target_modules: list[str]
+    # a mixture's expert weights to adapt, each expert with its own adapter (peft's target_parameters), by the end
+    # of their name: [experts.gate_up_proj, experts.down_proj]; [] for none
+    target_parameters: list[str]
 
     def __post_init__(self) -> None:
         require(self.rank >= 0, "rank", f"must be 0 (off) or more, got {self.rank}", "set rank to e.g. 8, or 0")
         require(self.alpha > 0, "alpha", f"must be > 0, got {self.alpha}")
         require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         require(
-            not self.enabled or bool(self.target_modules),
+            not self.enabled or bool(self.target_modules or self.target_parameters),
             "target_modules",
             "is empty: LoRA needs layers to adapt",
             f"name them (q_proj, v_proj, ...) or [{ALL_LINEAR}]",
+        )
+        require(
+            not (self.enabled and self.target_parameters and self.dropout),
+            "dropout",
+            f"must be 0 with target_parameters: peft's expert adapters take no dropout, got {self.dropout}",
+            "set dropout to 0.0, or target_parameters to []",
         )
 
     @property
@@ -63,6 +75,13 @@ def linear_layer_names(model: nn.Module) -> set[str]:
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and module is not head
     }
+
+
+def expert_weight_names(model: nn.Module) -> set[str]:
+    """What ``target_parameters`` may name: each 3-D (expert) parameter by the last two parts of its name
+    (experts.gate_up_proj). Works on a model built on the meta device."""
+    names = (base_name(name) for name, parameter in model.named_parameters() if parameter.dim() == 3)
+    return {".".join(name.split(".")[-2:]) for name in names}
 
 
 def target_problem(targets: list[str], available: set[str]) -> str | None:
@@ -98,9 +117,13 @@ def apply_lora(model: nn.Module, config: LoraConfig, frozen_dtype: torch.dtype |
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets,
+        target_parameters=list(config.target_parameters) or None,
         modules_to_save=whole or None,
         bias="none",
     )
+    transposed = [name for name, module in model.named_modules() if getattr(module, "is_transposed", False)]
+    if config.target_parameters and transposed:
+        raise ValueError(f"{transposed[0]} stores its experts as (E, in, out); expert adapters assume (E, out, in)")
     wrapped = peft.get_peft_model(model, settings)
     if frozen_dtype is not None:
         for parameter in wrapped.parameters():
@@ -143,33 +166,73 @@ def base_name(name: str) -> str:
     return name.replace(BASE_LAYER, "")
 
 
-def merged_parameters(named: Iterable[tuple[str, torch.Tensor]], scaling: float) -> Iterator[tuple[str, torch.Tensor]]:
+def adapted_weights(model: nn.Module) -> dict[str, str]:
+    """The plain name of the weight each peft adapter adapts, by the name of the module that holds the adapter:
+    a linear layer's ``<layer>.weight``, or the expert parameter a ``target_parameters`` wrapper names (peft nests
+    one wrapper per parameter, so only the wrapper knows which of the experts' weights its adapter is for)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    adapted = {}
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            adapted[name] = f"{base_name(name)}.{getattr(module, 'parameter_name', None) or 'weight'}"
+    return adapted
+
+
+def _lora_part(name: str) -> tuple[str, str] | None:
+    """(prefix of the module holding it, LORA_A or LORA_B) of a peft adapter parameter's name; None otherwise."""
+    for part in (LORA_A, LORA_B):
+        marker = f".{part}.{ADAPTER}.weight"
+        if name.endswith(marker):
+            return name[: -len(marker)], part
+    return None
+
+
+def _weight_of(prefix: str, adapted: Mapping[str, str]) -> str:
+    return adapted.get(prefix) or base_name(prefix) + ".weight"
+
+
+def merged_parameters(
+    named: Iterable[tuple[str, torch.Tensor]], scaling: float, adapted: Mapping[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Full tensors of a LoRA model (``named``: peft's names, in the model's order) as the plain model's
     parameters, each adapted weight merged: W + scaling · B A (computed in fp32, returned in W's dtype).
+    ``adapted``: ``adapted_weights`` of the model, needed when it adapts expert parameters.
 
     A wrapped layer's base weight comes before its lora_A and lora_B, so it is held until both have come."""
-    waiting: dict[str, dict[str, torch.Tensor]] = {}  # layer prefix -> what has come of it
+    adapted = adapted or {}
+    expert_weights = set(adapted.values())
+    waiting: dict[str, dict[str, torch.Tensor]] = {}  # plain weight name -> what has come of it
     for name, tensor in named:
-        if BASE_LAYER + ".weight" in name:
-            layer = name[: name.index(BASE_LAYER)]
-            waiting.setdefault(layer, {})["W"] = tensor
-        elif f".lora_A.{ADAPTER}.weight" in name:
-            layer = name[: name.index(".lora_A.")]
-            waiting.setdefault(layer, {})["A"] = tensor
-        elif f".lora_B.{ADAPTER}.weight" in name:
-            layer = name[: name.index(".lora_B.")]
-            waiting.setdefault(layer, {})["B"] = tensor
+        part = _lora_part(name)
+        if part is not None:
+            key, which = _weight_of(part[0], adapted), part[1]
+        elif BASE_LAYER + ".weight" in name or base_name(name) in expert_weights:
+            key, which = base_name(name), "W"
         else:
             yield base_name(name), tensor
             continue
-        parts = waiting[layer]
+        parts = waiting.setdefault(key, {})
+        parts[which] = tensor
         if len(parts) == 3:
-            del waiting[layer]
-            weight = parts["W"]
-            delta = scaling * (parts["B"].float() @ parts["A"].float())
-            yield base_name(layer) + ".weight", (weight.float() + delta).to(weight.dtype)
+            del waiting[key]
+            yield key, _merged(parts["W"], parts[LORA_A], parts[LORA_B], scaling)
     if waiting:
         raise ValueError(f"adapted layers without their base weight or both adapters: {sorted(waiting)}")
+
+
+def _merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling · B A in fp32, in W's dtype. Sharded (DTensors), a linear layer's product stays sharded; an
+    expert weight's adapters (a few rows each) are gathered whole and the product cut to W's own shards."""
+    if weight.dim() == 2:
+        return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
+    if isinstance(weight, DTensor):
+        whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in (lora_a, lora_b)]
+        delta = adapter_delta(weight.shape, whole[0].float(), whole[1].float())
+        delta = distribute_tensor(delta.detach(), weight.device_mesh, weight.placements, src_data_rank=None)
+    else:
+        delta = adapter_delta(weight.shape, lora_a.float(), lora_b.float())
+    return (weight.float() + scaling * delta).to(weight.dtype)
 
 
 def save_adapter_config(model: nn.Module, base_model: str, directory: Path) -> None:
@@ -193,7 +256,7 @@ def policy_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     if scaling is None:
         yield from model.named_parameters()
         return
-    for name, tensor in merged_parameters(model.named_parameters(), scaling):
+    for name, tensor in merged_parameters(model.named_parameters(), scaling, adapted_weights(model)):
         yield name, tensor.detach()
 
 
@@ -203,20 +266,11 @@ def policy_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         yield base_name(name), buffer
 
 
-def _adapter_part(name: str) -> tuple[str, str] | None:
-    """(layer's plain name, LORA_A or LORA_B) of a peft adapter parameter's name; None for any other name."""
-    for part in (LORA_A, LORA_B):
-        marker = f".{part}.{ADAPTER}.weight"
-        if name.endswith(marker):
-            return base_name(name[: -len(marker)]), part
-    return None
-
-
 def base_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA model's frozen base under the plain model's names (adapted layers' weights without their
     adapters), one at a time: what a rollout engine holds under the adapters (``adapter_tensors``)."""
     for name, tensor in model.named_parameters():
-        if _adapter_part(name) is None:
+        if _lora_part(name) is None:
             yield base_name(name), tensor.detach()
 
 
@@ -224,9 +278,10 @@ def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA policy's adapters under the names they travel by (models/adapters.py), in the model's order:
     with ``base_parameters`` the whole policy, and all of it that trains. ValueError for a model that trains
     anything else (a head trained whole, which an adapter-sized sync would leave behind)."""
+    adapted = adapted_weights(model)
     for name, tensor in model.named_parameters():
-        found = _adapter_part(name)
+        found = _lora_part(name)
         if found is not None:
-            yield adapter_name(*found), tensor.detach()
+            yield adapter_name(adapted_layer(_weight_of(found[0], adapted)), found[1]), tensor.detach()
         elif tensor.requires_grad:
             raise ValueError(f"{name} trains whole: a sync of the adapters alone would not carry it")

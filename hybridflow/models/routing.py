@@ -43,7 +43,16 @@ def experts_modules(model: nn.Module) -> list[nn.Module]:
 def routers(model: nn.Module) -> list[nn.Module]:
     """The router of each MoE layer, in layer order."""
     experts = {id(module) for module in experts_modules(model)}
-    return [m.gate for m in model.modules() if id(getattr(m, "experts", None)) in experts and hasattr(m, "gate")]
+    return [
+        m.gate for m in model.modules() if id(_unwrapped(getattr(m, "experts", None))) in experts and hasattr(m, "gate")
+    ]
+
+
+def _unwrapped(module: nn.Module | None) -> nn.Module | None:
+    """A module under the adapter wrappers around it (peft's ``base_layer`` chain: LoRA on the experts)."""
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
 
 
 def replayed_choice(

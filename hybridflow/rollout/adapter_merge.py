@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from hybridflow.models.adapters import LORA_A, LORA_B, split_adapter_name
+from hybridflow.models.adapters import LORA_A, LORA_B, adapted_weight, adapter_delta, split_adapter_name
 
 
 class AdapterMerge:
@@ -48,11 +48,12 @@ class AdapterMerge:
             if len(parts) < 2:
                 continue
             del waiting[layer]
-            weight_name = f"{layer}.weight"
+            weight_name = adapted_weight(layer, self.base)
             base = self.base.get(weight_name)
             if base is None:
                 raise KeyError(f"adapters for {layer}, whose base weight {weight_name} never came")
-            delta = parts[LORA_B].to(base.device, torch.float32) @ parts[LORA_A].to(base.device, torch.float32)
+            lora_a, lora_b = (parts[p].to(base.device, torch.float32) for p in (LORA_A, LORA_B))
+            delta = adapter_delta(base.shape, lora_a, lora_b)
             done.add(weight_name)
             yield weight_name, (base.float() + scaling * delta).to(base.dtype)
         if waiting:

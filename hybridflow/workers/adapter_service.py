@@ -93,7 +93,9 @@ class AdapterServiceWorker(Worker):
         self.tokenizer = load_tokenizer(model_path)
         self.max_tokens = max_tokens_per_micro_batch
         targets = [ALL_LINEAR, OUTPUT_HEAD]  # every part a client may choose (train_attn, train_mlp, train_unembed)
-        slot = LoraConfig(rank=max_lora_rank, alpha=float(max_lora_rank), dropout=0.0, target_modules=targets)
+        slot = LoraConfig(
+            rank=max_lora_rank, alpha=float(max_lora_rank), dropout=0.0, target_modules=targets, target_parameters=[]
+        )
         with warnings.catch_warnings():  # peft's warning of an adapter on a tied head: served apart, never merged
             warnings.filterwarnings("ignore", message=".*tie_word_embeddings.*")
             model = build_sharded(load_causal_lm, model_path, fsdp, self.device, seed, lora=slot)

@@ -24,7 +24,7 @@ def slotted(path: str, max_rank: int = 8, head: bool = False) -> AdapterSlots:
     targets = [ALL_LINEAR, OUTPUT_HEAD] if head else [ALL_LINEAR]
     model = apply_lora(
         load_causal_lm(path, dtype=torch.float32),
-        LoraConfig(rank=max_rank, alpha=float(max_rank), dropout=0.0, target_modules=targets),
+        LoraConfig(rank=max_rank, alpha=float(max_rank), dropout=0.0, target_modules=targets, target_parameters=[]),
     )
     return AdapterSlots(model, max_rank)
 
@@ -64,7 +64,7 @@ def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path, parts,
     slots.create("a", rank=2, parts=frozenset(parts), scaling=3.0, seed=5)
     alone = apply_lora(
         load_causal_lm(tiny_path, dtype=torch.float32),
-        LoraConfig(rank=2, alpha=6.0, dropout=0.0, target_modules=alone_targets),
+        LoraConfig(rank=2, alpha=6.0, dropout=0.0, target_modules=alone_targets, target_parameters=[]),
     )
     start = slots.adapter_tensors("a")  # the same initial adapters in both
     layers = alone.config.num_hidden_layers

@@ -26,7 +26,9 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def lora(**changes) -> LoraConfig:
-    return LoraConfig(**{"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": TARGETS, **changes})
+    return LoraConfig(
+        **{"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": TARGETS, "target_parameters": [], **changes}
+    )
 
 
 def randomised_adapters(model: torch.nn.Module, seed: int = 0) -> None:
@@ -42,7 +44,9 @@ def test_settings_are_checked(field, value):
     with pytest.raises(InvalidSetting) as error:
         lora(**{field: value})
     assert error.value.field == field
-    assert not LoraConfig(rank=0, alpha=8.0, dropout=0.0, target_modules=[]).enabled  # off needs no targets
+    assert not LoraConfig(
+        rank=0, alpha=8.0, dropout=0.0, target_modules=[], target_parameters=[]
+    ).enabled  # off needs no targets
 
 
 def test_target_modules_are_checked_against_the_model(tiny_path):
@@ -185,3 +189,37 @@ def test_a_checkpoint_of_a_model_with_tied_embeddings_holds_the_adapters_only(tm
         assert torch.equal(have, want), name
     for want, have in zip(first.optimizer.state.values(), second.optimizer.state.values()):
         assert torch.equal(have["exp_avg"], want["exp_avg"])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-olmoe", "tiny-mixtral"])
+def test_adapters_on_each_expert_merge_as_peft_merges_them(name):
+    """peft's target_parameters give each expert e of an (E, out, in) weight its own B_e A_e: our merge equals
+    peft's merge_and_unload weight by weight, gives its forward, and the rollout side's merge of the travelling
+    adapters (rollout/adapter_merge.py) gives the same weights."""
+    from hybridflow.engine.lora import adapted_weights, adapter_tensors, base_parameters, expert_weight_names
+    from hybridflow.rollout.adapter_merge import AdapterMerge
+
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    settings = lora(alpha=16.0, target_modules=["q_proj"], target_parameters=experts)
+    model = apply_lora(load_causal_lm(name, dtype=torch.float32), settings).eval()
+    assert expert_weight_names(model) >= set(experts)
+    randomised_adapters(model, seed=5)
+    ids = inputs(model.config.vocab_size, seed=6)
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    merged = dict(merged_parameters(model.named_parameters(), 4.0, adapted_weights(model)))
+    plain = load_causal_lm(name, dtype=torch.float32).eval()
+    assert set(merged) == set(dict(plain.named_parameters()))
+    plain.load_state_dict(merged, strict=False)  # a tied head is the embedding
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, expected, rtol=1e-5, atol=1e-5)
+    rollout_side = AdapterMerge(every_weight=True)
+    list(rollout_side.keep(base_parameters(model)))
+    travelled = dict(rollout_side.merged(adapter_tensors(model), 4.0))
+    reference = dict(model.merge_and_unload().named_parameters())
+    for weight, tensor in merged.items():
+        torch.testing.assert_close(tensor, reference[weight], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(travelled[weight], reference[weight], rtol=1e-6, atol=1e-6)
+    base = dict(load_causal_lm(name, dtype=torch.float32).named_parameters())
+    moved = reference["model.layers.1.mlp.experts.gate_up_proj"] - base["model.layers.1.mlp.experts.gate_up_proj"]
+    assert (moved.flatten(1).abs().amax(1) > 1e-3).all()  # every expert has an adapter of its own

@@ -16,7 +16,7 @@ from hybridflow.batch_keys import (
 )
 from hybridflow.controller import RayResourcePool, RayWorkerGroup
 from hybridflow.engine.lora import apply_lora
-from hybridflow.models import load_causal_lm
+from hybridflow.models import load_causal_lm, resolve_model_path
 from hybridflow.protocol import DataProto
 
 LR = 1e-2
@@ -104,4 +104,62 @@ def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
         )
         synced = generated.meta_info[METRICS]["switch/generation_weights_mb"]
         assert synced == pytest.approx(adapter_mb if switch else whole_mb + adapter_mb)
+    pool.release()
+
+
+def test_a_mixture_s_actor_trains_an_adapter_per_expert_and_serves_them(
+    local_ray, rollout_batch, actor_config_factory, actor_worker_factory
+):
+    """peft's per-expert adapters (target_parameters) on tiny Qwen3-MoE's expert weights, beside q/v: one update
+    over 2 FSDP2 ranks equals peft's in this process, every expert's weights move by their own B_e A_e, and the
+    engine generates with the trained policy (its log-probs are the trainer's)."""
+    path = str(resolve_model_path("tiny-qwen3-moe"))
+    experts = "[experts.gate_up_proj,experts.down_proj]"
+    config = actor_config_factory(
+        path,
+        LR,
+        *LORA,
+        "actor_rollout_ref.model.lora.target_modules=[q_proj,v_proj]",
+        f"actor_rollout_ref.model.lora.target_parameters={experts}",
+    )
+    pool = RayResourcePool([2])
+    group = RayWorkerGroup(pool, actor_worker_factory(config, 2))
+    batch = rollout_batch.select(deepcopy=True)
+    mask = batch.batch[RESPONSE_MASK].float()
+    base = load_causal_lm(path, dtype=torch.float32).eval()
+
+    batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+    group.update_actor(batch)
+    trained = group.full_state_dict()[0]
+    torch.manual_seed(0)
+    model = apply_lora(load_causal_lm(path, dtype=torch.float32), config.model.lora)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(adapters, lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
+    loss = -(batch.batch["advantages"] * log_probs(model, batch) * mask).sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
+    expected = dict(model.merge_and_unload().named_parameters())
+    initial = dict(base.named_parameters())
+    moved = set()
+    for name, tensor in expected.items():
+        step_expected = tensor.detach() - initial[name]
+        if step_expected.abs().max() == 0:
+            assert torch.equal(trained[name], initial[name]), name
+            continue
+        moved.add(name.rsplit(".", 1)[-1] if "experts" in name else name.split(".")[-2])
+        torch.testing.assert_close(trained[name] - initial[name], step_expected, rtol=1e-3, atol=1e-6)
+    assert moved == {"gate_up_proj", "down_proj", "q_proj", "v_proj"}
+    every_expert = trained["model.layers.0.mlp.experts.down_proj"] - initial["model.layers.0.mlp.experts.down_proj"]
+    assert (every_expert.flatten(1).abs().amax(1) > 0).all()  # each expert's own adapter trained
+
+    for switch in range(2):  # the first switch sends base and adapters, the second the adapters alone
+        if switch:
+            batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+            group.update_actor(batch)
+        generated = group.generate_sequences(prompts_of(rollout_batch))
+        recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
+        gen_mask = generated.batch[RESPONSE_MASK].float()
+        torch.testing.assert_close(
+            generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0
+        )
     pool.release()

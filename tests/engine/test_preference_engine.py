@@ -172,7 +172,10 @@ def test_a_lora_models_reference_is_itself_with_adapters_off(tiny_path, pairs):
     """At the start the adapters add 0: the policy is the reference, every h is 0 and the loss log 2; after a step
     the reference pass (adapters off) still gives the base model's log-probs."""
     base = tiny(tiny_path)
-    model = apply_lora(copy.deepcopy(base), LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"]))
+    model = apply_lora(
+        copy.deepcopy(base),
+        LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"], target_parameters=[]),
+    )
     dpo = engine(model, None)
     data = batch_with_reference(dpo, pairs)
     metrics = dpo.train_batch(data.select(deepcopy=True), seed=0).meta_info[METRICS]

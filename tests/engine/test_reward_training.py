@@ -138,7 +138,7 @@ def test_the_score_is_read_at_the_last_token_that_is_not_the_pad_token():
 
 
 def test_a_lora_reward_model_trains_its_head_whole_and_scores_packed_as_padded(reward_model_dir, pairs):
-    lora = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"])
+    lora = LoraConfig(rank=4, alpha=8, dropout=0.0, target_modules=["all-linear"], target_parameters=[])
     model = apply_lora(reward_model(reward_model_dir), lora)
     head = [name for name, p in model.named_parameters() if p.requires_grad and ".score." in name]
     assert head, "the score head trains whole under LoRA"

@@ -113,3 +113,31 @@ def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
         check_config(load_config([*own_pass, "actor_rollout_ref.rollout.old_log_prob_source=auto"]))
     with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 with Ulysses is not built"):
         check_config(load_config([*own_pass, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))
+
+
+EXPERT_LORA = "actor_rollout_ref.model.lora.target_parameters"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor_rollout_ref.model.path=tiny-llama"], r"\['experts.down_proj'\] name no expert weight.*not a mixture"),
+        (["actor_rollout_ref.model.lora.dropout=0.1"], "must be 0 with target_parameters"),
+        (
+            ["actor_rollout_ref.actor.expert_model_parallel_size=2"],
+            "experts split over expert_model_parallel_size=2 ranks are not supported",
+        ),
+    ],
+)
+def test_adapters_on_experts_are_checked_before_ray(arithmetic_files, overrides, message):
+    train, test = arithmetic_files
+    args = [
+        f"data.train_files=[{train}]",
+        f"data.val_files=[{test}]",
+        "actor_rollout_ref.model.path=tiny-mixtral",
+        "actor_rollout_ref.model.lora.rank=4",
+        f"{EXPERT_LORA}=[experts.down_proj]",
+    ]
+    assert check_config(load_config(args)).layouts[Role.ActorRollout].dp == 2  # Mixtral's experts take adapters
+    with pytest.raises(ConfigError, match=rf"lora.(target_parameters|dropout).*{message}"):
+        check_config(load_config([*args, *overrides]))

@@ -26,17 +26,32 @@ pytestmark = pytest.mark.slow
 STEPS = 10
 
 
-def sharp_tiny_model(directory):
-    model = load_causal_lm("tiny-llama", dtype=torch.float32)
+# tiny OLMoE with adapters on every expert too (peft's target_parameters), its routes replayed in fp32 so that the
+# rollout's log-probs must equal the trainer's: the engine serves each expert's own adapter after every sync
+EXPERT_ADAPTERS = [
+    "actor_rollout_ref.model.lora.target_parameters=[experts.gate_up_proj,experts.down_proj]",
+    "actor_rollout_ref.actor.router_replay.mode=R3",
+    "actor_rollout_ref.rollout.dtype=fp32",
+    "actor_rollout_ref.actor.fsdp.param_dtype=fp32",
+]
+
+
+def sharp_tiny_model(directory, name: str = "tiny-llama"):
+    model = load_causal_lm(name, dtype=torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(10.0)
     model.save_pretrained(directory)
-    load_tokenizer("tiny-llama").save_pretrained(directory)
+    load_tokenizer(name).save_pretrained(directory)
     return directory
 
 
-def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(local_ray, arithmetic_files, tmp_path, capsys):
-    model_dir = sharp_tiny_model(tmp_path / "model")
+@pytest.mark.parametrize(
+    "model, extra", [("tiny-llama", []), ("tiny-olmoe", EXPERT_ADAPTERS)], ids=["dense", "experts"]
+)
+def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(
+    local_ray, arithmetic_files, tmp_path, capsys, model, extra
+):
+    model_dir = sharp_tiny_model(tmp_path / "model", model)
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
     train, _ = arithmetic_files
@@ -60,6 +75,7 @@ def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(local_ray, a
             "trainer.logger=[jsonl]",
             f"trainer.default_local_dir={run_dir}",
             f"custom_reward_function.path={reward_file}",
+            *extra,
         ]
     )
     run(config)
@@ -71,6 +87,8 @@ def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(local_ray, a
     # the reference ran (on the actor: the run had no reference worker) and the policy moved away from it
     assert all(r["timing_s/ref"] > 0 for r in records)
     assert records[0]["actor/kl_loss"] == 0.0 and records[-1]["actor/kl_loss"] > 0.0  # adapters start at zero
+    if extra:  # every sync gave the engine the trainer's policy, each expert's adapter included
+        assert max(r["rollout/log_prob_diff_max"] for r in records) < 1e-4
 
     # the checkpoint holds the adapters (and their optimizer state), not the model
     checkpoint = run_dir / f"global_step_{STEPS}"
@@ -79,7 +97,9 @@ def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(local_ray, a
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights)
     base = load_causal_lm(str(model_dir), dtype=torch.float32)
     layers = base.config.num_hidden_layers
-    assert len(weights) == 2 * 7 * layers
+    adapted = 4 + 2 if extra else 7  # q, k, v, o and the two expert weights; or the 7 linear layers
+    assert len(weights) == 2 * adapted * layers
+    assert bool(extra) == any(".experts." in k for k in weights)
     saved = sum(math.prod(v.size) for v in metadata.state_dict_metadata.values() if hasattr(v, "size"))
     adapters = sum(math.prod(metadata.state_dict_metadata[k].size) for k in weights)
     assert saved == 3 * adapters + len(weights)  # the adapters, AdamW's two moments and step count of each

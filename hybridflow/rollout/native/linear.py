@@ -82,3 +82,16 @@ class LowRank:
         for block in self.blocks:
             y[..., block.rows].add_(F.linear(down[..., block.columns], block.lora_b), alpha=self.scaling)
         return y
+
+
+@dataclass
+class ExpertLowRank:
+    """LoRA adapters served on one of a mixture's expert weights (E, out, in): the rows routed to expert e add
+    scaling · (x A_e^T) B_e^T to their product with W_e."""
+
+    lora_a: torch.Tensor  # (E, r, in)
+    lora_b: torch.Tensor  # (E, out, r)
+    scaling: float
+
+    def add_to(self, y: torch.Tensor, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return y.add_(F.linear(F.linear(x, self.lora_a[expert]), self.lora_b[expert]), alpha=self.scaling)

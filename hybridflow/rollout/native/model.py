@@ -109,8 +109,16 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
     outputs, start = [], 0
     for expert, count in enumerate(torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()):
         if count:
-            gate, up = F.linear(rows[start : start + count], experts.gate_up[expert]).chunk(2, dim=-1)
-            outputs.append(F.linear(F.silu(gate) * up, experts.down[expert]))
+            routed = rows[start : start + count]
+            gate_up = F.linear(routed, experts.gate_up[expert])
+            if experts.gate_up_adapter is not None:
+                experts.gate_up_adapter.add_to(gate_up, routed, expert)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate) * up
+            output = F.linear(hidden, experts.down[expert])
+            if experts.down_adapter is not None:
+                experts.down_adapter.add_to(output, hidden, expert)
+            outputs.append(output)
         start += count
     scaled = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(flat.dtype)
     return torch.zeros_like(flat).index_add_(0, tokens, scaled).reshape(shape)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hybridflow.models.adapters import LORA_A, LORA_B, split_adapter_name
-from hybridflow.rollout.native.linear import AdapterBlock, LowRank, Matrix
+from hybridflow.models.adapters import LORA_A, LORA_B, expert_factors, split_adapter_name
+from hybridflow.rollout.native.linear import AdapterBlock, ExpertLowRank, LowRank, Matrix
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import ModelSpec
 
@@ -37,6 +37,8 @@ class Experts:
     top_k: int
     renormalize: bool = True  # the chosen weights rescaled to sum to 1 (ModelSpec.normalize_top_k)
     round_weights: bool = False  # the chosen weights rounded to the hidden dtype (ModelSpec.round_routing_weights)
+    gate_up_adapter: ExpertLowRank | None = None  # a LoRA policy's adapters on gate_up, served (``load_adapters``)
+    down_adapter: ExpertLowRank | None = None
 
 
 @dataclass
@@ -245,7 +247,7 @@ class Weights:
             "self_attn.v_proj": (layer.qkv, slice(q + k, q + 2 * k)),
             "self_attn.o_proj": (layer.o, slice(None)),
         }
-        if layer.experts is None:  # adapters on experts are not served
+        if layer.experts is None:
             rows["mlp.gate_proj"] = (layer.gate_up, slice(0, i))
             rows["mlp.up_proj"] = (layer.gate_up, slice(i, 2 * i))
             rows["mlp.down_proj"] = (layer.down, slice(None))
@@ -264,10 +266,12 @@ class Weights:
         for name, tensor in adapters:
             layer, part = split_adapter_name(name)
             pairs.setdefault(layer, {})[part] = tensor
-        per_matrix: dict[int, tuple[Matrix, list[tuple[slice, torch.Tensor, torch.Tensor]]]] = {}
         for layer, parts in pairs.items():
             if set(parts) != {LORA_A, LORA_B}:
                 raise ValueError(f"{layer}: came with {sorted(parts)}, needs both {LORA_A} and {LORA_B}")
+        self._load_expert_adapters(pairs, scaling)
+        per_matrix: dict[int, tuple[Matrix, list[tuple[slice, torch.Tensor, torch.Tensor]]]] = {}
+        for layer, parts in pairs.items():
             matrix, rows = self.adapted_rows(layer)
             out_rows = len(range(*rows.indices(matrix.weight.shape[0])))
             lora_a, lora_b = parts[LORA_A], parts[LORA_B]
@@ -295,3 +299,28 @@ class Weights:
                 ],
                 scaling=scaling,
             )
+
+    def _load_expert_adapters(self, pairs: dict[str, dict[str, torch.Tensor]], scaling: float) -> None:
+        """Serve the adapters on expert weights (``<...>.mlp.experts.gate_up_proj``, models/adapters.py) found in
+        ``pairs``, taking them out of it; every other expert weight's adapters go."""
+        dtype, device = self.embed.dtype, self.embed.device
+        for index, layer in enumerate(self.layers):
+            if layer.experts is None:
+                continue
+            experts = layer.experts
+            for weight, attribute in ((experts.gate_up, "gate_up_adapter"), (experts.down, "down_adapter")):
+                name = f"model.layers.{index}.mlp.experts.{attribute.removesuffix('_adapter')}_proj"
+                parts = pairs.pop(name, None)
+                if parts is None:
+                    setattr(experts, attribute, None)
+                    continue
+                lora_a, lora_b = expert_factors(parts[LORA_A], parts[LORA_B], weight.shape[0])
+                if lora_a.shape[2] != weight.shape[2] or lora_b.shape[1] != weight.shape[1]:
+                    raise ValueError(
+                        f"{name}: adapters of shapes A {tuple(parts[LORA_A].shape)}, B {tuple(parts[LORA_B].shape)} "
+                        f"do not fit experts of shape {tuple(weight.shape)}"
+                    )
+                adapter = ExpertLowRank(
+                    lora_a.to(device, dtype).contiguous(), lora_b.to(device, dtype).contiguous(), scaling
+                )
+                setattr(experts, attribute, adapter)

@@ -213,32 +213,58 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
     )
 
 
-def _lora_layers(model_dir: str, critic: bool) -> set[str]:
-    """The linear layers LoRA may adapt in the model directory, read from a copy built on the meta device."""
+def check_lora_targets(
+    section: str, lora: LoraConfig, model_dir: str, critic: bool = False, expert_parallel: int = 1
+) -> None:
+    """LoRA's target modules are layers this model has, its target parameters expert weights it has (read from a
+    copy built on the meta device), and experts with adapters are not split over ranks."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    from hybridflow.engine.lora import heads, linear_layer_names
-
-    config = model_config(model_dir)
-    with torch.device("meta"):
-        model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(config)
-    return linear_layer_names(model) - set(heads(model))
-
-
-def check_lora_targets(section: str, lora: LoraConfig, model_dir: str, critic: bool = False) -> None:
-    """LoRA's target modules are layers this model has (read from a copy built on the meta device)."""
-    from hybridflow.engine.lora import target_problem
+    from hybridflow.engine.lora import expert_weight_names, heads, linear_layer_names, target_problem
 
     if not lora.enabled:
         return
-    problem = target_problem(lora.target_modules, _lora_layers(model_dir, critic))
+    with torch.device("meta"):
+        model = (AutoModelForTokenClassification if critic else AutoModelForCausalLM).from_config(
+            model_config(model_dir)
+        )
+    problem = target_problem(lora.target_modules, linear_layer_names(model) - set(heads(model)))
     _check(problem is None, f"{section}.lora.target_modules", problem or "", "name some of them, or [all-linear]")
+    if not lora.target_parameters:
+        return
+    key, experts = f"{section}.lora.target_parameters", expert_weight_names(model)
+    unknown = sorted(set(lora.target_parameters) - experts)
+    _check(
+        not unknown,
+        key,
+        f"{unknown} name no expert weight of this model; "
+        + (f"its expert weights are {sorted(experts)}" if experts else "it is not a mixture of experts"),
+        "name some of them, or set it to []",
+    )
+    _check(
+        expert_parallel == 1,
+        key,
+        f"adapters on experts split over expert_model_parallel_size={expert_parallel} ranks are not supported",
+        "set expert_model_parallel_size=1, or target_parameters=[] (attention adapters work with expert parallelism)",
+    )
 
 
 def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    check_lora_targets("actor_rollout_ref.model", cfg.actor_rollout_ref.model.lora, plan.paths.actor_model)
+    arr = cfg.actor_rollout_ref
+    check_lora_targets(
+        "actor_rollout_ref.model",
+        arr.model.lora,
+        plan.paths.actor_model,
+        expert_parallel=arr.actor.expert_model_parallel_size,
+    )
     if plan.needs(Role.Critic):
-        check_lora_targets("critic.model", cfg.critic.model.lora, plan.paths.critic_model, critic=True)
+        check_lora_targets(
+            "critic.model",
+            cfg.critic.model.lora,
+            plan.paths.critic_model,
+            critic=True,
+            expert_parallel=cfg.critic.expert_model_parallel_size,
+        )
 
 
 def _check_group_size(cfg: HybridFlowConfig, estimator: AdvantageEstimator) -> None:

@@ -6,17 +6,18 @@ import copy
 
 import pytest
 import torch
-from lora_helpers import lora_model, randomise_adapters
+from lora_helpers import EXPERTS, lora_model, randomise_adapters
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of
 
 from hybridflow.engine.lora import adapter_tensors, base_parameters, lora_scaling
+from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.adapters import LORA_A, adapter_name
 from hybridflow.models.tiny import is_moe
 from hybridflow.rollout.adapter_merge import AdapterMerge
 from hybridflow.rollout.native import NativeRollout
 
 SOME = ["q_proj", "v_proj", "up_proj", "down_proj"]  # fused and whole matrices, some parts of a fused one only
-MLP = ("up_proj", "down_proj")  # on Qwen3-MoE and OLMoE peft puts these on the experts, where the engine serves none
+MLP = ("up_proj", "down_proj")  # an MoE has these inside its experts (target_parameters, tested on its own)
 
 
 def peft_log_probs(peft_model, batch) -> torch.Tensor:
@@ -28,6 +29,48 @@ def peft_log_probs(peft_model, batch) -> torch.Tensor:
     width = batch["responses"].shape[1]
     chosen = torch.log_softmax(logits[:, -width - 1 : -1].float(), -1)
     return chosen.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"])
+def tiny_moe(request):
+    model = load_causal_lm(request.param, dtype=torch.float32).eval()
+    return request.param, model, load_tokenizer(request.param)
+
+
+@pytest.mark.parametrize("mode", ["served", "merged"])
+@pytest.mark.parametrize("parameters", [EXPERTS, EXPERTS[1:]], ids=["both", "down"])
+def test_adapters_on_each_expert_give_peft_s_policy(tiny_moe, mode, parameters):
+    """peft's per-expert adapters (target_parameters) beside the attention's: served inside the routed matmuls,
+    or merged into the (E, out, in) weights; a second set replaces the first, and an expert weight the second set
+    leaves out loses its adapters."""
+    _, model, tokenizer = tiny_moe
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(adapters=mode))
+    prompts = prompts_of(tokenizer, QUESTIONS)
+    base_batch = rollout.generate_sequences(prompts, greedy(10)).batch
+    peft_model = lora_model(copy.deepcopy(model), targets=["q_proj"], parameters=parameters).eval()
+    rollout.load_base_weights(base_parameters(peft_model))
+    for seed in (1, 2):
+        randomise_adapters(peft_model, seed)
+        rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
+        batch = rollout.generate_sequences(prompts, greedy(10)).batch
+        mask = batch["response_mask"].float()
+        expected = peft_log_probs(peft_model, batch)
+        torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
+        assert ((batch["rollout_log_probs"] - base_batch["rollout_log_probs"]).abs() * mask).max() > 1e-2
+    # the experts' adapters matter: the same policy without them gives other log-probs
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if ".experts." in name and ".lora_B." in name:
+                parameter.zero_()
+    assert ((peft_log_probs(peft_model, batch) - expected).abs() * mask).max() > 1e-3
+    served = rollout.engine.weights.layers[0].experts
+    if mode == "served":
+        assert (served.gate_up_adapter is not None) == (EXPERTS[0] in parameters)
+        assert served.down_adapter is not None
+        rollout.load_adapters(
+            [(n, t) for n, t in adapter_tensors(peft_model) if ".experts." not in n], lora_scaling(peft_model)
+        )
+        assert served.gate_up_adapter is None and served.down_adapter is None
 
 
 @pytest.mark.parametrize("mode", ["served", "merged"])
