@@ -12,6 +12,10 @@ builder) is rebuilt and replaced.
 
 A build says what it does in one line of its own (`announce`), not in transformers' progress
 bars, which are off while it runs (library_output.py).
+
+transformers' `save_pretrained` writes a model's files only on distributed rank 0, silently: a worker of another
+rank that is the first to ask for a model builds it in a child process of its own, and every build must leave a
+`config.json` before it enters the cache.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
@@ -77,8 +82,10 @@ def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None], 
         try:
             if announce:
                 print(f"hybridflow: {announce} into {target}", flush=True)
-            with quiet_transformers():
-                build(tmp)
+            _build(build, tmp)
+            if not (tmp / "config.json").is_file():
+                written = sorted(path.name for path in tmp.iterdir())
+                raise RuntimeError(f"building {target.name} wrote no config.json (only {written})")
             (tmp / FINGERPRINT_FILE).write_text(json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
             if target.exists():  # stale: built from something else; move it aside, then drop it
                 stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
@@ -89,3 +96,25 @@ def materialise(target: Path, fingerprint: dict, build: Callable[[Path], None], 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _build(build: Callable[[Path], None], directory: Path) -> None:
+    """``build(directory)`` here, or in a child process when this one is a distributed rank other than 0 (whose
+    ``save_pretrained`` would write nothing). A build that may run apart must pickle (a module-level function or a
+    ``functools.partial`` of one)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        with quiet_transformers():
+            build(directory)
+        return
+    child = multiprocessing.get_context("spawn").Process(target=_quiet_build, args=(build, directory))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"building into {directory} in a child process failed (exit code {child.exitcode})")
+
+
+def _quiet_build(build: Callable[[Path], None], directory: Path) -> None:
+    with quiet_transformers():
+        build(directory)

@@ -17,6 +17,7 @@ the original bf16 checkpoint.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 from pathlib import Path
@@ -192,6 +193,6 @@ def materialise_smollm2() -> Path:
     return materialise(
         model_cache_dir(NAME),
         fingerprint,
-        lambda out: convert_gguf(gguf_path, out),
+        functools.partial(convert_gguf, gguf_path),
         announce=f"converting {NAME} from {gguf_path.name} (once, about 15 s)",
     )

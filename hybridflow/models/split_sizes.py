@@ -13,22 +13,29 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def _named(heads: int, kv_heads: int, intermediate_size: int) -> dict[str, int]:
-    """The sizes tensor parallelism divides, by their Hugging Face config names."""
-    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate_size}
+def _named(heads: int, kv_heads: int, intermediate_size: int, experts: int = 0) -> dict[str, int]:
+    """The sizes tensor parallelism divides, by their Hugging Face config names: a mixture's experts (split
+    whole between the ranks, models/tensor_parallel.py) in place of a dense MLP's width."""
+    mlp = {"num_experts": experts} if experts else {"intermediate_size": intermediate_size}
+    return {"num_attention_heads": heads, "num_key_value_heads": kv_heads, **mlp}
 
 
-def indivisible_sizes(size: int, *, heads: int, kv_heads: int, intermediate_size: int) -> dict[str, int]:
+def indivisible_sizes(
+    size: int, *, heads: int, kv_heads: int, intermediate_size: int, experts: int = 0
+) -> dict[str, int]:
     """The model's sizes (by config name) that ``size`` ranks cannot split evenly; empty when it splits."""
-    return {name: value for name, value in _named(heads, kv_heads, intermediate_size).items() if value % size}
+    return {name: value for name, value in _named(heads, kv_heads, intermediate_size, experts).items() if value % size}
 
 
-def check_split_sizes(size: int, key: str, *, heads: int, kv_heads: int, intermediate_size: int) -> None:
+def check_split_sizes(
+    size: int, key: str, *, heads: int, kv_heads: int, intermediate_size: int, experts: int = 0
+) -> None:
     """ValueError naming ``key`` when ``size`` ranks cannot each hold whole query and key/value heads
-    and an equal slice of the MLP; the message lists the sizes to choose a divisor of."""
-    bad = indivisible_sizes(size, heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size)
+    and an equal slice of the MLP (a mixture's: an equal share of its experts); the message lists the sizes to
+    choose a divisor of."""
+    bad = indivisible_sizes(size, heads=heads, kv_heads=kv_heads, intermediate_size=intermediate_size, experts=experts)
     if bad:
-        sizes = _named(heads, kv_heads, intermediate_size)
+        sizes = _named(heads, kv_heads, intermediate_size, experts)
         raise ValueError(
             f"{key}={size} does not divide the model's {bad}: choose a common divisor of "
             f"{', '.join(f'{name}={value}' for name, value in sizes.items())}"
@@ -54,12 +61,14 @@ def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str, 
         )
 
 
-def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
-    """``check_split_sizes`` with the sizes of a Hugging Face config; a mixture of experts is not split (yet)."""
-    if size > 1 and expert_count(config):
+def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str, generation: bool = False) -> None:
+    """``check_split_sizes`` with the sizes of a Hugging Face config. A mixture of experts is split in generation
+    only (each rank its share of the experts); training splits its experts by expert parallelism instead."""
+    experts = expert_count(config)
+    if size > 1 and experts and not generation:
         raise ValueError(
-            f"{size}: tensor parallelism does not split a mixture of experts' layers yet (set it to 1; "
-            "expert_model_parallel_size splits the experts over data-parallel ranks in training)"
+            f"{size}: tensor parallelism does not split a mixture of experts' layers in training (set it to 1; "
+            "expert_model_parallel_size splits the experts over data-parallel ranks)"
         )
     check_split_sizes(
         size,
@@ -67,6 +76,7 @@ def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) ->
         heads=config.num_attention_heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         intermediate_size=config.intermediate_size,
+        experts=experts,
     )
 
 

@@ -32,10 +32,16 @@ class LayerSplit:
     """Split by output features: weight rows (dimension 0) and the bias."""
     row: tuple[str, ...]
     """Split by input features: weight columns (dimension 1); the bias stays whole."""
+    experts: tuple[str, ...] = ()
+    """A mixture's expert weights (E, out, in), split by expert (dimension 0): each rank runs its own experts on
+    the tokens routed to them, and one all-reduce sums the experts' outputs as a row-parallel layer's. Their LoRA
+    adapters travel whole (peft's layout interleaves the experts' B columns); the engine takes its experts' rows."""
 
     def shard_dim(self, name: str) -> int | None:
         """The dimension along which Hugging Face tensor ``name`` (or a LoRA adapter's ``<layer>.lora_A`` /
         ``.lora_B``, models/adapters.py) is split over tensor-parallel ranks (None: every rank holds it whole)."""
+        if self.experts and name.endswith(self.experts):
+            return 0
         module, _, kind = name.rpartition(".")
         if module.endswith(self.column):  # weight (out, in), bias (out,), a LoRA B (out, r): split the outputs
             return None if kind == LORA_A else 0
@@ -53,8 +59,26 @@ LLAMA = LayerSplit(
     column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"),
     row=("self_attn.o_proj", "mlp.down_proj"),
 )
+# a mixture of experts (Mixtral, Qwen3-MoE, OLMoE): attention as Llama's, the experts split between the ranks, the
+# router whole. Generation only: training splits experts by expert parallelism (engine/expert_parallel.py) instead
+MIXTURE = LayerSplit(
+    column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    row=("self_attn.o_proj",),
+    experts=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
+)
+# OLMoE normalises all of q's heads together (and all of k's): each rank holds its heads' part of the norms' weights
+OLMOE = LayerSplit(
+    column=(*MIXTURE.column, "self_attn.q_norm", "self_attn.k_norm"), row=MIXTURE.row, experts=MIXTURE.experts
+)
 UNSPLIT = LayerSplit(column=(), row=())  # a layer on one rank: any family, nothing split
-LAYER_SPLITS: dict[str, LayerSplit] = {"llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
+LAYER_SPLITS: dict[str, LayerSplit] = {
+    "llama": LLAMA,
+    "qwen2": LLAMA,
+    "mistral": LLAMA,
+    "mixtral": MIXTURE,
+    "qwen3_moe": MIXTURE,
+    "olmoe": OLMOE,
+}
 
 
 def layer_split(model_type: str) -> LayerSplit:

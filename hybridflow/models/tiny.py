@@ -17,6 +17,7 @@ overridden, e.g. `resolve_model_path("tiny-llama", hidden_size=128, num_hidden_l
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -197,4 +198,4 @@ def materialise_tiny(name: str, **overrides: int) -> Path:
     spec = TinyModelSpec.with_overrides(**overrides)
     key = tiny_cache_key(name, spec)
     fingerprint = {"builtin": name, "spec": spec.recipe(name), "build_version": BUILD_VERSION}
-    return materialise(model_cache_dir(key), fingerprint, lambda out: build_tiny_model_dir(name, spec, out))
+    return materialise(model_cache_dir(key), fingerprint, functools.partial(build_tiny_model_dir, name, spec))

@@ -96,3 +96,46 @@ def test_concurrent_builders_build_once():
     for t in threads:
         t.join()
     assert results == [target] * 3 and len(calls) == 1
+
+
+def test_a_build_that_writes_no_model_is_refused_and_leaves_nothing():
+    target = model_cache_dir("empty")
+
+    def tokenizer_only(out):
+        (out / "tokenizer.json").write_text("{}")
+
+    with pytest.raises(RuntimeError, match=r"wrote no config.json \(only \['tokenizer.json'\]\)"):
+        materialise(target, {"v": 1}, tokenizer_only)
+    assert not target.exists()
+
+
+def _rank_builds(rank: int, cache: str, init_file: str, results) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["HYBRIDFLOW_CACHE"] = cache
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    from hybridflow.models import load_causal_lm, resolve_model_path
+
+    if rank == 1:  # the first to ask: transformers' save_pretrained would write nothing on this rank
+        path = resolve_model_path("tiny-llama")
+        results.put(sorted(p.name for p in path.iterdir()))
+        results.put(sum(p.numel() for p in load_causal_lm(str(path), dtype=torch.float32).parameters()))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_distributed_rank_other_than_0_builds_a_whole_model(tmp_path):
+    """transformers writes a model's files only on distributed rank 0: a worker of rank 1 that is first to ask for a
+    built-in model must still build all of it (in a child process), not a directory with a tokenizer alone."""
+    import torch.multiprocessing as mp
+
+    from hybridflow.models import load_causal_lm
+
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_rank_builds, args=(str(tmp_path / "cache"), str(tmp_path / "init"), results), nprocs=2)
+    files, parameters = results.get(), results.get()
+    assert "config.json" in files and "model.safetensors" in files
+    assert parameters == sum(p.numel() for p in load_causal_lm("tiny-llama").parameters())

@@ -3,7 +3,7 @@
 import pytest
 
 from hybridflow.models.split_sizes import check_split_sizes, indivisible_sizes
-from hybridflow.models.tensor_parallel import LAYER_SPLITS, LLAMA, layer_split
+from hybridflow.models.tensor_parallel import LAYER_SPLITS, LLAMA, MIXTURE, layer_split
 
 
 def test_the_split_of_each_tensor():
@@ -27,11 +27,27 @@ def test_row_parallel_biases():
     assert not LLAMA.is_row_bias("model.layers.0.self_attn.q_proj.bias")
 
 
-def test_each_family_has_llamas_layer_and_others_are_refused():
-    assert list(LAYER_SPLITS) == ["llama", "qwen2", "mistral"]
-    assert all(layer_split(name) is LLAMA for name in LAYER_SPLITS)
+def test_each_family_has_llamas_layer_or_a_mixture_s_and_others_are_refused():
+    assert list(LAYER_SPLITS) == ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "olmoe"]
+    assert all(layer_split(name) is LLAMA for name in ("llama", "qwen2", "mistral"))
+    assert layer_split("mixtral") is layer_split("qwen3_moe") is MIXTURE
     with pytest.raises(ValueError, match="no tensor-parallel plan for model type 'gpt2'; plans: llama, qwen2, mistral"):
         layer_split("gpt2")
+
+
+def test_a_mixture_splits_its_experts_whole_and_keeps_their_adapters_whole():
+    """Generation groups split a mixture by expert (dimension 0 of an (E, out, in) weight); the router stays whole,
+    and so do the experts' LoRA adapters (peft interleaves the experts in B's columns: the engine slices them)."""
+    for weight in ("gate_up_proj", "down_proj"):
+        assert MIXTURE.shard_dim(f"model.layers.1.mlp.experts.{weight}") == 0
+        assert MIXTURE.shard_dim(f"model.layers.1.mlp.experts.{weight}.lora_A") is None
+        assert MIXTURE.shard_dim(f"model.layers.1.mlp.experts.{weight}.lora_B") is None
+    assert MIXTURE.shard_dim("model.layers.1.mlp.gate.weight") is None
+    assert MIXTURE.shard_dim("model.layers.1.self_attn.q_proj.weight") == 0
+    assert MIXTURE.shard_dim("model.layers.1.self_attn.o_proj.weight") == 1
+    # Qwen3-MoE's q/k norms are per head (every rank holds the same); OLMoE's span every head (each rank its heads')
+    assert MIXTURE.shard_dim("model.layers.1.self_attn.q_norm.weight") is None
+    assert layer_split("olmoe").shard_dim("model.layers.1.self_attn.k_norm.weight") == 0
 
 
 def test_a_size_must_split_heads_and_mlp_evenly():
@@ -47,3 +63,9 @@ def test_a_size_must_split_heads_and_mlp_evenly():
     with pytest.raises(ValueError) as error:
         check_split_sizes(4, "t", **sizes)
     assert str(error.value) == message
+
+
+def test_a_mixture_s_experts_are_what_generation_ranks_divide():
+    sizes = dict(heads=8, kv_heads=2, intermediate_size=12, experts=6)
+    assert indivisible_sizes(2, **sizes) == {}
+    assert indivisible_sizes(4, **sizes) == {"num_key_value_heads": 2, "num_experts": 6}  # not the experts' width

@@ -141,3 +141,15 @@ def test_adapters_on_experts_are_checked_before_ray(arithmetic_files, overrides,
     assert check_config(load_config(args)).layouts[Role.ActorRollout].dp == 2  # Mixtral's experts take adapters
     with pytest.raises(ConfigError, match=rf"lora.(target_parameters|dropout).*{message}"):
         check_config(load_config([*args, *overrides]))
+
+
+def test_a_rollout_pool_splits_a_mixture_s_experts_between_its_generation_ranks():
+    """Generation groups of 2 each hold half of the experts (the native engine); training still refuses t = 2."""
+    apart = [
+        "actor_rollout_ref.model.path=tiny-qwen3-moe",
+        "trainer.async_training.mode=one_step_off",
+        "trainer.placement=group_colocate",
+        "trainer.n_workers_per_node=2",
+    ]
+    plan = make_run_plan(load_config([*apart, "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]))
+    assert plan.layouts[Role.Rollout].tg == 2 and plan.layouts[Role.ActorRollout].t == 1

@@ -1,7 +1,8 @@
 """GRPO with a mixture-of-experts actor in the asynchronous modes: the actor's pool (2 ranks, experts split over both,
 routing replay on) trains while the rollout's pool (2 ranks) generates, and every weight transfer gathers the split
-experts and moves the bytes its plan predicts. One step off, the run with ep = 2 equals the run with every expert on
-both ranks (ep = 1) metric for metric; fully asynchronous, it trains batches generated one policy version earlier."""
+experts and moves the bytes its plan predicts. One step off, with the rollout's experts split over its 2 ranks
+(tg = 2), the run with ep = 2 equals the run with every expert on both actor ranks (ep = 1) metric for metric; fully
+asynchronous, it trains batches generated one policy version earlier."""
 
 import pytest
 from layout_runs import assert_same_metrics, task_files
@@ -12,7 +13,7 @@ from hybridflow.cli import main as cli
 pytestmark = pytest.mark.slow
 
 
-def run(tmp_path, name: str, mode: str, ep: int) -> dict[int, dict]:
+def run(tmp_path, name: str, mode: str, ep: int, tg: int = 1) -> dict[int, dict]:
     train, test = task_files(tmp_path)
     arguments = [
         f"data.train_files=[{train}]",
@@ -26,6 +27,7 @@ def run(tmp_path, name: str, mode: str, ep: int) -> dict[int, dict]:
         "actor_rollout_ref.rollout.dtype=fp32",
         "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.response_length=6",
+        f"actor_rollout_ref.rollout.tensor_model_parallel_size={tg}",
         f"trainer.async_training.mode={mode}",
         "algorithm.rollout_correction.rollout_is=token",
         "trainer.placement=group_colocate",
@@ -49,7 +51,11 @@ def run(tmp_path, name: str, mode: str, ep: int) -> dict[int, dict]:
 
 
 def test_one_step_off_with_split_experts_equals_ep_1(local_ray, tmp_path):
-    split, whole = run(tmp_path, "ep2", "one_step_off", 2), run(tmp_path, "ep1", "one_step_off", 1)
+    """The rollout's experts split too, over its 2 ranks (one generation group, tg = 2, each rank running half of
+    them; the samples of one group of 2 differ from two groups' by their seeds, so both runs use it): each transfer
+    sends each rollout rank its own experts, and with the rollout's routes replayed the trainer's log-probs equal the
+    rollout's (``run``'s checks)."""
+    split, whole = run(tmp_path, "ep2", "one_step_off", 2, tg=2), run(tmp_path, "ep1", "one_step_off", 1, tg=2)
     assert [split[step]["async/policy_version_lag"] for step in (1, 2)] == [0.0, 1.0]
     assert_same_metrics(split, whole, [1, 2, 3])
 

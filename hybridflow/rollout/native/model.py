@@ -54,17 +54,35 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def _qkv(layer: LayerWeights, x: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+def _qkv(weights: Weights, layer: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """(..., H) -> (..., Q + 2K): queries | keys | values of every head, before rotary; q and k RMS-normalised where
     the family does (spec.qk_norm), then all three clamped where it clips (spec.clip_qkv), as transformers orders it.
     Every site that computes q/k (prefill, decode, extend) goes through here."""
+    spec = weights.spec
     qkv = layer.qkv(rms_norm(x, layer.input_norm, spec.rms_norm_eps))
-    if layer.q_norm is not None:
+    if layer.q_norm is not None and spec.qk_norm == "full" and weights.tp.size > 1:
+        qkv = _split_full_norms(weights, layer, qkv)
+    elif layer.q_norm is not None:
         q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         qkv = torch.cat([_group_norm(q, layer.q_norm, spec), _group_norm(k, layer.k_norm, spec), v], dim=-1)
     if spec.clip_qkv is not None:
         qkv = qkv.clamp(-spec.clip_qkv, spec.clip_qkv)
     return qkv
+
+
+def _split_full_norms(weights: Weights, layer: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+    """``_qkv``'s norms over all of q's and all of k's heads (OLMoE) when tensor parallelism splits the heads: each
+    rank's sums of squares, one all-reduce for both, then each rank scales its own heads (as ``rms_norm``: fp32,
+    rounded to the input's dtype, then the weight's slice)."""
+    spec, size = weights.spec, weights.tp.size
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q32, k32 = q.float(), k.float()
+    sums = weights.tp.all_reduce(torch.stack([q32.pow(2).sum(-1), k32.pow(2).sum(-1)], dim=-1))
+    means = sums / torch.tensor([q.shape[-1] * size, k.shape[-1] * size], dtype=sums.dtype)
+    scale = torch.rsqrt(means + spec.rms_norm_eps)
+    q = layer.q_norm * (q32 * scale[..., :1]).to(q.dtype)
+    k = layer.k_norm * (k32 * scale[..., 1:]).to(k.dtype)
+    return torch.cat([q, k, v], dim=-1)
 
 
 def _group_norm(x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
@@ -82,7 +100,7 @@ def _output_and_mlp(
     x = x + weights.tp.all_reduce(layer.o(attn))
     normed = rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)
     if layer.experts is not None:
-        return x + routed_mlp(layer.experts, normed, record)
+        return x + weights.tp.all_reduce(routed_mlp(layer.experts, normed, record))
     gate, up = layer.gate_up(normed).chunk(2, dim=-1)
     return x + weights.tp.all_reduce(layer.down(F.silu(gate) * up))
 
@@ -92,7 +110,8 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
     chosen weights renormalised to sum to 1 if ``experts.renormalize``, as Mixtral always does and Qwen3-MoE / OLMoE
     by ``norm_topk_prob``; rounded to x's dtype if ``experts.round_weights``, as the latter two do), computed expert
     by expert on the rows routed to it (one matmul pair per expert, not per token) and summed per token in expert
-    order, as transformers does. ``record``: the tokens' chosen experts (N, k) are appended to it (routing replay)."""
+    order, as transformers does. Under tensor parallelism only this rank's experts run: the caller sums the ranks'
+    outputs. ``record``: the tokens' chosen experts (N, k) are appended to it (routing replay)."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
     probs = torch.softmax(F.linear(flat, experts.router).float(), dim=-1)
     weights, chosen = probs.topk(experts.top_k, dim=-1)
@@ -104,10 +123,14 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
         weights = weights.to(flat.dtype)
     pairs = chosen.reshape(-1)
     order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
-    tokens = order // experts.top_k
+    counts = torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()
+    first, held = experts.first, experts.gate_up.shape[0]  # this rank's experts (all of them on one rank)
+    start = sum(counts[:first])
+    mine = order[start : start + sum(counts[first : first + held])]  # the pairs routed to them, by expert
+    tokens = mine // experts.top_k
     rows = flat[tokens]
     outputs, start = [], 0
-    for expert, count in enumerate(torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()):
+    for expert, count in enumerate(counts[first : first + held]):
         if count:
             routed = rows[start : start + count]
             gate_up = F.linear(routed, experts.gate_up[expert])
@@ -120,8 +143,11 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
                 experts.down_adapter.add_to(output, hidden, expert)
             outputs.append(output)
         start += count
-    scaled = (torch.cat(outputs) * weights.reshape(-1)[order, None]).to(flat.dtype)
-    return torch.zeros_like(flat).index_add_(0, tokens, scaled).reshape(shape)
+    combined = torch.zeros_like(flat)
+    if outputs:  # under tensor parallelism a rank's experts may get no token
+        scaled = (torch.cat(outputs) * weights.reshape(-1)[mine, None]).to(flat.dtype)
+        combined.index_add_(0, tokens, scaled)
+    return combined.reshape(shape)
 
 
 def _logits(weights: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +182,7 @@ def prefill(
     visible = torch.arange(start + t, device=tokens.device)[None, :] <= query_pos[:, None]  # (G*T, start+T)
     x = weights.embed[tokens]  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
-        q, k, v = _qkv(layer, x, spec).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = rotate(q.view(b, t, hkv, g, d), cos[:, None, None], sin[:, None, None])
         k = rotate(k.view(b, t, hkv, d), cos[:, None], sin[:, None]).transpose(1, 2)  # (Bp, Hkv, T, D)
         v = v.view(b, t, hkv, d).transpose(1, 2)
@@ -229,7 +255,7 @@ def _decode_hidden(
     scale = d**-0.5
     x = weights.embed[tokens]  # (B, H)
     for i, layer in enumerate(weights.layers):
-        qkv = _qkv(layer, x, spec)
+        qkv = _qkv(weights, layer, x)
         qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)
         cache.write_token(i, index, qk[:, hq:], qkv[:, spec.q_size + spec.kv_size :].view(b, hkv, d))
         if ragged:
@@ -300,7 +326,7 @@ def extend(
     heads = torch.arange(hkv, device=device)
     x = weights.embed[tokens]  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
-        q, k, v = _qkv(layer, x, spec).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = rotate(q.view(b, t, hkv, g, d), cos[:, :, None, None], sin[:, :, None, None])
         k = rotate(k.view(b, t, hkv, d), cos[:, :, None], sin[:, :, None])  # (Bp, T, Hkv, D)
         index = (write_slot[:, :, None], heads[None, None, :], write_pos[:, :, None])

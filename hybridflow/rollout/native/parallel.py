@@ -7,6 +7,8 @@ every decoder layer and of the KV cache:
   projections with their biases (whole heads per rank) and gate/up (a slice of the MLP);
 - row-parallel (columns of W split, each rank computes a partial sum): the output projection and
   down; one all-reduce after each makes the residual stream whole again on every rank;
+- a mixture's experts: each rank holds 1/size of them whole and runs them on the tokens routed to them (the
+  router is whole, so every rank routes alike); one all-reduce sums the experts' outputs;
 - replicated: embeddings, norms and the LM head, so every rank computes the same logits and draws
   the same token (the sampler's randomness is a function of seed, request and step, not the rank).
 
@@ -65,15 +67,22 @@ class TensorParallelGroup:
         return not (self.rank and self.split.is_row_bias(name))
 
     def local_spec(self, spec: ModelSpec) -> ModelSpec:
-        """The shapes one rank computes: 1/size of the query heads, key/value heads and MLP width."""
-        if spec.num_experts and self.size > 1:
-            raise NotImplementedError("the native engine generates with a mixture of experts on one rank (tg = 1)")
+        """The shapes one rank computes: 1/size of the query heads, key/value heads and MLP width (a mixture's
+        experts keep their width: the rank holds 1/size of them, ``experts``)."""
         check_split_sizes(
             self.size,
             "rollout.tensor_model_parallel_size",
             heads=spec.num_heads,
             kv_heads=spec.num_kv_heads,
             intermediate_size=spec.intermediate_size,
+            experts=spec.num_experts,
         )
-        sizes = ("num_heads", "num_kv_heads", "intermediate_size")
+        sizes = (
+            ("num_heads", "num_kv_heads") if spec.num_experts else ("num_heads", "num_kv_heads", "intermediate_size")
+        )
         return dataclasses.replace(spec, **{name: getattr(spec, name) // self.size for name in sizes})
+
+    def experts(self, count: int) -> range:
+        """The experts, of a mixture's ``count``, that this rank holds and runs (``LayerSplit.experts``)."""
+        share = count // self.size
+        return range(self.rank * share, (self.rank + 1) * share)

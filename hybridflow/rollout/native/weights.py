@@ -31,10 +31,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # b
 class Experts:
     """A layer's mixture of experts: E experts of width I, each token routed to ``top_k`` of them."""
 
-    router: torch.Tensor  # (E, H)
-    gate_up: torch.Tensor  # (E, 2I, H): rows gate | up, Hugging Face's fused layout
-    down: torch.Tensor  # (E, H, I)
+    router: torch.Tensor  # (E, H): every expert's row, on every rank
+    gate_up: torch.Tensor  # (E', 2I, H): rows gate | up, Hugging Face's fused layout; E' = E / tg, this rank's experts
+    down: torch.Tensor  # (E', H, I)
     top_k: int
+    first: int = 0  # the index of this rank's first expert (TensorParallelGroup.experts)
     renormalize: bool = True  # the chosen weights rescaled to sum to 1 (ModelSpec.normalize_top_k)
     round_weights: bool = False  # the chosen weights rounded to the hidden dtype (ModelSpec.round_routing_weights)
     gate_up_adapter: ExpertLowRank | None = None  # a LoRA policy's adapters on gate_up, served (``load_adapters``)
@@ -93,7 +94,9 @@ class Weights:
             if not e:
                 return None
             routing = dict(renormalize=spec.normalize_top_k, round_weights=spec.round_routing_weights)
-            return Experts(empty(e, h), empty(e, 2 * i, h), empty(e, h, i), spec.experts_per_token, **routing)
+            held = tp.experts(e)
+            gate_up, down = empty(len(held), 2 * i, h), empty(len(held), h, i)
+            return Experts(empty(e, h), gate_up, down, spec.experts_per_token, first=held.start, **routing)
 
         q_norm, k_norm = {"head": (spec.head_dim,) * 2, "full": (q, k)}.get(spec.qk_norm, (0, 0))  # sizes; 0: none
 
@@ -314,7 +317,8 @@ class Weights:
                 if parts is None:
                     setattr(experts, attribute, None)
                     continue
-                lora_a, lora_b = expert_factors(parts[LORA_A], parts[LORA_B], weight.shape[0])
+                held = slice(experts.first, experts.first + weight.shape[0])  # adapters come whole (LayerSplit)
+                lora_a, lora_b = (f[held] for f in expert_factors(parts[LORA_A], parts[LORA_B], len(experts.router)))
                 if lora_a.shape[2] != weight.shape[2] or lora_b.shape[1] != weight.shape[1]:
                     raise ValueError(
                         f"{name}: adapters of shapes A {tuple(parts[LORA_A].shape)}, B {tuple(parts[LORA_B].shape)} "

@@ -1,7 +1,7 @@
 """The native engine tensor-parallel over 2 gloo ranks (tg=2) against one process (tg=1), fp32.
 
-Each rank holds half of every decoder layer and of the KV cache; the tokens must be the same and
-the log-probs equal to rounding (the row-parallel sums are added in another order)."""
+Each rank holds half of every decoder layer and of the KV cache (a mixture's: half of its experts, whole); the
+tokens must be the same and the log-probs equal to rounding (the row-parallel sums are added in another order)."""
 
 import pytest
 import torch
@@ -37,18 +37,19 @@ class TensorParallelGenerator(Worker):
         """What this rank holds: its first layer's matrices, its weight and KV-cache bytes."""
         engine = self.rollout.engine
         layer = engine.weights.layers[0]
+        mlp = layer.experts or layer  # a mixture's experts (E', 2I, H) and (E', H, I), or the dense MLP's matrices
         return {
             "qkv": layer.qkv.weight.clone(),
             "qkv_bias": None if layer.qkv.bias is None else layer.qkv.bias.clone(),
             "o": layer.o.weight.clone(),
-            "gate_up": layer.gate_up.weight.clone(),
-            "down": layer.down.weight.clone(),
+            "gate_up": getattr(mlp.gate_up, "weight", mlp.gate_up).clone(),
+            "down": getattr(mlp.down, "weight", mlp.down).clone(),
             "weight_bytes": engine.weights.nbytes(),
             "cache_bytes": engine.cache.nbytes() if engine.cache is not None else 0,
         }
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-olmoe"])
 def family(request, local_ray):
     pool = RayResourcePool([TG])
     group = RayWorkerGroup(pool, RoleSpec(TensorParallelGenerator, kwargs={"name": request.param}))
@@ -89,9 +90,16 @@ def test_each_rank_holds_its_slice_and_half_the_cache(family):
             bias = torch.cat([piece(f"self_attn.{p}_proj.bias", rank) for p in "qkv"])
             torch.testing.assert_close(held["qkv_bias"], bias, rtol=0, atol=0)
         torch.testing.assert_close(held["o"], piece("self_attn.o_proj.weight", rank), rtol=0, atol=0)
-        gate_up = torch.cat([piece("mlp.gate_proj.weight", rank), piece("mlp.up_proj.weight", rank)])
-        torch.testing.assert_close(held["gate_up"], gate_up, rtol=0, atol=0)
-        torch.testing.assert_close(held["down"], piece("mlp.down_proj.weight", rank), rtol=0, atol=0)
+        if prefix + "mlp.experts.down_proj" in params:  # each rank holds its half of the experts, whole
+            experts = params[prefix + "mlp.experts.down_proj"].shape[0]
+            own = slice(rank * experts // TG, (rank + 1) * experts // TG)
+            for name in ("gate_up", "down"):
+                whole = params[f"{prefix}mlp.experts.{name}_proj"].detach()
+                torch.testing.assert_close(held[name], whole[own], rtol=0, atol=0)
+        else:
+            gate_up = torch.cat([piece("mlp.gate_proj.weight", rank), piece("mlp.up_proj.weight", rank)])
+            torch.testing.assert_close(held["gate_up"], gate_up, rtol=0, atol=0)
+            torch.testing.assert_close(held["down"], piece("mlp.down_proj.weight", rank), rtol=0, atol=0)
         assert held["weight_bytes"] == full_weights - split_bytes // TG  # the projections halved, the rest whole
         assert held["cache_bytes"] == single.engine.cache.nbytes() // TG
 
@@ -109,3 +117,13 @@ def test_a_size_that_splits_heads_is_refused():
 
     with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=4 .*'num_key_value_heads': 2"):
         TensorParallelGroup(LLAMA, size=4, rank=0).local_spec(spec_from_config(model.config))
+
+
+def test_a_size_that_splits_a_mixture_s_experts_unevenly_is_refused():
+    from hybridflow.models.tensor_parallel import MIXTURE
+    from hybridflow.rollout.native.spec import spec_from_config
+
+    spec = spec_from_config(load_causal_lm("tiny-olmoe", dtype=torch.float32).config)  # 4 experts
+    with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=3 .*'num_experts': 4"):
+        TensorParallelGroup(MIXTURE, size=3, rank=0).local_spec(spec)
+    assert TensorParallelGroup(MIXTURE, size=2, rank=1).experts(4) == range(2, 4)
