@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.rollout.native import model
+from hybridflow.rollout.native import model, ragged_attention
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.kv_cache import KVCache
@@ -75,7 +75,7 @@ class Engine:
         self.max_prefill_tokens = config.max_prefill_tokens
         self.min_shared_prefix = config.min_shared_prefix  # shorter common prefixes are not worth a separate forward
         self.follow_free_cores = config.follow_free_cores
-        self.ragged_decode = config.ragged_decode  # read by the multi-turn request engine (sessions.py)
+        self.ragged_decode = config.ragged_decode
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()
@@ -88,6 +88,12 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.weights.embed.device
+
+    @property
+    def ragged(self) -> bool:
+        """Whether decode reads each sequence's real length of its cache slot (ragged_attention.py), not the slot's
+        whole row: asked for (``ragged_decode``), on CPU, and the kernel built (on the first call)."""
+        return self.ragged_decode and self.device.type == "cpu" and ragged_attention.available()
 
     def release_cache(self) -> None:
         """Free the KV cache (the next `generate` allocates it again)."""
@@ -382,7 +388,13 @@ class _Run:
         running = slice(0, b)
         record = None if self.routes is None else []
         logits = model.decode(
-            engine.weights, engine.rope, self.cache, self.last_token[:b], self.position[:b], record=record
+            engine.weights,
+            engine.rope,
+            self.cache,
+            self.last_token[:b],
+            self.position[:b],
+            engine.ragged,
+            record=record,
         )
         if self.routes is not None:
             self.routes.tokens(record, self.request[running], self.position[running])

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.rollout.native import model, ragged_attention
+from hybridflow.rollout.native import model
 from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.engine import Engine
 from hybridflow.rollout.native.sampler import sample
@@ -80,7 +80,7 @@ class NativeRequestEngine(SteppedRequestEngine):
         # while serving, torch's threads follow the cores other processes (the tools' included) leave free
         self.governor = ThreadGovernor(enabled=self.engine.follow_free_cores)
         # slots are sized for the longest conversation the budgets allow: decode reads only what each one holds
-        self.ragged = self.engine.ragged_decode and self.engine.device.type == "cpu" and ragged_attention.available()
+        self.ragged = self.engine.ragged
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         self.require_serving()

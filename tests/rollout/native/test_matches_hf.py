@@ -24,10 +24,15 @@ def test_greedy_equals_transformers_token_for_token(tiny, min_shared_prefix):
     assert (native.stats.shared_prefix_tokens > 0) == (min_shared_prefix == 1)
 
 
-def test_log_probs_match_an_independent_forward_pass(tiny):
+@pytest.mark.parametrize("ragged", [True, False], ids=["real-lengths", "whole-rows"])
+def test_log_probs_match_an_independent_forward_pass(tiny, ragged):
+    """Decode attends over each sequence's real length (the C++ kernel) or its slot's whole row: both give the
+    forward's log-probs."""
     _, model, tokenizer = tiny
     prompts = prompts_of(tokenizer, QUESTIONS)
-    out = NativeRollout(model, tokenizer, engine_config=engine_config()).generate_sequences(prompts, greedy(10)).batch
+    native = NativeRollout(model, tokenizer, engine_config=engine_config(ragged_decode=ragged))
+    assert native.engine.ragged == ragged
+    out = native.generate_sequences(prompts, greedy(10)).batch
     logits = response_logits(model, out, prompts.batch["input_ids"].shape[1])
     expected = token_log_probs(logits, out["responses"])
     mask = out["response_mask"].bool()

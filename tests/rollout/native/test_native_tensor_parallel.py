@@ -72,7 +72,9 @@ def test_tensor_parallel_generation_matches_one_process(family, params):
 
 def test_each_rank_holds_its_slice_and_half_the_cache(family):
     model, tokenizer, single, group = family
-    single.generate_sequences(prompts_of(tokenizer, QUESTIONS * 2), greedy(12))  # the same cache shape as the group
+    prompts = prompts_of(tokenizer, QUESTIONS * 2)
+    single.generate_sequences(prompts, greedy(12))
+    group.generate(prompts, greedy(12))  # the group's cache, of the same shape as the single process's
     params = dict(model.named_parameters())
     prefix = "model.layers.0."
 
