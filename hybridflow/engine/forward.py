@@ -107,7 +107,8 @@ def response_outputs(
     its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
     ``replay_routes``: a mixture of experts routes each token through the batch's ``routed_experts`` where it has them,
     counted there (models/routing.py). ``record_routes``: a list that receives the experts each token was routed to,
-    (B, P+R, L, k) in the batch's layout (-1 on padding). Neither under sequence parallelism (not built).
+    (B, P+R, L, k) in the batch's layout (-1 on padding), not under sequence parallelism (each rank runs a slice);
+    replayed there, each rank routes its slice's tokens.
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
@@ -129,9 +130,9 @@ def response_outputs(
     packed, keep = packed_responses(batch)
     routes = None if routes is None else routes[packed.kept]
     if sp > 1:
-        if routes is not None or record_routes is not None:
-            raise ValueError("routing replay under sequence parallelism is not built (each rank runs a slice)")
-        outputs, shard = _sharded_outputs(model, packed, keep, sp_group)
+        if record_routes is not None:
+            raise ValueError("recording routes under sequence parallelism is not built (each rank runs a slice)")
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes)
         return ResponseOutputs(outputs, packed.response_valid, shard)
     to_rows = lambda recorded: rows_of_tokens(recorded, packed.token_position, mask)  # noqa: E731
     with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
@@ -166,15 +167,27 @@ def local_slice(packed: PackedBatch, group: dist.ProcessGroup) -> tuple[PackedBa
 
 
 def _sharded_outputs(
-    model: nn.Module, packed: PackedBatch, keep: torch.Tensor, group: dist.ProcessGroup
+    model: nn.Module,
+    packed: PackedBatch,
+    keep: torch.Tensor,
+    group: dist.ProcessGroup,
+    routes: torch.Tensor | None = None,
+    replay: RouteReplay | None = None,
 ) -> tuple[torch.Tensor, ResponseShard]:
-    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``."""
+    """This rank's slice of the packed tokens through the model, and its outputs among ``keep``; ``routes``: the
+    packed tokens' recorded experts (N, L, k), replayed on the slice's (the padding that evens the slices routes
+    itself)."""
     local, shards, start = local_slice(packed, group)
-    held = (keep >= start) & (keep < start + local.input_ids.shape[1])
-    if _accepts_logits_to_keep(model):
-        outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
-    else:
-        outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
+    width = local.input_ids.shape[1]
+    held = (keep >= start) & (keep < start + width)
+    if routes is not None:
+        routes = nn.functional.pad(routes, (0, 0, 0, 0, 0, shards.padded - routes.shape[0]), value=-1)
+        routes = routes[start : start + width]
+    with replaying_routes(model, routes, replay):
+        if _accepts_logits_to_keep(model):
+            outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
+        else:
+            outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
     return outputs, ResponseShard(held, group)
 
 

@@ -111,8 +111,16 @@ def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
     assert check_config(load_config(own_pass)).layouts[Role.ActorRollout].dp >= 1
     with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 replays the routes"):
         check_config(load_config([*own_pass, "actor_rollout_ref.rollout.old_log_prob_source=auto"]))
-    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 with Ulysses is not built"):
-        check_config(load_config([*own_pass, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]))
+    ulysses = [
+        "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+        "actor_rollout_ref.actor.router_aux_loss_coef=0",
+    ]
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 records .* which Ulysses splits"):
+        check_config(load_config([*own_pass, *ulysses]))
+    r3 = [f"data.train_files=[{train}]", "actor_rollout_ref.model.path=tiny-qwen3-moe", f"{REPLAY}=R3"]
+    assert check_config(load_config([*r3, *ulysses])).layouts[Role.ActorRollout].sp == 2  # R3 replays each slice
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R3 with pipeline stages is not built"):
+        check_config(load_config([*r3, "actor_rollout_ref.actor.pipeline_model_parallel_size=2"]))
 
 
 EXPERT_LORA = "actor_rollout_ref.model.lora.target_parameters"

@@ -23,3 +23,17 @@ def test_grpo_at_sp_2_equals_sp_1(local_ray, tmp_path):
 
 def test_ppo_at_sp_2_equals_sp_1_and_its_checkpoint_resumes_at_sp_1(local_ray, tmp_path):
     ppo_equals_data_parallel_and_resumes_there(tmp_path, "ulysses", SP_1)
+
+
+def test_a_mixture_s_replayed_routes_split_with_its_tokens_at_sp_2(local_ray, tmp_path):
+    """Tiny Qwen3-MoE with the rollout's routes replayed (R3): under Ulysses each rank routes its slice of every
+    micro-batch's tokens through their recorded experts, so the trainer's log-probs equal the rollout's as at sp = 1,
+    and every metric equals the data-parallel run's."""
+    moe = (
+        "actor_rollout_ref.model.path=tiny-qwen3-moe",
+        "actor_rollout_ref.actor.router_replay.mode=R3",
+        "actor_rollout_ref.actor.router_aux_loss_coef=0",  # the balancing loss needs a micro-batch's every token
+    )
+    runs = grpo_equals_data_parallel(tmp_path, "ulysses", SP_1, both=moe)
+    for record in runs["split"].values():
+        assert record["rollout/log_prob_diff_max"] < 1e-4 and 0 <= record["router_replay/changed_update"] < 0.05
