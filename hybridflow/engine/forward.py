@@ -107,8 +107,8 @@ def response_outputs(
     its slice of the packed tokens and gives the outputs among the M that fall in it (``ResponseShard.mine``).
     ``replay_routes``: a mixture of experts routes each token through the batch's ``routed_experts`` where it has them,
     counted there (models/routing.py). ``record_routes``: a list that receives the experts each token was routed to,
-    (B, P+R, L, k) in the batch's layout (-1 on padding), not under sequence parallelism (each rank runs a slice);
-    replayed there, each rank routes its slice's tokens.
+    (B, P+R, L, k) in the batch's layout (-1 on padding). Under sequence parallelism each rank routes its slice of the
+    tokens (replayed: through its slice of the routes) and the recorded slices are gathered.
     """
     tensors = batch.batch
     response_length = tensors[RESPONSES].shape[1]
@@ -129,12 +129,11 @@ def response_outputs(
         return ResponseOutputs(logits[:, -response_length - 1 : -1, :], None, None)
     packed, keep = packed_responses(batch)
     routes = None if routes is None else routes[packed.kept]
-    if sp > 1:
-        if record_routes is not None:
-            raise ValueError("recording routes under sequence parallelism is not built (each rank runs a slice)")
-        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes)
-        return ResponseOutputs(outputs, packed.response_valid, shard)
     to_rows = lambda recorded: rows_of_tokens(recorded, packed.token_position, mask)  # noqa: E731
+    if sp > 1:
+        recording = (record_routes, to_rows)
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes, recording)
+        return ResponseOutputs(outputs, packed.response_valid, shard)
     with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
         if _accepts_logits_to_keep(model):
             outputs = packed_forward(model, packed, logits_to_keep=keep)[0]
@@ -173,17 +172,27 @@ def _sharded_outputs(
     group: dist.ProcessGroup,
     routes: torch.Tensor | None = None,
     replay: RouteReplay | None = None,
+    recording: tuple[list[torch.Tensor] | None, Callable[[torch.Tensor], torch.Tensor]] = (None, lambda r: r),
 ) -> tuple[torch.Tensor, ResponseShard]:
     """This rank's slice of the packed tokens through the model, and its outputs among ``keep``; ``routes``: the
     packed tokens' recorded experts (N, L, k), replayed on the slice's (the padding that evens the slices routes
-    itself)."""
+    itself); ``recording``: (a list for the routes taken, how the packed tokens' routes lay out as rows), the slices'
+    routes gathered from the group's ranks first."""
     local, shards, start = local_slice(packed, group)
     width = local.input_ids.shape[1]
     held = (keep >= start) & (keep < start + width)
     if routes is not None:
         routes = nn.functional.pad(routes, (0, 0, 0, 0, 0, shards.padded - routes.shape[0]), value=-1)
         routes = routes[start : start + width]
-    with replaying_routes(model, routes, replay):
+    record, to_rows = recording
+
+    def gathered_rows(recorded: torch.Tensor) -> torch.Tensor:  # every rank's slice, in the packed order
+        wide = recorded.to(torch.int32)  # gloo gathers no int16
+        slices = [torch.empty_like(wide) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(slices, wide, group=group)
+        return to_rows(torch.cat(slices).to(recorded.dtype))
+
+    with replaying_routes(model, routes, replay), routes_into(model, record, gathered_rows):
         if _accepts_logits_to_keep(model):
             outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
         else:

@@ -178,12 +178,6 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         f"{mode} with pipeline stages is not built (a rank runs part of each micro-batch's layers)",
         f"set actor_rollout_ref.actor.pipeline_model_parallel_size=1, or {off}",
     )
-    _check(  # R3 replays each Ulysses rank's slice of the rollout's routes; R2 would gather the slices it records
-        mode == "R3" or arr.actor.ulysses_sequence_parallel_size == 1,
-        key,
-        "R2 records the old-log-prob pass's routes, which Ulysses splits over its ranks (not built)",
-        f"use R3, or set actor_rollout_ref.actor.ulysses_sequence_parallel_size=1, or {off}",
-    )
     if mode == "R2":
         _check(
             not plan.on_policy_update and arr.rollout.old_log_prob_source == "recompute",
