@@ -31,6 +31,37 @@ def log_probs(model, batch: DataProto) -> torch.Tensor:
     return chosen.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+def peft_step(path: str, config, batch: DataProto, mask: torch.Tensor) -> tuple[dict, list[torch.Tensor]]:
+    """One update of peft's model built as the actor builds it (seed 0, then the adapters), here: the merged weights
+    after it (the plain model's names) and its adapters."""
+    torch.manual_seed(0)
+    model = apply_lora(load_causal_lm(path, dtype=torch.float32), config.model.lora)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(adapters, lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
+    loss = -(batch.batch["advantages"] * log_probs(model, batch) * mask).sum() / mask.sum()
+    loss.backward()
+    optimizer.step()
+    return dict(model.merge_and_unload().named_parameters()), adapters
+
+
+def switches_serve_the_trained_policy(group, batch: DataProto, prompts: DataProto) -> list[float]:
+    """Two switches to generation, an update between them: each time the engine's log-probs of what it generated
+    are the trainer's. The MB each switch synced."""
+    synced = []
+    for switch in range(2):
+        if switch:
+            batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
+            group.update_actor(batch)
+        generated = group.generate_sequences(prompts)
+        recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
+        gen_mask = generated.batch[RESPONSE_MASK].float()
+        torch.testing.assert_close(
+            generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0
+        )
+        synced.append(generated.meta_info[METRICS]["switch/generation_weights_mb"])
+    return synced
+
+
 def prompts_of(batch: DataProto) -> DataProto:
     width = batch.batch["prompts"].shape[1]
     prompts = DataProto.from_dict(
@@ -61,14 +92,7 @@ def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
     metrics = group.update_actor(batch).meta_info[METRICS]
     assert metrics["actor/skipped_steps"] == 0.0
     trained = group.full_state_dict()[0]
-    torch.manual_seed(0)
-    model = apply_lora(load_causal_lm(tiny_path, dtype=torch.float32), config.model.lora)
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(adapters, lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
-    loss = -(batch.batch["advantages"] * log_probs(model, batch) * mask).sum() / mask.sum()
-    loss.backward()
-    optimizer.step()
-    expected = dict(model.merge_and_unload().named_parameters())
+    expected, adapters = peft_step(tiny_path, config, batch, mask)
     initial = dict(base.named_parameters())
     assert set(trained) >= set(expected)  # the plain model's names: the adapters merged in
     changed = 0
@@ -92,18 +116,8 @@ def test_a_lora_actor_trains_its_adapters_and_serves_the_merged_policy(
     # after another update the next switch moves the adapters only, and they replace the ones before
     adapter_mb = sum(p.numel() * 4 for p in adapters) / 2**20
     whole_mb = sum(p.numel() * 4 for p in base.parameters()) / 2**20
-    for switch in range(2):
-        if switch:
-            batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
-            group.update_actor(batch)
-        generated = group.generate_sequences(prompts_of(rollout_batch))
-        recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
-        gen_mask = generated.batch[RESPONSE_MASK].float()
-        torch.testing.assert_close(
-            generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0
-        )
-        synced = generated.meta_info[METRICS]["switch/generation_weights_mb"]
-        assert synced == pytest.approx(adapter_mb if switch else whole_mb + adapter_mb)
+    synced = switches_serve_the_trained_policy(group, batch, prompts_of(rollout_batch))
+    assert synced == pytest.approx([whole_mb + adapter_mb, adapter_mb])
     pool.release()
 
 
@@ -131,14 +145,7 @@ def test_a_mixture_s_actor_trains_an_adapter_per_expert_and_serves_them(
     batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
     group.update_actor(batch)
     trained = group.full_state_dict()[0]
-    torch.manual_seed(0)
-    model = apply_lora(load_causal_lm(path, dtype=torch.float32), config.model.lora)
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(adapters, lr=LR, betas=(0.9, 0.999), eps=1.0, weight_decay=0.0)
-    loss = -(batch.batch["advantages"] * log_probs(model, batch) * mask).sum() / mask.sum()
-    loss.backward()
-    optimizer.step()
-    expected = dict(model.merge_and_unload().named_parameters())
+    expected, _ = peft_step(path, config, batch, mask)
     initial = dict(base.named_parameters())
     moved = set()
     for name, tensor in expected.items():
@@ -152,14 +159,5 @@ def test_a_mixture_s_actor_trains_an_adapter_per_expert_and_serves_them(
     every_expert = trained["model.layers.0.mlp.experts.down_proj"] - initial["model.layers.0.mlp.experts.down_proj"]
     assert (every_expert.flatten(1).abs().amax(1) > 0).all()  # each expert's own adapter trained
 
-    for switch in range(2):  # the first switch sends base and adapters, the second the adapters alone
-        if switch:
-            batch.batch[OLD_LOG_PROBS] = group.compute_log_prob(batch).batch[OLD_LOG_PROBS]
-            group.update_actor(batch)
-        generated = group.generate_sequences(prompts_of(rollout_batch))
-        recomputed = group.compute_log_prob(generated).batch[OLD_LOG_PROBS]
-        gen_mask = generated.batch[RESPONSE_MASK].float()
-        torch.testing.assert_close(
-            generated.batch[ROLLOUT_LOG_PROBS] * gen_mask, recomputed * gen_mask, atol=1e-4, rtol=0
-        )
+    switches_serve_the_trained_policy(group, batch, prompts_of(rollout_batch))  # base and adapters, then adapters
     pool.release()

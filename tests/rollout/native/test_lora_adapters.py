@@ -31,6 +31,21 @@ def peft_log_probs(peft_model, batch) -> torch.Tensor:
     return chosen.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
 
 
+def serves_new_adapters_as_peft(rollout, peft_model, prompts, base_batch) -> tuple[dict, torch.Tensor]:
+    """Give the engine the base, then two sets of adapters (the second replaces the first): each time its log-probs
+    are peft's forward's, and not the base's. The last batch and the log-probs peft gave it."""
+    rollout.load_base_weights(base_parameters(peft_model))
+    for seed in (1, 2):
+        randomise_adapters(peft_model, seed)
+        rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
+        batch = rollout.generate_sequences(prompts, greedy(10)).batch
+        mask = batch["response_mask"].float()
+        expected = peft_log_probs(peft_model, batch)
+        torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
+        assert ((batch["rollout_log_probs"] - base_batch["rollout_log_probs"]).abs() * mask).max() > 1e-2
+    return batch, expected
+
+
 @pytest.fixture(scope="module", params=["tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"])
 def tiny_moe(request):
     model = load_causal_lm(request.param, dtype=torch.float32).eval()
@@ -48,15 +63,8 @@ def test_adapters_on_each_expert_give_peft_s_policy(tiny_moe, mode, parameters):
     prompts = prompts_of(tokenizer, QUESTIONS)
     base_batch = rollout.generate_sequences(prompts, greedy(10)).batch
     peft_model = lora_model(copy.deepcopy(model), targets=["q_proj"], parameters=parameters).eval()
-    rollout.load_base_weights(base_parameters(peft_model))
-    for seed in (1, 2):
-        randomise_adapters(peft_model, seed)
-        rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
-        batch = rollout.generate_sequences(prompts, greedy(10)).batch
-        mask = batch["response_mask"].float()
-        expected = peft_log_probs(peft_model, batch)
-        torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
-        assert ((batch["rollout_log_probs"] - base_batch["rollout_log_probs"]).abs() * mask).max() > 1e-2
+    batch, expected = serves_new_adapters_as_peft(rollout, peft_model, prompts, base_batch)
+    mask = batch["response_mask"].float()
     # the experts' adapters matter: the same policy without them gives other log-probs
     with torch.no_grad():
         for name, parameter in peft_model.named_parameters():
@@ -86,15 +94,7 @@ def test_the_engine_generates_with_peft_s_policy_and_new_adapters_replace_the_ol
     qkv = rollout.engine.weights.layers[0].qkv.weight
     base_qkv = qkv.clone()
 
-    rollout.load_base_weights(base_parameters(peft_model))
-    for seed in (1, 2):  # the second adapters replace the first
-        randomise_adapters(peft_model, seed)
-        rollout.load_adapters(adapter_tensors(peft_model), lora_scaling(peft_model))
-        batch = rollout.generate_sequences(prompts, greedy(10)).batch
-        mask = batch["response_mask"].float()
-        expected = peft_log_probs(peft_model, batch)
-        torch.testing.assert_close(batch["rollout_log_probs"] * mask, expected * mask, atol=1e-4, rtol=0)
-        assert ((batch["rollout_log_probs"] - base_batch["rollout_log_probs"]).abs() * mask).max() > 1e-2
+    serves_new_adapters_as_peft(rollout, peft_model, prompts, base_batch)
     if mode == "served":
         assert torch.equal(qkv, base_qkv)  # the engine's own weights never change
     else:
