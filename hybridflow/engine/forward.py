@@ -285,7 +285,9 @@ def _batched(
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     micro_batches = split_by_groups(data, groups)
     if isinstance(model, PipelinedModel):
-        outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group)
+        if record_routes is not None:
+            raise ValueError("recording routes in pipeline stages is not built (each rank runs some layers)")
+        outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group, replay=replay_routes)
         parts = None if outputs is None else [of_outputs(m, o) for m, o in zip(micro_batches, outputs)]
         return model.share_from_last(parts), groups
     outputs = (
@@ -307,18 +309,23 @@ def pipelined_outputs(
     remove_padding: bool,
     sp_group: dist.ProcessGroup | None = None,
     loss: Callable[[int, ResponseOutputs], torch.Tensor] | None = None,
+    replay: RouteReplay | None = None,
 ) -> list[ResponseOutputs] | None:
     """``response_outputs`` of every micro-batch through a pipelined model's stages. With ``loss`` (training): loss(i,
     outputs) is micro-batch i's loss, which the schedule backwards; returns None. Without: forward only; returns the
-    outputs on the rank holding the last stage, None elsewhere."""
+    outputs on the rank holding the last stage, None elsewhere. ``replay``: ``response_outputs``' ``replay_routes``,
+    each stage routing through its layers' columns of the batch's ``routed_experts``."""
     check_pipelined(remove_padding, sp_group)
     packed = [packed_responses(micro) for micro in micro_batches]
+    routes = None
+    if replay is not None and all(ROUTED_EXPERTS in micro.batch.keys() for micro in micro_batches):
+        routes = [micro.batch[ROUTED_EXPERTS][p.kept] for micro, (p, _) in zip(micro_batches, packed)]
 
     def outputs(index: int, logits: torch.Tensor) -> ResponseOutputs:
         return ResponseOutputs(logits, packed[index][0].response_valid, None)
 
     staged_loss = None if loss is None else (lambda index, logits: loss(index, outputs(index, logits)))
-    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss)
+    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay)
     return None if results is None else [outputs(i, logits) for i, logits in enumerate(results)]
 
 

@@ -42,6 +42,7 @@ from hybridflow.engine.pipeline_stages import (
     split_stage,
     submodule_named,
 )
+from hybridflow.models.routing import RouteReplay
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
 
@@ -218,13 +219,19 @@ class PipelinedModel(nn.Module):
         return count
 
     def run(
-        self, packed: list[PackedBatch], select: list[torch.Tensor], loss: LossOfOutputs | None = None
+        self,
+        packed: list[PackedBatch],
+        select: list[torch.Tensor],
+        loss: LossOfOutputs | None = None,
+        routes: list[torch.Tensor] | None = None,
+        replay: RouteReplay | None = None,
     ) -> list[torch.Tensor] | None:
         """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
         outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
         only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere).
         Where the schedule needs more micro-batches than given (``micro_batch_count``), empty ones (filler tokens
-        only, no outputs, no loss) make up the number."""
+        only, no outputs, no loss) make up the number. ``routes``: routing replay, each micro-batch's packed tokens'
+        recorded experts (N, L, k), each stage replaying its layers' (``replay`` counts)."""
         given = len(packed)
         count = self.micro_batch_count(given)
         empty = _empty_packed(packed[0])
@@ -233,6 +240,9 @@ class PipelinedModel(nn.Module):
         length = max(p.input_ids.shape[1] for p in packed)
         self.inputs.packed = [pad_packed(p, length) for p in packed]
         self.inputs.select = select
+        if routes is not None:  # the padding that evens the micro-batches routes itself
+            pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
+            self.inputs.routes, self.inputs.replay = [pad(r) for r in routes], replay
         stages = self._pipeline_stages(length, training=loss is not None)
 
         def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -258,7 +268,7 @@ class PipelinedModel(nn.Module):
             last = [s for s in stages if s.is_last]
             return list(last[0].output_chunks)[:given] if last else None
         finally:
-            self.inputs.packed, self.inputs.select = [], []
+            self.inputs.packed, self.inputs.select, self.inputs.routes, self.inputs.replay = [], [], [], None
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
             # gather them anew, after the optimizer step
             for module in self.modules():

@@ -7,13 +7,14 @@ stage before it sent (``StageForward``).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
 from hybridflow.engine.packing import PackedBatch, use_packed_attention
+from hybridflow.models.routing import RouteReplay, experts_modules, replaying_routes
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -58,18 +59,22 @@ def submodule_named(model: nn.Module, leaf: str) -> tuple[nn.Module, str]:
 @dataclass
 class MicroInputs:
     """The micro-batches of the pass under way, as every stage of this rank reads them: each one's packed tokens
-    (padded to the pass's length) and the packed positions the last stage reads the head at."""
+    (padded to the pass's length) and the packed positions the last stage reads the head at; with routing replay,
+    each one's recorded experts (tokens, every MoE layer, k; None: routed by the model) and the replay's counts."""
 
     packed: list[PackedBatch]
     select: list[torch.Tensor]
+    routes: list[torch.Tensor | None] = field(default_factory=list)
+    replay: RouteReplay | None = None
 
 
 class StageForward:
     """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
     states of the stage before; the last applies the final norm and the head at the selected positions, (M, C)."""
 
-    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: MicroInputs):
+    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: MicroInputs, moe_layers: slice):
         self.stack, self.head, self.first, self.inputs = stack, head, first, inputs
+        self.moe_layers = moe_layers  # the stage's MoE layers among the whole model's (routing replay's columns)
 
     def __call__(self, x: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
         index = int(micro.reshape(-1)[0])
@@ -81,10 +86,12 @@ class StageForward:
             packed_segments=packed.segments,
             use_cache=False,
         )
-        if self.first:
-            hidden = self.stack(input_ids=x, **common).last_hidden_state
-        else:
-            hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
+        routes = self.inputs.routes[index] if index < len(self.inputs.routes) else None
+        with replaying_routes(self.stack, None if routes is None else routes[:, self.moe_layers], self.inputs.replay):
+            if self.first:
+                hidden = self.stack(input_ids=x, **common).last_hidden_state
+            else:
+                hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
         if self.head is None:
             return hidden
         return self.head(hidden[0, self.inputs.select[index]])
@@ -97,6 +104,8 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInpu
     use_packed_attention(part)
     stack, layers = _parent_of_layers(part)
     kept = stage_layers(len(layers), num_stages)[stage]
+    moe_before = sum(bool(experts_modules(layers[index])) for index in range(kept.start))
+    moe_layers = slice(moe_before, moe_before + sum(bool(experts_modules(layers[index])) for index in kept))
     for index in range(len(layers)):
         if index not in kept:
             layers[index] = AbsentLayer()
@@ -109,5 +118,5 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInpu
         stack.norm = nn.Identity()
         setattr(head_parent, head_attr, nn.Identity())
     # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
-    part.forward = StageForward(stack, head if last else None, first, inputs)
+    part.forward = StageForward(stack, head if last else None, first, inputs, moe_layers)
     return part

@@ -6,6 +6,8 @@ Both passes return a DataProto: their tensors, and their measurements in ``meta_
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -21,7 +23,7 @@ from hybridflow.batch_keys import (
     ROUTED_EXPERTS,
 )
 from hybridflow.engine.config import ActorConfig
-from hybridflow.engine.forward import ResponseOutputs, log_probs_of, response_outputs
+from hybridflow.engine.forward import ResponseOutputs, log_probs_of, pipelined_outputs, response_outputs
 from hybridflow.engine.log_prob import log_prob_pass
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
@@ -80,11 +82,16 @@ class PolicyEngine(UpdatedEngine):
             routes=routes,
         )
         if self.route_replay is not None:
-            metrics |= self.route_replay.metrics("log_prob")
+            metrics |= self.route_replay.metrics("log_prob", self._stage_group())
         tensors = {OLD_LOG_PROBS: log_probs} | ({ENTROPYS: entropy} if with_entropy else {})
         if routes:
             tensors[ROUTED_EXPERTS] = routes[0]
         return DataProto.from_dict(tensors, meta_info={METRICS: metrics})
+
+    def _stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose routing-replay counts make up the model's: a pipelined model's pp group (each rank replays
+        its stages' layers)."""
+        return self.model.group if isinstance(self.model, PipelinedModel) else None
 
     def outputs(self, micro: DataProto) -> ResponseOutputs:
         """The model's outputs on a micro-batch's response tokens, with gradients; routed as the rollout routed them
@@ -142,9 +149,10 @@ class PolicyEngine(UpdatedEngine):
             micro_loss=lambda micro, agg, outputs: self._micro_loss(micro, agg, outputs, temperature, first_pass),
             dp_group=self.dp_group,
             loss_share_keys=self.objective.share_keys,
+            staged=functools.partial(pipelined_outputs, replay=self.route_replay),
         )
         if self.route_replay is not None:
-            metrics |= self.route_replay.metrics("update")
+            metrics |= self.route_replay.metrics("update", self._stage_group())
         tensors = first_pass.tensors() if first_pass is not None else None
         if tensors is not None and isinstance(self.model, PipelinedModel):  # the last stage computed them
             tensors = self.model.share_from_last(tensors)

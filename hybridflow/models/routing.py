@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert weights, experts on dimension 0
@@ -91,9 +92,14 @@ class RouteReplay:
         self.replayed += int(known.sum())
         self.changed += int((differs & known).sum())
 
-    def metrics(self, pass_name: str) -> dict[str, float]:
+    def metrics(self, pass_name: str, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """``router_replay/changed_<pass_name>``: the share of the routes replayed since the last call that differ
-        from the model's own choice (nothing when none was replayed); the counts start again."""
+        from the model's own choice (nothing when none was replayed); the counts start again. ``group``: ranks that
+        each replayed other layers (pipeline stages), whose counts are summed first (every rank of it calls this)."""
+        if group is not None:
+            counts = torch.tensor([self.replayed, self.changed], dtype=torch.int64)
+            dist.all_reduce(counts, group=group)
+            self.replayed, self.changed = (int(c) for c in counts)
         if not self.replayed:
             return {}
         share = self.changed / self.replayed

@@ -118,8 +118,13 @@ def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
     assert check_config(load_config([*own_pass, *ulysses])).layouts[Role.ActorRollout].sp == 2  # slices gathered
     r3 = [f"data.train_files=[{train}]", "actor_rollout_ref.model.path=tiny-qwen3-moe", f"{REPLAY}=R3"]
     assert check_config(load_config([*r3, *ulysses])).layouts[Role.ActorRollout].sp == 2  # R3 replays each slice
-    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R3 with pipeline stages is not built"):
-        check_config(load_config([*r3, "actor_rollout_ref.actor.pipeline_model_parallel_size=2"]))
+    stages = [
+        "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.router_aux_loss_coef=0",
+    ]
+    assert check_config(load_config([*r3, *stages])).layouts[Role.ActorRollout].pp == 2  # each stage its layers
+    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 records .* pipeline stages split by layer"):
+        check_config(load_config([*own_pass, *stages]))
 
 
 EXPERT_LORA = "actor_rollout_ref.model.lora.target_parameters"
