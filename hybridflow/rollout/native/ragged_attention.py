@@ -89,4 +89,7 @@ def decode_attention(
     if width is None:
         width = int(lengths.max())
     scores = _module.scores(q.contiguous(), keys, lengths, slots, width, scale)  # (B, Hkv, G, width) float32
-    return _module.values(torch.softmax(scores, dim=-1), values, lengths, slots)
+    # scores and probabilities rounded to q's dtype, as the batched matmuls over whole rows round them (bf16): the
+    # two paths then differ by the order of the float32 sums alone, and generation by which one ran hardly at all
+    probs = torch.softmax(scores.to(q.dtype), dim=-1).float()
+    return _module.values(probs, values, lengths, slots)
