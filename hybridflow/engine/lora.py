@@ -201,13 +201,13 @@ def merged_parameters(
 
     A wrapped layer's base weight comes before its lora_A and lora_B, so it is held until both have come."""
     adapted = adapted or {}
-    expert_weights = set(adapted.values())
+    adapted_names = set(adapted.values())
     waiting: dict[str, dict[str, torch.Tensor]] = {}  # plain weight name -> what has come of it
     for name, tensor in named:
         part = _lora_part(name)
         if part is not None:
             key, which = _weight_of(part[0], adapted), part[1]
-        elif BASE_LAYER + ".weight" in name or base_name(name) in expert_weights:
+        elif BASE_LAYER + ".weight" in name or base_name(name) in adapted_names:
             key, which = base_name(name), "W"
         else:
             yield base_name(name), tensor
