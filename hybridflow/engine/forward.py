@@ -131,8 +131,7 @@ def response_outputs(
     routes = None if routes is None else routes[packed.kept]
     to_rows = lambda recorded: rows_of_tokens(recorded, packed.token_position, mask)  # noqa: E731
     if sp > 1:
-        recording = (record_routes, to_rows)
-        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes, recording)
+        outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes, record_routes, to_rows)
         return ResponseOutputs(outputs, packed.response_valid, shard)
     with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
         if _accepts_logits_to_keep(model):
@@ -172,19 +171,18 @@ def _sharded_outputs(
     group: dist.ProcessGroup,
     routes: torch.Tensor | None = None,
     replay: RouteReplay | None = None,
-    recording: tuple[list[torch.Tensor] | None, Callable[[torch.Tensor], torch.Tensor]] = (None, lambda r: r),
+    record: list[torch.Tensor] | None = None,
+    to_rows: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ResponseShard]:
     """This rank's slice of the packed tokens through the model, and its outputs among ``keep``; ``routes``: the
     packed tokens' recorded experts (N, L, k), replayed on the slice's (the padding that evens the slices routes
-    itself); ``recording``: (a list for the routes taken, how the packed tokens' routes lay out as rows), the slices'
-    routes gathered from the group's ranks first."""
+    itself); ``record``: receives the routes taken, every rank's slice gathered and laid out by ``to_rows``."""
     local, shards, start = local_slice(packed, group)
     width = local.input_ids.shape[1]
     held = (keep >= start) & (keep < start + width)
     if routes is not None:
         routes = nn.functional.pad(routes, (0, 0, 0, 0, 0, shards.padded - routes.shape[0]), value=-1)
         routes = routes[start : start + width]
-    record, to_rows = recording
 
     def gathered_rows(recorded: torch.Tensor) -> torch.Tensor:  # every rank's slice, in the packed order
         wide = recorded.to(torch.int32)  # gloo gathers no int16

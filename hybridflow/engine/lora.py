@@ -121,9 +121,10 @@ def apply_lora(model: nn.Module, config: LoraConfig, frozen_dtype: torch.dtype |
         modules_to_save=whole or None,
         bias="none",
     )
-    transposed = [name for name, module in model.named_modules() if getattr(module, "is_transposed", False)]
-    if config.target_parameters and transposed:
-        raise ValueError(f"{transposed[0]} stores its experts as (E, in, out); expert adapters assume (E, out, in)")
+    if config.target_parameters:
+        transposed = [name for name, module in model.named_modules() if getattr(module, "is_transposed", False)]
+        if transposed:
+            raise ValueError(f"{transposed[0]} stores its experts as (E, in, out); expert adapters assume (E, out, in)")
     wrapped = peft.get_peft_model(model, settings)
     if frozen_dtype is not None:
         for parameter in wrapped.parameters():
@@ -224,9 +225,7 @@ def merged_parameters(
 def _merged(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """W + scaling · B A in fp32, in W's dtype. Sharded (DTensors), a linear layer's product stays sharded; an
     expert weight's adapters (a few rows each) are gathered whole and the product cut to W's own shards."""
-    if weight.dim() == 2:
-        return (weight.float() + scaling * (lora_b.float() @ lora_a.float())).to(weight.dtype)
-    if isinstance(weight, DTensor):
+    if weight.dim() == 3 and isinstance(weight, DTensor):
         whole = [t.full_tensor() if isinstance(t, DTensor) else t for t in (lora_a, lora_b)]
         delta = adapter_delta(weight.shape, whole[0].float(), whole[1].float())
         delta = distribute_tensor(delta.detach(), weight.device_mesh, weight.placements, src_data_rank=None)

@@ -105,8 +105,7 @@ def _build(build: Callable[[Path], None], directory: Path) -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-        with quiet_transformers():
-            build(directory)
+        _quiet_build(build, directory)
         return
     child = multiprocessing.get_context("spawn").Process(target=_quiet_build, args=(build, directory))
     child.start()

@@ -311,8 +311,11 @@ class Weights:
             if layer.experts is None:
                 continue
             experts = layer.experts
-            for weight, attribute in ((experts.gate_up, "gate_up_adapter"), (experts.down, "down_adapter")):
-                name = f"model.layers.{index}.mlp.experts.{attribute.removesuffix('_adapter')}_proj"
+            for projection, weight, attribute in (
+                ("gate_up_proj", experts.gate_up, "gate_up_adapter"),
+                ("down_proj", experts.down, "down_adapter"),
+            ):
+                name = f"model.layers.{index}.mlp.experts.{projection}"
                 parts = pairs.pop(name, None)
                 if parts is None:
                     setattr(experts, attribute, None)

@@ -3,13 +3,17 @@
 Each rank holds half of every decoder layer and of the KV cache (a mixture's: half of its experts, whole); the
 tokens must be the same and the log-probs equal to rounding (the row-parallel sums are added in another order)."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+from lora_helpers import EXPERTS, lora_model
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
 from hybridflow.batch_keys import RESPONSES, ROLLOUT_LOG_PROBS
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
+from hybridflow.engine.lora import adapter_tensors, lora_scaling
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.tensor_parallel import LLAMA, layer_split
 from hybridflow.rollout.native import NativeRollout
@@ -31,6 +35,12 @@ class TensorParallelGenerator(Worker):
     def generate(self, prompts, params) -> dict[str, torch.Tensor]:
         output = self.rollout.generate_sequences(prompts, params)
         return {key: output.batch[key] for key in (RESPONSES, ROLLOUT_LOG_PROBS)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_adapters(self, adapters: dict[str, torch.Tensor], scaling: float) -> None:
+        """Serve whole adapters, each as this rank's slice (what a transfer sends it)."""
+        tp = self.rollout.engine.weights.tp
+        self.rollout.load_adapters(((name, tp.shard(name, t)) for name, t in adapters.items()), scaling)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def held(self) -> dict:
@@ -129,3 +139,25 @@ def test_a_size_that_splits_a_mixture_s_experts_unevenly_is_refused():
     with pytest.raises(ValueError, match=r"rollout.tensor_model_parallel_size=3 .*'num_experts': 4"):
         TensorParallelGroup(MIXTURE, size=3, rank=0).local_spec(spec)
     assert TensorParallelGroup(MIXTURE, size=2, rank=1).experts(4) == range(2, 4)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-olmoe"], indirect=True)
+def test_served_adapters_on_attention_and_each_expert_match_one_process(family):
+    """A LoRA policy with adapters on q/v and on every expert (peft's target_parameters), served: each rank takes its
+    slice of the attention's adapters and its own experts' rows of theirs, and the group generates what one process
+    does, which differs from the base policy's."""
+    model, tokenizer, single, group = family
+    prompts = prompts_of(tokenizer, QUESTIONS * 2)
+    base = single.generate_sequences(prompts, greedy(12)).batch[ROLLOUT_LOG_PROBS]
+    peft_model = lora_model(copy.deepcopy(model), targets=["q_proj", "v_proj"], parameters=EXPERTS).eval()
+    adapters, scaling = dict(adapter_tensors(peft_model)), lora_scaling(peft_model)
+    assert any(".experts." in name for name in adapters)
+    single.load_adapters(adapters.items(), scaling)
+    group.load_adapters(adapters, scaling)
+    expected = single.generate_sequences(prompts, greedy(12)).batch
+    assert (expected[ROLLOUT_LOG_PROBS] - base).abs().max() > 1e-2  # the adapters change the policy
+    for output in group.generate(prompts, greedy(12)):
+        assert torch.equal(output[RESPONSES], expected[RESPONSES])
+        torch.testing.assert_close(output[ROLLOUT_LOG_PROBS], expected[ROLLOUT_LOG_PROBS], rtol=1e-5, atol=1e-5)
+    single.load_adapters([], scaling)  # the module's later tests see the base policy
+    group.load_adapters({}, scaling)
