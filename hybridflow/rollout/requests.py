@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
+import torch
+
 from hybridflow.rollout.sampling import SamplingParams
 
 
@@ -35,6 +37,10 @@ class TurnOutput:
     tokens: list[int]  # generated token ids (the stop token included when there is one)
     log_probs: list[float]  # the sampler's log-prob of each (rollout/base.py explains which distribution)
     stopped: bool  # ended on a stop token (False: it ran out of max_new_tokens)
+    # with SamplingParams.record_routes (a mixture of experts): the experts each computed position of the request's
+    # context chose, (positions, layers, k), positions 0.. of its prompt, earlier turns and this turn; the turn's last
+    # token is not computed yet (the next turn computes it), so it has none (routing replay, models/routing.py)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -78,6 +84,11 @@ class RequestEngine(ABC):
     def stats(self) -> RequestStats:
         """Counters of the current (or last) serving session."""
 
+    def route_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) of the routes its turns return when serving with
+        ``params.record_routes``; None: this engine records no routes (and refuses such a session)."""
+        return None
+
 
 class SteppedRequestEngine(RequestEngine):
     """A request engine over a synchronous one: a server task runs one engine step at a time while any turn is
@@ -100,6 +111,11 @@ class SteppedRequestEngine(RequestEngine):
     async def serving(self, params: SamplingParams, *, max_len: int, max_requests: int) -> AsyncIterator[None]:
         if self._serving:
             raise RuntimeError("the engine is already serving")
+        if params.record_routes and self.route_shape() is None:
+            raise ValueError(
+                f"record_routes: {type(self).__name__} records no routes (a model without mixture-of-experts layers, "
+                "or an engine that cannot say which experts each token chose)"
+            )
         self.params, self.max_len = params, max_len
         self._open(max_requests)
         self._stats, self._serving, self._closing = RequestStats(), True, False

@@ -2,6 +2,7 @@
 rollout's log-probs where the trainer's own router would choose other experts; replaying a model's own routes
 changes nothing, values or gradients; the trainer's old-log-prob pass records them too (R2)."""
 
+import asyncio
 import copy
 import dataclasses
 
@@ -13,9 +14,12 @@ from hybridflow.engine.forward import batched_log_probs, response_log_probs
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, renormalizes, replayed_choice, replaying_routes, routers
 from hybridflow.protocol import DataProto
+from hybridflow.rollout.agent import AgentLoop, AgentRollout, MultiTurnConfig, RequestState, register_agent_loop
+from hybridflow.rollout.agent.loops import AGENT_LOOPS
 from hybridflow.rollout.hf.rollout import HFRollout, generation_routes
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.sampling import SamplingParams
+from hybridflow.tools import ToolSet
 from hybridflow.trainer.setup.config import default_config
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"]
@@ -175,6 +179,86 @@ def test_the_native_engine_logs_every_fed_token_through_its_shared_prefix_groups
     replay = RouteReplay()
     response_log_probs(model, out, replay_routes=replay)  # padded: each row's every token, shared prompts too
     assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
+
+
+INSERTED = [31, 32, 33, 34, 35]  # a "tool answer" between an agent loop's turns
+
+
+class TwoTurns(AgentLoop):
+    """Up to 3 generated tokens, then INSERTED, then the rest of the budget: the second turn's tokens are computed
+    by ``extend`` after the parked first turn, and the first turn's last token with them."""
+
+    async def run(self, trajectory, context):
+        trajectory.move_to(RequestState.GENERATING)
+        trajectory.add_generated(await context.engine.generate(trajectory.request, trajectory.prompt, 3))
+        trajectory.move_to(RequestState.RUNNING_TOOLS)
+        trajectory.add_inserted(INSERTED)
+        trajectory.move_to(RequestState.GENERATING)
+        second = await context.engine.generate(trajectory.request, INSERTED, context.remaining(trajectory))
+        trajectory.add_generated(second)
+        trajectory.finish("no_tool_call")
+
+
+@pytest.fixture(scope="module")
+def two_turns():
+    if "two_turns_for_routes" not in AGENT_LOOPS:
+        register_agent_loop("two_turns_for_routes", TwoTurns)
+    return "two_turns_for_routes"
+
+
+@pytest.mark.parametrize("ragged", [True, False])
+def test_agent_loops_on_the_native_engine_log_every_fed_token_of_every_turn(family, two_turns, ragged):
+    """Multi-turn conversations (a common prompt prefix computed once, 3 samples a prompt, 4 slots so that requests
+    wait, an inserted answer between two turns; ragged: the packed extend and decode, else the padded ones): every
+    real token of prompt, turns and insert but each row's last has its experts, and they are the ones the trainer's
+    forward chooses for that token, so replaying them changes no route."""
+    model, tokenizer = family
+    engine = dataclasses.replace(NATIVE, max_num_seqs=4, min_shared_prefix=2, ragged_decode=ragged)
+    config = MultiTurnConfig(
+        enable=True,
+        default_agent=two_turns,
+        tool_config_path="",
+        format="hermes",
+        tool_role="tool",
+        max_assistant_turns=2,
+        max_user_turns=1,
+        max_parallel_calls=1,
+        max_tool_response_length=8,
+        tool_timeout_s=5.0,
+    )
+    rollout = AgentRollout(NativeRollout(model, tokenizer, engine_config=engine), tokenizer, config, ToolSet())
+    common = [7, 8, 9, 10]
+    rows = [common + [21, 22], common + [23], common + [24, 25, 26]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows for _ in range(3)])
+    mask = (ids != 0).long()
+    batch = DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(0)}
+    )
+    out = rollout.generate_sequences(batch, dataclasses.replace(RECORDING, do_sample=True, seed=3, max_new_tokens=12))
+    responses = out.batch["responses"]
+    inserted = torch.tensor(INSERTED)
+    assert all(any(torch.equal(row[i : i + 5], inserted) for i in range(8)) for row in responses)  # two turns each
+    routes, real = out.batch[ROUTED_EXPERTS], out.batch["attention_mask"].bool()
+    last = real.long().cumsum(1).argmax(1)  # each row's last real column: its last response token
+    expected = real.clone()
+    expected[torch.arange(len(real)), last] = False
+    assert torch.equal((routes >= 0).all(-1).all(-1), expected) and not (routes[~real] >= 0).any()
+    replay = RouteReplay()
+    response_log_probs(model, out, replay_routes=replay)
+    assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
+
+
+def test_the_request_api_refuses_recording_without_experts():
+    model, tokenizer = load_causal_lm("tiny-llama", dtype=torch.float32), load_tokenizer("tiny-llama")
+    engine = NativeRollout(model, tokenizer, engine_config=NATIVE).request_engine()
+
+    async def session():
+        async with engine.serving(RECORDING, max_len=16, max_requests=1):
+            pass
+
+    with pytest.raises(ValueError, match="record_routes: NativeRequestEngine records no routes"):
+        asyncio.run(session())
 
 
 @pytest.mark.parametrize("packed", [True, False])

@@ -84,7 +84,6 @@ SEPARATE = ["trainer.placement=separate", "trainer.n_workers_per_node=2"]
     [
         (["actor_rollout_ref.model.path=tiny-llama"], "R3: the policy has no experts"),
         (["actor_rollout_ref.rollout.name=vllm"], "rollout.name=vllm does not record them.*rollout.name=hf or native"),
-        (["actor_rollout_ref.rollout.multi_turn.enable=true"], "agent loops and user agents do not record routes"),
         (
             ["trainer.async_training.mode=fully_async", "trainer.async_training.partial_rollout=true", *SEPARATE],
             "continued across weight pushes",
@@ -98,6 +97,7 @@ def test_routing_replay_that_cannot_work_is_refused_before_ray(arithmetic_files,
     with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*{message}"):
         check_config(load_config([*base, *overrides]))
     assert check_config(load_config(base)).layouts[Role.ActorRollout].dp >= 1
+    check_config(load_config([*base, "actor_rollout_ref.rollout.multi_turn.enable=true"]))  # agent loops record too
     with pytest.raises(ConfigError, match=rf"{REPLAY}.*'R9'"):
         load_config([*base, f"{REPLAY}=R9"])
 

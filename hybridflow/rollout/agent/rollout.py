@@ -30,6 +30,7 @@ from hybridflow.batch_keys import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
     STOP_REASON,
     TOOL_CALLS,
     TOOL_ERRORS,
@@ -38,6 +39,7 @@ from hybridflow.batch_keys import (
     TURN_ENDS,
     TURN_SCORES,
 )
+from hybridflow.models.routing import ROUTE_DTYPE
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.agent.chat import ChatFormat
 from hybridflow.rollout.agent.config import MultiTurnConfig
@@ -88,8 +90,11 @@ class AgentRollout(BackendWrapper):
         jobs = [
             (str(name) or self.default_agent, (info or {}).get("tools_kwargs", {})) for name, info in zip(names, extra)
         ]
+        route_shape = self.engine.route_shape() if params.record_routes else None
         trajectories = asyncio.run(self._run_all(prompt_lists, jobs, params))
-        tensors, non_tensors = assemble_trajectories(ids, mask, trajectories, params.max_new_tokens, self.pad_token_id)
+        tensors, non_tensors = assemble_trajectories(
+            ids, mask, trajectories, params.max_new_tokens, self.pad_token_id, route_shape
+        )
         return DataProto.from_dict(tensors, non_tensors, meta_info=dict(prompts.meta_info))
 
     async def _run_all(
@@ -144,9 +149,11 @@ def assemble_trajectories(
     trajectories: list[Trajectory],
     response_length: int,
     pad_token_id: int,
+    route_shape: tuple[int, int] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
     """The batch of prompts + trajectories (the layout of rollout/base.py's `assemble_batch`, with inserted
-    tokens kept in ``responses`` and 0 in ``response_mask``), and the per-row facts of the conversations."""
+    tokens kept in ``responses`` and 0 in ``response_mask``), and the per-row facts of the conversations.
+    ``route_shape`` (layers, k): the trajectories' recorded routes go in ``routed_experts`` (`trajectory_routes`)."""
     b, r = len(trajectories), response_length
     responses = torch.full((b, r), pad_token_id, dtype=torch.long)
     present = torch.zeros(b, r, dtype=torch.long)  # every real response token, generated or inserted
@@ -191,4 +198,23 @@ def assemble_trajectories(
         TOOL_REWARDS: column(dict(t.tool_rewards) for t in trajectories),
         AGENT_FAILURE: column(t.failure or "" for t in trajectories),
     }
+    if route_shape is not None:
+        tensors[ROUTED_EXPERTS] = trajectory_routes(prompt_mask, trajectories, response_length, route_shape).to(device)
     return tensors, non_tensors
+
+
+def trajectory_routes(
+    prompt_mask: torch.Tensor, trajectories: list[Trajectory], response_length: int, route_shape: tuple[int, int]
+) -> torch.Tensor:
+    """The trajectories' routes in the batch's layout (B, P+R, layers, k): each row's prompt left-padded to P
+    columns, its response tokens after it; -1 where none was recorded (padding, the tokens no turn computed: the
+    last generated token and what the loop inserted after the last turn, a trajectory whose first turn failed)."""
+    rows, width = prompt_mask.shape
+    routes = torch.full((rows, width + response_length, *route_shape), -1, dtype=ROUTE_DTYPE)
+    for row, trajectory in enumerate(trajectories):
+        if trajectory.routes is None:
+            continue
+        prompt = int(prompt_mask[row].sum())
+        known = min(len(trajectory.routes), prompt + min(len(trajectory.tokens), response_length))
+        routes[row, width - prompt : width - prompt + known] = trajectory.routes[:known]
+    return routes

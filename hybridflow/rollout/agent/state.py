@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import torch
+
 from hybridflow.rollout.requests import TurnOutput
 
 
@@ -67,6 +69,7 @@ class Trajectory:
     turn_ends: list[int] = field(default_factory=list)  # per assistant turn: index in tokens of its last token
     turn_scores: list[float] = field(default_factory=list)  # per assistant turn: its tool calls' rewards, summed
     tool_rewards: dict[str, float] = field(default_factory=dict)  # per tool used: its reward for the trajectory
+    routes: torch.Tensor | None = None  # recording routes: the latest turn's (positions, layers, k) (TurnOutput)
 
     def move_to(self, state: RequestState) -> None:
         if state not in TRANSITIONS[self.state]:
@@ -81,6 +84,8 @@ class Trajectory:
         self.assistant_turns += 1
         self.turn_ends.append(len(self.tokens) - 1)
         self.turn_scores.append(0.0)
+        if turn.routes is not None:
+            self.routes = turn.routes
 
     def add_inserted(self, token_ids: list[int]) -> None:
         self.tokens += token_ids

@@ -56,6 +56,7 @@ def branch_trajectory(index: int, branch: Branch | None, pad_token_id: int, fail
     trajectory = Trajectory(request=index, prompt=branch.prompt if branch is not None else [pad_token_id])
     if branch is not None:
         trajectory.tokens, trajectory.mask, trajectory.log_probs = branch.tokens, branch.mask, branch.log_probs
+        trajectory.routes = branch.routes
         trajectory.turn_ends = list(branch.turn_ends)
         trajectory.turn_scores = [0.0] * len(branch.turn_ends)
         trajectory.assistant_turns = len(branch.turn_ends)
@@ -84,10 +85,15 @@ def left_padded(prompts: list[list[int]], pad: int, width: int) -> tuple[torch.T
 
 
 def other_branch_rows(
-    session: Session, *, prompt_width: int, response_length: int, pad_token_id: int
+    session: Session,
+    *,
+    prompt_width: int,
+    response_length: int,
+    pad_token_id: int,
+    route_shape: tuple[int, int] | None = None,
 ) -> dict[str, dict[str, Any]] | None:
     """The session's other branches (``other_branches``) as rows of the batch's shape: {"tensors": {key: (k, ...)},
-    "non_tensors": {key: (k,) objects}}; None when it has none."""
+    "non_tensors": {key: (k,) objects}}; None when it has none. ``route_shape``: as `assemble_trajectories`."""
     branches = other_branches(session)
     if not branches:
         return None
@@ -95,7 +101,9 @@ def other_branch_rows(
     for trajectory in trajectories:
         trajectory.tool_calls = 0  # the session's tool calls are counted once, on its row
     prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad_token_id, prompt_width)
-    tensors, non_tensors = assemble_trajectories(prompt_ids, prompt_mask, trajectories, response_length, pad_token_id)
+    tensors, non_tensors = assemble_trajectories(
+        prompt_ids, prompt_mask, trajectories, response_length, pad_token_id, route_shape
+    )
     return {"tensors": tensors, "non_tensors": non_tensors}
 
 

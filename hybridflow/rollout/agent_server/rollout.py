@@ -117,12 +117,15 @@ class AgentFunctionRollout(BackendWrapper):
             {key: _plain(prompts.non_tensor_batch[key][i]) for key in ROW_COLUMNS if key in prompts.non_tensor_batch}
             for i in range(n)
         ]
+        route_shape = self.engine.route_shape() if params.record_routes else None
         sessions, outcomes = asyncio.run(self._run_all(rows, params))
         trajectories = [self._trajectory(i, s, o) for i, (s, o) in enumerate(zip(sessions, outcomes))]
         # every rank's prompts to the same width (max_prompt_tokens), so that the generation groups' batches join
         width, pad = self.config.max_prompt_tokens, self.pad_token_id
         prompt_ids, prompt_mask = left_padded([t.prompt for t in trajectories], pad, width)
-        tensors, non_tensors = assemble_trajectories(prompt_ids, prompt_mask, trajectories, params.max_new_tokens, pad)
+        tensors, non_tensors = assemble_trajectories(
+            prompt_ids, prompt_mask, trajectories, params.max_new_tokens, pad, route_shape
+        )
         tensors |= _session_counts(sessions)
         non_tensors[AGENT_REWARD] = _objects([o[0] for o in outcomes])
         non_tensors[AGENT_METRICS] = _objects([o[1] for o in outcomes])
@@ -130,7 +133,13 @@ class AgentFunctionRollout(BackendWrapper):
             [
                 None
                 if outcome[2]
-                else other_branch_rows(s, prompt_width=width, response_length=params.max_new_tokens, pad_token_id=pad)
+                else other_branch_rows(
+                    s,
+                    prompt_width=width,
+                    response_length=params.max_new_tokens,
+                    pad_token_id=pad,
+                    route_shape=route_shape,
+                )
                 for s, outcome in zip(sessions, outcomes)
             ]
         )

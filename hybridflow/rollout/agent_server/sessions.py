@@ -19,6 +19,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.errors import ApiError
 from hybridflow.rollout.agent_server.fields import is_finite_number
@@ -50,6 +52,7 @@ class Branch:
     stale: bool = False  # the engine's cache holds tokens past the record (a stop string cut the turn)
     finish_reason: str = ""  # of its last turn
     by_tokens: bool = False  # started by a token-level request (/inference/v1/generate): extended only by those
+    routes: torch.Tensor | None = None  # recording routes: its context's experts, from its latest turn (TurnOutput)
 
     @property
     def context(self) -> list[int]:

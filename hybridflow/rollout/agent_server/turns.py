@@ -209,7 +209,7 @@ class TurnRunner:
             raise
         if new_branch:
             session.branches.append(branch)
-        branch.engine_request, branch.stale = engine_request, False
+        branch.engine_request, branch.stale, branch.routes = engine_request, False, turn.routes
         return turn, prompt_tokens, cached
 
     def _tool_calls(self, session: Session, text: str) -> tuple[str | None, list[dict[str, Any]]]:

@@ -290,6 +290,7 @@ def extend(
     slots: torch.Tensor,
     scratch_slot: int,
     ragged: bool = False,
+    record: list | None = None,
 ) -> torch.Tensor:
     """Append right-padded tokens to sequences that each already hold ``starts[b]`` cached positions.
 
@@ -303,11 +304,14 @@ def extend(
     user message), the real tokens only, packed into one sequence of tokens each with its own slot and
     position, through the ragged decode kernel (each reads its slot's positions 0..its own): no pad
     computed, no cached keys gathered into padded rows, no mask (float32 scores and softmax, as decode).
+
+    ``record``: each MoE layer appends the chosen experts of the real tokens (N, k), rows in order, each row's
+    tokens in order (routing replay).
     """
     if ragged and int(lengths.max()) <= RAGGED_EXTEND_MAX_TOKENS:
         real = torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None]  # (Bp, T)
         rows, offsets = real.nonzero(as_tuple=True)  # row-major: each row's tokens in order, rows in order
-        hidden = _decode_hidden(weights, rope, cache, tokens[real], starts[rows] + offsets, True, slots[rows])
+        hidden = _decode_hidden(weights, rope, cache, tokens[real], starts[rows] + offsets, True, slots[rows], record)
         return _logits(weights, hidden[lengths.cumsum(0) - 1])  # each row's last token
     spec = weights.spec
     b, t = tokens.shape
@@ -324,6 +328,7 @@ def extend(
     query_pos = positions[:, None, :].expand(b, g, t).reshape(b, g * t)  # (Bp, G*T): q rows are (g, t)
     visible = torch.arange(context, device=device)[None, None, :] <= query_pos[:, :, None]  # (Bp, G*T, ctx)
     heads = torch.arange(hkv, device=device)
+    padded = None if record is None else []  # every (row, offset)'s experts; the real tokens' kept
     x = weights.embed[tokens]  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
         q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
@@ -336,6 +341,8 @@ def extend(
         q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
-        x = _output_and_mlp(weights, layer, x, attn)
+        x = _output_and_mlp(weights, layer, x, attn, padded)
+    if record is not None:
+        record += [chosen.view(b, t, -1)[real] for chosen in padded]
     last = x[torch.arange(b, device=device), lengths - 1]  # (Bp, H)
     return _logits(weights, last)

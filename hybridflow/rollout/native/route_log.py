@@ -13,7 +13,7 @@ import torch
 from hybridflow.models.routing import ROUTE_DTYPE
 
 
-def _by_token(record: list[torch.Tensor]) -> torch.Tensor:
+def by_token(record: list[torch.Tensor]) -> torch.Tensor:
     """A forward's record -> (tokens, layers, k)."""
     return torch.stack(record, dim=1).to(ROUTE_DTYPE)
 
@@ -27,12 +27,12 @@ class RouteLog:
 
     def shared_prefix(self, record: list[torch.Tensor]) -> None:
         """The common prefix's forward (one row of its tokens): every request's first positions."""
-        self.prefix = _by_token(record)
+        self.prefix = by_token(record)
 
     def prompts(self, record: list[torch.Tensor], width: int, lengths: list[int], requests: list[list[int]]) -> None:
         """A prefill over rows of ``width`` right-padded tokens after the shared prefix: row r holds positions
         len(prefix)..lengths[r]-1 of each of ``requests[r]`` (the n samples of a prompt share its row)."""
-        rows = _by_token(record).view(len(lengths), width, *self.prefix.shape[1:])
+        rows = by_token(record).view(len(lengths), width, *self.prefix.shape[1:])
         start = len(self.prefix)
         for row, (length, members) in enumerate(zip(lengths, requests)):
             members_t = torch.tensor(members, device=self.routes.device)
@@ -41,7 +41,7 @@ class RouteLog:
 
     def tokens(self, record: list[torch.Tensor], requests: torch.Tensor, positions: torch.Tensor) -> None:
         """A decode step: token b of ``requests[b]`` at ``positions[b]``."""
-        self.routes[requests, positions] = _by_token(record)
+        self.routes[requests, positions] = by_token(record)
 
     def batch_rows(self, prompt_width: int, prompt_lengths: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """The routes in the batch's layout (B, P+R, layers, k): each prompt left-padded to ``prompt_width`` columns,

@@ -20,6 +20,9 @@ Each engine step (run between the event loop's other work, so tools progress whi
   2. one `extend` forward over the admitted rows, which samples each one's first token of the turn;
   3. one decode step over every request in 0..B-1;
   a turn ends on a stop token or at its max_new_tokens, and its future resolves right away.
+
+Serving with ``params.record_routes`` (a mixture of experts), each request logs the experts of every position its
+forwards compute (the shared prefix, extends, decode steps), and each turn returns the log so far (routing replay).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.models.routing import ROUTE_DTYPE
 from hybridflow.rollout.native import model
 from hybridflow.rollout.native.cpu_share import ThreadGovernor
 from hybridflow.rollout.native.engine import Engine
+from hybridflow.rollout.native.route_log import by_token
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.requests import SteppedRequestEngine, TurnOutput
 
@@ -48,6 +53,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)  # the current turn's output
     log_probs: list[float] = field(default_factory=list)
     future: asyncio.Future | None = None  # set while a turn is in progress
+    routes: torch.Tensor | None = None  # recording routes: (max_len, layers, k) experts of each cached position
 
     @property
     def decoding(self) -> bool:
@@ -81,10 +87,18 @@ class NativeRequestEngine(SteppedRequestEngine):
         self.governor = ThreadGovernor(enabled=self.engine.follow_free_cores)
         # slots are sized for the longest conversation the budgets allow: decode reads only what each one holds
         self.ragged = self.engine.ragged
+        self.recording = self.params.record_routes
+
+    def route_shape(self) -> tuple[int, int] | None:
+        spec = self.engine.weights.spec
+        return (spec.num_layers, spec.experts_per_token) if spec.num_experts else None
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         self.require_serving()
         req = self.requests.setdefault(request, _Request(request))
+        if self.recording and req.routes is None:
+            shape = (self.max_len, *self.route_shape())
+            req.routes = torch.full(shape, -1, dtype=ROUTE_DTYPE, device=self.engine.device)
         if req.future is not None:
             raise RuntimeError(f"request {request} is already generating a turn")
         pending = req.pending + list(new_tokens)  # after the uncached last token of its previous turn
@@ -208,6 +222,7 @@ class NativeRequestEngine(SteppedRequestEngine):
         for row, (req, start, n) in enumerate(zip(rows, starts, lengths)):
             tokens[row, :n] = torch.tensor(req.pending[start - req.length :])
         engine, device = self.engine, self.engine.device
+        record = [] if self.recording else None
         logits = model.extend(
             engine.weights,
             engine.rope,
@@ -218,7 +233,11 @@ class NativeRequestEngine(SteppedRequestEngine):
             torch.tensor([req.slot for req in rows], device=device),
             self.scratch,
             self.ragged,
+            record,
         )
+        if record is not None:  # the real tokens, row by row
+            for req, start, chosen in zip(rows, starts, by_token(record).split(lengths)):
+                req.routes[start : start + len(chosen)] = chosen
         self._stats.prefill_calls += 1
         self._stats.prefill_tokens += sum(lengths)
         for req in rows:
@@ -227,6 +246,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         for req, leader in followers:
             engine.cache.copy_slots([leader.slot], [req.slot], leader.length)
             req.length, req.pending = leader.length, []
+            if self.recording:
+                req.routes[: req.length] = leader.routes[: req.length]
         row_of = {id(req): row for row, req in enumerate(rows)}
         ordered = rows + [req for req, _ in followers]
         picks = [row_of[id(req)] for req in rows] + [row_of[id(leader)] for _, leader in followers]
@@ -244,6 +265,7 @@ class NativeRequestEngine(SteppedRequestEngine):
         if length < self.engine.min_shared_prefix:
             return 0
         engine, device = self.engine, self.engine.device
+        record = [] if self.recording else None
         model.prefill(
             engine.weights,
             engine.rope,
@@ -251,7 +273,12 @@ class NativeRequestEngine(SteppedRequestEngine):
             torch.tensor([first[:length]], device=device),
             torch.tensor([length], device=device),
             torch.tensor([self.scratch], device=device),
+            record=record,
         )
+        if record is not None:
+            prefix = by_token(record)
+            for req in new:
+                req.routes[:length] = prefix
         engine.cache.copy_slots([self.scratch] * len(new), [req.slot for req in new], length)
         self._stats.prefill_calls += 1
         self._stats.prefill_tokens += length
@@ -264,7 +291,11 @@ class NativeRequestEngine(SteppedRequestEngine):
         positions = torch.tensor([req.length for req in self.active], device=device)
         engine = self.engine
         slots = torch.tensor([req.slot for req in self.active], device=device) if self.ragged else None
-        logits = model.decode(engine.weights, engine.rope, engine.cache, last, positions, self.ragged, slots)
+        record = [] if self.recording else None
+        logits = model.decode(engine.weights, engine.rope, engine.cache, last, positions, self.ragged, slots, record)
+        if record is not None:
+            for req, chosen in zip(self.active, by_token(record)):
+                req.routes[req.length] = chosen
         for req in self.active:
             req.length += 1
         self._stats.decode_steps += 1
@@ -291,8 +322,9 @@ class NativeRequestEngine(SteppedRequestEngine):
         if not self.reuse_cache:
             req.history += req.tokens[:-1]
         self._stats.turns += 1
+        routes = req.routes[: req.length].cpu().clone() if self.recording else None
         if not future.done():
-            future.set_result(TurnOutput(list(req.tokens), list(req.log_probs), stopped))
+            future.set_result(TurnOutput(list(req.tokens), list(req.log_probs), stopped, routes))
 
     def _compact(self) -> None:
         """Park the requests whose turn ended: slots 0..B'-1 hold exactly the ones still decoding (ragged

@@ -196,12 +196,6 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         f"use actor_rollout_ref.rollout.name={' or '.join(recorders)}, or {off}",
     )
     _check(
-        not (arr.rollout.multi_turn.enable or arr.rollout.agent.enabled),
-        key,
-        f"{mode}: agent loops and user agents do not record routes yet",
-        off,
-    )
-    _check(
         not cfg.trainer.async_training.partial_rollout,
         key,
         f"{mode}: a response continued across weight pushes would mix two calls' routes",

@@ -1,6 +1,10 @@
 """The endpoint over the native engine (fp32 tiny model): a three-turn conversation's sample is token for token what
-the engine generated plus the rendered tool and user tails, and its behaviour log-probs are the trainer's."""
+the engine generated plus the rendered tool and user tails, and its behaviour log-probs are the trainer's; on a
+mixture of experts, every branch's row carries the experts each of its tokens went through (routing replay)."""
 
+import dataclasses
+
+import numpy as np
 import torch
 from endpoint_helpers import agent_config, params, rows
 from rollout_helpers import engine_config, perturbed
@@ -13,8 +17,13 @@ from hybridflow.batch_keys import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
+    ROUTED_EXPERTS,
+    UID,
 )
+from hybridflow.engine.forward import response_log_probs
 from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models.routing import RouteReplay, routers
+from hybridflow.rollout.agent_server.branch_rows import expand_branches
 from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
 from hybridflow.rollout.native import NativeRollout
 
@@ -79,3 +88,29 @@ def test_after_a_weight_update_no_turn_uses_the_old_weights_cache():
             logits = updated(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
         expected = logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None])[:, 0] * mask
         torch.testing.assert_close(batch.batch[ROLLOUT_LOG_PROBS][row, :n], expected, rtol=0, atol=1e-5)
+
+
+def test_every_branch_of_a_session_carries_the_experts_its_tokens_went_through():
+    """Two sessions of two branches each (two turns, then an edited history) on a tiny OLMoE, recording routes: each
+    of the four rows has the experts of every real token but its last, the first branch's too (its engine request
+    released when the edit started another), and they are the trainer's own choices: replaying them changes none."""
+    model = load_causal_lm("tiny-olmoe", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer("tiny-olmoe")
+    native = NativeRollout(model, tokenizer, engine_config=engine_config(), stop_token_ids=[])
+    rollout = AgentFunctionRollout(native, tokenizer, agent_config("branching_agent", max_prompt_tokens=64),
+                                   tool_role="tool", format="hermes")  # fmt: skip
+    recording = dataclasses.replace(params(64), record_routes=True)
+    batch = rollout.generate_sequences(rows(["Hi", "What is 734 * 58?"]), recording)
+    assert batch.non_tensor_batch[AGENT_FAILURE].tolist() == ["", ""]
+    assert batch.batch[AGENT_BRANCHES].tolist() == [2, 2]
+    batch.non_tensor_batch[UID] = np.array(["a", "b"], dtype=object)
+    expanded = expand_branches(batch)
+    assert len(expanded) == 4
+    routes, real = expanded.batch[ROUTED_EXPERTS], expanded.batch[ATTENTION_MASK].bool()
+    last = real.long().cumsum(1).argmax(1)
+    expected = real.clone()
+    expected[torch.arange(len(real)), last] = False
+    assert torch.equal((routes >= 0).all(-1).all(-1), expected)
+    replay = RouteReplay()
+    response_log_probs(model, expanded, replay_routes=replay)
+    assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0

@@ -209,3 +209,20 @@ def three_turn_agent(base_url: str, api_key: str, row: dict) -> float:
         messages += [reply.choices[0].message.model_dump(exclude_none=True), follow_up]
     client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
     return 1.0
+
+
+def branching_agent(base_url: str, api_key: str, row: dict) -> float:
+    """Two turns of 8 tokens (the second after a user message), then the first reply edited: a second branch of 8
+    tokens. Needs no tool call from the model (a random one writes none)."""
+    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = list(row["raw_prompt"])
+    reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    messages += [reply.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Sure?"}]
+    client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+    edited = [
+        *row["raw_prompt"],
+        {"role": "assistant", "content": "I think it is 42000."},
+        {"role": "user", "content": "Check."},
+    ]
+    client.chat.completions.create(model="policy", messages=edited, max_tokens=8)
+    return 1.0
