@@ -13,7 +13,8 @@ markup does not parse ends the conversation through the endpoint (the agent read
 (the loop sends the problem back), so a few conversations may differ: the sides are compared by generated tokens per
 second. They take turns within each repeat; the best repeat of each is reported with the load average, the engine's
 prefill and decode calls, and the endpoint's own time per request (rendering, parsing and writing, without
-generation).
+generation), then where each side's time went: before the engine's first step (the first turns arriving), in its
+steps, between them (the event loop's other work, or no turn ready), after its last step, and outside serving.
 """
 
 from __future__ import annotations
@@ -153,6 +154,15 @@ def main() -> None:
         f"endpoint / in-process generated tok/s: {ratio:.3f} (overhead {1 - ratio:.1%}); {requests} requests, "
         f"{server_ms:.2f} ms of endpoint code per request, {failures} failed agents"
     )
+    print("where each side's best repeat went, seconds (rollout/requests.py RequestStats):")
+    print(f"{'side':<18}{'to 1st step':>12}{'in steps':>10}{'between':>9}{'after last':>11}{'outside':>9}")
+    for name, (_, seconds, _, _, _, stats) in best.items():
+        inside = stats.seconds_to_first_step + stats.step_seconds
+        inside += stats.between_steps_seconds + stats.after_last_step_seconds
+        print(
+            f"{name:<18}{stats.seconds_to_first_step:>12.2f}{stats.step_seconds:>10.2f}"
+            f"{stats.between_steps_seconds:>9.2f}{stats.after_last_step_seconds:>11.2f}{seconds - inside:>9.2f}"
+        )
     print(f"load average after: {os.getloadavg()}")
 
 

@@ -291,13 +291,13 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp);
     the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor runs
     Ulysses or stages (its balancing loss needs whole micro-batches): a trained one splits its experts over ep of its
-    dp ranks instead."""
+    dp ranks instead; a rollout pool's generation groups split its experts (each whole on one of tg ranks)."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]
+    if role is Role.Rollout:  # replicas of tg ranks (a mixture's experts split over them, each whole on one)
+        return [LayoutShape.over(devices, tg, tg) for tg in in_node if shape.generation_splits_over(tg)]
     sizes = [t for t in in_node if shape.splits_over(t)]
-    if role is Role.Rollout:  # replicas of tg ranks
-        return [LayoutShape.over(devices, tg, tg) for tg in sizes]
     tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
     if shape.experts:
         splits = [1, *shape.expert_splits(devices)] if role in TRAINED else [1]

@@ -97,6 +97,12 @@ class ModelShape:
             return False
         return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
 
+    def generation_splits_over(self, tg: int) -> bool:
+        """Whole query and key/value heads on each of tg generation ranks, and equal MLP slices or, a mixture's, an
+        equal share of whole experts (the native engine's groups, rollout/native/parallel.py)."""
+        sizes = dict(heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn, experts=self.experts)
+        return not indivisible_sizes(tg, **sizes)
+
     def expert_splits(self, dp: int) -> list[int]:
         """The expert-parallel sizes over ``dp`` data-parallel ranks: those dividing both them and the experts."""
         return [ep for ep in range(2, dp + 1) if dp % ep == 0 and self.experts % ep == 0] if self.experts else []

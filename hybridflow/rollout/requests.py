@@ -20,6 +20,7 @@ which other requests shared a decode step, or when their tools returned.
 from __future__ import annotations
 
 import asyncio
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -54,6 +55,13 @@ class RequestStats:
     turns: int = 0  # generate calls answered
     slot_moves: int = 0  # sequences whose cache was moved to another slot (native engine)
     shared_prefix_tokens: int = 0  # prompt tokens computed once for several requests
+    # where a serving session's time went (stepped engines): before its first engine step (the first turns arriving),
+    # in engine steps, between steps (the event loop's other work: tools, an endpoint's requests; or no turn to step),
+    # and after its last step until the block ended
+    seconds_to_first_step: float = 0.0
+    step_seconds: float = 0.0
+    between_steps_seconds: float = 0.0
+    after_last_step_seconds: float = 0.0
 
 
 class RequestEngine(ABC):
@@ -119,6 +127,7 @@ class SteppedRequestEngine(RequestEngine):
         self.params, self.max_len = params, max_len
         self._open(max_requests)
         self._stats, self._serving, self._closing = RequestStats(), True, False
+        self._opened, self._last_step_end = time.perf_counter(), None
         self._wake = asyncio.Event()
         server = asyncio.create_task(self._serve())
         try:
@@ -131,6 +140,10 @@ class SteppedRequestEngine(RequestEngine):
             finally:
                 self._serving = False
                 self._close()
+                if self._last_step_end is None:
+                    self._stats.seconds_to_first_step = time.perf_counter() - self._opened
+                else:
+                    self._stats.after_last_step_seconds = time.perf_counter() - self._last_step_end
 
     def require_serving(self) -> None:
         if not self._serving:
@@ -154,7 +167,7 @@ class SteppedRequestEngine(RequestEngine):
         try:
             while True:
                 if self._has_work():
-                    self._step()
+                    self._timed_step()
                     for _ in range(self.io_passes):
                         await asyncio.sleep(0)  # let the agent loops run (tools, new turns)
                 elif self._closing:
@@ -167,6 +180,16 @@ class SteppedRequestEngine(RequestEngine):
                 if not future.done():
                     future.set_exception(RuntimeError(f"the generation engine failed: {error!r}"))
             raise
+
+    def _timed_step(self) -> None:
+        started, stats = time.perf_counter(), self._stats
+        if self._last_step_end is None:
+            stats.seconds_to_first_step = started - self._opened
+        else:
+            stats.between_steps_seconds += started - self._last_step_end
+        self._step()
+        self._last_step_end = time.perf_counter()
+        stats.step_seconds += self._last_step_end - started
 
     @abstractmethod
     def _open(self, max_requests: int) -> None:

@@ -165,8 +165,14 @@ def tied_copy(name: str) -> str:
     return name.replace("lm_head.weight", "model.embed_tokens.weight")
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
-@pytest.mark.parametrize("layout", [*LAYOUTS, "pp2-1f1b-lora", "pp2-tp2-lora"])
+# both families in the four layouts the design names (1F1B, interleaved, with d = 2 and with t = 2); the schedules'
+# edge cases and LoRA on one family (what differs between the families, qwen2's attention biases, is in the four)
+CASES = [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout in list(LAYOUTS)[:4]] + [
+    ("tiny-llama", layout) for layout in [*list(LAYOUTS)[4:], "pp2-1f1b-lora", "pp2-tp2-lora"]
+]
+
+
+@pytest.mark.parametrize("family, layout", CASES)
 def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_parameters(
     groups, family, layout, actor_config_factory
 ):
@@ -200,7 +206,7 @@ def assert_same_parameters(results: list[dict], want: dict) -> None:
             torch.testing.assert_close(value, want.get(name, want.get("model.embed_tokens.weight")), msg=name)
 
 
-@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize("family", ["tiny-llama"])
 def test_a_checkpoint_saved_with_stages_resumes_without_them_and_the_reverse(
     groups, family, actor_config_factory, tmp_path
 ):

@@ -94,6 +94,23 @@ def test_a_mixture_is_laid_out_data_parallel_with_its_experts_split_where_it_tra
     assert any(lay.t > 1 for lay in layouts_for(Role.ActorRollout, DENSE, 8, cluster))
 
 
+def test_a_rollout_pool_splits_a_mixtures_experts_over_its_generation_groups():
+    """The native engine's groups of tg ranks each hold E / tg whole experts: a rollout pool of 4 devices takes
+    groups of 1 or 2 (2 heads: not 4), each rank holding 1/tg of the decoder, experts included, and 1/tg of the KV
+    cache; a model whose 3 experts 2 does not divide stays in groups of 1."""
+    cluster = replace(CLUSTER, devices_per_node=8)
+    pools = layouts_for(Role.Rollout, MOE, 4, cluster)
+    assert [(lay.dp, lay.t, lay.tg) for lay in pools] == [(4, 1, 1), (2, 2, 2)]
+    assert [lay.tg for lay in layouts_for(Role.Rollout, replace(MOE, experts=3), 4, cluster)] == [1]
+    apart = replace(WORK, models={Role.ActorRollout: MOE, Role.Rollout: MOE})
+    (copy_1, kv_1), (copy_2, kv_2) = (memory_bytes(Role.Rollout, MOE, lay, apart) for lay in pools)
+    assert copy_1 == 2 * (MOE.layer_params + MOE.embedding_params)  # every expert of every layer, bf16
+    assert copy_2 == 2 * (MOE.layer_params / 2 + MOE.embedding_params)
+    # 8 samples over 4 groups of 1 or 2 groups of 2: 2 or 4 sequences of 4 tokens, each 2 layers x 2 kv heads x 4 x
+    # 2 values x 2 bytes, of which a rank of 2 holds half the heads
+    assert kv_1 == 2 * 4 * 64 and kv_2 == 4 * 4 * 64 / 2
+
+
 def test_hybridflow_plan_splits_the_experts_where_gathering_them_costs_more_and_train_accepts_it(
     arithmetic_files, tmp_path, capsys, monkeypatch
 ):

@@ -136,6 +136,33 @@ def test_a_later_turn_computes_only_the_appended_tokens(tiny):
     assert scratch.stats.prefill_tokens > 2 * reuse.stats.prefill_tokens
 
 
+def test_a_sessions_time_is_split_into_its_phases(tiny):
+    """Before the first step, in steps, between them (a tool's 50 ms, when nothing else could step) and after the
+    last: the four add up to the serving block, and the tool's wait is counted between steps."""
+    _, model, tokenizer = tiny
+    prompts = _prompt_ids(tokenizer, QUESTIONS[:2])
+    tool = tokenizer.encode("tool output", add_special_tokens=False)
+    engine = NativeRollout(model, tokenizer, engine_config=engine_config()).request_engine()
+    conversations = {r: [(p, 3, 0.0), (tool, 3, 0.05)] for r, p in enumerate(prompts)}
+
+    async def timed():
+        started = asyncio.get_running_loop().time()
+        await _serve(engine, greedy(), conversations, max_len=96)
+        return asyncio.get_running_loop().time() - started
+
+    block = asyncio.run(timed())
+    stats = engine.stats
+    phases = [
+        stats.seconds_to_first_step,
+        stats.step_seconds,
+        stats.between_steps_seconds,
+        stats.after_last_step_seconds,
+    ]
+    assert all(p >= 0 for p in phases) and stats.step_seconds > 0 and stats.decode_steps > 0
+    assert stats.between_steps_seconds >= 0.05  # both conversations' tools waited, none stepping
+    assert sum(phases) <= block
+
+
 def test_bad_calls_are_refused(tiny):
     _, model, tokenizer = tiny
     engine = NativeRollout(model, tokenizer, engine_config=engine_config()).request_engine()
