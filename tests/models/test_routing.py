@@ -14,13 +14,14 @@ from hybridflow.engine.forward import batched_log_probs, response_log_probs
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, renormalizes, replayed_choice, replaying_routes, routers
 from hybridflow.protocol import DataProto
-from hybridflow.rollout.agent import AgentLoop, AgentRollout, MultiTurnConfig, RequestState, register_agent_loop
+from hybridflow.rollout.agent import AgentLoop, AgentRollout, RequestState, register_agent_loop
 from hybridflow.rollout.agent.loops import AGENT_LOOPS
 from hybridflow.rollout.hf.rollout import HFRollout, generation_routes
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.sampling import SamplingParams
 from hybridflow.tools import ToolSet
 from hybridflow.trainer.setup.config import default_config
+from tests.rollout.agent.agent_helpers import multi_turn_config
 
 FAMILIES = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"]
 RECORDING = SamplingParams(
@@ -159,25 +160,33 @@ def test_the_native_engine_logs_every_fed_token_through_its_shared_prefix_groups
     model, tokenizer = family
     engine = dataclasses.replace(NATIVE, max_num_seqs=4, min_shared_prefix=2)
     rollout = NativeRollout(model, tokenizer, engine_config=engine)
+    out = rollout.generate_sequences(shared_prefix_prompts(), dataclasses.replace(RECORDING, do_sample=True, seed=3))
+    assert rollout.stats.shared_prefix_tokens == 4 and rollout.stats.prefill_calls > 2  # the prefix, then refills
+    assert_every_fed_token_has_the_experts_it_went_through(model, out)
+
+
+def shared_prefix_prompts() -> DataProto:
+    """Three left-padded prompts with a common prefix, each 3 times."""
     common = [7, 8, 9, 10]
     rows = [common + [21, 22], common + [23], common + [24, 25, 26]]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows for _ in range(3)])
     mask = (ids != 0).long()
-    batch = DataProto.from_dict(
+    return DataProto.from_dict(
         {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(0)}
     )
-    sampled = dataclasses.replace(RECORDING, do_sample=True, seed=3)
-    out = rollout.generate_sequences(batch, sampled)
-    assert rollout.stats.shared_prefix_tokens == 4 and rollout.stats.prefill_calls > 2  # the prefix, then refills
+
+
+def assert_every_fed_token_has_the_experts_it_went_through(model, out: DataProto) -> None:
+    """Every real token of ``out``'s rows but each row's last (which no forward ran) has recorded experts, padding
+    none, and they are the trainer's own choices: replaying them (padded: each row's every token) changes no route."""
     routes, real = out.batch[ROUTED_EXPERTS], out.batch["attention_mask"].bool()
     last = real.long().cumsum(1).argmax(1)  # each row's last real column: its last response token
-    logged = (routes >= 0).all(-1).all(-1)
     expected = real.clone()
     expected[torch.arange(len(real)), last] = False
-    assert torch.equal(logged, expected) and not (routes[~real] >= 0).any()
+    assert torch.equal((routes >= 0).all(-1).all(-1), expected) and not (routes[~real] >= 0).any()
     replay = RouteReplay()
-    response_log_probs(model, out, replay_routes=replay)  # padded: each row's every token, shared prompts too
+    response_log_probs(model, out, replay_routes=replay)
     assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
 
 
@@ -214,39 +223,14 @@ def test_agent_loops_on_the_native_engine_log_every_fed_token_of_every_turn(fami
     forward chooses for that token, so replaying them changes no route."""
     model, tokenizer = family
     engine = dataclasses.replace(NATIVE, max_num_seqs=4, min_shared_prefix=2, ragged_decode=ragged)
-    config = MultiTurnConfig(
-        enable=True,
-        default_agent=two_turns,
-        tool_config_path="",
-        format="hermes",
-        tool_role="tool",
-        max_assistant_turns=2,
-        max_user_turns=1,
-        max_parallel_calls=1,
-        max_tool_response_length=8,
-        tool_timeout_s=5.0,
-    )
+    config = multi_turn_config(default_agent=two_turns)
     rollout = AgentRollout(NativeRollout(model, tokenizer, engine_config=engine), tokenizer, config, ToolSet())
-    common = [7, 8, 9, 10]
-    rows = [common + [21, 22], common + [23], common + [24, 25, 26]]
-    width = max(map(len, rows))
-    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows for _ in range(3)])
-    mask = (ids != 0).long()
-    batch = DataProto.from_dict(
-        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(1) - 1).clamp(0)}
-    )
-    out = rollout.generate_sequences(batch, dataclasses.replace(RECORDING, do_sample=True, seed=3, max_new_tokens=12))
+    recording = dataclasses.replace(RECORDING, do_sample=True, seed=3, max_new_tokens=12)
+    out = rollout.generate_sequences(shared_prefix_prompts(), recording)
     responses = out.batch["responses"]
     inserted = torch.tensor(INSERTED)
     assert all(any(torch.equal(row[i : i + 5], inserted) for i in range(8)) for row in responses)  # two turns each
-    routes, real = out.batch[ROUTED_EXPERTS], out.batch["attention_mask"].bool()
-    last = real.long().cumsum(1).argmax(1)  # each row's last real column: its last response token
-    expected = real.clone()
-    expected[torch.arange(len(real)), last] = False
-    assert torch.equal((routes >= 0).all(-1).all(-1), expected) and not (routes[~real] >= 0).any()
-    replay = RouteReplay()
-    response_log_probs(model, out, replay_routes=replay)
-    assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
+    assert_every_fed_token_has_the_experts_it_went_through(model, out)
 
 
 def test_the_request_api_refuses_recording_without_experts():

@@ -17,15 +17,13 @@ from hybridflow.batch_keys import (
     RESPONSE_MASK,
     RESPONSES,
     ROLLOUT_LOG_PROBS,
-    ROUTED_EXPERTS,
     UID,
 )
-from hybridflow.engine.forward import response_log_probs
 from hybridflow.models import load_causal_lm, load_tokenizer
-from hybridflow.models.routing import RouteReplay, routers
 from hybridflow.rollout.agent_server.branch_rows import expand_branches
 from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
 from hybridflow.rollout.native import NativeRollout
+from tests.models.test_routing import assert_every_fed_token_has_the_experts_it_went_through
 
 
 def test_a_three_turn_sample_is_what_the_engine_produced_with_the_trainers_log_probs():
@@ -106,11 +104,4 @@ def test_every_branch_of_a_session_carries_the_experts_its_tokens_went_through()
     batch.non_tensor_batch[UID] = np.array(["a", "b"], dtype=object)
     expanded = expand_branches(batch)
     assert len(expanded) == 4
-    routes, real = expanded.batch[ROUTED_EXPERTS], expanded.batch[ATTENTION_MASK].bool()
-    last = real.long().cumsum(1).argmax(1)
-    expected = real.clone()
-    expected[torch.arange(len(real)), last] = False
-    assert torch.equal((routes >= 0).all(-1).all(-1), expected)
-    replay = RouteReplay()
-    response_log_probs(model, expanded, replay_routes=replay)
-    assert replay.replayed == int(expected.sum()) * len(routers(model)) and replay.changed == 0
+    assert_every_fed_token_has_the_experts_it_went_through(model, expanded)
