@@ -2,12 +2,14 @@
 micro-batch's loss and each layer's expert loads as metrics.
 
 The MoE layers are found by their parts (models/routing.py). ``RouterRecorder`` hooks the routers while an update
-runs. Its statistic is the micro-batch's (the tokens one rank runs together), as transformers computes it for a batch; a
-mini-batch's loss adds each micro-batch's, weighted by 1 / (its micro-batches) like a mean over them.
+runs. Its statistic is the micro-batch's (the tokens one rank runs together, or under Ulysses the sp ranks' slices of
+them, summed), as transformers computes it for a batch; a mini-batch's loss adds each micro-batch's, weighted by
+1 / (its micro-batches) like a mean over them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -15,6 +17,8 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
+from hybridflow.engine.forward import ResponseShard
+from hybridflow.engine.sequence_parallel import sum_over
 from hybridflow.models.routing import routers
 
 
@@ -32,13 +36,22 @@ class RouterRecorder:
     def clear(self) -> None:
         self.logits = []
 
-    def loss_and_metrics(self, prefix: str) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss_and_metrics(
+        self, prefix: str, shard: ResponseShard | None = None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The recorded forward's balancing loss (differentiable) and its metrics: the loss, and per layer the busiest
-        expert's share of the choices relative to an even split (1: balanced; E / k at most)."""
+        expert's share of the choices relative to an even split (1: balanced; E / k at most). ``shard``: the forward
+        ran this sequence-parallel rank's slice of the micro-batch; the statistics of its real tokens are summed over
+        the slices (``sum_over``: each rank's routers receive sp times the gradient of the loss every rank computes
+        alike, which FSDP's mean over the dp x sp ranks divides back, as for the policy loss)."""
         if not self.logits:
             raise RuntimeError("no router ran since the last clear: the forward did not pass through the MoE layers")
-        loss = load_balancing_loss(self.logits, self.top_k)
-        loads = expert_loads(self.logits, self.top_k) * self.logits[0].shape[-1]
+        logits, sum_parts = self.logits, None
+        if shard is not None:
+            logits = [layer[: shard.real_tokens] for layer in logits]  # the padding that evens the slices left out
+            sum_parts = functools.partial(sum_over, group=shard.group)
+        loss = load_balancing_loss(logits, self.top_k, sum_parts)
+        loads = expert_loads(logits, self.top_k, sum_parts) * logits[0].shape[-1]
         metrics = {f"{prefix}/router_aux_loss": float(loss.detach())}
         for layer, busiest in enumerate(loads.max(dim=1).values.tolist()):
             metrics[f"{prefix}/expert_load_max/layer_{layer}"] = busiest

@@ -212,17 +212,19 @@ def _backward(
 
         staged(model, micro_batches, config.use_remove_padding, loss=staged_loss)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
-    if config.ulysses_sequence_parallel_size > 1:
-        _refuse_router_loss(model, config, "sequence parallelism")
     results = []
     keep = not config.reshard_after_forward
     with gathered_through_backward(model, keep=keep), recording_routers(model, config.router_aux_loss_coef) as routers:
         for micro_batch in micro_batches:
             if routers is not None:
                 routers.clear()
-            loss, values = micro_loss(micro_batch, agg, forward(micro_batch))
+            outputs = forward(micro_batch)
+            loss, values = micro_loss(micro_batch, agg, outputs)
             if routers is not None:
-                balance, balance_metrics = routers.loss_and_metrics(prefix)
+                shard = getattr(outputs, "shard", None)  # Ulysses: this rank's slice of the micro-batch
+                if config.ulysses_sequence_parallel_size > 1 and shard is None:
+                    _refuse_router_loss(model, config, "sequence parallelism and this pass's outputs")
+                balance, balance_metrics = routers.loss_and_metrics(prefix, shard)
                 loss = loss + routers.coefficient * balance / len(micro_batches)
                 values = {**values, **balance_metrics}
             (loss * world_size).backward()

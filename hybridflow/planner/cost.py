@@ -290,8 +290,8 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
     pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp);
     the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor runs
-    Ulysses or stages (its balancing loss needs whole micro-batches): a trained one splits its experts over ep of its
-    dp ranks instead; a rollout pool's generation groups split its experts (each whole on one of tg ranks)."""
+    Ulysses or stages here (expert parallelism, weighed instead, combines with neither): a trained one splits its
+    experts over ep of its dp ranks; a rollout pool's generation groups split its experts, each whole on one rank."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]

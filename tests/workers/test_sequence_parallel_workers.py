@@ -13,6 +13,7 @@ from hybridflow.batch_keys import ENTROPYS, METRICS, OLD_LOG_PROBS, REF_LOG_PROB
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, register
 from hybridflow.engine import forward
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
+from hybridflow.models import resolve_model_path
 from hybridflow.trainer.setup.config import load_config
 from hybridflow.workers import ActorRolloutWorker, CriticWorker, TeacherWorker
 
@@ -129,6 +130,24 @@ def test_the_actor_at_sp_2_equals_two_data_parallel_ranks(
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/ppo_kl"):
         assert sp_metrics[key] == pytest.approx(split_metrics[key], rel=1e-5, abs=1e-7), key
     _assert_same_steps(sp_weights, split_weights, initial)
+
+
+def test_a_mixtures_balancing_loss_at_sp_2_is_the_whole_micro_batch_s(local_ray, rollout_batch, actor_config_factory):
+    """Tiny Qwen3-MoE, its routers' balancing loss weighing 0.5 in the update: at sp = 2 each rank's routers see its
+    slice of each micro-batch (the last slice padded to even them), and the slices' statistics summed over the pair
+    make the loss, each layer's expert load, the gradient norm and the weights after the step equal one rank's running
+    the whole micro-batches."""
+    path = str(resolve_model_path("tiny-qwen3-moe"))
+    config = actor_config_factory(path, LR, "actor_rollout_ref.actor.router_aux_loss_coef=0.5")
+    layouts = {"sp=1": LayoutShape(dp=1, t=1, tg=1), "sp=2": LayoutShape(dp=1, t=1, tg=1, sp=2)}
+    results = {name: _actor_run(config, layout, rollout_batch) for name, layout in layouts.items()}
+    _, _, whole, whole_weights, initial, _ = results["sp=1"]
+    _, _, split, split_weights, _, _ = results["sp=2"]
+    keys = [key for key in whole if "router_aux_loss" in key or "expert_load_max" in key]
+    assert len(keys) == 3 and whole["actor/router_aux_loss"] > 2  # the loss and 2 layers' loads; k = 2 if balanced
+    for key in [*keys, "actor/pg_loss", "actor/grad_norm"]:
+        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
+    _assert_same_steps(split_weights, whole_weights, initial)
 
 
 def _critic_run(config, layout: LayoutShape, batch):

@@ -203,6 +203,33 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
     )
 
 
+def _check_balancing_loss_in_stages(cfg: HybridFlowConfig, plan: RunPlan) -> None:
+    """A mixture of experts trained in pipeline stages has no balancing loss: it pools every layer's routers over a
+    micro-batch, and each stage holds some of the layers (the loss is computed on the last). Its weight is the
+    configured one or the model config's ``router_aux_loss_coef`` (engine/moe.py)."""
+    trained = [("actor_rollout_ref.actor", Role.ActorRollout, cfg.actor_rollout_ref.actor, plan.paths.actor_model)]
+    if plan.needs(Role.Critic):
+        trained.append(("critic", Role.Critic, cfg.critic, plan.paths.critic_model))
+    for section, role, settings, model_path in trained:
+        layout = plan.layouts.get(role)
+        if layout is None or layout.pp == 1:
+            continue
+        config = model_config(model_path)
+        if not expert_count(config):
+            continue
+        configured = settings.router_aux_loss_coef
+        weight = configured if configured is not None else float(getattr(config, "router_aux_loss_coef", 0) or 0)
+        _check(
+            weight == 0,
+            f"{section}.router_aux_loss_coef",
+            f"{weight}"
+            + ("" if configured is not None else " (the model's own router_aux_loss_coef, as the key is null)")
+            + f": the routers' balancing loss pools every MoE layer over a micro-batch, and {layout.pp} pipeline "
+            "stages each hold some of the layers",
+            f"set {section}.router_aux_loss_coef=0, or {section}.pipeline_model_parallel_size=1",
+        )
+
+
 def check_lora_targets(
     section: str, lora: LoraConfig, model_dir: str, critic: bool = False, expert_parallel: int = 1
 ) -> None:
@@ -310,6 +337,7 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     check_files(cfg.data.val_files, "data.val_files", required=False)
     plan = make_run_plan(cfg)  # models, placement, layouts, batch splits: ConfigError where they do not fit
     _check_router_replay(cfg, plan)
+    _check_balancing_loss_in_stages(cfg, plan)
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)
