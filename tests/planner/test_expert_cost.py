@@ -87,10 +87,13 @@ def test_split_experts_in_memory_and_in_the_switch_by_hand():
 
 
 def test_a_mixture_is_laid_out_data_parallel_with_its_experts_split_where_it_trains():
+    """Data-parallel, its 4 experts split over 2 or 4 of the ranks where it trains, or Ulysses over 2 (its 2 heads)
+    with the experts whole; never split by t nor in stages."""
     cluster = replace(CLUSTER, devices_per_node=8)
     trained = layouts_for(Role.ActorRollout, MOE, 8, cluster)
-    assert [(lay.dp, lay.t, lay.sp, lay.pp, lay.ep) for lay in trained] == [(8, 1, 1, 1, e) for e in (1, 2, 4)]
-    assert [lay.ep for lay in layouts_for(Role.RefPolicy, MOE, 8, cluster)] == [1]
+    expected = [(8, 1, 1, 1, e) for e in (1, 2, 4)] + [(4, 1, 2, 1, 1)]
+    assert [(lay.dp, lay.t, lay.sp, lay.pp, lay.ep) for lay in trained] == expected
+    assert [(lay.sp, lay.ep) for lay in layouts_for(Role.RefPolicy, MOE, 8, cluster)] == [(1, 1), (2, 1)]
     assert any(lay.t > 1 for lay in layouts_for(Role.ActorRollout, DENSE, 8, cluster))
 
 
