@@ -63,7 +63,7 @@ class ResponseShard:
 
     mine: torch.Tensor  # (M,) bool
     group: dist.ProcessGroup
-    real_tokens: int = -1  # of this rank's slice of the packed tokens, those that are not the padding evening them
+    real_tokens: int  # of this rank's slice of the packed tokens, those that are not the padding evening them
 
     def whole(self, values: torch.Tensor) -> torch.Tensor:
         """This rank's (M_r, ...) values -> every rank's (M, ...), summed over the sp group (differentiable: the
@@ -196,7 +196,7 @@ def _sharded_outputs(
             outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
         else:
             outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
-    return outputs, ResponseShard(held, group, min(max(shards.total - start, 0), width))
+    return outputs, ResponseShard(held, group, shards.real_in(start, width))
 
 
 def _to_rows(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

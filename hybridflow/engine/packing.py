@@ -216,6 +216,10 @@ class SequenceShards:
     total: int
     padded: int
 
+    def real_in(self, start: int, width: int) -> int:
+        """Of the slice of ``width`` tokens from ``start``, those that are real (not padding to a multiple of sp)."""
+        return min(max(self.total - start, 0), width)
+
 
 def ulysses_attention(
     module: nn.Module,

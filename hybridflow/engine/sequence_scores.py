@@ -80,8 +80,10 @@ def sequence_scores(
     token_scores = outputs[-1][0, :, 0]  # the head's output at every packed token (of this rank's slice)
     if shards is None:
         return token_scores[positions].float()
-    held = (positions >= start) & (positions < start + packed.input_ids.shape[1])
-    return ResponseShard(held, sp_group).whole(token_scores[positions[held] - start].float())
+    width = packed.input_ids.shape[1]
+    held = (positions >= start) & (positions < start + width)
+    shard = ResponseShard(held, sp_group, shards.real_in(start, width))
+    return shard.whole(token_scores[positions[held] - start].float())
 
 
 def scored_tokens(batch: DataProto, pad_token_id: int) -> tuple[PackedBatch, torch.Tensor]:
