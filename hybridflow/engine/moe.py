@@ -19,7 +19,7 @@ from torch import nn
 from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
 from hybridflow.engine.forward import ResponseShard
 from hybridflow.engine.sequence_parallel import sum_over
-from hybridflow.models.routing import routers
+from hybridflow.models.routing import configured_balancing_weight, routers
 
 
 class RouterRecorder:
@@ -67,9 +67,7 @@ def aux_loss_coefficient(model: nn.Module, configured: float | None, gates: list
     model without MoE layers (``gates``: its routers, when already found)."""
     if not (routers(model) if gates is None else gates):
         return 0.0
-    if configured is not None:
-        return float(configured)
-    return float(getattr(model.config, "router_aux_loss_coef", 0.0) or 0.0)
+    return configured_balancing_weight(model.config, configured)
 
 
 @contextmanager

@@ -223,7 +223,7 @@ def _backward(
             if routers is not None:
                 shard = getattr(outputs, "shard", None)  # Ulysses: this rank's slice of the micro-batch
                 if config.ulysses_sequence_parallel_size > 1 and shard is None:
-                    _refuse_router_loss(model, config, "sequence parallelism and this pass's outputs")
+                    _refuse_router_loss(model, config, "sequence parallelism over sequence scores")
                 balance, balance_metrics = routers.loss_and_metrics(prefix, shard)
                 loss = loss + routers.coefficient * balance / len(micro_batches)
                 values = {**values, **balance_metrics}

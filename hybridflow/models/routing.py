@@ -31,6 +31,14 @@ EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # Hugging Face's fused expert we
 ROUTE_DTYPE = torch.int16  # expert indices as stored in a batch; -1: not recorded
 
 
+def configured_balancing_weight(config, configured: float | None) -> float:
+    """The routers' balancing-loss weight of a mixture whose Hugging Face config is ``config``: ``configured``, or
+    (None) the config's own ``router_aux_loss_coef`` (0 where it has none)."""
+    if configured is not None:
+        return float(configured)
+    return float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+
+
 def experts_modules(model: nn.Module) -> list[nn.Module]:
     """The model's experts modules (one per MoE layer): those with Hugging Face's fused 3-D expert weights."""
     found = []

@@ -20,6 +20,7 @@ from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimato
 from hybridflow.controller import Role
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
+from hybridflow.models.routing import configured_balancing_weight
 from hybridflow.models.split_sizes import expert_count
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend, rollout_backends
@@ -206,7 +207,7 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
 def _check_balancing_loss_in_stages(cfg: HybridFlowConfig, plan: RunPlan) -> None:
     """A mixture of experts trained in pipeline stages has no balancing loss: it pools every layer's routers over a
     micro-batch, and each stage holds some of the layers (the loss is computed on the last). Its weight is the
-    configured one or the model config's ``router_aux_loss_coef`` (engine/moe.py)."""
+    configured one or the model config's ``router_aux_loss_coef`` (models/routing.py, as engine/moe.py weighs it)."""
     trained = [("actor_rollout_ref.actor", Role.ActorRollout, cfg.actor_rollout_ref.actor, plan.paths.actor_model)]
     if plan.needs(Role.Critic):
         trained.append(("critic", Role.Critic, cfg.critic, plan.paths.critic_model))
@@ -218,7 +219,7 @@ def _check_balancing_loss_in_stages(cfg: HybridFlowConfig, plan: RunPlan) -> Non
         if not expert_count(config):
             continue
         configured = settings.router_aux_loss_coef
-        weight = configured if configured is not None else float(getattr(config, "router_aux_loss_coef", 0) or 0)
+        weight = configured_balancing_weight(config, configured)
         _check(
             weight == 0,
             f"{section}.router_aux_loss_coef",
