@@ -182,6 +182,11 @@ class AdapterSlots:
                 self.optimizer.state.pop(param, None)
         for layer in self.layers:
             layer.module.scaling[ADAPTER] = state.scaling
+            # a layer the adapter does not adapt (A = B = 0) runs its base alone: an output head's zero adapter
+            # would cost two passes over the logits and a matmul into them. Only the switch is flipped, as in
+            # engine/lora.py ``adapters_off`` (which restores it); its tensors keep no gradient (None, not 0), which
+            # the optimizer and the clipping treat as the zero they are.
+            layer.module._disable_adapters = layer.part not in state.parts
         self.active = key
         return state
 

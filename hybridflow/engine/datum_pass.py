@@ -14,27 +14,33 @@ attention keeps it out of every earlier position). Micro-batches hold at most a 
 no padding, so the micro-batching changes no result beyond float rounding.
 
 The API returns every position's log-prob, so the LM head runs on every position; but a position whose weight (or
-advantage) is zero has a zero loss gradient, so in a backward pass the head runs with autograd on the trained
-positions only and without it on the rest (``head_gradient_at``): the backward through the head, the largest
-layer, costs what the trained tokens cost, as in ``hybridflow sft``.
+advantage) is zero has a zero loss gradient. So the head is given the hidden states and returns the log-probs itself
+(``datum_log_probs``): with autograd on the trained positions only, as in ``hybridflow sft``, and a chunk of rows at
+a time without it on the rest. No (positions x vocabulary) logits are kept, written or copied whole: with a 49,152-word
+vocabulary those passes over memory cost more than the head's matmul.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from hybridflow.algorithms.datum_losses import TARGET_TOKENS, Datum, DatumOutput
+from hybridflow.algorithms.entropy import log_probs_from_logits
 from hybridflow.algorithms.objectives import DatumObjective, ForwardOutputs
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
-from hybridflow.engine.dynamic_batch import group_by_tokens, split_by_groups
-from hybridflow.engine.forward import response_log_probs
+from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
+from hybridflow.engine.forward import accepts_logits_to_keep, response_log_probs, response_outputs
 from hybridflow.protocol import DataProto
 
 FILLER = 0  # the token after a datum's last one: an input nothing reads
+# models whose forward returns what their output head returns (False: it changes it, so the plain pass runs)
+_HEAD_GIVES_LOG_PROBS: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+HEAD_CHUNK_BYTES = 16 * 2**20  # logits of the positions without autograd are made this much at a time
 
 
 def datum_rows(datums: Sequence[Datum], names: Sequence[str], device: torch.device) -> DataProto:
@@ -61,6 +67,77 @@ def datum_rows(datums: Sequence[Datum], names: Sequence[str], device: torch.devi
         **inputs,
     }
     return DataProto.from_dict({key: value.to(device) for key, value in columns.items()})
+
+
+def datum_log_probs(model: nn.Module, micro: DataProto, trained: torch.Tensor) -> torch.Tensor:
+    """(B, R) float32: log p(target) at each datum position of ``micro`` (0 on padding), with autograd at the packed
+    positions ``trained`` (M,) only (row-major over the response mask).
+
+    The output head gets the hidden states of the M positions and gives their log-probs itself
+    (``_head_log_probs``), so no (M, V) logits are kept: the positions without a gradient run through it in chunks
+    without autograd. A model whose forward changes the head's output (a logit scale, a soft cap) or that runs the
+    head on every packed token gives the plain pass instead: the logits, the log-probs from them (``head_gradient_at``
+    leaving the untrained positions out of autograd).
+    """
+    mask = micro.batch[RESPONSE_MASK].bool()
+    if _HEAD_GIVES_LOG_PROBS.get(model, True) and accepts_logits_to_keep(model):
+        values = _through_head(model, micro, micro.batch[RESPONSES][mask], trained)
+        if values is not None:
+            return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter(mask, values)
+        _HEAD_GIVES_LOG_PROBS[model] = False
+    with head_gradient_at(model, trained):
+        return response_log_probs(model, micro, remove_padding=True)[0]
+
+
+def _through_head(
+    model: nn.Module, micro: DataProto, labels: torch.Tensor, trained: torch.Tensor
+) -> torch.Tensor | None:
+    """The (M,) log-probs the output head gives when it computes them itself; None where the model's output is not
+    the head's (its forward transformed it, or the head saw other positions than the M)."""
+    head = model.get_output_embeddings()
+    run, own = head.forward, head.__dict__.get("forward")
+    given: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def log_probs_forward(hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[:2] != (1, labels.numel()):
+            return run(hidden)
+        values = _head_log_probs(run, hidden[0], labels, trained)
+        given.append((values, values.detach().clone()))
+        return values.view(1, -1, 1)
+
+    head.forward = log_probs_forward
+    try:
+        logits = response_outputs(model, micro, remove_padding=True).logits
+    finally:
+        if own is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = own
+    if not given:
+        return None
+    values, copy = given[0]
+    same = logits.data_ptr() == values.data_ptr() and logits.numel() == values.numel()
+    return values if same and torch.equal(logits.detach().reshape(-1), copy) else None
+
+
+def _head_log_probs(
+    run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, trained: torch.Tensor
+) -> torch.Tensor:
+    """log softmax(head(hidden))[label] for each of the M rows of ``hidden`` (M, H), float32: with autograd where
+    ``trained``, without it elsewhere, a chunk of rows at a time (the logits never whole)."""
+    values = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
+    frozen = (~trained).nonzero().flatten()
+    if frozen.numel():
+        with torch.no_grad():
+            first = run(hidden[None, frozen[:1]])[0]
+            rows = max(1, HEAD_CHUNK_BYTES // (first.shape[-1] * first.element_size()))
+            for chunk in frozen.split(rows):
+                logits = run(hidden[None, chunk])[0]
+                values[chunk] = log_probs_from_logits(logits, labels[chunk]).float()
+    if not bool(trained.any()):
+        return values
+    live = log_probs_from_logits(run(hidden[None, trained])[0], labels[trained]).float()
+    return values.masked_scatter(trained, live)
 
 
 @contextlib.contextmanager
@@ -111,14 +188,14 @@ def run_datums(
     rows = datum_rows(datums, objective.inputs, device)
     outputs: list[DatumOutput | None] = [None] * len(datums)
     total = 0.0
-    groups = [sorted(group) for group in group_by_tokens([len(d.tokens) + 1 for d in datums], max_tokens)]
+    lengths = [len(d.tokens) + 1 for d in datums]
+    groups = [sorted(group) for group in micro_batch_groups(lengths, len(datums), max_tokens)]
     for group, micro in zip(groups, split_by_groups(rows, groups)):
-        mask = micro.batch[RESPONSE_MASK]
-        head = contextlib.nullcontext()
-        if backward:  # the packed head positions (row-major) whose loss has a gradient
-            head = head_gradient_at(model, micro.batch[objective.trains][mask.bool()] != 0)
-        with torch.set_grad_enabled(backward), head:
-            logprobs, _ = response_log_probs(model, micro, remove_padding=True)
+        mask = micro.batch[RESPONSE_MASK].bool()
+        # the packed positions (row-major) whose loss has a gradient
+        trained = (micro.batch[objective.trains][mask] != 0) & backward
+        with torch.set_grad_enabled(backward):
+            logprobs = datum_log_probs(model, micro, trained)
             per_token = objective.per_token(ForwardOutputs(log_probs=logprobs), micro.batch)
             summed = per_token.sum()
             if backward:

@@ -51,7 +51,7 @@ def packed_prompt_sharing(data: DataProto, remove_padding: bool) -> PromptSharin
     return prompt_sharing(data) if remove_padding else None
 
 
-def _accepts_logits_to_keep(model: nn.Module) -> bool:
+def accepts_logits_to_keep(model: nn.Module) -> bool:
     """Whether the model's forward takes ``logits_to_keep``: a peft model passes it on to the model it adapts."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "logits_to_keep" in inspect.signature(inner.forward).parameters
@@ -135,7 +135,7 @@ def response_outputs(
         outputs, shard = _sharded_outputs(model, packed, keep, sp_group, routes, replay_routes, record_routes, to_rows)
         return ResponseOutputs(outputs, packed.response_valid, shard)
     with replaying_routes(model, routes, replay_routes), routes_into(model, record_routes, to_rows):
-        if _accepts_logits_to_keep(model):
+        if accepts_logits_to_keep(model):
             outputs = packed_forward(model, packed, logits_to_keep=keep)[0]
         else:
             outputs = packed_forward(model, packed)[0, keep]
@@ -192,7 +192,7 @@ def _sharded_outputs(
         return to_rows(torch.cat(slices).to(recorded.dtype))
 
     with replaying_routes(model, routes, replay), routes_into(model, record, gathered_rows):
-        if _accepts_logits_to_keep(model):
+        if accepts_logits_to_keep(model):
             outputs = packed_forward(model, local, logits_to_keep=keep[held] - start, shards=shards)[0]
         else:
             outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]

@@ -11,7 +11,7 @@ from hybridflow.algorithms.datum_losses import Datum
 from hybridflow.algorithms.objectives import datum_objective
 from hybridflow.engine.adapter_slots import AdapterSlots
 from hybridflow.engine.datum_pass import run_datums
-from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
+from hybridflow.engine.lora import ADAPTER, ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
 from hybridflow.models import load_causal_lm
 from hybridflow.models.adapters import ATTN, MLP, UNEMBED
 
@@ -78,6 +78,9 @@ def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path, parts,
                 param.copy_(start[f"{layer}.{part}"])
     optimizer = torch.optim.AdamW([p for p in alone.parameters() if p.requires_grad], **ADAM)
     vocab = alone.config.vocab_size
+    ran = set()  # the slot's layers whose adapter computed: those of the adapter's parts only (the rest are zero)
+    for layer in slots.layers:
+        layer.module.lora_A[ADAPTER].register_forward_hook(lambda module, i, o, name=layer.name: ran.add(name))
     for step in range(3):
         data = datums(vocab, seed=step)
         slot_loss = train_step(slots, "a", data)
@@ -85,6 +88,7 @@ def test_a_narrow_adapter_in_the_slot_trains_as_it_would_alone(tiny_path, parts,
         _, alone_loss = run_datums(alone, data, CROSS_ENTROPY, backward=True, max_tokens=64, device=CPU)
         optimizer.step()
         assert slot_loss == pytest.approx(alone_loss, rel=1e-6)
+    assert ran == {layer.name for layer in slots.layers if layer.part in parts}
     held_out = datums(vocab, seed=99)
     expected, _ = run_datums(alone, held_out, CROSS_ENTROPY, backward=False, max_tokens=64, device=CPU)
     for got, want in zip(logprobs(slots, "a", held_out), expected):

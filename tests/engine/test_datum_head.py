@@ -1,6 +1,8 @@
-"""The datum pass differentiates the output head only where a token's loss gradient can be non-zero (its weight or
-advantage non-zero): the log-probs, losses and every gradient equal those of the plain pass (the head with
-autograd everywhere), fp32, for each loss, with the head adapted by LoRA and with every weight trained."""
+"""The datum pass gives the output head the hidden states and has it return the log-probs (engine/datum_pass.py
+``datum_log_probs``): autograd at the positions whose loss can have a gradient (weight or advantage non-zero), no
+autograd and a chunk of rows at a time elsewhere. Its log-probs, losses and every gradient equal those of the plain
+pass (the whole logits, the head with autograd everywhere), fp32, for each loss, with the head adapted by LoRA and
+with every weight trained; a model whose forward changes the head's output falls back to the logits, exactly."""
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from hybridflow.algorithms.datum_losses import Datum
 from hybridflow.algorithms.objectives import datum_objective, datum_objectives
 from hybridflow.engine import datum_pass
 from hybridflow.engine.datum_pass import head_gradient_at, run_datums
+from hybridflow.engine.forward import response_log_probs
 from hybridflow.engine.lora import ALL_LINEAR, OUTPUT_HEAD, LoraConfig, apply_lora
 from hybridflow.models import load_causal_lm
 
@@ -36,16 +39,31 @@ def gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def plain_log_probs(model, micro, trained):
+    """The pass without any of the head's savings: the whole logits, with autograd at every position."""
+    return response_log_probs(model, micro, remove_padding=True)[0]
+
+
 def run(model, data, loss, monkeypatch, split: bool):
-    if not split:  # the plain pass: the head with autograd on every position
-        everywhere = lambda model, trained: head_gradient_at(model, trained | True)  # noqa: E731
-        monkeypatch.setattr(datum_pass, "head_gradient_at", everywhere)
+    if not split:
+        monkeypatch.setattr(datum_pass, "datum_log_probs", plain_log_probs)
     model.zero_grad(set_to_none=True)
     outputs, total = run_datums(
         model, data, datum_objective(loss)(), backward=True, max_tokens=24, device=CPU, loss_scale=2.0
     )
     monkeypatch.undo()
     return outputs, total, gradients(model)
+
+
+def assert_same_pass(split, plain):
+    (split_outputs, split_total, split_grads), (plain_outputs, plain_total, plain_grads) = split, plain
+    assert split_total == pytest.approx(plain_total, rel=1e-6)
+    for a, b in zip(split_outputs, plain_outputs):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a.elementwise_loss, b.elementwise_loss, rtol=1e-6, atol=1e-6)
+    assert split_grads.keys() == plain_grads.keys() and len(split_grads) > 0
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("loss", datum_objectives())
@@ -65,18 +83,40 @@ def test_gradients_logprobs_and_losses_equal_the_plain_pass(tiny_path, monkeypat
     head = model.get_output_embeddings()
     rows = []  # the head runs on the datums' positions only (logits_to_keep, through peft too): what it splits
     head.register_forward_hook(lambda module, inputs, output: rows.append(inputs[0].shape[1]))
-    split_outputs, split_total, split_grads = run(model, data, loss, monkeypatch, split=True)
-    plain_outputs, plain_total, plain_grads = run(model, data, loss, monkeypatch, split=False)
-    assert split_total == pytest.approx(plain_total, rel=1e-6)
-    for a, b in zip(split_outputs, plain_outputs):
-        np.testing.assert_allclose(a.logprobs, b.logprobs, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(a.elementwise_loss, b.elementwise_loss, rtol=1e-6, atol=1e-6)
+    monkeypatch.setattr(datum_pass, "HEAD_CHUNK_BYTES", 3 * 4 * model.config.vocab_size)  # 3 rows a chunk
+    split = run(model, data, loss, monkeypatch, split=True)
+    plain = run(model, data, loss, monkeypatch, split=False)
     assert sum(rows) == 2 * sum(len(d.tokens) for d in data)
-    assert split_grads.keys() == plain_grads.keys() and len(split_grads) > 0
+    assert datum_pass._HEAD_GIVES_LOG_PROBS.get(model, True)  # the head gave the log-probs: no fall-back
     assert any(p.grad is not None for p in head.parameters())  # the head itself is trained (LoRA or weight)
-    for name, grad in plain_grads.items():
-        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert_same_pass(split, plain)
     assert "forward" not in head.__dict__  # the head's own forward is back
+
+
+def with_scaled_logits(model):
+    """``model`` whose forward halves its head's output (as a logit scale or soft cap does after the head)."""
+
+    class ScaledLogits(type(model)):
+        def forward(self, *args, logits_to_keep=0, **kwargs):
+            out = super().forward(*args, logits_to_keep=logits_to_keep, **kwargs)
+            out.logits = out.logits * 0.5
+            return out
+
+    model.__class__ = ScaledLogits
+    return model
+
+
+def test_a_forward_that_changes_the_heads_output_gets_the_plain_pass(tiny_path, monkeypatch):
+    torch.manual_seed(0)
+    model = with_scaled_logits(load_causal_lm(tiny_path, dtype=torch.float32))
+    data = datums(model.config.vocab_size, seed=1)
+    split = run(model, data, "importance_sampling", monkeypatch, split=True)
+    assert datum_pass._HEAD_GIVES_LOG_PROBS[model] is False  # seen at the first micro-batch, then kept
+    plain = run(model, data, "importance_sampling", monkeypatch, split=False)
+    assert_same_pass(split, plain)
+    scaled = torch.log_softmax(model(torch.as_tensor(data[0].tokens)[None]).logits[0], dim=-1)
+    expected = scaled.gather(1, torch.as_tensor(data[0].inputs["target_tokens"])[:, None])[:, 0]
+    np.testing.assert_allclose(split[0][0].logprobs, expected.detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
 def test_only_the_trained_positions_reach_the_heads_autograd(tiny_path):

@@ -16,7 +16,8 @@ docs/results.md has the measurements against transformers' `generate`.
 """
 
 from hybridflow.rollout.native.config import NativeEngineConfig
-from hybridflow.rollout.native.engine import Engine, EngineStats
+from hybridflow.rollout.native.engine import Engine
+from hybridflow.rollout.native.engine_stats import EngineStats
 from hybridflow.rollout.native.rollout import NativeRollout
 
 __all__ = ["Engine", "EngineStats", "NativeEngineConfig", "NativeRollout"]

@@ -25,25 +25,12 @@ import torch
 from hybridflow.rollout.native import model, ragged_attention
 from hybridflow.rollout.native.config import NativeEngineConfig
 from hybridflow.rollout.native.cpu_share import ThreadGovernor
+from hybridflow.rollout.native.engine_stats import EngineStats
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.route_log import RouteLog
 from hybridflow.rollout.native.sampler import sample
 from hybridflow.rollout.native.weights import Weights
 from hybridflow.rollout.sampling import SamplingParams
-
-
-@dataclass
-class EngineStats:
-    """Counters of the last `Engine.generate` call."""
-
-    prefill_calls: int = 0  # prefill forwards
-    prefill_sequences: int = 0  # prompts computed (one per group of identical prompts admitted together)
-    prefill_tokens: int = 0  # real prompt tokens computed
-    decode_steps: int = 0  # decode forwards
-    decode_tokens: int = 0  # sequences summed over decode steps
-    max_running: int = 0  # most sequences decoded together
-    slot_moves: int = 0  # sequences moved down to close holes
-    shared_prefix_tokens: int = 0  # length of the common prefix of all prompts, computed once
 
 
 @dataclass

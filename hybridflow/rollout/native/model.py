@@ -313,6 +313,21 @@ def extend(
         rows, offsets = real.nonzero(as_tuple=True)  # row-major: each row's tokens in order, rows in order
         hidden = _decode_hidden(weights, rope, cache, tokens[real], starts[rows] + offsets, True, slots[rows], record)
         return _logits(weights, hidden[lengths.cumsum(0) - 1])  # each row's last token
+    return _extend_padded(weights, rope, cache, tokens, lengths, starts, slots, scratch_slot, record)
+
+
+def _extend_padded(
+    weights: Weights,
+    rope: RotaryTables,
+    cache: KVCache,
+    tokens: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    slots: torch.Tensor,
+    scratch_slot: int,
+    record: list | None,
+) -> torch.Tensor:
+    """``extend`` over right-padded rows: each row's keys and values gathered from its slot, with a mask."""
     spec = weights.spec
     b, t = tokens.shape
     hkv, g, d = spec.num_kv_heads, spec.group_size, spec.head_dim

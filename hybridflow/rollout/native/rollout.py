@@ -28,7 +28,8 @@ from hybridflow.rollout.base import (
     stop_and_pad_ids,
 )
 from hybridflow.rollout.native.config import NativeEngineConfig
-from hybridflow.rollout.native.engine import Continuation, Engine, EngineStats
+from hybridflow.rollout.native.engine import Continuation, Engine
+from hybridflow.rollout.native.engine_stats import EngineStats
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.sessions import NativeRequestEngine
 from hybridflow.rollout.native.spec import spec_from_config
