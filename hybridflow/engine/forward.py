@@ -309,11 +309,13 @@ def pipelined_outputs(
     sp_group: dist.ProcessGroup | None = None,
     loss: Callable[[int, ResponseOutputs], torch.Tensor] | None = None,
     replay: RouteReplay | None = None,
+    balance: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[ResponseOutputs] | None:
     """``response_outputs`` of every micro-batch through a pipelined model's stages. With ``loss`` (training): loss(i,
     outputs) is micro-batch i's loss, which the schedule backwards; returns None. Without: forward only; returns the
     outputs on the rank holding the last stage, None elsewhere. ``replay``: ``response_outputs``' ``replay_routes``,
-    each stage routing through its layers' columns of the batch's ``routed_experts``."""
+    each stage routing through its layers' columns of the batch's ``routed_experts``. ``balance``: a mixture's
+    balancing loss from micro-batch i's routing statistics, added to its loss (``PipelinedModel.run``)."""
     check_pipelined(remove_padding, sp_group)
     packed = [packed_responses(micro) for micro in micro_batches]
     routes = None
@@ -324,7 +326,7 @@ def pipelined_outputs(
         return ResponseOutputs(logits, packed[index][0].response_valid, None)
 
     staged_loss = None if loss is None else (lambda index, logits: loss(index, outputs(index, logits)))
-    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay)
+    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay, balance)
     return None if results is None else [outputs(i, logits) for i, logits in enumerate(results)]
 
 

@@ -9,14 +9,13 @@ them, summed), as transformers computes it for a batch; a mini-batch's loss adds
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
+from hybridflow.algorithms.router_loss import balancing_loss_of, expert_loads_of, routing_statistics
 from hybridflow.engine.forward import ResponseShard
 from hybridflow.engine.sequence_parallel import sum_over
 from hybridflow.models.routing import configured_balancing_weight, routers
@@ -46,20 +45,29 @@ class RouterRecorder:
         alike, which FSDP's mean over the dp x sp ranks divides back, as for the policy loss)."""
         if not self.logits:
             raise RuntimeError("no router ran since the last clear: the forward did not pass through the MoE layers")
-        logits, sum_parts = self.logits, None
+        logits = self.logits
         if shard is not None:
             logits = [layer[: shard.real_tokens] for layer in logits]  # the padding that evens the slices left out
-            sum_parts = functools.partial(sum_over, group=shard.group)
-        loss = load_balancing_loss(logits, self.top_k, sum_parts)
-        loads = expert_loads(logits, self.top_k, sum_parts) * logits[0].shape[-1]
-        metrics = {f"{prefix}/router_aux_loss": float(loss.detach())}
-        for layer, busiest in enumerate(loads.max(dim=1).values.tolist()):
-            metrics[f"{prefix}/expert_load_max/layer_{layer}"] = busiest
-        return loss, metrics
+        statistics = routing_statistics(logits, self.top_k)
+        if shard is not None:
+            statistics = sum_over(statistics, group=shard.group)
+        return balancing_loss_and_metrics(statistics, prefix)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def balancing_loss_and_metrics(statistics: torch.Tensor, prefix: str) -> tuple[torch.Tensor, dict[str, float]]:
+    """The balancing loss of a micro-batch's routing statistics (algorithms/router_loss.py, differentiable) and its
+    metrics: the loss, and per layer the busiest expert's share of the choices relative to an even split (1: balanced;
+    E / k at most)."""
+    loss = balancing_loss_of(statistics)
+    loads = expert_loads_of(statistics) * statistics.shape[-1]
+    metrics = {f"{prefix}/router_aux_loss": float(loss.detach())}
+    for layer, busiest in enumerate(loads.max(dim=1).values.tolist()):
+        metrics[f"{prefix}/expert_load_max/layer_{layer}"] = busiest
+    return loss, metrics
 
 
 def aux_loss_coefficient(model: nn.Module, configured: float | None, gates: list[nn.Module] | None = None) -> float:

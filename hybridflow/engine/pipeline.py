@@ -36,15 +36,15 @@ from torch.distributed.tensor import DTensor
 from hybridflow.engine.fsdp import full_parameters
 from hybridflow.engine.packing import PackedBatch, Segments, pad_packed
 from hybridflow.engine.pipeline_stages import (
+    PIPELINE_DIM,
     MicroInputs,
-    head_name,
+    RoutingShape,
     local_stages,
     split_stage,
-    submodule_named,
 )
-from hybridflow.models.routing import RouteReplay
-
-PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
+from hybridflow.engine.pipeline_tied import TIED_HEAD, TiedWeights, tied_weights
+from hybridflow.models.routing import RouteReplay, routers
+from hybridflow.models.split_sizes import expert_count
 
 
 def whole_parameters(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -101,37 +101,15 @@ def _empty_packed(like: PackedBatch) -> PackedBatch:
     )
 
 
-class TiedWeights:
-    """A model whose head shares the embedding's weight: the first stage holds the embedding, the last the head (on
-    pp ranks 0 and pp - 1, never one rank); after each backward their gradients are summed over ``group`` (those two
-    ranks), so both copies take the same step. This rank holds one of them (the other None)."""
-
-    def __init__(self, embedding: nn.Parameter | None, head: nn.Parameter | None, group: dist.ProcessGroup):
-        self.embedding, self.head, self.group = embedding, head, group
-
-    def sum_gradients(self) -> None:
-        for p in (self.embedding, self.head):
-            if p is None:
-                continue
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            dist.all_reduce(local, group=self.group)
-            p.grad = grad
-
-    @property
-    def duplicate(self) -> nn.Parameter | None:
-        """The copy counted once only in the gradient norm (the head's), where this rank holds it."""
-        return self.head
-
-
-TIED_HEAD = "lm_head"  # the head that shares the embedding's weight in a model with tied embeddings
 LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class PipelinedModel(nn.Module):
     """This rank's stages of a model split into ``num_stages`` over the pp ``group``: one runs torch's 1F1B schedule,
     more the interleaved 1F1B one. ``hidden_size`` and ``activation_dtype``: what stages send each other; ``tied``:
-    the embedding and head gradient sum of a model with tied embeddings (None: untied, or neither on this rank)."""
+    the embedding and head gradient sum of a model with tied embeddings (None: untied, or neither on this rank);
+    ``routing``: a mixture of experts' routing statistics, which stages send each other in a pass with the balancing
+    loss (None: the model has no MoE layers)."""
 
     def __init__(
         self,
@@ -143,6 +121,7 @@ class PipelinedModel(nn.Module):
         activation_dtype: torch.dtype,
         inputs: MicroInputs,
         tied: TiedWeights | None = None,
+        routing: RoutingShape | None = None,
     ):
         super().__init__()
         self.stages = nn.ModuleList(stages)
@@ -153,6 +132,7 @@ class PipelinedModel(nn.Module):
         self.activation_dtype = activation_dtype
         self.inputs = inputs
         self.tied = tied
+        self.routing = routing  # a mixture's: what its stages carry for the balancing loss (None: no MoE layers)
 
     @property
     def config(self):
@@ -196,16 +176,27 @@ class PipelinedModel(nn.Module):
         meta = torch.device("meta")
         hidden = torch.empty(1, length, self.hidden_size, dtype=self.activation_dtype, device=meta)
         hidden.requires_grad_(training)
+        carried = ()
+        routing = self.inputs.routing
+        if routing is not None:  # the routing statistics, after the hidden states
+            shape = (routing.layers + 2, routing.experts)
+            carried = (torch.empty(shape, dtype=torch.float32, device=meta, requires_grad=training),)
         stages = []
         for module, index in zip(self.stages, self.indices):
             first, last = index == 0, index == self.num_stages - 1
-            given = torch.empty(1, length, dtype=torch.long, device=meta) if first else hidden
+            given = torch.empty(1, length, dtype=torch.long, device=meta) if first else (hidden, *carried)
             output = (
                 torch.empty(1, dtype=self.activation_dtype, device=meta, requires_grad=training) if last else hidden
             )
             stages.append(
                 PipelineStage(
-                    module, index, self.num_stages, device, input_args=given, output_args=output, group=self.group
+                    module,
+                    index,
+                    self.num_stages,
+                    device,
+                    input_args=given,
+                    output_args=(output, *carried) if carried else output,
+                    group=self.group,
                 )
             )
         return stages
@@ -225,29 +216,43 @@ class PipelinedModel(nn.Module):
         loss: LossOfOutputs | None = None,
         routes: list[torch.Tensor] | None = None,
         replay: RouteReplay | None = None,
+        balance: LossOfOutputs | None = None,
     ) -> list[torch.Tensor] | None:
         """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
         outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
         only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere).
         Where the schedule needs more micro-batches than given (``micro_batch_count``), empty ones (filler tokens
         only, no outputs, no loss) make up the number. ``routes``: routing replay, each micro-batch's packed tokens'
-        recorded experts (N, L, k), each stage replaying its layers' (``replay`` counts)."""
+        recorded experts (N, L, k), each stage replaying its layers' (``replay`` counts). ``balance`` (training a
+        mixture): balance(i, statistics) is added to micro-batch i's loss, from the whole model's routing statistics
+        of its real tokens (``StageForward``)."""
+        if balance is not None and (loss is None or self.routing is None):
+            raise ValueError("a balancing loss is added to a training pass's loss, of a model with MoE layers")
         given = len(packed)
         count = self.micro_batch_count(given)
         empty = _empty_packed(packed[0])
+        self.inputs.real_tokens = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
         packed = list(packed) + [empty] * (count - given)
         select = list(select) + [select[0].new_zeros(0)] * (count - given)
         length = max(p.input_ids.shape[1] for p in packed)
         self.inputs.packed = [pad_packed(p, length) for p in packed]
         self.inputs.select = select
+        self.inputs.routing = self.routing if balance is not None else None
         if routes is not None:  # the padding that evens the micro-batches routes itself
             pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
             self.inputs.routes, self.inputs.replay = [pad(r) for r in routes], replay
         stages = self._pipeline_stages(length, training=loss is not None)
 
-        def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        def loss_fn(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
             index = int(target.reshape(-1)[0])
-            return loss(index, output) if index < given else output.sum() * 0.0
+            statistics = None
+            if balance is not None:
+                output, statistics = output
+            if index >= given:  # an empty micro-batch: no loss, but a gradient (of zeros) for everything sent
+                zero = output.sum() * 0.0
+                return zero if statistics is None else zero + statistics.sum() * 0.0
+            value = loss(index, output)
+            return value if statistics is None else value + balance(index, statistics)
 
         step_loss = loss_fn if loss else None
         if len(stages) > 1:
@@ -269,6 +274,7 @@ class PipelinedModel(nn.Module):
             return list(last[0].output_chunks)[:given] if last else None
         finally:
             self.inputs.packed, self.inputs.select, self.inputs.routes, self.inputs.replay = [], [], [], None
+            self.inputs.real_tokens, self.inputs.routing = [], None
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
             # gather them anew, after the optimizer step
             for module in self.modules():
@@ -340,26 +346,6 @@ class PipelinedModel(nn.Module):
         return box[0]
 
 
-def _tie_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The group of the first and the last pp rank at this rank's (dp, tp) place: every rank creates all of them."""
-    if mesh[PIPELINE_DIM].size() == 2:
-        return mesh[PIPELINE_DIM].get_group()
-    grid = mesh.mesh  # (dp, pp, tp) global ranks
-    pp_dim = mesh.mesh_dim_names.index(PIPELINE_DIM)
-    pairs = grid.movedim(pp_dim, -1).reshape(-1, grid.shape[pp_dim])[:, [0, -1]]
-    mine = None
-    for pair in pairs.tolist():
-        group = dist.new_group(pair)
-        if dist.get_rank() in pair:
-            mine = group
-    return mine
-
-
-def _parameter_named(module: nn.Module, leaf: str) -> nn.Parameter:
-    parent, attr = submodule_named(module, leaf)
-    return getattr(parent, attr).weight
-
-
 def build_pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -375,15 +361,12 @@ def build_pipelined(
     inputs = MicroInputs([], [])
     indices = local_stages(mesh[PIPELINE_DIM].get_local_rank(), pp, stages_per_rank)
     text_config = model.config.get_text_config()
-    tied = bool(getattr(text_config, "tie_word_embeddings", False)) and head_name(model) == "lm_head"
+    gates = routers(model)
+    routing = None
+    if gates:
+        routing = RoutingShape(int(text_config.num_experts_per_tok), len(gates), expert_count(model.config))
     stages = [shard(split_stage(model, index, num_stages, inputs)) for index in indices]
-    tie = None
-    if tied:
-        group = _tie_group(mesh)
-        embedding = next((_parameter_named(s, "embed_tokens") for s, i in zip(stages, indices) if i == 0), None)
-        head = next((_parameter_named(s, "lm_head") for s, i in zip(stages, indices) if i == num_stages - 1), None)
-        if embedding is not None or head is not None:
-            tie = TiedWeights(embedding, head, group)
+    tie = tied_weights(model, mesh, stages, indices, num_stages)
     return PipelinedModel(
         stages,
         indices,
@@ -393,4 +376,5 @@ def build_pipelined(
         activation_dtype,
         inputs,
         tie,
+        routing,
     )

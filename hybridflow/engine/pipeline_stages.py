@@ -12,9 +12,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridflow.algorithms.router_loss import routing_statistics
 from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
 from hybridflow.engine.packing import PackedBatch, use_packed_attention
-from hybridflow.models.routing import RouteReplay, experts_modules, replaying_routes
+from hybridflow.models.routing import RouteReplay, experts_modules, replaying_routes, routers
+
+PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
@@ -56,27 +59,56 @@ def submodule_named(model: nn.Module, leaf: str) -> tuple[nn.Module, str]:
     return parent, leaf
 
 
+@dataclass(frozen=True)
+class RoutingShape:
+    """A mixture's routing statistics as its stages carry them (algorithms/router_loss.py ``routing_statistics``):
+    its routers' top k, its MoE layers (all stages'), its experts."""
+
+    top_k: int
+    layers: int
+    experts: int
+
+
 @dataclass
 class MicroInputs:
     """The micro-batches of the pass under way, as every stage of this rank reads them: each one's packed tokens
-    (padded to the pass's length) and the packed positions the last stage reads the head at; with routing replay,
-    each one's recorded experts (tokens, every MoE layer, k; None: routed by the model) and the replay's counts."""
+    (padded to the pass's length), how many of them are real (the rest are filler), and the packed positions the last
+    stage reads the head at; with routing replay, each one's recorded experts (tokens, every MoE layer, k; None: routed
+    by the model) and the replay's counts. ``routing``: the stages carry their routing statistics (the balancing
+    loss in training)."""
 
     packed: list[PackedBatch]
     select: list[torch.Tensor]
+    real_tokens: list[int] = field(default_factory=list)
     routes: list[torch.Tensor | None] = field(default_factory=list)
     replay: RouteReplay | None = None
+    routing: RoutingShape | None = None
 
 
 class StageForward:
     """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
-    states of the stage before; the last applies the final norm and the head at the selected positions, (M, C)."""
+    states of the stage before; the last applies the final norm and the head at the selected positions, (M, C).
 
-    def __init__(self, stack: nn.Module, head: nn.Module | None, first: bool, inputs: MicroInputs, moe_layers: slice):
+    With ``inputs.routing`` every stage also gives the routing statistics of its MoE layers (``gates``) over the
+    real tokens, added to those the stage before sent: the last stage's are the whole model's, from which it computes
+    the balancing loss, whose gradient reaches each stage's routers back through the sends."""
+
+    def __init__(
+        self,
+        stack: nn.Module,
+        head: nn.Module | None,
+        first: bool,
+        inputs: MicroInputs,
+        moe_layers: slice,
+        gates: list[nn.Module],
+    ):
         self.stack, self.head, self.first, self.inputs = stack, head, first, inputs
         self.moe_layers = moe_layers  # the stage's MoE layers among the whole model's (routing replay's columns)
+        self.gates = gates
 
-    def __call__(self, x: torch.Tensor, micro: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *carried: torch.Tensor, micro: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         index = int(micro.reshape(-1)[0])
         packed = self.inputs.packed[index]
         ids = packed.input_ids
@@ -87,14 +119,31 @@ class StageForward:
             use_cache=False,
         )
         routes = self.inputs.routes[index] if index < len(self.inputs.routes) else None
-        with replaying_routes(self.stack, None if routes is None else routes[:, self.moe_layers], self.inputs.replay):
-            if self.first:
-                hidden = self.stack(input_ids=x, **common).last_hidden_state
-            else:
-                hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
-        if self.head is None:
-            return hidden
-        return self.head(hidden[0, self.inputs.select[index]])
+        routing = self.inputs.routing
+        recorded: list[torch.Tensor] = []
+        record = lambda module, inputs, output: recorded.append(output[0] if isinstance(output, tuple) else output)  # noqa: E731
+        hooks = [gate.register_forward_hook(record) for gate in self.gates] if routing is not None else []
+        try:
+            with replaying_routes(
+                self.stack, None if routes is None else routes[:, self.moe_layers], self.inputs.replay
+            ):
+                if self.first:
+                    hidden = self.stack(input_ids=x, **common).last_hidden_state
+                else:
+                    hidden = self.stack(inputs_embeds=x, **common).last_hidden_state
+        finally:
+            for hook in hooks:
+                hook.remove()
+        output = hidden if self.head is None else self.head(hidden[0, self.inputs.select[index]])
+        if routing is None:
+            return output
+        real = self.inputs.real_tokens[index]
+        if recorded and real:  # the filler that evens the micro-batches left out
+            logits = [layer[:real] for layer in recorded]
+            mine = routing_statistics(logits, routing.top_k, routing.layers, self.moe_layers.start)
+        else:
+            mine = torch.zeros(routing.layers + 2, routing.experts, device=hidden.device)
+        return output, (carried[0] + mine if carried else mine)
 
 
 def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInputs) -> nn.Module:
@@ -118,5 +167,5 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInpu
         stack.norm = nn.Identity()
         setattr(head_parent, head_attr, nn.Identity())
     # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
-    part.forward = StageForward(stack, head if last else None, first, inputs, moe_layers)
+    part.forward = StageForward(stack, head if last else None, first, inputs, moe_layers, routers(part))
     return part

@@ -104,9 +104,10 @@ def pipelined_scores(
     loss: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
     *,
     pad_token_id: int,
+    balance: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[torch.Tensor] | None:
     """``sequence_scores`` of every micro-batch through a pipelined model's stages, the last stage reading the score
-    head at each row's scored token; training and forward-only as ``pipelined_outputs``."""
+    head at each row's scored token; training and forward-only (and ``balance``) as ``pipelined_outputs``."""
     check_pipelined(remove_padding, sp_group)
     scored = [scored_tokens(micro, pad_token_id) for micro in micro_batches]
 
@@ -114,7 +115,9 @@ def pipelined_scores(
         return outputs[:, 0].float()
 
     staged_loss = None if loss is None else (lambda index, outputs: loss(index, scores(outputs)))
-    results = model.run([packed for packed, _ in scored], [positions for _, positions in scored], staged_loss)
+    results = model.run(
+        [packed for packed, _ in scored], [positions for _, positions in scored], staged_loss, balance=balance
+    )
     return None if results is None else [scores(outputs) for outputs in results]
 
 

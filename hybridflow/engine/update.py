@@ -42,11 +42,12 @@ from hybridflow.engine.forward import (
     response_outputs,
 )
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
-from hybridflow.engine.moe import aux_loss_coefficient, recording_routers
+from hybridflow.engine.moe import aux_loss_coefficient, balancing_loss_and_metrics, recording_routers
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.lengths import row_lengths
+from hybridflow.models.routing import configured_balancing_weight
 from hybridflow.protocol import DataProto
 
 # (micro-batch, the mini-batch's loss aggregation, the model's outputs on it) -> its loss and metrics
@@ -200,9 +201,9 @@ def _backward(
     """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
     A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
     and every rank of the pp group gets the metrics. A mixture of experts adds its routers' balancing loss
-    (engine/moe.py), each micro-batch's weighted by 1 / their count."""
+    (engine/moe.py), each micro-batch's weighted by 1 / their count; in stages, the last stage computes it from the
+    routing statistics that every stage adds its layers' to (engine/pipeline_stages.py ``StageForward``)."""
     if isinstance(model, PipelinedModel):
-        _refuse_router_loss(model, config, "pipeline stages")
         metrics: dict[int, dict[str, float]] = {}
 
         def staged_loss(index: int, outputs: Any) -> torch.Tensor:
@@ -210,7 +211,17 @@ def _backward(
             metrics[index] = {key: _to_float(value) for key, value in values.items()}
             return loss * world_size
 
-        staged(model, micro_batches, config.use_remove_padding, loss=staged_loss)
+        coefficient = 0.0
+        if model.routing is not None:  # the whole model's routers (this rank's stages may hold none)
+            coefficient = configured_balancing_weight(model.config, config.router_aux_loss_coef)
+
+        def balance(index: int, statistics: torch.Tensor) -> torch.Tensor:
+            loss, values = balancing_loss_and_metrics(statistics, prefix)
+            metrics[index].update(values)
+            return coefficient * loss / len(micro_batches) * world_size
+
+        balancing = balance if coefficient else None
+        staged(model, micro_batches, config.use_remove_padding, loss=staged_loss, balance=balancing)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
     results = []
     keep = not config.reshard_after_forward

@@ -1,8 +1,9 @@
 """Pipeline parallelism (engine/pipeline.py) against one process, fp32, gloo, Ray ranks: the actor's log-prob pass and
 two optimizer steps of its update, with the model split into 2 stages (1F1B), 4 stages on 2 ranks (interleaved 1F1B),
 and composed with FSDP2 (pp 2 x dp 2) and tensor parallelism (pp 2 x tp 2), for two families (tiny-llama; tiny-qwen2,
-whose head shares the embedding's weight: the first and the last stage each hold a copy, kept equal). Log-probs,
-the loss, the gradient norm and every parameter after the steps equal the unsplit model's (relative 1e-5)."""
+whose head shares the embedding's weight: the first and the last stage each hold a copy, kept equal), and a mixture
+of experts with its routers' balancing loss (tiny-qwen3-moe). Log-probs, the loss, the gradient norm (the balancing
+loss and the expert loads) and every parameter after the steps equal the unsplit model's (relative 1e-5)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,6 +171,10 @@ def tied_copy(name: str) -> str:
 CASES = [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout in list(LAYOUTS)[:4]] + [
     ("tiny-llama", layout) for layout in [*list(LAYOUTS)[4:], "pp2-1f1b-lora", "pp2-tp2-lora"]
 ]
+# a mixture of experts with its routers' balancing loss (weight 0.5): every stage adds its layers' routing statistics
+# to what it sends on, the last computes the loss, whose gradient reaches each stage's routers back through the sends
+BALANCED = ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
+CASES += [("tiny-qwen3-moe", f"{layout}-balanced") for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-one-micro-batch")]
 
 
 @pytest.mark.parametrize("family, layout", CASES)
@@ -177,9 +182,10 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     groups, family, layout, actor_config_factory
 ):
     """With LoRA (rank 4 on every linear layer): the adapters train, the frozen base stays, in stages as unsplit."""
-    lora = layout.endswith("-lora")
-    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix("-lora")]
-    config = actor_config(model_dir(family), actor_config_factory, micro_batch, *(LORA if lora else ()))
+    lora, balanced = layout.endswith("-lora"), layout.endswith("-balanced")
+    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix("-lora").removesuffix("-balanced")]
+    extra = LORA if lora else BALANCED if balanced else ()
+    config = actor_config(model_dir(family), actor_config_factory, micro_batch, *extra)
     batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
     ordered, where = one_process_order(batch, dp)
     groups[1].build(config, 1, 1, 1, 1)
@@ -187,7 +193,11 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     staged = groups[dp * pp * tp]
     staged.build(config, dp, pp, tp, stages_per_rank)
     results = staged.log_probs_and_update(batch)
-    for key in ("actor/pg_loss", "actor/grad_norm"):  # the driver's mean over ranks is the mini-batch's
+    keys = ["actor/pg_loss", "actor/grad_norm"]
+    if balanced:  # the balancing loss and each layer's busiest expert, as the unsplit model's
+        keys += [key for key in want_metrics if key.startswith(("actor/router_aux_loss", "actor/expert_load_max/"))]
+        assert len(keys) == 2 + 1 + LAYERS and want_metrics["actor/router_aux_loss"] > 0
+    for key in keys:  # the driver's mean over ranks is the mini-batch's
         assert sum(r[1][key] for r in results) / len(results) == pytest.approx(want_metrics[key], rel=1e-5), key
     for rank, (log_probs, _, parameters) in enumerate(results):
         torch.testing.assert_close(log_probs, want_log_probs[where[rank // (pp * tp)]], rtol=1e-5, atol=1e-6)

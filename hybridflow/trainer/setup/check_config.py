@@ -20,7 +20,6 @@ from hybridflow.algorithms.advantage import AdvantageEstimator, get_adv_estimato
 from hybridflow.controller import Role
 from hybridflow.engine.lora import LoraConfig
 from hybridflow.models import parse_dtype
-from hybridflow.models.routing import configured_balancing_weight
 from hybridflow.models.split_sizes import expert_count
 from hybridflow.reward.custom import load_custom_reward_fn
 from hybridflow.rollout.backend import BackendCheck, rollout_backend, rollout_backends
@@ -204,33 +203,6 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
     )
 
 
-def _check_balancing_loss_in_stages(cfg: HybridFlowConfig, plan: RunPlan) -> None:
-    """A mixture of experts trained in pipeline stages has no balancing loss: it pools every layer's routers over a
-    micro-batch, and each stage holds some of the layers (the loss is computed on the last). Its weight is the
-    configured one or the model config's ``router_aux_loss_coef`` (models/routing.py, as engine/moe.py weighs it)."""
-    trained = [("actor_rollout_ref.actor", Role.ActorRollout, cfg.actor_rollout_ref.actor, plan.paths.actor_model)]
-    if plan.needs(Role.Critic):
-        trained.append(("critic", Role.Critic, cfg.critic, plan.paths.critic_model))
-    for section, role, settings, model_path in trained:
-        layout = plan.layouts.get(role)
-        if layout is None or layout.pp == 1:
-            continue
-        config = model_config(model_path)
-        if not expert_count(config):
-            continue
-        configured = settings.router_aux_loss_coef
-        weight = configured_balancing_weight(config, configured)
-        _check(
-            weight == 0,
-            f"{section}.router_aux_loss_coef",
-            f"{weight}"
-            + ("" if configured is not None else " (the model's own router_aux_loss_coef, as the key is null)")
-            + f": the routers' balancing loss pools every MoE layer over a micro-batch, and {layout.pp} pipeline "
-            "stages each hold some of the layers",
-            f"set {section}.router_aux_loss_coef=0, or {section}.pipeline_model_parallel_size=1",
-        )
-
-
 def check_lora_targets(
     section: str, lora: LoraConfig, model_dir: str, critic: bool = False, expert_parallel: int = 1
 ) -> None:
@@ -338,7 +310,6 @@ def check_config(cfg: HybridFlowConfig) -> RunPlan:
     check_files(cfg.data.val_files, "data.val_files", required=False)
     plan = make_run_plan(cfg)  # models, placement, layouts, batch splits: ConfigError where they do not fit
     _check_router_replay(cfg, plan)
-    _check_balancing_loss_in_stages(cfg, plan)
     _check_rollout_backend(cfg, plan)
     _check_multi_turn(cfg, plan)
     _check_group_size(cfg, plan.estimator)
