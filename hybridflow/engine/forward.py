@@ -284,11 +284,15 @@ def _batched(
     groups = micro_batch_groups(row_lengths(data), micro_batch_size, max_token_len, sharing)
     micro_batches = split_by_groups(data, groups)
     if isinstance(model, PipelinedModel):
-        if record_routes is not None:
-            raise ValueError("recording routes in pipeline stages is not built (each rank runs some layers)")
-        outputs = pipelined_outputs(model, micro_batches, remove_padding, sp_group, replay=replay_routes)
+        recorded = [] if record_routes is not None else None
+        outputs = pipelined_outputs(
+            model, micro_batches, remove_padding, sp_group, replay=replay_routes, record_routes=recorded
+        )
         parts = None if outputs is None else [of_outputs(m, o) for m, o in zip(micro_batches, outputs)]
-        return model.share_from_last(parts), groups
+        parts, recorded = model.share_from_last((parts, recorded))
+        if record_routes is not None:
+            record_routes.extend(recorded)
+        return parts, groups
     outputs = (
         response_outputs(model, m, remove_padding, sp_group, replay_routes, record_routes) for m in micro_batches
     )
@@ -310,12 +314,15 @@ def pipelined_outputs(
     loss: Callable[[int, ResponseOutputs], torch.Tensor] | None = None,
     replay: RouteReplay | None = None,
     balance: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    record_routes: list[torch.Tensor] | None = None,
 ) -> list[ResponseOutputs] | None:
     """``response_outputs`` of every micro-batch through a pipelined model's stages. With ``loss`` (training): loss(i,
     outputs) is micro-batch i's loss, which the schedule backwards; returns None. Without: forward only; returns the
     outputs on the rank holding the last stage, None elsewhere. ``replay``: ``response_outputs``' ``replay_routes``,
     each stage routing through its layers' columns of the batch's ``routed_experts``. ``balance``: a mixture's
-    balancing loss from micro-batch i's routing statistics, added to its loss (``PipelinedModel.run``)."""
+    balancing loss from micro-batch i's routing statistics, added to its loss (``PipelinedModel.run``).
+    ``record_routes`` (forward only): receives each micro-batch's routes as ``response_outputs``', on the rank holding
+    the last stage (the stages carry them there)."""
     check_pipelined(remove_padding, sp_group)
     packed = [packed_responses(micro) for micro in micro_batches]
     routes = None
@@ -326,8 +333,17 @@ def pipelined_outputs(
         return ResponseOutputs(logits, packed[index][0].response_valid, None)
 
     staged_loss = None if loss is None else (lambda index, logits: loss(index, outputs(index, logits)))
-    results = model.run([p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay, balance)
-    return None if results is None else [outputs(i, logits) for i, logits in enumerate(results)]
+    record = record_routes is not None
+    results = model.run(
+        [p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay, balance, record
+    )
+    if results is None:
+        return None
+    if record:
+        results, recorded = zip(*results)
+        for micro, (p, _), chosen in zip(micro_batches, packed, recorded):
+            record_routes.append(rows_of_tokens(chosen, p.token_position, micro.batch[ATTENTION_MASK]))
+    return [outputs(i, logits) for i, logits in enumerate(results)]
 
 
 @torch.no_grad()

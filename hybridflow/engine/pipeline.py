@@ -43,7 +43,7 @@ from hybridflow.engine.pipeline_stages import (
     split_stage,
 )
 from hybridflow.engine.pipeline_tied import TIED_HEAD, TiedWeights, tied_weights
-from hybridflow.models.routing import RouteReplay, routers
+from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, routers
 from hybridflow.models.split_sizes import expert_count
 
 
@@ -176,11 +176,14 @@ class PipelinedModel(nn.Module):
         meta = torch.device("meta")
         hidden = torch.empty(1, length, self.hidden_size, dtype=self.activation_dtype, device=meta)
         hidden.requires_grad_(training)
-        carried = ()
-        routing = self.inputs.routing
-        if routing is not None:  # the routing statistics, after the hidden states
+        carried = ()  # what a mixture's stages carry after the hidden states (pipeline_stages.py ``StageForward``)
+        routing, recording = self.inputs.routing, self.inputs.recording
+        if routing is not None:  # the routing statistics
             shape = (routing.layers + 2, routing.experts)
             carried = (torch.empty(shape, dtype=torch.float32, device=meta, requires_grad=training),)
+        elif recording is not None:  # the experts each token was routed to
+            shape = (length, recording.layers, recording.top_k)
+            carried = (torch.empty(shape, dtype=ROUTE_DTYPE, device=meta),)
         stages = []
         for module, index in zip(self.stages, self.indices):
             first, last = index == 0, index == self.num_stages - 1
@@ -217,7 +220,8 @@ class PipelinedModel(nn.Module):
         routes: list[torch.Tensor] | None = None,
         replay: RouteReplay | None = None,
         balance: LossOfOutputs | None = None,
-    ) -> list[torch.Tensor] | None:
+        record: bool = False,
+    ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
         outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
         only, no gradients; returns each micro-batch's outputs on the rank holding the last stage (None elsewhere).
@@ -225,9 +229,12 @@ class PipelinedModel(nn.Module):
         only, no outputs, no loss) make up the number. ``routes``: routing replay, each micro-batch's packed tokens'
         recorded experts (N, L, k), each stage replaying its layers' (``replay`` counts). ``balance`` (training a
         mixture): balance(i, statistics) is added to micro-batch i's loss, from the whole model's routing statistics
-        of its real tokens (``StageForward``)."""
+        of its real tokens (``StageForward``). ``record`` (forward only, a mixture): each micro-batch's outputs come
+        with the experts every MoE layer routed each of its packed tokens to, (tokens, L, k)."""
         if balance is not None and (loss is None or self.routing is None):
             raise ValueError("a balancing loss is added to a training pass's loss, of a model with MoE layers")
+        if record and (loss is not None or self.routing is None):
+            raise ValueError("routes are recorded by a forward-only pass, of a model with MoE layers")
         given = len(packed)
         count = self.micro_batch_count(given)
         empty = _empty_packed(packed[0])
@@ -238,6 +245,7 @@ class PipelinedModel(nn.Module):
         self.inputs.packed = [pad_packed(p, length) for p in packed]
         self.inputs.select = select
         self.inputs.routing = self.routing if balance is not None else None
+        self.inputs.recording = self.routing if record else None
         if routes is not None:  # the padding that evens the micro-batches routes itself
             pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
             self.inputs.routes, self.inputs.replay = [pad(r) for r in routes], replay
@@ -274,7 +282,7 @@ class PipelinedModel(nn.Module):
             return list(last[0].output_chunks)[:given] if last else None
         finally:
             self.inputs.packed, self.inputs.select, self.inputs.routes, self.inputs.replay = [], [], [], None
-            self.inputs.real_tokens, self.inputs.routing = [], None
+            self.inputs.real_tokens, self.inputs.routing, self.inputs.recording = [], None, None
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
             # gather them anew, after the optimizer step
             for module in self.modules():

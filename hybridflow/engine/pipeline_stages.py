@@ -15,7 +15,7 @@ from torch import nn
 from hybridflow.algorithms.router_loss import routing_statistics
 from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
 from hybridflow.engine.packing import PackedBatch, use_packed_attention
-from hybridflow.models.routing import RouteReplay, experts_modules, replaying_routes, routers
+from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, experts_modules, replaying_routes, routers
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
 
@@ -75,7 +75,7 @@ class MicroInputs:
     (padded to the pass's length), how many of them are real (the rest are filler), and the packed positions the last
     stage reads the head at; with routing replay, each one's recorded experts (tokens, every MoE layer, k; None: routed
     by the model) and the replay's counts. ``routing``: the stages carry their routing statistics (the balancing
-    loss in training)."""
+    loss in training); ``recording``: the experts they routed each token to (forward only)."""
 
     packed: list[PackedBatch]
     select: list[torch.Tensor]
@@ -83,15 +83,19 @@ class MicroInputs:
     routes: list[torch.Tensor | None] = field(default_factory=list)
     replay: RouteReplay | None = None
     routing: RoutingShape | None = None
+    recording: RoutingShape | None = None
 
 
 class StageForward:
     """A stage's forward (the stage model's ``forward``): the first stage embeds the ids, the others take the hidden
     states of the stage before; the last applies the final norm and the head at the selected positions, (M, C).
 
-    With ``inputs.routing`` every stage also gives the routing statistics of its MoE layers (``gates``) over the
-    real tokens, added to those the stage before sent: the last stage's are the whole model's, from which it computes
-    the balancing loss, whose gradient reaches each stage's routers back through the sends."""
+    A mixture's stages may carry one more tensor after the hidden states, to which each adds what its MoE layers
+    (``gates``) give, so that the last stage's is the whole model's:
+    - ``inputs.routing`` (training): the routing statistics over the real tokens, from which the last stage computes
+      the balancing loss, whose gradient reaches each stage's routers back through the sends;
+    - ``inputs.recording`` (forward only): the experts each token was routed to, (tokens, every MoE layer, k).
+    """
 
     def __init__(
         self,
@@ -119,10 +123,11 @@ class StageForward:
             use_cache=False,
         )
         routes = self.inputs.routes[index] if index < len(self.inputs.routes) else None
-        routing = self.inputs.routing
-        recorded: list[torch.Tensor] = []
-        record = lambda module, inputs, output: recorded.append(output[0] if isinstance(output, tuple) else output)  # noqa: E731
-        hooks = [gate.register_forward_hook(record) for gate in self.gates] if routing is not None else []
+        routing, recording = self.inputs.routing, self.inputs.recording
+        gate_outputs: list[tuple[torch.Tensor, ...]] = []
+        hooks = []
+        if routing is not None or recording is not None:
+            hooks = [gate.register_forward_hook(lambda m, i, out: gate_outputs.append(out)) for gate in self.gates]
         try:
             with replaying_routes(
                 self.stack, None if routes is None else routes[:, self.moe_layers], self.inputs.replay
@@ -135,15 +140,39 @@ class StageForward:
             for hook in hooks:
                 hook.remove()
         output = hidden if self.head is None else self.head(hidden[0, self.inputs.select[index]])
-        if routing is None:
-            return output
+        if routing is not None:
+            return output, self._statistics(routing, [out[0] for out in gate_outputs], index, carried)
+        if recording is not None:
+            chosen = [out[2] for out in gate_outputs]  # (tokens, k) a layer: the routers' top-k indices
+            return output, self._routes(recording, chosen, ids.shape[1], carried)
+        return output
+
+    def _statistics(
+        self, routing: RoutingShape, logits: list[torch.Tensor], index: int, carried: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """The stage before's routing statistics (none at the first) plus this stage's layers' over the real
+        tokens (the filler that evens the micro-batches left out)."""
         real = self.inputs.real_tokens[index]
-        if recorded and real:  # the filler that evens the micro-batches left out
-            logits = [layer[:real] for layer in recorded]
-            mine = routing_statistics(logits, routing.top_k, routing.layers, self.moe_layers.start)
+        if logits and real:
+            real_logits = [layer[:real] for layer in logits]
+            mine = routing_statistics(real_logits, routing.top_k, routing.layers, self.moe_layers.start)
         else:
-            mine = torch.zeros(routing.layers + 2, routing.experts, device=hidden.device)
-        return output, (carried[0] + mine if carried else mine)
+            mine = torch.zeros(routing.layers + 2, routing.experts, device=self.inputs.select[index].device)
+        return carried[0] + mine if carried else mine
+
+    def _routes(
+        self, recording: RoutingShape, chosen: list[torch.Tensor], tokens: int, carried: tuple[torch.Tensor, ...]
+    ) -> torch.Tensor:
+        """The experts the stages before chose for each token (-1 in the layers they do not hold), with this stage's
+        layers' columns filled in."""
+        if carried:
+            routes = carried[0].clone()
+        else:
+            shape = (tokens, recording.layers, recording.top_k)
+            routes = torch.full(shape, -1, dtype=ROUTE_DTYPE, device=self.inputs.select[0].device)
+        if chosen:
+            routes[:, self.moe_layers] = torch.stack([layer.detach().to(ROUTE_DTYPE) for layer in chosen], dim=1)
+        return routes
 
 
 def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInputs) -> nn.Module:

@@ -21,6 +21,7 @@ from hybridflow.batch_keys import (
     POSITION_IDS,
     RESPONSE_MASK,
     RESPONSES,
+    ROUTED_EXPERTS,
 )
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.checkpoint import load_training_state, save_training_state
@@ -106,15 +107,19 @@ class PipelineActor(Worker):
         self.actor = PolicyEngine(trained, config.actor, dp_group=self.mesh["dp"].get_group())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def log_probs_and_update(self, batch: DataProto) -> tuple[torch.Tensor, dict, dict]:
-        """This dp rank's rows: their old log-probs, then the update (2 optimizer steps) on them; the metrics and
-        every parameter after it."""
+    def log_probs_and_update(self, batch: DataProto) -> tuple[torch.Tensor, dict, dict, torch.Tensor | None]:
+        """This dp rank's rows: their old log-probs, then the update (2 optimizer steps) on them; the metrics, every
+        parameter after it, and the experts the old-log-prob pass routed each token to (R2, which the update
+        replays; None without routing replay)."""
         dp_mesh = self.mesh["dp"]
         rows = batch.chunk(dp_mesh.size())[dp_mesh.get_local_rank()]
-        old = self.actor.compute_log_prob(rows, temperature=1.0, with_entropy=False).batch[OLD_LOG_PROBS]
-        rows.batch[OLD_LOG_PROBS] = old
+        old = self.actor.compute_log_prob(rows, temperature=1.0, with_entropy=False).batch
+        rows.batch[OLD_LOG_PROBS] = old[OLD_LOG_PROBS]
+        routes = old[ROUTED_EXPERTS] if ROUTED_EXPERTS in old.keys() else None
+        if routes is not None:
+            rows.batch[ROUTED_EXPERTS] = routes
         metrics = self.actor.update_policy(rows, mini_batch_size=len(rows) // 2, temperature=1.0, seed=0)
-        return old, metrics.meta_info[METRICS], full_parameters(self.actor.model)
+        return old[OLD_LOG_PROBS], metrics.meta_info[METRICS], full_parameters(self.actor.model), routes
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save(self, directory: str) -> None:
@@ -175,6 +180,10 @@ CASES = [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout 
 # to what it sends on, the last computes the loss, whose gradient reaches each stage's routers back through the sends
 BALANCED = ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
 CASES += [("tiny-qwen3-moe", f"{layout}-balanced") for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-one-micro-batch")]
+# R2: the old-log-prob pass records the experts of every token in every layer, each stage adding its layers' columns
+# to what it sends on; the update replays them in each stage
+R2 = ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_aux_loss_coef=0")
+CASES += [("tiny-qwen3-moe", f"{layout}-r2") for layout in ("pp2-1f1b", "pp2-dp2-interleaved")]
 
 
 @pytest.mark.parametrize("family, layout", CASES)
@@ -182,14 +191,15 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     groups, family, layout, actor_config_factory
 ):
     """With LoRA (rank 4 on every linear layer): the adapters train, the frozen base stays, in stages as unsplit."""
-    lora, balanced = layout.endswith("-lora"), layout.endswith("-balanced")
-    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix("-lora").removesuffix("-balanced")]
-    extra = LORA if lora else BALANCED if balanced else ()
+    variant = next((v for v in ("-lora", "-balanced", "-r2") if layout.endswith(v)), "")
+    lora, balanced, recorded = variant == "-lora", variant == "-balanced", variant == "-r2"
+    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix(variant)]
+    extra = {"-lora": LORA, "-balanced": BALANCED, "-r2": R2}.get(variant, ())
     config = actor_config(model_dir(family), actor_config_factory, micro_batch, *extra)
     batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
     ordered, where = one_process_order(batch, dp)
     groups[1].build(config, 1, 1, 1, 1)
-    [(want_log_probs, want_metrics, want_parameters)] = groups[1].log_probs_and_update(ordered)
+    [(want_log_probs, want_metrics, want_parameters, want_routes)] = groups[1].log_probs_and_update(ordered)
     staged = groups[dp * pp * tp]
     staged.build(config, dp, pp, tp, stages_per_rank)
     results = staged.log_probs_and_update(batch)
@@ -199,12 +209,15 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
         assert len(keys) == 2 + 1 + LAYERS and want_metrics["actor/router_aux_loss"] > 0
     for key in keys:  # the driver's mean over ranks is the mini-batch's
         assert sum(r[1][key] for r in results) / len(results) == pytest.approx(want_metrics[key], rel=1e-5), key
-    for rank, (log_probs, _, parameters) in enumerate(results):
+    for rank, (log_probs, _, parameters, routes) in enumerate(results):
         torch.testing.assert_close(log_probs, want_log_probs[where[rank // (pp * tp)]], rtol=1e-5, atol=1e-6)
+        if recorded:  # every stage's layers' columns, as the unsplit pass routed them
+            assert routes.shape == want_routes[where[rank // (pp * tp)]].shape and bool((routes >= 0).any())
+            assert torch.equal(routes, want_routes[where[rank // (pp * tp)]])
         for name, value in parameters.items():  # a tied head is the embedding's copy
             want = want_parameters.get(name, want_parameters.get(tied_copy(name)))
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)
-    held = {name for _, _, parameters in results for name in parameters}
+    held = {name for _, _, parameters, _ in results for name in parameters}
     assert set(want_parameters) <= held  # every parameter is on some stage
     if lora:  # the adapters moved
         assert any("lora_A" in name for name in held)
@@ -228,16 +241,16 @@ def test_a_checkpoint_saved_with_stages_resumes_without_them_and_the_reverse(
     staged, single = groups[2], groups[1]
     staged.build(config, 1, 2, 1, 1)
     saved = {
-        name: value for _, _, parameters in staged.log_probs_and_update(first) for name, value in parameters.items()
+        name: value for _, _, parameters, _ in staged.log_probs_and_update(first) for name, value in parameters.items()
     }
     staged.save(str(tmp_path / "staged"))
     continued = staged.log_probs_and_update(second)
     single.build(config, 1, 1, 1, 1)
     assert_same_parameters(single.load(str(tmp_path / "staged")), saved)
-    [(_, _, resumed)] = single.log_probs_and_update(second)
+    [(_, _, resumed, _)] = single.log_probs_and_update(second)
     assert_same_parameters([r[2] for r in continued], resumed)
     single.save(str(tmp_path / "single"))
-    [(_, _, after)] = single.log_probs_and_update(third)
+    [(_, _, after, _)] = single.log_probs_and_update(third)
     staged.build(config, 1, 2, 1, 2)
     assert_same_parameters(staged.load(str(tmp_path / "single")), resumed)
     assert_same_parameters([r[2] for r in staged.log_probs_and_update(third)], after)

@@ -123,8 +123,7 @@ def test_r2_needs_an_old_log_prob_pass_of_the_trainers_own(arithmetic_files):
         "actor_rollout_ref.actor.router_aux_loss_coef=0",
     ]
     assert check_config(load_config([*r3, *stages])).layouts[Role.ActorRollout].pp == 2  # each stage its layers
-    with pytest.raises(ConfigError, match=rf"(?s){REPLAY}.*R2 records .* pipeline stages split by layer"):
-        check_config(load_config([*own_pass, *stages]))
+    assert check_config(load_config([*own_pass, *stages])).layouts[Role.ActorRollout].pp == 2  # the stages' columns
 
 
 EXPERT_LORA = "actor_rollout_ref.model.lora.target_parameters"

@@ -172,12 +172,6 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         return
     off = "set it to disabled"
     _check(expert_count(model_config(plan.paths.actor_model)) > 0, key, f"{mode}: the policy has no experts", off)
-    _check(  # R3 replays each stage's layers' columns of the rollout's routes; R2 would gather the stages' records
-        mode == "R3" or arr.actor.pipeline_model_parallel_size == 1,
-        key,
-        "R2 records the old-log-prob pass's routes, which pipeline stages split by layer (not built)",
-        f"use R3, or set actor_rollout_ref.actor.pipeline_model_parallel_size=1, or {off}",
-    )
     if mode == "R2":
         _check(
             not plan.on_policy_update and arr.rollout.old_log_prob_source == "recompute",
