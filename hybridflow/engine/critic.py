@@ -14,7 +14,8 @@ from hybridflow.algorithms import LossAggregation
 from hybridflow.algorithms.objectives import OBJECTIVES, ForwardOutputs
 from hybridflow.batch_keys import METRICS, RESPONSE_MASK, VALUES
 from hybridflow.engine.config import CriticConfig
-from hybridflow.engine.forward import ResponseOutputs, batched_values, pass_work, values_of
+from hybridflow.engine.flops import pass_work
+from hybridflow.engine.forward import ResponseOutputs, batched_values, values_of
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.update import UpdatedEngine, run_updates
 from hybridflow.protocol import DataProto

@@ -34,7 +34,8 @@ from hybridflow.algorithms.entropy import log_probs_from_logits
 from hybridflow.algorithms.objectives import DatumObjective, ForwardOutputs
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSE_MASK, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
-from hybridflow.engine.forward import accepts_logits_to_keep, response_log_probs, response_outputs
+from hybridflow.engine.forward import response_log_probs, response_outputs
+from hybridflow.engine.packing import accepts_logits_to_keep
 from hybridflow.protocol import DataProto
 
 FILLER = 0  # the token after a datum's last one: an input nothing reads

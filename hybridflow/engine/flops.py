@@ -30,8 +30,11 @@ from functools import cache
 import torch
 from torch import nn
 
+from hybridflow.batch_keys import ATTENTION_MASK, RESPONSES
 from hybridflow.engine.tensor_parallel import tensor_parallel_size
+from hybridflow.lengths import packed_lengths, row_lengths
 from hybridflow.models.dtypes import fast_dtype
+from hybridflow.protocol import DataProto
 
 PassWork = tuple[Sequence[int], "int | None"]  # tokens computed per row, positions the LM head ran on (None: all)
 
@@ -133,3 +136,14 @@ class PassMeter:
             / self.sequence_parallel
         )
         return {**flops_metrics(name, flops, seconds, self.peak), "perf/peak_tflops": self.peak / 1e12}
+
+
+def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
+    """What a pass computes, for its FLOP count: tokens per row (real tokens; a prompt shared by
+    packed rows once, as micro-batches keep its rows together; one that a micro-batch size or token
+    budget splits is computed more than once, and MFU reads a little low) and the number of
+    positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
+    if not remove_padding:
+        return row_lengths(data), None
+    response_length = data.batch[RESPONSES].shape[1]
+    return packed_lengths(data), int(data.batch[ATTENTION_MASK][:, -response_length:].sum())

@@ -15,7 +15,6 @@ of at most that many real tokens (``dynamic_batch.py``), and return rows in the 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -27,34 +26,17 @@ from torch import nn
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, ROUTED_EXPERTS
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
-from hybridflow.engine.packing import PackedBatch, SequenceShards, pack, packed_forward
+from hybridflow.engine.packing import PackedBatch, SequenceShards, accepts_logits_to_keep, pack, packed_forward
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size, sum_over
-from hybridflow.lengths import PromptSharing, packed_lengths, prompt_sharing, row_lengths
+from hybridflow.lengths import PromptSharing, prompt_sharing, row_lengths
 from hybridflow.models.routing import RouteReplay, replaying_routes, routes_into, rows_of_tokens
 from hybridflow.protocol import DataProto
-
-
-def pass_work(data: DataProto, remove_padding: bool) -> tuple[list[int], int | None]:
-    """What a pass computes, for its FLOP count: tokens per row (real tokens; a prompt shared by
-    packed rows once, as micro-batches keep its rows together; one that a micro-batch size or token
-    budget splits is computed more than once, and MFU reads a little low) and the number of
-    positions the LM head runs on (packed: the real response tokens; padded: None, every token)."""
-    if not remove_padding:
-        return row_lengths(data), None
-    response_length = data.batch[RESPONSES].shape[1]
-    return packed_lengths(data), int(data.batch[ATTENTION_MASK][:, -response_length:].sum())
 
 
 def packed_prompt_sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
     """Which rows share a prompt, for micro-batches that keep them together: only a packed pass computes it once."""
     return prompt_sharing(data) if remove_padding else None
-
-
-def accepts_logits_to_keep(model: nn.Module) -> bool:
-    """Whether the model's forward takes ``logits_to_keep``: a peft model passes it on to the model it adapts."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridflow.engine.config import ActorConfig, RefConfig
-from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import batched_log_probs, pass_work
+from hybridflow.engine.flops import PassMeter, pass_work
+from hybridflow.engine.forward import batched_log_probs
 from hybridflow.models.routing import RouteReplay
 from hybridflow.protocol import DataProto
 

@@ -39,6 +39,7 @@ hundred tokens on (the same shapes, one layer: 8 rows x 256 tokens 12.5 ms again
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -285,6 +286,12 @@ def use_packed_attention(model: nn.Module) -> None:
     if current not in ("sdpa", PACKED_ATTENTION):
         raise ValueError(f"use_remove_padding needs attn_implementation='sdpa', but the model uses {current!r}")
     model.config._attn_implementation = PACKED_ATTENTION
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the model's forward takes ``logits_to_keep``: a peft model passes it on to the model it adapts."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "logits_to_keep" in inspect.signature(inner.forward).parameters
 
 
 def packed_forward(

@@ -23,8 +23,8 @@ from hybridflow.algorithms import LossAggregation
 from hybridflow.algorithms.objectives import SEQUENCE_SCORES, ForwardOutputs, Objective
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine.config import SFTEngineConfig
-from hybridflow.engine.flops import PassMeter
-from hybridflow.engine.forward import ResponseOutputs, batched_log_probs, log_probs_of, pass_work, response_outputs
+from hybridflow.engine.flops import PassMeter, pass_work
+from hybridflow.engine.forward import ResponseOutputs, batched_log_probs, log_probs_of, response_outputs
 from hybridflow.engine.lora import adapters_off
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.sequence_parallel import sp_size

@@ -33,11 +33,10 @@ from hybridflow.algorithms import LossAggregation
 from hybridflow.batch_keys import RESPONSE_MASK
 from hybridflow.engine.config import UpdateConfig
 from hybridflow.engine.dynamic_batch import micro_batch_groups, split_by_groups
-from hybridflow.engine.flops import PassMeter
+from hybridflow.engine.flops import PassMeter, pass_work
 from hybridflow.engine.forward import (
     ResponseOutputs,
     packed_prompt_sharing,
-    pass_work,
     pipelined_outputs,
     response_outputs,
 )
