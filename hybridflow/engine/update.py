@@ -200,7 +200,8 @@ def _backward(
     """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
     A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
     and every rank of the pp group gets the metrics. A mixture of experts adds its routers' balancing loss
-    (engine/moe.py), each micro-batch's weighted by 1 / their count; in stages, the last stage computes it from the
+    (engine/moe.py), each micro-batch's weighted by 1 / their count, and averaged over the data-parallel ranks (a
+    mean over every rank's micro-batches, whatever their number); in stages, the last stage computes it from the
     routing statistics that every stage adds its layers' to (engine/pipeline_stages.py ``StageForward``)."""
     if isinstance(model, PipelinedModel):
         metrics: dict[int, dict[str, float]] = {}
@@ -217,7 +218,7 @@ def _backward(
         def balance(index: int, statistics: torch.Tensor) -> torch.Tensor:
             loss, values = balancing_loss_and_metrics(statistics, prefix)
             metrics[index].update(values)
-            return coefficient * loss / len(micro_batches) * world_size
+            return coefficient * loss / len(micro_batches)  # FSDP's mean over the ranks: the mean over theirs
 
         balancing = balance if coefficient else None
         staged(model, micro_batches, config.use_remove_padding, loss=staged_loss, balance=balancing)
@@ -235,7 +236,8 @@ def _backward(
                 if config.ulysses_sequence_parallel_size > 1 and shard is None:
                     _refuse_router_loss(model, config, "sequence parallelism over sequence scores")
                 balance, balance_metrics = routers.loss_and_metrics(prefix, shard)
-                loss = loss + routers.coefficient * balance / len(micro_batches)
+                # over the data-parallel ranks a mean, as FSDP takes it: the loss's sum scaling below leaves it out
+                loss = loss + routers.coefficient * balance / (len(micro_batches) * world_size)
                 values = {**values, **balance_metrics}
             (loss * world_size).backward()
             results.append({key: _to_float(value) for key, value in values.items()})

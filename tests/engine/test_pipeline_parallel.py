@@ -179,7 +179,10 @@ CASES = [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout 
 # a mixture of experts with its routers' balancing loss (weight 0.5): every stage adds its layers' routing statistics
 # to what it sends on, the last computes the loss, whose gradient reaches each stage's routers back through the sends
 BALANCED = ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
-CASES += [("tiny-qwen3-moe", f"{layout}-balanced") for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-one-micro-batch")]
+CASES += [
+    ("tiny-qwen3-moe", f"{layout}-balanced")
+    for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-dp2", "pp2-one-micro-batch")
+]
 # R2: the old-log-prob pass records the experts of every token in every layer, each stage adding its layers' columns
 # to what it sends on; the update replays them in each stage
 R2 = ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_aux_loss_coef=0")
