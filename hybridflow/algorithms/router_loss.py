@@ -6,7 +6,7 @@ have no padding).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -56,22 +56,3 @@ def expert_loads_of(statistics: torch.Tensor) -> torch.Tensor:
     expert (each row sums to 1; balanced routing gives 1/E everywhere)."""
     counts = statistics[:-2].detach()
     return counts / counts.sum(dim=1, keepdim=True)
-
-
-def load_balancing_loss(
-    router_logits: Sequence[torch.Tensor], top_k: int, sum_parts: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """``balancing_loss_of`` the routers' logits (one (T, E) tensor per MoE layer). ``sum_parts``: the tokens are one
-    part of the batch's (a sequence-parallel rank's slice); it sums the statistics over the parts (differentiably),
-    so that the loss is the whole batch's."""
-    statistics = routing_statistics(router_logits, top_k)
-    return balancing_loss_of(statistics if sum_parts is None else sum_parts(statistics))
-
-
-def expert_loads(
-    router_logits: Sequence[torch.Tensor], top_k: int, sum_parts: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> torch.Tensor:
-    """``expert_loads_of`` the routers' logits. ``sum_parts``: as ``load_balancing_loss``'s."""
-    with torch.no_grad():
-        statistics = routing_statistics(router_logits, top_k)
-        return expert_loads_of(statistics if sum_parts is None else sum_parts(statistics))

@@ -102,7 +102,8 @@ def _through_head(
     def log_probs_forward(hidden: torch.Tensor) -> torch.Tensor:
         if hidden.shape[:2] != (1, labels.numel()):
             return run(hidden)
-        values = _head_log_probs(run, hidden[0], labels, trained)
+        rows = max(1, HEAD_CHUNK_BYTES // (head.weight.shape[0] * 4))  # float32 logits of the vocabulary
+        values = _head_log_probs(run, hidden[0], labels, trained, rows)
         given.append((values, values.detach().clone()))
         return values.view(1, -1, 1)
 
@@ -122,16 +123,18 @@ def _through_head(
 
 
 def _head_log_probs(
-    run: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor, trained: torch.Tensor
+    run: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    trained: torch.Tensor,
+    rows: int,
 ) -> torch.Tensor:
     """log softmax(head(hidden))[label] for each of the M rows of ``hidden`` (M, H), float32: with autograd where
-    ``trained``, without it elsewhere, a chunk of rows at a time (the logits never whole)."""
+    ``trained``, without it elsewhere, ``rows`` rows at a time (the logits never whole)."""
     values = torch.empty(labels.shape, dtype=torch.float32, device=hidden.device)
     frozen = (~trained).nonzero().flatten()
     if frozen.numel():
         with torch.no_grad():
-            first = run(hidden[None, frozen[:1]])[0]
-            rows = max(1, HEAD_CHUNK_BYTES // (first.shape[-1] * first.element_size()))
             for chunk in frozen.split(rows):
                 logits = run(hidden[None, chunk])[0]
                 values[chunk] = log_probs_from_logits(logits, labels[chunk]).float()

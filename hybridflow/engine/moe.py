@@ -4,7 +4,7 @@ micro-batch's loss and each layer's expert loads as metrics.
 The MoE layers are found by their parts (models/routing.py). ``RouterRecorder`` hooks the routers while an update
 runs. Its statistic is the micro-batch's (the tokens one rank runs together, or under Ulysses the sp ranks' slices of
 them, summed), as transformers computes it for a batch; a mini-batch's loss adds each micro-batch's, weighted by
-1 / (its micro-batches) like a mean over them.
+1 / (its micro-batches) like a mean over them, and over the data-parallel ranks a mean too (engine/update.py).
 """
 
 from __future__ import annotations

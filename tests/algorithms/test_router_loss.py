@@ -1,5 +1,6 @@
-"""The mixture-of-experts balancing loss and expert loads (algorithms/router_loss.py): hand-computed cases, and
-transformers' own function on the same logits (value and gradient)."""
+"""The mixture-of-experts balancing loss and expert loads (algorithms/router_loss.py): hand-computed cases,
+transformers' own function on the same logits (value and gradient), and statistics that add up over parts of the
+batch and of the layers (pipeline stages) to the whole's."""
 
 import math
 
@@ -7,7 +8,15 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from hybridflow.algorithms.router_loss import expert_loads, load_balancing_loss
+from hybridflow.algorithms.router_loss import balancing_loss_of, expert_loads_of, routing_statistics
+
+
+def load_balancing_loss(layers, top_k):
+    return balancing_loss_of(routing_statistics(layers, top_k))
+
+
+def expert_loads(layers, top_k):
+    return expert_loads_of(routing_statistics(layers, top_k))
 
 
 def _logits(*rows):
@@ -46,3 +55,20 @@ def test_equals_transformers_function_in_value_and_gradient():
     for a, b in zip(ours_grads, theirs_grads, strict=True):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-7)  # both sum in fp32
     assert max(g.abs().max().item() for g in ours_grads) > 0
+
+
+def test_statistics_of_parts_add_up_to_the_wholes():
+    """Tokens split in two (sequence-parallel slices) and layers split in two (stages, each filling its rows of the
+    whole model's L): the summed statistics give the whole's loss, gradient and loads."""
+    torch.manual_seed(1)
+    layers = [torch.randn(6, 4, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    whole = routing_statistics(layers, top_k=2)
+    by_tokens = routing_statistics([x[:2] for x in layers], 2) + routing_statistics([x[2:] for x in layers], 2)
+    by_layers = routing_statistics(layers[:1], 2, layers=3) + routing_statistics(layers[1:], 2, layers=3, first=1)
+    want = torch.autograd.grad(balancing_loss_of(whole), layers)
+    for parts in (by_tokens, by_layers):
+        torch.testing.assert_close(parts, whole)
+        torch.testing.assert_close(expert_loads_of(parts), expert_loads_of(whole))
+        got = torch.autograd.grad(balancing_loss_of(parts), layers)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
