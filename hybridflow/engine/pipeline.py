@@ -39,6 +39,7 @@ from hybridflow.engine.pipeline_stages import (
     PIPELINE_DIM,
     MicroInputs,
     RoutingShape,
+    decoder_layer_index,
     local_stages,
     split_stage,
 )
@@ -307,13 +308,19 @@ class PipelinedModel(nn.Module):
         return total
 
     def stage_by_stage(
-        self, produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]]
+        self,
+        produce: Callable[[nn.Module], Iterator[tuple[str, torch.Tensor]]],
+        layer_group: dist.ProcessGroup | None = None,
     ) -> Iterator[tuple[str, torch.Tensor, bool]]:
         """(name, tensor, whether it came from another rank) of every stage in order, on every rank of the pp
         group: the rank holding a stage runs ``produce`` on it (a collective within its own dp and tp groups), then
         sends the tensors to its pp peers. A name an earlier stage gave, and a tied head (the last stage's copy of the
-        embedding), are left out: the unsplit model has one tensor of each."""
+        embedding), are left out: the unsplit model has one tensor of each. ``layer_group`` (pp ranks; None: all of
+        them): a decoder layer's tensors go to the ranks of the holder's ``layer_group`` only, and the others see
+        none of them (generation stages, hybrid_engine/layout_shape.py); the rest still go to every pp rank."""
         seen = {self.tied_head_name}  # every rank sees every name: the same set everywhere
+        if layer_group is not None:
+            mine = set(dist.get_process_group_ranks(layer_group))
         for stage in range(self.num_stages):
             owner = self.stage_rank(stage)
             local = self.local_stage(stage)
@@ -323,11 +330,17 @@ class PipelinedModel(nn.Module):
             box = [[(name, tuple(t.shape), t.dtype) for name, t in made] if made is not None else None]
             dist.broadcast_object_list(box, src=owner, group=self.group)
             for index, (name, shape, dtype) in enumerate(box[0]):
+                group = self.group
+                if layer_group is not None and decoder_layer_index(name) is not None:
+                    if owner not in mine:
+                        seen.add(name)
+                        continue
+                    group = layer_group
                 if made is not None:
                     tensor = made[index][1].contiguous()
                 else:
                     tensor = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.broadcast(tensor, src=owner, group=self.group)
+                dist.broadcast(tensor, src=owner, group=group)
                 seen.add(name)
                 yield name, tensor, made is None
 

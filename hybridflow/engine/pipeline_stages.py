@@ -7,6 +7,7 @@ stage before it sent (``StageForward``).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,14 @@ from hybridflow.engine.packing import PackedBatch, use_packed_attention
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, experts_modules, replaying_routes, routers
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
+_LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def decoder_layer_index(name: str) -> int | None:
+    """The decoder layer a Hugging Face tensor name belongs to (``model.layers.3.mlp...``: 3); None: not a layer's
+    (the embedding, the final norm, the head)."""
+    match = _LAYER_NAME.search(name)
+    return int(match.group(1)) if match else None
 
 
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:

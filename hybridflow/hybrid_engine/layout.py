@@ -5,7 +5,8 @@ the HybridFlow paper, regroup.py): inside each training TP group, the t / tg gen
 strided (t=4, tg=2: {0, 2} and {1, 3}) and the gather groups consecutive ({0, 1} and {2, 3}). The
 rank tables are ``LayoutShape``'s (layout_shape.py): the generation mesh's first dimension is the
 generation data-parallel index (prompts are split over it) and its second the generation
-tensor-parallel index (the shard a rank holds).
+tensor-parallel index (the shard a rank holds); with generation stages (pg > 1) it is (dp, pp, tp), the middle
+the generation stage a rank runs.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ class ActorLayouts:
 
     shape: LayoutShape
     training: DeviceMesh  # (dp, tp), or with pipeline stages (dp, pp, tp)
-    generation: DeviceMesh  # (dp, tp): generation data-parallel and tensor-parallel indices
+    generation: DeviceMesh  # (dp, tp), or with generation stages (dp, pp, tp)
     gather_group: dist.ProcessGroup | None  # the ranks whose training shards make this rank's generation shard
+    # with generation stages (pg > 1): the pp ranks whose training stages make this rank's generation stage
+    stage_gather_group: dist.ProcessGroup | None = None
 
     @classmethod
     def build(cls, device: torch.device, shape: LayoutShape) -> ActorLayouts:
@@ -40,10 +43,15 @@ class ActorLayouts:
             training = pipeline_mesh(device, shape.dp, shape.pp, shape.t)
         else:  # the same table as shape.training_ranks()
             training = training_mesh(device, shape.fsdp, shape.t)
-        generation = DeviceMesh(device_type, shape.generation_ranks(), mesh_dim_names=("dp", "tp"))
+        names = ("dp", "pp", "tp") if shape.pg > 1 else ("dp", "tp")
+        generation = DeviceMesh(device_type, shape.generation_ranks(), mesh_dim_names=names)
         gather = DeviceMesh(device_type, shape.gather_ranks(), mesh_dim_names=("shard", "gather"))
         gather_group = gather["gather"].get_group() if shape.micro_dp > 1 else None
-        return cls(shape=shape, training=training, generation=generation, gather_group=gather_group)
+        stage_gather_group = None
+        if shape.pg > 1:
+            stages = DeviceMesh(device_type, shape.stage_gather_ranks(), mesh_dim_names=("stage", "stage_gather"))
+            stage_gather_group = stages["stage_gather"].get_group()
+        return cls(shape, training, generation, gather_group, stage_gather_group)
 
     @property
     def pipeline_group(self) -> dist.ProcessGroup | None:
@@ -54,3 +62,8 @@ class ActorLayouts:
     def generation_group(self) -> dist.ProcessGroup | None:
         """The tg ranks that generate together (None: each rank generates alone)."""
         return self.generation["tp"].get_group() if self.shape.tg > 1 else None
+
+    @property
+    def generation_stage_group(self) -> dist.ProcessGroup | None:
+        """The pg ranks whose generation stages make one model (None: every rank generates with every layer)."""
+        return self.generation["pp"].get_group() if self.shape.pg > 1 else None

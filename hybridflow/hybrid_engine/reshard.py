@@ -92,12 +92,14 @@ def generation_weights(
     gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    stage_gather_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
     one at a time (those that FSDP2 alone shards gathered ``bucket_bytes`` at a time); ``report`` accumulates
-    the bytes. A LoRA model's weights come merged."""
+    the bytes. A LoRA model's weights come merged. ``stage_gather_group``: with generation stages, the pp ranks whose
+    training stages make this rank's generation stage (``ActorLayouts``): only their decoder layers come."""
     if isinstance(model, PipelinedModel):
-        yield from _over_stages(model, policy_parameters, dtype, gather_group, report, bucket_bytes)
+        yield from _over_stages(model, policy_parameters, dtype, gather_group, report, bucket_bytes, stage_gather_group)
         yield from _buffers(model.stages[0])  # every stage holds the same (the rotary embedding's)
         return
     yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report, bucket_bytes)
@@ -105,11 +107,17 @@ def generation_weights(
 
 
 def base_generation_weights(
-    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+    model: nn.Module,
+    dtype: torch.dtype,
+    gather_group: dist.ProcessGroup | None,
+    report: SwitchReport,
+    stage_gather_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``generation_weights`` of a LoRA model's frozen base (its adapters left out): sent to a rollout once."""
     if isinstance(model, PipelinedModel):
-        yield from _over_stages(model, base_parameters, dtype, gather_group, report)
+        yield from _over_stages(
+            model, base_parameters, dtype, gather_group, report, stage_gather_group=stage_gather_group
+        )
         yield from _buffers(model.stages[0])
         return
     yield from _generation_slices(model, base_parameters(model), dtype, gather_group, report)
@@ -117,13 +125,19 @@ def base_generation_weights(
 
 
 def adapter_generation_weights(
-    model: nn.Module, dtype: torch.dtype, gather_group: dist.ProcessGroup | None, report: SwitchReport
+    model: nn.Module,
+    dtype: torch.dtype,
+    gather_group: dist.ProcessGroup | None,
+    report: SwitchReport,
+    stage_gather_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A LoRA model's adapters, this rank's generation slices of them, under the names they travel by
     (models/adapters.py): all of the policy that changes after an update. Hundreds of small tensors: those
     that only FSDP2 shards (over dp, by rows) travel together, a bucket per collective (``_generation_slices``)."""
     if isinstance(model, PipelinedModel):
-        yield from _over_stages(model, adapter_tensors, dtype, gather_group, report)
+        yield from _over_stages(
+            model, adapter_tensors, dtype, gather_group, report, stage_gather_group=stage_gather_group
+        )
         return
     yield from _generation_slices(model, adapter_tensors(model), dtype, gather_group, report)
 
@@ -239,16 +253,18 @@ def _over_stages(
     gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    stage_gather_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every stage's generation slices of its ``named`` tensors on every rank of the pp group: the rank holding a
     stage gathers them over its dp and gather groups as an unsplit model's, then sends them to its pp peers, which
-    hold the same generation shard of their own stages. A tied head (the embedding's copy) is left out."""
+    hold the same generation shard of their own stages. A tied head (the embedding's copy) is left out. With
+    ``stage_gather_group`` (generation stages) a stage's decoder layers go to the ranks of its holder's group only."""
 
     def slices(stage: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         tensors = ((name, tensor) for name, tensor in named(stage) if name != model.tied_head_name)
         return _generation_slices(stage, tensors, dtype, gather_group, report, bucket_bytes)
 
-    for name, tensor, arrived in model.stage_by_stage(slices):
+    for name, tensor, arrived in model.stage_by_stage(slices, stage_gather_group):
         if arrived:
             size = _nbytes(tensor)
             report.received += size

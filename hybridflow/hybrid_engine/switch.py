@@ -60,6 +60,8 @@ class HybridEngine:
     # the actor's layouts (hybrid_engine/layout.py); the defaults: a model on one process
     shape: LayoutShape = ONE_PROCESS
     gather_group: torch.distributed.ProcessGroup | None = None
+    # generation stages (pg > 1): the pp ranks whose training stages make this rank's generation stage
+    stage_gather_group: torch.distributed.ProcessGroup | None = None
     base_synced: bool = field(default=False, init=False)  # a LoRA model's frozen base is in the rollout (sent once)
 
     def generate(self, prompts: DataProto, sampling: SamplingParams) -> DataProto:
@@ -98,15 +100,16 @@ class HybridEngine:
     def _sync(self, report: SwitchReport) -> None:
         """The rollout takes the policy of now: all its weights; for a LoRA model, its base the first time and
         its adapters every time (what an update changes), so every switch after the first moves adapters only."""
-        model = self.trained.model
+        model, groups = self.trained.model, (self.dtype, self.gather_group, report)
+        stages = self.stage_gather_group
         scaling = lora_scaling(model)
         if scaling is None:
-            self.rollout.load_weights(generation_weights(model, self.dtype, self.gather_group, report))
+            self.rollout.load_weights(generation_weights(model, *groups, stage_gather_group=stages))
             return
         if not self.base_synced:
-            self.rollout.load_base_weights(base_generation_weights(model, self.dtype, self.gather_group, report))
+            self.rollout.load_base_weights(base_generation_weights(model, *groups, stage_gather_group=stages))
             self.base_synced = True
-        self.rollout.load_adapters(adapter_generation_weights(model, self.dtype, self.gather_group, report), scaling)
+        self.rollout.load_adapters(adapter_generation_weights(model, *groups, stage_gather_group=stages), scaling)
 
     def _training_bytes(self) -> int:
         """This rank's shards of the training parameters (fp32 masters)."""

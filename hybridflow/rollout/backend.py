@@ -47,7 +47,8 @@ class BackendCheck:
 
 
 # (model, tokenizer, the backend's settings or None, the tensor-parallel group or None) -> its Rollout.
-# tp_group holds the ranks generating together (only for backends with tensor_parallel=True).
+# tp_group holds the ranks generating together (only for backends with tensor_parallel=True). A backend with
+# pipeline_stages=True also takes pp_group=, the ranks whose stages hold the decoder layers between them.
 RolloutFactory = Callable[[nn.Module, PreTrainedTokenizerBase, Any, "dist.ProcessGroup | None"], Rollout]
 
 
@@ -58,6 +59,7 @@ class RolloutBackend:
     build: RolloutFactory
     settings: type | None = None  # dataclass of actor_rollout_ref.rollout.<name>.* (None: no settings)
     tensor_parallel: bool = False  # generates in groups of rollout.tensor_model_parallel_size > 1 ranks
+    pipeline_stages: bool = False  # generates in rollout.pipeline_model_parallel_size > 1 stages (build's pp_group)
     request_api: bool = False  # has Rollout.request_engine(), which multi-turn agent loops drive
     partial_rollout: bool = False  # has Rollout.generate_partial(): pauses at a weight push, continues after it
     records_routes: bool = False  # a mixture of experts: returns routed_experts when SamplingParams.record_routes

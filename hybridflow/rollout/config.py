@@ -35,6 +35,9 @@ class _RolloutSettings(SamplingConfig):
     # tg: ranks that generate together, each holding 1/tg of the weights and KV cache; divides
     # actor.tensor_model_parallel_size
     tensor_model_parallel_size: int
+    # pg: pipeline stages that generate together, each holding 1/pg of the decoder layers and their KV cache
+    # (native only); divides actor.pipeline_model_parallel_size
+    pipeline_model_parallel_size: int
     seed: int  # base seed of sampling: step s on rank r samples with seed + s * seed_per_step + r * seed_per_rank
     seed_per_step: int  # added to the seed once per training step
     seed_per_rank: int  # added to the seed once per data-parallel rank
@@ -52,6 +55,7 @@ class _RolloutSettings(SamplingConfig):
         require_positive(self.response_length, "response_length")
         require_choice(self.dtype, DTYPE_CHOICES, "dtype")
         require_positive(self.tensor_model_parallel_size, "tensor_model_parallel_size")
+        require_positive(self.pipeline_model_parallel_size, "pipeline_model_parallel_size")
         backend = rollout_backend(self.name)
         require(
             not self.multi_turn.enable or backend.request_api,
@@ -72,9 +76,10 @@ class _RolloutSettings(SamplingConfig):
             "set one of them",
         )
         require(
-            not self.agent.enabled or self.tensor_model_parallel_size == 1,
+            not self.agent.enabled or self.tensor_model_parallel_size * self.pipeline_model_parallel_size == 1,
             "agent.function",
-            "agents through the endpoint need tensor_model_parallel_size=1 (each agent talks to one engine)",
+            "agents through the endpoint need tensor_model_parallel_size=1 and pipeline_model_parallel_size=1 "
+            "(each agent talks to one engine)",
         )
         require_choice(self.old_log_prob_source, OLD_LOG_PROB_SOURCES, "old_log_prob_source")
         require_positive(self.log_prob_tolerance, "log_prob_tolerance")

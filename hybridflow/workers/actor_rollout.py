@@ -215,6 +215,7 @@ class ActorRolloutWorker(ActorWorker):
             dtype=self.generation_dtype,
             device=self.device,
             group=self.layouts.generation_group,
+            stage_group=self.layouts.generation_stage_group,
             tool_config=tool_config,
             default_agent=default_agent,
         )
@@ -227,6 +228,7 @@ class ActorRolloutWorker(ActorWorker):
             dtype=self.generation_dtype,
             shape=layout,
             gather_group=self.layouts.gather_group,
+            stage_gather_group=self.layouts.stage_gather_group,
         )
 
     @register(dispatch_mode=mesh_compute_proto(GENERATE_MESH))

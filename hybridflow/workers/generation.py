@@ -41,12 +41,16 @@ def build_generator(
     dtype: torch.dtype,
     device: torch.device,
     group: dist.ProcessGroup | None,
+    stage_group: dist.ProcessGroup | None = None,
     tool_config: str,
     default_agent: str,
 ) -> Rollout:
-    """The rollout engine of ``config.name`` over the generation ``group`` (None: this rank alone), starting
+    """The rollout engine of ``config.name`` over the generation ``group`` (None: this rank alone), in pipeline
+    stages over ``stage_group`` (None: every layer on this rank), starting
     from the model directory's weights in ``dtype``, with the tools of a multi-turn run."""
     generator = load_causal_lm(model_path, dtype=dtype).to(device)
     tools = load_tools(tool_config) if config.multi_turn.enable and tool_config else None
     # the rollout keeps its own copy (1/tg of the weights); ``generator`` goes when this returns
-    return build_rollout(generator, tokenizer, config, group, tools=tools, default_agent=default_agent)
+    return build_rollout(
+        generator, tokenizer, config, group, pp_group=stage_group, tools=tools, default_agent=default_agent
+    )

@@ -62,9 +62,18 @@ def switch_and_generate(model, layouts: ActorLayouts, path: str) -> tuple[Native
     """A generation engine of the layouts' groups holding the original weights, switched to ``model``'s (trained,
     in the training layout): the engine, what the switch moved, and the greedy responses to this rank's prompts."""
     original = load_causal_lm(path, dtype=torch.float32)
-    rollout = NativeRollout(original, load_tokenizer(path), engine_config=ENGINE, tp_group=layouts.generation_group)
+    rollout = NativeRollout(
+        original,
+        load_tokenizer(path),
+        engine_config=ENGINE,
+        tp_group=layouts.generation_group,
+        pp_group=layouts.generation_stage_group,
+    )
     report = SwitchReport()
-    rollout.load_weights(generation_weights(model, torch.float32, layouts.gather_group, report))
+    stages = layouts.stage_gather_group
+    rollout.load_weights(
+        generation_weights(model, torch.float32, layouts.gather_group, report, stage_gather_group=stages)
+    )
     generation = layouts.generation
     batch = prompts().chunk(generation["dp"].size())[generation["dp"].get_local_rank()]
     return rollout, report, rollout.generate_sequences(batch, GREEDY).batch[RESPONSES]
@@ -133,11 +142,11 @@ class DataParallelWeights(Worker):
 
 class PipelinedSwitch(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def switch_pipelined_and_generate(self, path: str, pp: int, t: int, tg: int) -> dict:
-        """Pipeline stages of the trained model in the (dp, pp, t) layout switched to generation groups of tg: every
-        rank generates with every layer (pg = 1)."""
+    def switch_pipelined_and_generate(self, path: str, pp: int, t: int, tg: int, pg: int = 1) -> dict:
+        """Pipeline stages of the trained model in the (dp, pp, t) layout switched to generation groups of pg x tg
+        (pg = 1: every rank generates with every layer)."""
         torch.set_num_threads(1)
-        shape = LayoutShape(dp=self.world_size // (pp * t), t=t, tg=tg, pp=pp)
+        shape = LayoutShape(dp=self.world_size // (pp * t), t=t, tg=tg, pp=pp, pg=pg)
         layouts = ActorLayouts.build(self.device, shape)
 
         def shard(part):
@@ -155,6 +164,8 @@ class PipelinedSwitch(Worker):
             "predicted": report.predicted(shape),
             "stage": model.indices[0],
             "generation_index": (generation["dp"].get_local_rank(), generation["tp"].get_local_rank()),
+            "generation_stage": generation["pp"].get_local_rank() if pg > 1 else 0,
+            "held_layers": list(rollout.engine.weights.held_layers),
             "down": [layer.down.weight.clone() for layer in rollout.engine.weights.layers],
             "responses": responses,
         }
@@ -300,3 +311,76 @@ def test_pipeline_stages_switch_to_every_layer_on_every_rank_with_the_predicted_
 def first_layer_slice_of(weights: dict, layer: int, tg: int, index: int) -> torch.Tensor:
     name = f"model.layers.{layer}.mlp.down_proj.weight"
     return TensorParallelGroup(SPLIT, size=tg, rank=index).shard(name, weights[name].detach())
+
+
+@pytest.fixture(scope="module")
+def deep_path():
+    return str(resolve_model_path("tiny-qwen2", num_key_value_heads=4, num_hidden_layers=4))
+
+
+@pytest.fixture(scope="module")
+def deep_expected(deep_path):
+    model = trained_model(deep_path)
+    single = NativeRollout(model, load_tokenizer(deep_path), engine_config=ENGINE)
+    return dict(model.named_parameters()), single.generate_sequences(prompts(), GREEDY).batch[RESPONSES]
+
+
+@pytest.mark.parametrize(
+    "dp, pp, t, tg, pg, deep",
+    [(1, 2, 1, 1, 2, False), (2, 2, 1, 1, 2, False), (1, 2, 2, 2, 2, False), (1, 4, 1, 1, 2, True)],
+)
+def test_generation_stages_gather_only_their_layers_with_the_predicted_bytes(
+    groups, path, expected, deep_path, deep_expected, dp, pp, t, tg, pg, deep
+):
+    """Generation in pg stages (§5.3's regrouping over p): the n = pp / pg ranks whose training stages make one
+    generation stage exchange those stages' layers (1/tg of each split weight) and nothing else of the layers; every
+    rank takes the embedding, the final norm and the head from the stages holding them. Each rank then holds exactly
+    its generation stage's layers (pp = 4, pg = 2: the stages {0, 1} and {2, 3} gathered, ranks {0, 2} and {1, 3}
+    generating together), and each generation group generates what one process does."""
+    path, (weights, responses) = (deep_path, deep_expected) if deep else (path, expected)
+    layers = 4 if deep else 2
+    outputs = groups[dp * pp * t].switch_pipelined_and_generate(path, pp, t, tg, pg)
+    n = pp // pg
+
+    def stage_of_weight(name: str) -> int:
+        if name.startswith("model.layers."):
+            return int(name.split(".")[2]) * pp // layers
+        return 0 if "embed_tokens" in name else pp - 1
+
+    def nbytes(stage: int, split: bool, layer: bool | None = None) -> int:
+        return sum(
+            w.numel() * 4
+            for name, w in weights.items()
+            if stage_of_weight(name) == stage
+            and (t > 1 and SPLIT.shard_dim(name) is not None) == split
+            and (layer is None or name.startswith("model.layers.") == layer)
+        )
+
+    def generation_shard(stage: int, layer: bool | None = None) -> int:
+        return nbytes(stage, True, layer) // tg + nbytes(stage, False, layer)
+
+    by_group: dict[int, list[torch.Tensor]] = {}
+    for out in outputs:
+        stage, (gen_dp, gen_tp), gen_stage = out["stage"], out["generation_index"], out["generation_stage"]
+        block = range(stage // n * n, stage // n * n + n)  # the training stages of this rank's generation stage
+        assert gen_stage == stage // n
+        report = out["report"]
+        own = predicted_switch_bytes(nbytes(stage, True), nbytes(stage, False), dp=dp, t=t, tg=tg, method="hybridflow")
+        from_stages = sum(
+            generation_shard(other) if other in block else generation_shard(other, layer=False)
+            for other in range(pp)
+            if other != stage
+        )
+        assert report.received == out["predicted"] == own + from_stages
+        assert report.held == sum(
+            generation_shard(s) if s in block else generation_shard(s, layer=False) for s in range(pp)
+        )
+        per_stage = layers // pg
+        assert out["held_layers"] == list(range(gen_stage * per_stage, (gen_stage + 1) * per_stage))
+        for index, down in zip(out["held_layers"], out["down"]):
+            torch.testing.assert_close(down, first_layer_slice_of(weights, index, tg, gen_tp), rtol=0, atol=0)
+        by_group.setdefault(gen_dp, []).append(out["responses"])
+    assert len(by_group) == dp * pp * t // (tg * pg)
+    for same_prompts in by_group.values():
+        assert len(same_prompts) == tg * pg and all(torch.equal(r, same_prompts[0]) for r in same_prompts)
+    assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)

@@ -34,6 +34,20 @@ def test_grpo_with_interleaved_stages_equals_pp_1(local_ray, tmp_path):
     grpo_equals_data_parallel(tmp_path, "pipeline", [*PP_1, *(entry.format(1) for entry in virtual)], interleaved)
 
 
+def test_grpo_generating_in_2_stages_equals_one_process(local_ray, tmp_path):
+    """The actor in 2 training stages generates in 2 stages too (rollout.pipeline_model_parallel_size=2): each rank
+    holds one layer and its cache, and the 2 ranks make one generation group, sampling as one process does; the run
+    equals the one on a single process in every metric."""
+    generation_stages = "actor_rollout_ref.rollout.pipeline_model_parallel_size"
+    one_process = [*PP_1, "trainer.n_workers_per_node=1", f"{generation_stages}=1"]
+    switch = ("switch/received_mb", "switch/predicted_mb", "switch/generation_weights_mb", "switch/training_params_mb")
+    runs = grpo_equals_data_parallel(tmp_path, "pipeline", one_process, (f"{generation_stages}=2",), switch)
+    # each rank holds half the layers and receives the other stage's embedding (here the tied head, and the norm)
+    split, whole = runs["split"][1], runs["baseline"][1]
+    assert split["switch/received_mb"] == split["switch/predicted_mb"] > 0 == whole["switch/received_mb"]
+    assert split["switch/generation_weights_mb"] < whole["switch/generation_weights_mb"]
+
+
 def test_ppo_at_pp_2_equals_pp_1_and_its_checkpoint_resumes_at_pp_1(local_ray, tmp_path):
     ppo_equals_data_parallel_and_resumes_there(tmp_path, "pipeline", PP_1)
 

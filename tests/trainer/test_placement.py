@@ -3,6 +3,7 @@
 import pytest
 
 from hybridflow.controller import Role
+from hybridflow.models import resolve_model_path
 from hybridflow.trainer.setup.cluster import pool_processes_per_node
 from hybridflow.trainer.setup.config import ConfigError, load_config
 from hybridflow.trainer.setup.placement import Placement
@@ -253,3 +254,62 @@ def test_pipeline_errors_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError, match=words) as error:
         plan_of("trainer.n_workers_per_node=2", *overrides)
     assert error.value.key == key
+
+
+def test_generation_stages_regroup_the_training_stages():
+    """rollout.pipeline_model_parallel_size (pg) with the actor at pp = 2 x dp = 2: each generation group is one
+    model's 2 stages; the prompts split over the dp = 2 groups."""
+    run_plan = make_run_plan(
+        load_config(
+            overrides=[
+                "trainer.n_workers_per_node=4",
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.rollout.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            ]
+        )
+    )
+    layout = run_plan.actor_layout
+    assert (layout.dp, layout.pp, layout.pg) == (2, 2, 2)
+    assert layout.generation_ranks().tolist() == [[[0], [1]], [[2], [3]]]
+    assert layout.stage_gather_ranks().tolist() == [[0], [1], [2], [3]]
+
+
+PG = "actor_rollout_ref.rollout.pipeline_model_parallel_size"
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ([f"{PG}=2"], "does not divide actor.pipeline_model_parallel_size=1"),
+        (
+            [f"{PG}=2", "actor_rollout_ref.actor.pipeline_model_parallel_size=2", "actor_rollout_ref.rollout.name=hf"],
+            "needs a backend that generates in pipeline stages",
+        ),
+        (
+            [
+                f"{PG}=2",
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.virtual_pipeline_model_parallel_size=2",
+                "{four_layers}",
+            ],
+            "not consecutive layers",
+        ),
+        (
+            [
+                f"{PG}=2",
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "trainer.async_training.mode=one_step_off",
+                "algorithm.rollout_correction.rollout_is=token",
+                "trainer.placement=group_colocate",
+            ],
+            "a rollout pool of its own generates with every layer",
+        ),
+    ],
+)
+def test_generation_stage_errors_name_the_key(overrides, words):
+    four_layers = f"actor_rollout_ref.model.path={resolve_model_path('tiny-llama', num_hidden_layers=4)}"
+    overrides = [four_layers if o == "{four_layers}" else o for o in overrides]
+    with pytest.raises(ConfigError, match=words) as error:
+        plan_of("trainer.n_workers_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *overrides)
+    assert error.value.key == PG

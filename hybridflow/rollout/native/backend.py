@@ -8,10 +8,10 @@ from hybridflow.rollout.native.spec import spec_from_config
 from hybridflow.validation import InvalidSetting
 
 
-def _build(model, tokenizer, settings: NativeEngineConfig, tp_group):
+def _build(model, tokenizer, settings: NativeEngineConfig, tp_group, pp_group=None):
     from hybridflow.rollout.native.rollout import NativeRollout
 
-    return NativeRollout(model, tokenizer, engine_config=settings, tp_group=tp_group)
+    return NativeRollout(model, tokenizer, engine_config=settings, tp_group=tp_group, pp_group=pp_group)
 
 
 def _check(run: BackendCheck) -> None:
@@ -29,10 +29,11 @@ def _check(run: BackendCheck) -> None:
 NATIVE = register_rollout_backend(
     RolloutBackend(
         name="native",
-        summary="hybridflow's own engine: continuous batching, KV-cache slots, tensor-parallel groups",
+        summary="hybridflow's own engine: continuous batching, KV-cache slots, tensor-parallel groups, pipeline stages",
         build=_build,
         settings=NativeEngineConfig,
         tensor_parallel=True,
+        pipeline_stages=True,
         request_api=True,
         partial_rollout=True,
         records_routes=True,

@@ -165,7 +165,7 @@ class Engine:
         spec = self.weights.spec
         if not spec.num_experts:
             raise ValueError("record_routes: the model has no mixture-of-experts layers")
-        return RouteLog(requests, positions, spec.num_layers, spec.experts_per_token, self.device)
+        return RouteLog(requests, positions, self.weights.model_layers, spec.experts_per_token, self.device)
 
     @torch.no_grad()
     def resume(self, should_stop: Callable[[], bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,9 @@ the query axis, so attention runs as (B*Hkv, G*T, D) queries against (B*Hkv, L, 
 `scaled_dot_product_attention` call in prefill, two batched matmuls around a softmax in decode.
 
 Under tensor parallelism (parallel.py) the same code runs on a rank's heads and MLP slice (its
-`weights.spec` is the local one); the two row-parallel products are summed over the group.
+`weights.spec` is the local one); the two row-parallel products are summed over the group. Under pipeline
+stages (stages.py) it runs on a rank's layers: what enters them comes from the stage before, what leaves goes
+to the next, and the last stage's residual stream reaches every rank before the final norm and the head.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def prefill(
     cos, sin = rope.cos[start : start + t], rope.sin[start : start + t]  # (T, D)
     query_pos = torch.arange(start, start + t, device=tokens.device).repeat(g)  # (G*T,): q rows are (g, t)
     visible = torch.arange(start + t, device=tokens.device)[None, :] <= query_pos[:, None]  # (G*T, start+T)
-    x = weights.embed[tokens]  # (Bp, T, H)
+    mark = None if record is None else len(record)
+    x = weights.stages.received(weights.embed[tokens])  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
         q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = rotate(q.view(b, t, hkv, g, d), cos[:, None, None], sin[:, None, None])
@@ -193,8 +196,18 @@ def prefill(
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
         x = _output_and_mlp(weights, layer, x, attn, record)
+    x = weights.stages.passed_on(x)
+    _whole_routes(weights, record, mark)
     last = x[torch.arange(b, device=x.device), lengths - 1]  # (Bp, H)
-    return _logits(weights, last)
+    return _logits(weights, weights.stages.from_last(last))
+
+
+def _whole_routes(weights: Weights, record: list | None, mark: int | None) -> None:
+    """Under pipeline stages (stages.py), the experts this forward's MoE layers chose (``record[mark:]``, this
+    rank's layers) become every stage's, in layer order: a collective of the stages, once each has sent its hidden
+    states on (before, the first stage would wait for the second, which waits for its input)."""
+    if record is not None and weights.stages.size > 1 and weights.spec.num_experts:
+        record[mark:] = weights.stages.whole_routes(record[mark:])
 
 
 def decode(
@@ -253,7 +266,8 @@ def _decode_hidden(
         bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
         bias = bias.masked_fill_(hidden[:, None], float("-inf")).repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T)
     scale = d**-0.5
-    x = weights.embed[tokens]  # (B, H)
+    mark = None if record is None else len(record)
+    x = weights.stages.received(weights.embed[tokens])  # (B, H)
     for i, layer in enumerate(weights.layers):
         qkv = _qkv(weights, layer, x)
         qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)
@@ -269,7 +283,9 @@ def _decode_hidden(
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
             attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
         x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size), record)
-    return x
+    x = weights.stages.passed_on(x)
+    _whole_routes(weights, record, mark)
+    return weights.stages.from_last(x)
 
 
 # Up to this many new tokens per row, `extend` runs packed through the ragged kernel; above, padded rows and SDPA.
@@ -344,7 +360,7 @@ def _extend_padded(
     visible = torch.arange(context, device=device)[None, None, :] <= query_pos[:, :, None]  # (Bp, G*T, ctx)
     heads = torch.arange(hkv, device=device)
     padded = None if record is None else []  # every (row, offset)'s experts; the real tokens' kept
-    x = weights.embed[tokens]  # (Bp, T, H)
+    x = weights.stages.received(weights.embed[tokens])  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
         q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
         q = rotate(q.view(b, t, hkv, g, d), cos[:, :, None, None], sin[:, :, None, None])
@@ -357,7 +373,9 @@ def _extend_padded(
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
         x = _output_and_mlp(weights, layer, x, attn, padded)
+    x = weights.stages.passed_on(x)
     if record is not None:
+        _whole_routes(weights, padded, 0)
         record += [chosen.view(b, t, -1)[real] for chosen in padded]
     last = x[torch.arange(b, device=device), lengths - 1]  # (Bp, H)
-    return _logits(weights, last)
+    return _logits(weights, weights.stages.from_last(last))

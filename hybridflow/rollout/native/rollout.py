@@ -33,6 +33,7 @@ from hybridflow.rollout.native.engine_stats import EngineStats
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.sessions import NativeRequestEngine
 from hybridflow.rollout.native.spec import spec_from_config
+from hybridflow.rollout.native.stages import PipelineStageGroup
 from hybridflow.rollout.native.weights import Weights
 
 
@@ -47,6 +48,8 @@ class NativeRollout(Rollout):
     engine_config: the engine's batch limits (`actor_rollout_ref.rollout.native.*`).
     tp_group: the ranks that generate together, tensor-parallel (parallel.py); every rank of it must
     make the same calls with the same prompts. None: this rank generates alone with a whole copy.
+    pp_group: the ranks whose pipeline stages hold the decoder layers between them (stages.py), each rank with its
+    own tp_group; every rank of it makes the same calls too. None: this rank holds every layer.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class NativeRollout(Rollout):
         dtype: torch.dtype | None = None,
         stop_token_ids: list[int] | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ):
         self.tokenizer = tokenizer
         self.eos_token_ids, self.pad_token_id = stop_and_pad_ids(model.generation_config.eos_token_id, tokenizer)
@@ -65,7 +69,7 @@ class NativeRollout(Rollout):
         dtype = dtype or next(model.parameters()).dtype
         spec = spec_from_config(model.config)
         tp = TensorParallelGroup.of(model.config.model_type, tp_group)
-        weights = Weights.from_model(model, spec, dtype, tp)
+        weights = Weights.from_model(model, spec, dtype, tp, PipelineStageGroup.of(pp_group))
         self.engine = Engine(weights, engine_config)
         self.adapters = engine_config.adapters
         self.requests = NativeRequestEngine(self.engine, self.stop_token_ids)
@@ -91,8 +95,11 @@ class NativeRollout(Rollout):
         ``rollout_log_probs``) after that many tokens, prefilling prompt and prefix under the weights held
         now; ``should_stop`` (asked after every decode step) ends the call early, and the ``interrupted``
         column marks the rows cut short (their response mask covers the tokens they have)."""
-        if self.engine.weights.tp.size > 1 and should_stop is not None:
-            raise NotImplementedError("partial rollout generates on one rank: rollout.tensor_model_parallel_size=1")
+        if self._ranks() > 1 and should_stop is not None:
+            raise NotImplementedError(
+                "partial rollout generates on one rank: rollout.tensor_model_parallel_size=1 and "
+                "rollout.pipeline_model_parallel_size=1"
+            )
         prompt_ids = prompts.batch[INPUT_IDS]
         prompt_mask = prompts.batch[ATTENTION_MASK]
         token_lists = [row[mask.bool()].tolist() for row, mask in zip(prompt_ids, prompt_mask)]
@@ -180,9 +187,17 @@ class NativeRollout(Rollout):
 
     def request_engine(self) -> NativeRequestEngine:
         """Multi-turn generation on the same weights and KV cache (sessions.py); one rank only."""
-        if self.engine.weights.tp.size > 1:
-            raise NotImplementedError("multi-turn rollout runs on one rank: set rollout.tensor_model_parallel_size=1")
+        if self._ranks() > 1:
+            raise NotImplementedError(
+                "multi-turn rollout runs on one rank: set rollout.tensor_model_parallel_size=1 and "
+                "rollout.pipeline_model_parallel_size=1"
+            )
         return self.requests
+
+    def _ranks(self) -> int:
+        """The ranks generating together, tensor-parallel and in pipeline stages."""
+        weights = self.engine.weights
+        return weights.tp.size * weights.stages.size
 
     def release_cache(self) -> None:
         """Free the KV cache after generation; the next generation allocates it again."""

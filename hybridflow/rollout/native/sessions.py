@@ -90,8 +90,8 @@ class NativeRequestEngine(SteppedRequestEngine):
         self.recording = self.params.record_routes
 
     def route_shape(self) -> tuple[int, int] | None:
-        spec = self.engine.weights.spec
-        return (spec.num_layers, spec.experts_per_token) if spec.num_experts else None
+        weights = self.engine.weights
+        return (weights.model_layers, weights.spec.experts_per_token) if weights.spec.num_experts else None
 
     async def generate(self, request: int, new_tokens: list[int], max_new_tokens: int) -> TurnOutput:
         self.require_serving()

@@ -22,6 +22,7 @@ from hybridflow.models.adapters import LORA_A, LORA_B, expert_factors, split_ada
 from hybridflow.rollout.native.linear import AdapterBlock, ExpertLowRank, LowRank, Matrix
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import ModelSpec
+from hybridflow.rollout.native.stages import ONE_STAGE, PipelineStageGroup
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.original_inv_freq")  # buffers the forward recomputes
@@ -68,6 +69,22 @@ class Weights:
     norm: torch.Tensor  # (H,)
     lm_head: Matrix  # weight (V, H); the same tensor as `embed` when tied
     tp: TensorParallelGroup  # the ranks this copy is split over (size 1: a whole copy)
+    stages: PipelineStageGroup = ONE_STAGE  # the ranks whose layers make one model (size 1: all here)
+
+    @property
+    def model_layers(self) -> int:
+        """The decoder layers of the whole model, every stage's."""
+        return self.spec.num_layers * self.stages.size
+
+    @property
+    def held_layers(self) -> range:
+        """The Hugging Face indices of the decoder layers this copy holds."""
+        return self.stages.held_layers(self.spec.num_layers)
+
+    def _layer(self, index: int) -> LayerWeights | None:
+        """The layer of Hugging Face index ``index`` (None: another pipeline stage holds it)."""
+        held = self.held_layers
+        return self.layers[index - held.start] if index in held else None
 
     @classmethod
     def allocate(
@@ -78,10 +95,12 @@ class Weights:
         dtype: torch.dtype,
         device: torch.device | str,
         tp: TensorParallelGroup,
+        stages: PipelineStageGroup = ONE_STAGE,
     ) -> Weights:
         """Uninitialised weights of this rank's shapes (fill them with `load`); spec: the whole model's;
-        tp: the group they are split over (size 1: a whole copy)."""
-        spec = tp.local_spec(spec)
+        tp: the group they are split over (size 1: a whole copy); stages: the pipeline stages its layers are
+        split into (size 1: every layer here)."""
+        spec = stages.local_spec(tp.local_spec(spec))
         o_bias = o_bias and tp.holds("self_attn.o_proj.bias")
         h, q, k, i = spec.hidden_size, spec.q_size, spec.kv_size, spec.intermediate_size
 
@@ -116,7 +135,7 @@ class Weights:
         ]
         embed = empty(spec.vocab_size, h)
         lm_head = Matrix(embed if spec.tie_word_embeddings else empty(spec.vocab_size, h))
-        return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head, tp=tp)
+        return cls(spec=spec, embed=embed, layers=layers, norm=empty(h), lm_head=lm_head, tp=tp, stages=stages)
 
     def matrices(self) -> list[Matrix]:
         """Every weight matrix that a forward multiplies by."""
@@ -135,14 +154,21 @@ class Weights:
         return sum(t.numel() * t.element_size() for t in unique.values())
 
     @classmethod
-    def from_model(cls, model: nn.Module, spec: ModelSpec, dtype: torch.dtype, tp: TensorParallelGroup) -> Weights:
+    def from_model(
+        cls,
+        model: nn.Module,
+        spec: ModelSpec,
+        dtype: torch.dtype,
+        tp: TensorParallelGroup,
+        stages: PipelineStageGroup = ONE_STAGE,
+    ) -> Weights:
         """A packed copy of a Hugging Face causal LM's weights (a family of SUPPORTED_MODEL_TYPES) in `dtype` (this
-        rank's slices of them under tensor parallelism)."""
+        rank's slices of them under tensor parallelism, its stage's layers under pipeline stages)."""
         params = dict(model.named_parameters())
         attn = "model.layers.0.self_attn"
         device = next(model.parameters()).device
         weights = cls.allocate(
-            spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, device, tp
+            spec, f"{attn}.q_proj.bias" in params, f"{attn}.o_proj.bias" in params, dtype, device, tp, stages
         )
         shards = ((name, weights.tp.shard(name, tensor)) for name, tensor in params.items())
         missing = sorted(set(weights.target_names()) - weights.load(shards))
@@ -168,10 +194,11 @@ class Weights:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         if layer.o.bias is not None:
             per_layer.append("self_attn.o_proj.bias")
-        return names + [f"model.layers.{i}.{p}" for i in range(len(self.layers)) for p in per_layer]
+        return names + [f"model.layers.{i}.{p}" for i in self.held_layers for p in per_layer]
 
     def target(self, name: str) -> tuple[torch.Tensor, Matrix | None] | None:
-        """Where HF parameter `name` is copied: (tensor or slice of a fused one, its Matrix if any); None: ignored."""
+        """Where HF parameter `name` is copied: (tensor or slice of a fused one, its Matrix if any); None: ignored
+        (a buffer the forward recomputes, a bias another tensor-parallel rank adds, a layer another stage holds)."""
         if name.endswith(_IGNORED_SUFFIXES) or not self.tp.holds(name):
             return None
         if name == "model.embed_tokens.weight":
@@ -183,7 +210,9 @@ class Weights:
         match = _LAYER.fullmatch(name)
         if match is None:
             raise KeyError(f"native rollout has no weight for {name!r}")
-        layer, part = self.layers[int(match.group(1))], match.group(2)
+        layer, part = self._layer(int(match.group(1))), match.group(2)
+        if layer is None:
+            return None
         q, k, i = self.spec.q_size, self.spec.kv_size, self.spec.intermediate_size
         slices = {"q": slice(0, q), "k": slice(q, q + k), "v": slice(q + k, q + 2 * k)}
         direct = {
@@ -242,7 +271,9 @@ class Weights:
         match = _LAYER.fullmatch(layer_name)
         if match is None:
             raise KeyError(f"native rollout cannot serve adapters on {layer_name!r}: not a decoder layer's linear")
-        layer, part = self.layers[int(match.group(1))], match.group(2)
+        layer, part = self._layer(int(match.group(1))), match.group(2)
+        if layer is None:
+            raise KeyError(f"{layer_name}: another generation pipeline stage holds this layer")
         q, k, i = self.spec.q_size, self.spec.kv_size, self.spec.intermediate_size
         rows = {
             "self_attn.q_proj": (layer.qkv, slice(0, q)),
@@ -307,7 +338,7 @@ class Weights:
         """Serve the adapters on expert weights (``<...>.mlp.experts.gate_up_proj``, models/adapters.py) found in
         ``pairs``, taking them out of it; every other expert weight's adapters go."""
         dtype, device = self.embed.dtype, self.embed.device
-        for index, layer in enumerate(self.layers):
+        for index, layer in zip(self.held_layers, self.layers):
             if layer.experts is None:
                 continue
             experts = layer.experts

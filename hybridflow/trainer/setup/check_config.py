@@ -132,10 +132,10 @@ def _check_partial_rollout(cfg: HybridFlowConfig) -> None:
         f"use rollout.name=native, or {no}",
     )
     _check(
-        rollout.tensor_model_parallel_size == 1,
+        rollout.tensor_model_parallel_size == 1 and rollout.pipeline_model_parallel_size == 1,
         key,
         "it generates on one rank per generation group",
-        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1, or " + no,
+        "set actor_rollout_ref.rollout.tensor_model_parallel_size=1 and pipeline_model_parallel_size=1, or " + no,
     )
     _check(
         not rollout.multi_turn.enable,

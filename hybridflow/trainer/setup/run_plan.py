@@ -48,6 +48,7 @@ from hybridflow.trainer.setup.role_parts import (
 from hybridflow.trainer.setup.roles import needed_roles
 
 TG_KEY = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+PG_KEY = "actor_rollout_ref.rollout.pipeline_model_parallel_size"
 
 
 def _missing_model(path: str, key: str, error: FileNotFoundError) -> ConfigError:
@@ -290,15 +291,60 @@ def _generation_size(config: HybridFlowConfig) -> int:
     return tg
 
 
+def _generation_stages(config: HybridFlowConfig, training: LayoutShape) -> int:
+    """pg, the generation pipeline stages (rollout.pipeline_model_parallel_size), checked against the backend, the
+    run's modes and the actor's training stages."""
+    rollout, actor = config.actor_rollout_ref.rollout, config.actor_rollout_ref.actor
+    pg = rollout.pipeline_model_parallel_size
+    if pg == 1:
+        return pg
+    refusals = [
+        (
+            not rollout_backend(rollout.name).pipeline_stages,
+            f"{pg} needs a backend that generates in pipeline stages; rollout.name={rollout.name} does not",
+            "use rollout.name=native, or set it to 1",
+        ),
+        (
+            config.trainer.async_training.rollout_apart,
+            f"{pg}: generation stages are the hybrid actor's (they regroup its training stages); a rollout pool of "
+            "its own generates with every layer on each rank",
+            "set it to 1 with trainer.async_training's modes that place the rollout apart",
+        ),
+        (
+            rollout.multi_turn.enable,
+            "multi-turn rollout generates on one rank (the ranks of a group would wait on different tools)",
+            "set it to 1",
+        ),
+        (
+            training.pp % pg != 0,
+            f"{pg} does not divide actor.pipeline_model_parallel_size={training.pp}: each generation stage is made "
+            "of whole training stages (the 3D-HybridEngine's regrouping over p)",
+            f"choose a divisor of {training.pp}",
+        ),
+        (
+            actor.virtual_pipeline_model_parallel_size > 1,
+            f"{pg} with actor.virtual_pipeline_model_parallel_size="
+            f"{actor.virtual_pipeline_model_parallel_size}: an interleaved rank's stages are not consecutive layers, "
+            "which a generation stage is",
+            "set one of them to 1",
+        ),
+    ]
+    for refused, problem, fix in refusals:
+        if refused:
+            raise ConfigError(PG_KEY, problem, fix)
+    return pg
+
+
 def _actor_layout(config: HybridFlowConfig, training: LayoutShape) -> LayoutShape:
-    """The hybrid actor's training layout with generation groups of tg ranks (tg dividing t is checked in
+    """The hybrid actor's training layout with generation groups of pg x tg ranks (tg dividing t is checked in
     LayoutShape itself, as the regrouping needs). With the rollout role apart, the actor only trains."""
     t = training.t
+    pg = _generation_stages(config, training)
     if config.trainer.async_training.rollout_apart:
         return training
     tg = _generation_size(config)
     try:
-        return dataclasses.replace(training, tg=tg)
+        return dataclasses.replace(training, tg=tg, pg=pg)
     except ValueError as error:
         raise ConfigError(
             TG_KEY,
