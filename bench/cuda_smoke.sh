@@ -3,7 +3,8 @@
 # GRPO, PPO (critic, reference, reward model, KL), LoRA, multi-turn with the calculator tool (sandboxed) and SFT
 # runs, then DPO and reward-model training on pairs made from the arithmetic task's answers, with trainer.device=cuda
 # on a local Ray cluster; first, on a machine with 2 GPUs or more, PPO with the actor,
-# its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU), then in 2 pipeline stages (pp = 2);
+# its reference and the critic under Ulysses (sp = 2: NCCL puts one rank per GPU), then in 2 pipeline stages (pp = 2),
+# then GRPO with the actor generating in 2 stages too (pg = 2);
 # then GRPO on the model upcycled to a mixture of experts (4 experts, 2 per token; routing replay on; on 2 GPUs the
 # actor's experts split over both, ep = 2). Logs go to $OUT.
 #
@@ -54,7 +55,7 @@ for split in ('train', 'test'):
 " "$(mkdir -p /tmp/cuda_smoke_pairs && echo /tmp/cuda_smoke_pairs)"
 fi
 PAIRS="data.train_files=[/tmp/cuda_smoke_pairs/train.parquet] data.val_files=[/tmp/cuda_smoke_pairs/test.parquet]"
-for what in ${RUNS:-sp pp moe grpo ppo lora agent sft dpo rm}; do
+for what in ${RUNS:-sp pp pg moe grpo ppo lora agent sft dpo rm}; do
   case $what in
     sp) if [ "$GPUS" -lt 2 ]; then echo "== sp: needs 2 GPUs, this machine has $GPUS"; continue; fi
         run sp 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
@@ -69,6 +70,12 @@ for what in ${RUNS:-sp pp moe grpo ppo lora agent sft dpo rm}; do
             actor_rollout_ref.actor.pipeline_model_parallel_size=2 actor_rollout_ref.ref.pipeline_model_parallel_size=2 \
             critic.pipeline_model_parallel_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
             critic.ppo_micro_batch_size_per_gpu=4 trainer.default_local_dir=/tmp/cuda_smoke_pp ;;
+    pg) if [ "$GPUS" -lt 2 ]; then echo "== pg: needs 2 GPUs, this machine has $GPUS"; continue; fi
+        run pg 200 hybridflow.trainer.commands.train --config examples/grpo_arithmetic_smollm2.yaml $COMMON \
+            trainer.n_workers_per_node=2 actor_rollout_ref.model.path="$MODEL" trainer.total_training_steps=2 \
+            trainer.val_before_train=false actor_rollout_ref.actor.pipeline_model_parallel_size=2 \
+            actor_rollout_ref.rollout.pipeline_model_parallel_size=2 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \
+            trainer.default_local_dir=/tmp/cuda_smoke_pg ;;
     moe) rm -rf /tmp/cuda_smoke_moe_model
          $PY -m hybridflow.cli upcycle "$MODEL" /tmp/cuda_smoke_moe_model --experts 4 --top-k 2 || continue
          EP=$(( GPUS >= 2 ? 2 : 1 ))

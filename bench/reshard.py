@@ -24,10 +24,13 @@ hybridflow_v's full tensor exists for one parameter at once, not for the whole m
 accounting).
 
 With ``--pipeline 2`` the training layout is (dp, pp, t) with the model in 2 stages (engine/pipeline.py) and the
-switch is the production one only: every rank generates with every layer (pg = 1), so it gathers its own stage's
+switch is the production one only. At pg = 1 every rank generates with every layer, so it gathers its own stage's
 generation shard as above and the other stage's from its pp peer. Predicted: Table 2's bytes for its own stage's
 weights (dp, t, tg as above), plus the other stage's generation shard whole (1/tg of its split weights, all of the
-rest), from the model's parameter sizes; held: the whole model's generation shard, every layer's.
+rest), from the model's parameter sizes; held: the whole model's generation shard, every layer's. With
+``--generation-stages G`` (pg, dividing pp) the ranks generate in G stages: a rank receives the layers of only the
+pp / G - 1 other training stages that make its generation stage, and the other stages' embeddings, final norm and
+head; it holds its generation stage's layers (1/G of them) and those.
 
 SmolLM2-135M has 9 query and 3 key/value heads, so it splits over t in {1, 3} only (``--world 3``).
 ``--model smollm2-8h`` is a random Llama of SmolLM2-135M's size (576 wide, 30 layers, MLP 1536, vocabulary
@@ -181,10 +184,12 @@ class StagedResharder(Worker):
         self.pp, self.t, self.dp = pp, t, self.world_size // (pp * t)
         model = load_causal_lm(path, dtype=torch.bfloat16)
         split_table, layers = layer_split(model.config.model_type), model.config.num_hidden_layers
-        self.stage_bytes = [[0, 0] for _ in range(pp)]  # per stage: (tensor-parallel bytes, the rest), bf16
+        # per stage and kind (decoder layers, the rest): (tensor-parallel bytes, the rest), bf16
+        self.stage_bytes = [{kind: [0, 0] for kind in ("layers", "other")} for _ in range(pp)]
         for name, param in model.named_parameters():  # a tied head is the embedding: listed once
             split = t > 1 and split_table.shard_dim(name) is not None
-            self.stage_bytes[stage_of(name, layers, pp)][0 if split else 1] += param.numel() * 2
+            kind = "layers" if name.startswith("model.layers.") else "other"
+            self.stage_bytes[stage_of(name, layers, pp)][kind][0 if split else 1] += param.numel() * 2
         mesh = pipeline_mesh(self.device, self.dp, pp, t)
         fsdp = default_config().actor_rollout_ref.actor.fsdp
 
@@ -196,26 +201,39 @@ class StagedResharder(Worker):
         self.layouts: dict[int, ActorLayouts] = {}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def switch(self, tg: int, method: str = "hybridflow") -> dict[str, float]:
-        if tg not in self.layouts:  # collective: every rank builds the same groups
-            shape = LayoutShape(dp=self.dp, t=self.t, tg=tg, pp=self.pp)
-            self.layouts[tg] = ActorLayouts.build(self.device, shape)
+    def switch(self, tg: int, pg: int = 1) -> dict[str, float]:
+        if (tg, pg) not in self.layouts:  # collective: every rank builds the same groups
+            shape = LayoutShape(dp=self.dp, t=self.t, tg=tg, pp=self.pp, pg=pg)
+            self.layouts[tg, pg] = ActorLayouts.build(self.device, shape)
+        layouts = self.layouts[tg, pg]
         dist.barrier()
         start = time.perf_counter()
         report = SwitchReport()
-        held = list(generation_weights(self.model, torch.bfloat16, self.layouts[tg].gather_group, report))
+        weights = generation_weights(
+            self.model, torch.bfloat16, layouts.gather_group, report, stage_gather_group=layouts.stage_gather_group
+        )
+        held = list(weights)
         dist.barrier()
         seconds = time.perf_counter() - start
         own = self.model.indices[0]
-        split, whole = self.stage_bytes[own]
+        n = self.pp // pg
+        block = range(own // n * n, own // n * n + n)  # the training stages of this rank's generation stage
+
+        def shard(stage: int, kinds: tuple[str, ...] = ("layers", "other")) -> float:
+            return sum(self.stage_bytes[stage][kind][0] / tg + self.stage_bytes[stage][kind][1] for kind in kinds)
+
+        def received_from(stage: int) -> float:
+            return shard(stage) if stage in block else shard(stage, ("other",))
+
+        split, whole = (sum(self.stage_bytes[own][kind][i] for kind in ("layers", "other")) for i in (0, 1))
         predicted = predicted_switch_bytes(split, whole, dp=self.dp, t=self.t, tg=tg, method="hybridflow")
-        predicted += sum(s / tg + w for stage, (s, w) in enumerate(self.stage_bytes) if stage != own)
+        predicted += sum(received_from(stage) for stage in range(self.pp) if stage != own)
         return {
             "received_mb": report.received / 2**20,
             "predicted_mb": predicted / 2**20,
             "seconds": seconds,
             "peak_mb": sum(local_bytes(tensor) for _, tensor in held) / 2**20,
-            "peak_predicted_mb": sum(s / tg + w for s, w in self.stage_bytes) / 2**20,
+            "peak_predicted_mb": sum(received_from(stage) for stage in range(self.pp)) / 2**20,
         }
 
 
@@ -278,9 +296,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="switches timed per case (median)")
     parser.add_argument("--plot", type=Path, default=None, help="write the bytes and memory chart here (PNG)")
     parser.add_argument("--pipeline", type=int, default=1, help="pipeline stages of the training layout (pp)")
+    parser.add_argument(
+        "--generation-stages", type=int, default=1, help="pipeline stages of the generation layout (pg, dividing pp)"
+    )
     args = parser.parse_args()
     if args.pipeline > 1:
-        staged(model_path(args.model), args.world, args.pipeline, args.repeats)
+        staged(model_path(args.model), args.world, args.pipeline, args.repeats, args.generation_stages)
         return
     path = model_path(args.model)
     print(f"{args.model}, {args.world} processes, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
@@ -328,19 +349,21 @@ def groups_by_t(world: int, pairs: list[tuple[int, int]], spec) -> Iterator[tupl
             ray.shutdown()
 
 
-def staged(path: str, world: int, pp: int, repeats: int) -> None:
-    """The switch of a pipeline-staged actor, (dp, pp, t) for every t the model and the processes allow."""
-    print(f"{path}, {world} processes, pp {pp}, bf16 weights; load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)")
-    header = f"{'dp':>3} {'pp':>3} {'t':>3} {'tg':>3} {'MB/rank':>9} {'predicted':>10}"
+def staged(path: str, world: int, pp: int, repeats: int, pg: int = 1) -> None:
+    """The switch of a pipeline-staged actor, (dp, pp, t) for every t the model and the processes allow, to
+    generation groups of pg stages x tg."""
+    load = f"load {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores)"
+    print(f"{path}, {world} processes, pp {pp}, pg {pg}, bf16 weights; {load}")
+    header = f"{'dp':>3} {'pp':>3} {'pg':>3} {'t':>3} {'tg':>3} {'MB/rank':>9} {'predicted':>10}"
     print(f"{header} {'s/switch':>9} {'held MB':>8} {'pred.':>8}")
     spec = lambda t: (StagedResharder, {"path": path, "pp": pp, "t": t})  # noqa: E731
     for t, tgs, group in groups_by_t(world, layouts(path, world // pp), spec):
         for tg in tgs:
-            runs = [group.switch(tg) for _ in range(repeats)]
+            runs = [group.switch(tg, pg) for _ in range(repeats)]
             seconds = sorted(max(r["seconds"] for r in ranks) for ranks in runs)[len(runs) // 2]
             for rank, row in enumerate(runs[-1]):  # each stage's ranks receive the other stage's share
                 print(
-                    f"{world // (pp * t):>3} {pp:>3} {t:>3} {tg:>3} {row['received_mb']:>9.2f} "
+                    f"{world // (pp * t):>3} {pp:>3} {pg:>3} {t:>3} {tg:>3} {row['received_mb']:>9.2f} "
                     f"{row['predicted_mb']:>10.2f} {seconds:>9.3f} {row['peak_mb']:>8.1f} "
                     f"{row['peak_predicted_mb']:>8.1f}   rank {rank}",
                     flush=True,

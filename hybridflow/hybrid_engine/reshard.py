@@ -52,7 +52,8 @@ class SwitchReport:
 
     def predicted(self, shape: LayoutShape) -> float:
         """What ``received`` must be by the paper's formulas for this rank's stages, plus the other stages' generation
-        shards as they arrived from their pp ranks (pg = 1: every rank generates with every layer). Expert weights
+        shards as they arrived from their pp ranks (pg = 1: all of each; pg > 1: the layers of those that make the
+        rank's generation stage, and the embeddings, the final norm and the head of every other). Expert weights
         come from the ep ranks that split them (each of the dp / ep replicas holds them all): 1 - 1 / ep of them."""
         others = self.whole - self.experts
         own = predicted_switch_bytes(self.split, others, dp=shape.fsdp, t=shape.t, tg=shape.tg, method="hybridflow")

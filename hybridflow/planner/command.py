@@ -30,7 +30,7 @@ from hybridflow.trainer.setup.role_parts import (
     TENSOR_PARALLEL,
     VIRTUAL_PIPELINE,
 )
-from hybridflow.trainer.setup.run_plan import TG_KEY
+from hybridflow.trainer.setup.run_plan import PG_KEY, TG_KEY
 from hybridflow.validation import UserError
 
 FLAGS = {"--config": "FILE", "--cluster": "NAME", "--nodes": "N", "--top": "K", "--out": "FILE"}
@@ -58,6 +58,7 @@ def plan_overrides(plan: Plan, cluster: ClusterSpec, apart_mode: str = ONE_STEP_
                     _set(layouts, part.key(size_name), size)
             if role is Role.Rollout or (role is Role.ActorRollout and not plan.overlapped):
                 _set(layouts, TG_KEY, layout.tg)
+                _set(layouts, PG_KEY, layout.pg)
     overrides: dict = {
         "trainer": {
             "placement": "custom",
@@ -109,9 +110,9 @@ def merged(base: dict, changes: dict) -> dict:
 
 def _layout_text(role: Role, layout, generates: bool) -> str:
     """``role t`` (``t/tg`` for an actor that generates), with ``spN`` under Ulysses, ``ppN`` with pipeline
-    stages and ``epN`` with split experts."""
+    stages, ``pgN`` with generation stages and ``epN`` with split experts."""
     text = f"{role.value} {layout.t}/{layout.tg}" if generates else f"{role.value} {layout.t}"
-    extra = {"sp": layout.sp, "pp": layout.pp, "ep": layout.ep}
+    extra = {"sp": layout.sp, "pp": layout.pp, "pg": layout.pg, "ep": layout.ep}
     return text + "".join(f" {name}{size}" for name, size in extra.items() if size > 1)
 
 
@@ -121,7 +122,7 @@ def plans_table(plans: list[Plan], top: int) -> str:
     lines = [
         f"{'#':>2}  {'s/step':>9}  "
         + "".join(f"{n:>9}" for n in names)
-        + "  sets (devices: role t/tg spN ppN, GB/device)"
+        + "  sets (devices: role t/tg spN ppN pgN, GB/device)"
     ]
     for index, plan in enumerate(plans[:top], start=1):
         sets = "; ".join(

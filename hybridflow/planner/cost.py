@@ -2,8 +2,8 @@
 
 A layout is the one the hybrid actor runs (hybrid_engine/layout_shape.py's ``LayoutShape``): dp x sp x pp x t
 ranks, rows split over dp, each micro-batch's tokens over sp (Ulysses), the decoder layers into pp stages (torch's
-1F1B schedule), each layer over t, FSDP over dp x sp; the actor generates in groups of tg, every rank with every
-layer (no stages while generating).
+1F1B schedule), each layer over t, FSDP over dp x sp; the actor generates in groups of pg x tg: pg generation stages
+(pg dividing pp; pg = 1: every rank with every layer), each layer over tg.
 
 Kinds of work (per device, one step):
 - training and scoring passes are compute-bound: (2 forward, 6 forward + backward) x the weights a rank
@@ -17,16 +17,19 @@ Kinds of work (per device, one step):
   over the p - 1 stage boundaries (and their gradients back in training);
 - generation is bound by reading the weights and KV cache once per decode step (``memory_bandwidth x
   decode_efficiency``) or by compute, whichever is slower, plus 2 all-reduces per layer per step
-  when tg > 1; prefill is compute;
+  when tg > 1; prefill is compute; generation stages (pg > 1) compute one after another (rollout/native/stages.py),
+  so a group of pg x tg ranks takes a tg group's time per step, plus the hidden states sent over the pg - 1
+  boundaries and the last stage's broadcast, and there are pg times fewer groups;
 - the actor's switch moves the 3D-HybridEngine's bytes (hybrid_engine/regroup.py) over the link; with stages, a rank
-  also receives the other stages' generation shards from its pp peers;
+  also receives the generation shards of the other stages that make its generation stage (all of them at pg = 1)
+  and the embeddings from the stages holding them;
 - every forward call of a layer costs a fixed ``layer_overhead`` besides (``decode_layer_overhead`` in the
   generation engine): kernel dispatch, what dominates small models and small batches on a CPU.
 
 Memory per device: fp32 masters, gradients and Adam's two moments (16 bytes per weight) for trained
 models (with LoRA: 16 bytes per adapter weight, the frozen base in bf16), fp32 weights for scored ones,
 all sharded over every rank of the model (FSDP over dp x sp, stages over pp, tensor parallelism over t); the actor's
-bf16 generation copy (1/tg of the decoder, whole embeddings); and the largest transient: activations of a
+bf16 generation copy (1/(pg x tg) of the decoder, whole embeddings); and the largest transient: activations of a
 micro-batch (34 bytes x hidden per token per layer, bf16, Korthikanti et al. 2022, over t; with gradient
 checkpointing each layer's bf16 input and one layer's activations) and its fp32 logits, all over sp (a rank holds
 its slice of the tokens), or the KV cache of the rank's generation group. A training stage holds the activations of
@@ -167,7 +170,7 @@ def _expert_exchange_seconds(
 def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workload, cluster: ClusterSpec) -> float:
     """Prefill and decode of the step's samples, the generation groups working at once, each in waves of
     at most ``max_num_seqs`` sequences."""
-    groups = layout.world // layout.tg
+    groups = layout.world // layout.generation_ranks_per_group
     waves = ceil(ceil(workload.samples / groups) / workload.max_num_seqs)
     batch = ceil(workload.samples / groups / waves)
     weights = shape.active_layer_params / layout.tg + shape.vocab * shape.hidden  # multiplied per token on a rank
@@ -179,6 +182,9 @@ def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workloa
     memory_bound = read / (cluster.memory_bandwidth * cluster.decode_efficiency)
     compute_bound = 2 * weights * batch / compute_rate
     tp = 2 * shape.layers * _collective(cluster, layout.tg, batch * shape.hidden * 2)
+    if layout.pg > 1:  # the hidden states over the pg - 1 boundaries, then the last stage's to every rank (one more)
+        hidden = batch * shape.hidden * 2
+        tp += layout.pg * (cluster.collective_latency + hidden / cluster.link_bandwidth(layout.pg))
     overhead = shape.layers * cluster.decode_layer_overhead  # per forward call: the prefill and each decode step
     prefill += overhead
     tp += overhead
@@ -187,14 +193,15 @@ def generation_seconds(shape: ModelShape, layout: LayoutShape, workload: Workloa
 
 def switch_bytes_received(shape: ModelShape, layout: LayoutShape) -> float:
     """Bytes a rank receives in the actor's switch to generation (bf16): the regrouped switch of its own stage's share
-    of the weights (hybrid_engine/regroup.py), and with pp stages the other stages' generation shards (1/tg of each
-    split weight, the rest whole) from its pp peers, since every rank generates with every layer."""
+    of the weights (hybrid_engine/regroup.py), and with pp stages the generation shards (1/tg of each split weight)
+    of the pp / pg - 1 other stages that make its generation stage, from their pp ranks (pg = 1: every other stage),
+    and the other stages' embeddings whole."""
     split, whole = 2 * shape.layer_params, 2 * shape.embedding_params
     experts = 2 * shape.expert_params if layout.ep > 1 else 0  # gathered over the ep ranks that split them
     own_stage = predicted_switch_bytes(
         (split - experts) / layout.pp, whole / layout.pp, dp=layout.fsdp, t=layout.t, tg=layout.tg, method="hybridflow"
     )
-    other_stages = (layout.pp - 1) / layout.pp * (split / layout.tg + whole)
+    other_stages = (layout.stage_micro_dp - 1) / layout.pp * split / layout.tg + (layout.pp - 1) / layout.pp * whole
     return own_stage + experts * (layout.ep - 1) / layout.ep + other_stages
 
 
@@ -278,17 +285,19 @@ def memory_bytes(role: Role, shape: ModelShape, layout: LayoutShape, workload: W
 
 def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workload) -> tuple[float, float]:
     """(the generation copy of the weights, the KV cache while generating) bytes per device."""
-    copy = 2 * (shape.layer_params / layout.tg + shape.embedding_params)
-    groups = layout.world // layout.tg
+    ranks = layout.generation_ranks_per_group  # each holds 1/(pg x tg) of the decoder and of its groups' cache
+    copy = 2 * (shape.layer_params / ranks + shape.embedding_params)
+    groups = layout.world // ranks
     running = min(ceil(workload.samples / groups), workload.max_num_seqs)
     length = workload.prompt_length + workload.response_length
-    return copy, running * length * shape.kv_bytes_per_token() / layout.tg
+    return copy, running * length * shape.kv_bytes_per_token() / ranks
 
 
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
     node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
-    pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp);
+    pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp), the
+    actor generating in pg stages for every pg dividing pp;
     the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor put in
     stages here: a trained one splits its experts over ep of its dp ranks, or runs Ulysses (ep = 1: the two do not
     combine); a rollout pool's generation groups split its experts, each whole on one rank."""
@@ -314,4 +323,10 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
         for pp in range(2, devices // t + 1)
         if devices % (t * pp) == 0 and shape.layers % pp == 0
     ]  # stages of equal size beside each t
-    return [LayoutShape(dp=devices // (t * sp * pp), t=t, tg=tg, sp=sp, pp=pp) for t, sp, pp in shapes for tg in tgs[t]]
+    return [
+        LayoutShape(dp=devices // (t * sp * pp), t=t, tg=tg, sp=sp, pp=pp, pg=pg)
+        for t, sp, pp in shapes
+        for tg in tgs[t]
+        for pg in (range(1, pp + 1) if role is Role.ActorRollout else (1,))
+        if pp % pg == 0
+    ]

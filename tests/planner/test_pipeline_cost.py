@@ -9,6 +9,7 @@ from hybridflow.controller import Role
 from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.planner.cluster import cluster_preset
 from hybridflow.planner.cost import (
+    generation_seconds,
     layouts_for,
     memory_bytes,
     pass_seconds,
@@ -130,3 +131,52 @@ def test_a_layout_whose_schedules_leave_a_stage_idle_is_no_candidate():
     assert stages_filled(Role.ActorRollout, STAGES, replace(WORK, critic_micro_batch=4))
     assert stages_filled(Role.Critic, STAGES, replace(WORK, micro_batch=4, critic_micro_batch=1))
     assert not stages_filled(Role.Critic, STAGES, replace(WORK, critic_optimizer_steps=4))
+
+
+GENERATION_STAGES = LayoutShape(dp=1, t=1, tg=1, pp=2, pg=2)  # the 2 training stages generate as 2 stages too
+
+
+def test_generation_stages_hold_half_the_layers_and_one_cache_by_hand():
+    """pg = 2: each rank's bf16 generation copy holds its stage's layer (half the decoder) and the embeddings; one
+    group of 2 ranks runs all 4 samples, each rank caching its layer's keys and values of them."""
+    static, transient = memory_bytes(Role.ActorRollout, SHAPE, GENERATION_STAGES, WORK)
+    assert static == pytest.approx(16 * SHAPE.params / 2 + 2 * (SHAPE.layer_params / 2 + 80))
+    kv_cache = 4 * (3 + 1) * SHAPE.kv_bytes_per_token() / 2  # 4 samples of 4 tokens, half the layers
+    assert transient == pytest.approx(max(memory_bytes(Role.ActorRollout, SHAPE, STAGES, WORK)[1], kv_cache))
+
+
+def test_the_switch_to_generation_stages_brings_only_the_embeddings_by_hand():
+    # pp = pg = 2 on 2 ranks: a rank's own stage is its generation stage; only the other stage's share of the
+    # embeddings (counted evenly over the stages) comes, not its layer
+    assert switch_seconds(SHAPE, GENERATION_STAGES, CLUSTER) == pytest.approx(2 * 80 / 2 / 50)
+    # pp 4, pg 2 (4 ranks): the other stage of the rank's generation stage, a quarter of the layers, and 3 quarters
+    # of the embeddings
+    four = LayoutShape(dp=1, t=1, tg=1, pp=4, pg=2)
+    assert switch_seconds(SHAPE, four, CLUSTER) == pytest.approx((2 * SHAPE.layer_params / 4 + 3 * 2 * 80 / 4) / 50)
+
+
+def test_generation_stages_take_one_group_the_time_of_two_by_hand():
+    """pg = 2 on 2 ranks: one group generates the 4 samples at the time per step of one rank with every layer, plus
+    2 sends of the hidden states a step; pg = 1: 2 groups of 2 samples at once."""
+    fast = replace(CLUSTER, memory_bandwidth=1e12, decode_efficiency=1.0)  # compute-bound, to count by hand
+    rate = fast.flops * fast.train_efficiency
+    weights = SHAPE.layer_params + SHAPE.vocab * SHAPE.hidden
+
+    def by_hand(batch: int, sends: float) -> float:
+        prefill = 2 * weights * batch * 3 / rate
+        return prefill + 1 * (2 * weights * batch / rate + sends)
+
+    hidden = 4 * SHAPE.hidden * 2
+    staged = generation_seconds(SHAPE, GENERATION_STAGES, WORK, fast)
+    assert staged == pytest.approx(by_hand(4, 2 * (fast.collective_latency + hidden / fast.link_bandwidth(2))))
+    assert generation_seconds(SHAPE, STAGES, WORK, fast) == pytest.approx(by_hand(2, 0.0))
+
+
+def test_the_actor_generates_in_stages_of_every_divisor_of_its_training_stages():
+    cluster = replace(cluster_preset("a100-80g"), devices_per_node=4)
+    big = ModelShape(
+        name="b", layers=16, hidden=1024, heads=16, kv_heads=8, ffn=4096, vocab=1000, tied_embeddings=False
+    )
+    actor = {(lay.t, lay.pp, lay.pg) for lay in layouts_for(Role.ActorRollout, big, 4, cluster) if lay.tg == 1}
+    assert {(pp, pg) for t, pp, pg in actor if t == 1} == {(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)}
+    assert all(lay.pg == 1 for lay in layouts_for(Role.Critic, big, 4, cluster))
