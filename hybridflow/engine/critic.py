@@ -68,5 +68,6 @@ class CriticEngine(UpdatedEngine):
             micro_loss=self._micro_loss,
             dp_group=self.dp_group,
             loss_share_keys=self.objective.share_keys,
+            sp_group=self.sp_group,
         )
         return DataProto(meta_info={METRICS: metrics})

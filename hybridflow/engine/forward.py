@@ -168,10 +168,7 @@ def _sharded_outputs(
         routes = routes[start : start + width]
 
     def gathered_rows(recorded: torch.Tensor) -> torch.Tensor:  # every rank's slice, in the packed order
-        wide = recorded.to(torch.int32)  # gloo gathers no int16
-        slices = [torch.empty_like(wide) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(slices, wide, group=group)
-        return to_rows(torch.cat(slices).to(recorded.dtype))
+        return to_rows(_gathered_slices(recorded, group))
 
     with replaying_routes(model, routes, replay), routes_into(model, record, gathered_rows):
         if accepts_logits_to_keep(model):
@@ -179,6 +176,14 @@ def _sharded_outputs(
         else:
             outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
     return outputs, ResponseShard(held, group, shards.real_in(start, width))
+
+
+def _gathered_slices(recorded: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every sp rank's slice of a packed sequence's recorded routes, concatenated in rank order."""
+    wide = recorded.to(torch.int32)  # gloo gathers no int16
+    slices = [torch.empty_like(wide) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slices, wide, group=group)
+    return torch.cat(slices).to(recorded.dtype)
 
 
 def _to_rows(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -281,11 +286,9 @@ def _batched(
     return [of_outputs(m, o) for m, o in zip(micro_batches, outputs)], groups
 
 
-def check_pipelined(remove_padding: bool, sp_group: dist.ProcessGroup | None) -> None:
+def check_pipelined(remove_padding: bool) -> None:
     if not remove_padding:
         raise ValueError("pipeline parallelism runs on packed rows: set use_remove_padding=true")
-    if sp_size(sp_group) > 1:
-        raise ValueError("pipeline parallelism does not combine with Ulysses sequence parallelism yet: set one to 1")
 
 
 def pipelined_outputs(
@@ -304,26 +307,38 @@ def pipelined_outputs(
     each stage routing through its layers' columns of the batch's ``routed_experts``. ``balance``: a mixture's
     balancing loss from micro-batch i's routing statistics, added to its loss (``PipelinedModel.run``).
     ``record_routes`` (forward only): receives each micro-batch's routes as ``response_outputs``', on the rank holding
-    the last stage (the stages carry them there)."""
-    check_pipelined(remove_padding, sp_group)
+    the last stage (the stages carry them there). ``sp_group`` (Ulysses): each rank's stages run its slice of every
+    micro-batch (``PipelinedModel.sequence_slice``), and the outputs are those among the slice's, as
+    ``response_outputs``' under Ulysses."""
+    check_pipelined(remove_padding)
     packed = [packed_responses(micro) for micro in micro_batches]
     routes = None
     if replay is not None and all(ROUTED_EXPERTS in micro.batch.keys() for micro in micro_batches):
         routes = [micro.batch[ROUTED_EXPERTS][p.kept] for micro, (p, _) in zip(micro_batches, packed)]
+    shards = [None] * len(packed)
+    if sp_size(sp_group) > 1:  # which of the kept outputs this rank's slice computes
+        _, start, width = model.sequence_slice([p for p, _ in packed], sp_group)
+        real = [min(max(p.input_ids.shape[1] - start, 0), width) for p, _ in packed]  # the slice's, not filler
+        shards = [
+            ResponseShard((keep >= start) & (keep < start + width), sp_group, tokens)
+            for (_, keep), tokens in zip(packed, real)
+        ]
 
     def outputs(index: int, logits: torch.Tensor) -> ResponseOutputs:
-        return ResponseOutputs(logits, packed[index][0].response_valid, None)
+        return ResponseOutputs(logits, packed[index][0].response_valid, shards[index])
 
     staged_loss = None if loss is None else (lambda index, logits: loss(index, outputs(index, logits)))
     record = record_routes is not None
     results = model.run(
-        [p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay, balance, record
+        [p for p, _ in packed], [keep for _, keep in packed], staged_loss, routes, replay, balance, record, sp_group
     )
     if results is None:
         return None
     if record:
         results, recorded = zip(*results)
         for micro, (p, _), chosen in zip(micro_batches, packed, recorded):
+            if sp_size(sp_group) > 1:  # every slice's, in the packed order, the padding cut
+                chosen = _gathered_slices(chosen, sp_group)[: p.input_ids.shape[1]]
             record_routes.append(rows_of_tokens(chosen, p.token_position, micro.batch[ATTENTION_MASK]))
     return [outputs(i, logits) for i, logits in enumerate(results)]
 

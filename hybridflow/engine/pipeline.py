@@ -23,6 +23,7 @@ step and stay equal, as the one tensor of the unsplit model does. The gradient n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -34,7 +35,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.tensor import DTensor
 
 from hybridflow.engine.fsdp import full_parameters
-from hybridflow.engine.packing import PackedBatch, Segments, pad_packed
+from hybridflow.engine.packing import PackedBatch, Segments, SequenceShards, pad_packed
 from hybridflow.engine.pipeline_stages import (
     PIPELINE_DIM,
     MicroInputs,
@@ -44,6 +45,7 @@ from hybridflow.engine.pipeline_stages import (
     split_stage,
 )
 from hybridflow.engine.pipeline_tied import TIED_HEAD, TiedWeights, tied_weights
+from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, routers
 from hybridflow.models.split_sizes import expert_count
 
@@ -84,6 +86,15 @@ def _square_sum(grad: torch.Tensor) -> torch.Tensor:
         if placement.is_shard():
             dist.all_reduce(square, group=grad.device_mesh.get_group(dim))
     return square
+
+
+def _slice(packed: PackedBatch, start: int, width: int) -> PackedBatch:
+    """The ``width`` packed tokens from ``start`` (the segments still describe the whole sequence, which attention
+    gathers under Ulysses)."""
+    if width == packed.input_ids.shape[1]:
+        return packed
+    cut = slice(start, start + width)
+    return dataclasses.replace(packed, input_ids=packed.input_ids[:, cut], position_ids=packed.position_ids[:, cut])
 
 
 def _empty_packed(like: PackedBatch) -> PackedBatch:
@@ -205,6 +216,15 @@ class PipelinedModel(nn.Module):
             )
         return stages
 
+    @staticmethod
+    def sequence_slice(packed: list[PackedBatch], sp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+        """(length, start, width): a pass pads every micro-batch's packed tokens to ``length`` (a multiple of the
+        ``sp_group``'s ranks), and under Ulysses this rank runs the ``width`` of them from ``start``."""
+        sp = sp_size(sp_group)
+        length = -(-max(p.input_ids.shape[1] for p in packed) // sp) * sp
+        width = length // sp
+        return length, (dist.get_rank(sp_group) if sp > 1 else 0) * width, width
+
     def micro_batch_count(self, count: int) -> int:
         """The micro-batches a schedule runs for ``count`` of them: at least one per pp rank (1F1B), and a multiple
         of the pp size (interleaved 1F1B runs them in rounds of that size)."""
@@ -222,6 +242,7 @@ class PipelinedModel(nn.Module):
         replay: RouteReplay | None = None,
         balance: LossOfOutputs | None = None,
         record: bool = False,
+        sp_group: dist.ProcessGroup | None = None,
     ) -> list[torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every micro-batch (``packed``, each read at ``select``) through the stages. With ``loss`` (training): loss(i,
         outputs) is micro-batch i's loss on the last stage, backwarded by the schedule; returns None. Without: forward
@@ -231,7 +252,11 @@ class PipelinedModel(nn.Module):
         recorded experts (N, L, k), each stage replaying its layers' (``replay`` counts). ``balance`` (training a
         mixture): balance(i, statistics) is added to micro-batch i's loss, from the whole model's routing statistics
         of its real tokens (``StageForward``). ``record`` (forward only, a mixture): each micro-batch's outputs come
-        with the experts every MoE layer routed each of its packed tokens to, (tokens, L, k)."""
+        with the experts every MoE layer routed each of its packed tokens to, (tokens, L, k). ``sp_group`` (Ulysses):
+        every micro-batch padded to one length (``sequence_slice``), this rank's stages run its slice of the tokens,
+        whose selected positions give the outputs (``select`` still indexes the whole micro-batch), what stages send
+        each other is the slice's, the routes recorded are the slice's, and the routing statistics are summed over the
+        group before the balancing loss."""
         if balance is not None and (loss is None or self.routing is None):
             raise ValueError("a balancing loss is added to a training pass's loss, of a model with MoE layers")
         if record and (loss is not None or self.routing is None):
@@ -239,18 +264,20 @@ class PipelinedModel(nn.Module):
         given = len(packed)
         count = self.micro_batch_count(given)
         empty = _empty_packed(packed[0])
-        self.inputs.real_tokens = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
+        length, start, width = self.sequence_slice(packed, sp_group)
+        real = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
+        self.inputs.real_tokens = [min(max(r - start, 0), width) for r in real]  # of this rank's slice
         packed = list(packed) + [empty] * (count - given)
         select = list(select) + [select[0].new_zeros(0)] * (count - given)
-        length = max(p.input_ids.shape[1] for p in packed)
-        self.inputs.packed = [pad_packed(p, length) for p in packed]
-        self.inputs.select = select
+        self.inputs.packed = [_slice(pad_packed(p, length), start, width) for p in packed]
+        self.inputs.select = [s[(s >= start) & (s < start + width)] - start for s in select]
+        self.inputs.shards = SequenceShards(sp_group, length, length) if sp_size(sp_group) > 1 else None
         self.inputs.routing = self.routing if balance is not None else None
         self.inputs.recording = self.routing if record else None
         if routes is not None:  # the padding that evens the micro-batches routes itself
             pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
-            self.inputs.routes, self.inputs.replay = [pad(r) for r in routes], replay
-        stages = self._pipeline_stages(length, training=loss is not None)
+            self.inputs.routes, self.inputs.replay = [pad(r)[start : start + width] for r in routes], replay
+        stages = self._pipeline_stages(width, training=loss is not None)
 
         def loss_fn(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
             index = int(target.reshape(-1)[0])
@@ -261,6 +288,8 @@ class PipelinedModel(nn.Module):
                 zero = output.sum() * 0.0
                 return zero if statistics is None else zero + statistics.sum() * 0.0
             value = loss(index, output)
+            if statistics is not None and sp_size(sp_group) > 1:  # every slice's, the whole micro-batch's
+                statistics = sum_over(statistics, sp_group)
             return value if statistics is None else value + balance(index, statistics)
 
         step_loss = loss_fn if loss else None
@@ -284,6 +313,7 @@ class PipelinedModel(nn.Module):
         finally:
             self.inputs.packed, self.inputs.select, self.inputs.routes, self.inputs.replay = [], [], [], None
             self.inputs.real_tokens, self.inputs.routing, self.inputs.recording = [], None, None
+            self.inputs.shards = None
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
             # gather them anew, after the optimizer step
             for module in self.modules():

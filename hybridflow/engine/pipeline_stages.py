@@ -15,7 +15,7 @@ from torch import nn
 
 from hybridflow.algorithms.router_loss import routing_statistics
 from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
-from hybridflow.engine.packing import PackedBatch, use_packed_attention
+from hybridflow.engine.packing import PackedBatch, SequenceShards, use_packed_attention
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, experts_modules, replaying_routes, routers
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
@@ -93,6 +93,7 @@ class MicroInputs:
     replay: RouteReplay | None = None
     routing: RoutingShape | None = None
     recording: RoutingShape | None = None
+    shards: SequenceShards | None = None  # Ulysses: the whole sequence each rank's slice belongs to
 
 
 class StageForward:
@@ -131,6 +132,8 @@ class StageForward:
             packed_segments=packed.segments,
             use_cache=False,
         )
+        if self.inputs.shards is not None:
+            common["sequence_shards"] = self.inputs.shards
         routes = self.inputs.routes[index] if index < len(self.inputs.routes) else None
         routing, recording = self.inputs.routing, self.inputs.recording
         gate_outputs: list[tuple[torch.Tensor, ...]] = []

@@ -150,6 +150,7 @@ class PolicyEngine(UpdatedEngine):
             dp_group=self.dp_group,
             loss_share_keys=self.objective.share_keys,
             staged=functools.partial(pipelined_outputs, replay=self.route_replay),
+            sp_group=self.sp_group,
         )
         if self.route_replay is not None:
             metrics |= self.route_replay.metrics("update", self._stage_group())

@@ -103,10 +103,14 @@ def gather_heads_scatter_sequence(x: torch.Tensor, group: dist.ProcessGroup, *, 
     return all_to_all(x, group, scatter_dim=seq_dim, gather_dim=head_dim)
 
 
-def row_mesh(device: torch.device, dp: int, sp: int, tp: int = 1) -> DeviceMesh:
+def row_mesh(device: torch.device, dp: int, sp: int, tp: int = 1, pp: int = 1) -> DeviceMesh:
     """The (dp, sp) mesh over the process group's ranks, rank = dp_index * sp + sp_index, or with tensor parallelism
     (dp, sp, tp), rank = (dp_index * sp + sp_index) * tp + tp_index. Rows split over "dp"; the sp ranks of one dp and
-    tp index hold the same rows and the same heads of each layer, and split each micro-batch's tokens."""
+    tp index hold the same rows and the same heads of each layer, and split each micro-batch's tokens. With pipeline
+    stages (dp, sp, pp, tp), rank = ((dp_index * sp + sp_index) * pp + pp_index) * tp + tp_index: the sp ranks of one
+    stage split its tokens (engine/pipeline.py ``pipeline_mesh`` over dp x sp)."""
+    if pp > 1:
+        return init_device_mesh(device.type, (dp, sp, pp, tp), mesh_dim_names=("dp", "sp", "pp", "tp"))
     if tp == 1:
         return init_device_mesh(device.type, (dp, sp), mesh_dim_names=("dp", "sp"))
     return init_device_mesh(device.type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))

@@ -21,6 +21,7 @@ from hybridflow.engine.forward import (
 )
 from hybridflow.engine.packing import PackedBatch, pack, packed_forward
 from hybridflow.engine.pipeline import PipelinedModel
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.lengths import row_lengths
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
@@ -108,7 +109,9 @@ def pipelined_scores(
 ) -> list[torch.Tensor] | None:
     """``sequence_scores`` of every micro-batch through a pipelined model's stages, the last stage reading the score
     head at each row's scored token; training and forward-only (and ``balance``) as ``pipelined_outputs``."""
-    check_pipelined(remove_padding, sp_group)
+    check_pipelined(remove_padding)
+    if sp_size(sp_group) > 1:
+        raise ValueError("sequence scores in pipeline stages run without Ulysses: set ulysses_sequence_parallel_size=1")
     scored = [scored_tokens(micro, pad_token_id) for micro in micro_batches]
 
     def scores(outputs: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,7 @@ class SupervisedEngine:
             loss_share_keys=self.objective.share_keys,
             dp_group=self.dp_group,
             row_units=pair_units if self.objective.paired else None,
+            sp_group=self.sp_group,
             **self._staged(),
         )
         return DataProto(meta_info={METRICS: metrics})

@@ -118,12 +118,14 @@ def run_updates(
     dp_group: dist.ProcessGroup | None = None,
     row_units: Callable[[DataProto], Sequence[int]] | None = None,
     staged: StagedForward = pipelined_outputs,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, float]:
     """One training step's optimizer steps over ``data`` (this rank's share), then one scheduler step.
 
     ``forward`` gives the model's outputs on a micro-batch and ``micro_loss`` its loss and metrics from them (a
     pipelined model's stages give them through ``staged`` instead: ``response_outputs`` by default, the sequence
-    scores with sequence_scores.py ``pipelined_scores``; the last stage computes the loss). ``prefix``
+    scores with sequence_scores.py ``pipelined_scores``; the last stage computes the loss; ``sp_group``: the
+    Ulysses ranks they split each micro-batch's tokens over). ``prefix``
     names the step's own metrics (``<prefix>/grad_norm``, ``<prefix>/skipped_steps``, ``<prefix>/lr``) and
     ``pass_name`` its FLOP/s over all epochs (``perf/mfu_<pass_name>``, ``perf/tflops_<pass_name>``, ``meter``).
     Metrics are the mini-batch's whatever its micro-batches and ranks: a micro-batch's value weighted by its
@@ -154,7 +156,9 @@ def run_updates(
         groups = micro_batch_groups(row_lengths(mini_batch), size, max_token_len, sharing, units)
         shares: dict[str, float] = defaultdict(float)
         micro_batches = split_by_groups(mini_batch, groups)
-        backwarded = _backward(model, micro_batches, agg, world_size, forward, micro_loss, config, staged, prefix)
+        backwarded = _backward(
+            model, micro_batches, agg, world_size, forward, micro_loss, config, staged, prefix, sp_group
+        )
         for micro_batch, metrics in zip(micro_batches, backwarded):
             tokens = float(micro_batch.batch[RESPONSE_MASK].sum())
             token_share = tokens / max(agg.global_tokens or 0.0, 1.0)  # of the mini-batch's, all ranks
@@ -196,6 +200,7 @@ def _backward(
     config: UpdateConfig,
     staged: StagedForward,
     prefix: str,
+    sp_group: dist.ProcessGroup | None = None,
 ) -> list[dict[str, float]]:
     """Each micro-batch's loss, scaled by the data-parallel size (FSDP2 averages over it), backwarded; its metrics.
     A pipelined model's schedule runs the micro-batches through its stages, the last stage computing the losses,
@@ -221,7 +226,7 @@ def _backward(
             return coefficient * loss / len(micro_batches)  # FSDP's mean over the ranks: the mean over theirs
 
         balancing = balance if coefficient else None
-        staged(model, micro_batches, config.use_remove_padding, loss=staged_loss, balance=balancing)
+        staged(model, micro_batches, config.use_remove_padding, sp_group, loss=staged_loss, balance=balancing)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
     results = []
     keep = not config.reshard_after_forward

@@ -27,7 +27,7 @@ class ActorLayouts:
     """This rank's meshes and groups in both layouts."""
 
     shape: LayoutShape
-    training: DeviceMesh  # (dp, tp), or with pipeline stages (dp, pp, tp)
+    training: DeviceMesh  # (dp x sp, tp), or with pipeline stages (dp x sp, pp, tp)
     generation: DeviceMesh  # (dp, tp), or with generation stages (dp, pp, tp)
     gather_group: dist.ProcessGroup | None  # the ranks whose training shards make this rank's generation shard
     # with generation stages (pg > 1): the pp ranks whose training stages make this rank's generation stage
@@ -40,7 +40,7 @@ class ActorLayouts:
             raise ValueError(f"a layout of {shape.world} ranks over {dist.get_world_size()} processes")
         device_type = device.type
         if shape.pp > 1:  # the same table as shape.pipeline_ranks()
-            training = pipeline_mesh(device, shape.dp, shape.pp, shape.t)
+            training = pipeline_mesh(device, shape.fsdp, shape.pp, shape.t)
         else:  # the same table as shape.training_ranks()
             training = training_mesh(device, shape.fsdp, shape.t)
         names = ("dp", "pp", "tp") if shape.pg > 1 else ("dp", "tp")

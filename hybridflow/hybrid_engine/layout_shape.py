@@ -6,16 +6,18 @@ no device-mesh code. Rank tables, with m = t / tg, f = dp * sp, the ranks FSDP2 
 blocks of t ranks that split each layer (regroup.py says why the groups are these):
 
     training   (f, t)             ranks.view(f, t)                            (pp = 1)
-    pipeline   (dp, pp, t)        ranks.view(dp, pp, t)                       [d, :, j]: one model's stages
+    pipeline   (f, pp, t)         ranks.view(f, pp, t)                        [d, :, j]: one model's stages
     rows       (dp, sp, t)        ranks.view(dp, sp, t)                       [d, :, j]: ranks holding the same rows
+               (dp, sp, pp, t)    with pipeline stages                        [d, :, :, :]
     gather     (g * tg, m)        ranks.view(g * tg, m)                       row: one generation shard of a stage
     generation (g * m, tg)        ranks.view(g, tg, m).transpose(1, 2)        row: ranks generating together
     with generation stages (pg > 1), n = pp / pg:
-    stage gather (dp * pg * t, n) ranks.view(dp, pg, n, t), n last            row: one generation stage's layers
-    generation (dp * n * m, pg, tg)  ranks.view(dp, pg, n, tg, m), (pg, tg) last   [r]: ranks generating together
+    stage gather (f * pg * t, n)  ranks.view(f, pg, n, t), n last             row: one generation stage's layers
+    generation (f * n * m, pg, tg)   ranks.view(f, pg, n, tg, m), (pg, tg) last    [r]: ranks generating together
 
 Sequence parallelism (sp > 1, Ulysses) splits each micro-batch's tokens over sp ranks that hold the same rows and the
-same tensor-parallel shard of each layer (FSDP2 shards over them too): attention exchanges the shard's heads.
+same tensor-parallel shard of each layer (FSDP2 shards over them too): attention exchanges the shard's heads. With
+pipeline stages too, each stage's slice of a micro-batch goes to the next stage's rank of the same sp index.
 Expert parallelism (ep > 1) splits each MoE layer's experts over ep of the dp ranks (engine/expert_parallel.py);
 it needs t = sp = pp = 1 and changes no rank table.
 Pipeline parallelism (pp > 1) splits the decoder layers into stages over pp ranks that hold the same rows. With
@@ -54,8 +56,6 @@ class LayoutShape:
         Regrouping(t=self.t, tg=self.tg)  # the one check that tg divides t
         if self.pp % self.pg:
             raise ValueError(f"pg={self.pg} generation stages must divide the pp={self.pp} training stages")
-        if self.pp > 1 and self.sp > 1:
-            raise ValueError("pipeline and sequence parallelism do not combine yet: set one of them to 1")
         if self.ep > 1 and (self.dp % self.ep or self.t * self.sp * self.pp > 1):
             raise ValueError(f"ep={self.ep} must divide dp={self.dp}, with t, sp and pp 1")
 
@@ -101,7 +101,7 @@ class LayoutShape:
         return torch.arange(self.world).view(self.fsdp, self.t)
 
     def pipeline_ranks(self) -> torch.Tensor:
-        return torch.arange(self.world).view(self.dp, self.pp, self.t)
+        return torch.arange(self.world).view(self.fsdp, self.pp, self.t)
 
     def gather_ranks(self) -> torch.Tensor:
         return torch.arange(self.world).view(self.layer_blocks * self.tg, self.micro_dp)
@@ -109,7 +109,7 @@ class LayoutShape:
     def generation_ranks(self) -> torch.Tensor:
         """(groups, tg), or with generation stages (groups, pg, tg): each group's ranks by stage and shard."""
         if self.pg > 1:
-            grid = torch.arange(self.world).view(self.dp, self.pg, self.stage_micro_dp, self.tg, self.micro_dp)
+            grid = torch.arange(self.world).view(self.fsdp, self.pg, self.stage_micro_dp, self.tg, self.micro_dp)
             return grid.permute(0, 2, 4, 1, 3).reshape(-1, self.pg, self.tg)
         grid = torch.arange(self.world).view(self.layer_blocks, self.tg, self.micro_dp)
         return grid.transpose(1, 2).reshape(self.layer_blocks * self.micro_dp, self.tg)
@@ -117,5 +117,5 @@ class LayoutShape:
     def stage_gather_ranks(self) -> torch.Tensor:
         """(dp * pg * t, pp / pg): each row the pp ranks whose training stages make one generation stage (pg = 1:
         the pp ranks of one model)."""
-        grid = torch.arange(self.world).view(self.dp, self.pg, self.stage_micro_dp, self.t)
+        grid = torch.arange(self.world).view(self.fsdp, self.pg, self.stage_micro_dp, self.t)
         return grid.permute(0, 1, 3, 2).reshape(-1, self.stage_micro_dp)

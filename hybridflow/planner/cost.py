@@ -296,8 +296,8 @@ def _generation_memory(shape: ModelShape, layout: LayoutShape, workload: Workloa
 def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpec) -> list[LayoutShape]:
     """Every layout of ``role`` on ``devices`` devices: t divides them, splits the heads and stays in a
     node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
-    pipeline stages over pp ranks (pp dividing the layers, t x pp the devices, across nodes too, never with sp), the
-    actor generating in pg stages for every pg dividing pp;
+    pipeline stages over pp ranks beside each of those (pp dividing the layers, t x sp x pp the devices, across
+    nodes too), the actor generating in pg stages for every pg dividing pp;
     the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor put in
     stages here: a trained one splits its experts over ep of its dp ranks, or runs Ulysses (ep = 1: the two do not
     combine); a rollout pool's generation groups split its experts, each whole on one rank."""
@@ -318,11 +318,11 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
         (t, sp, 1) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
     ]  # (t, 1) for every t in sizes, and the Ulysses sizes beside each
     shapes += [
-        (t, 1, pp)
-        for t in sizes
-        for pp in range(2, devices // t + 1)
-        if devices % (t * pp) == 0 and shape.layers % pp == 0
-    ]  # stages of equal size beside each t
+        (t, sp, pp)
+        for t, sp, _ in list(shapes)
+        for pp in range(2, devices // (t * sp) + 1)
+        if devices % (t * sp * pp) == 0 and shape.layers % pp == 0
+    ]  # stages of equal size beside each (t, sp)
     return [
         LayoutShape(dp=devices // (t * sp * pp), t=t, tg=tg, sp=sp, pp=pp, pg=pg)
         for t, sp, pp in shapes

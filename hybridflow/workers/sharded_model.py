@@ -40,10 +40,10 @@ def quiet_libraries() -> None:
 @dataclass(frozen=True)
 class RoleMeshes:
     """A trained or scored role's meshes over its ranks: ``training`` (dp x sp, t), which FSDP2 and tensor parallelism
-    shard the model over (with pipeline stages (dp, pp, t), whose pp ranks hold the same rows), and ``rows``, which
-    dispatch splits the rows over along its "dp" dimension: the training mesh itself, or under Ulysses (dp, sp[, tp])
-    over the same ranks, whose sp ranks hold the same rows (and, with tp, the same heads) and split each micro-batch's
-    tokens."""
+    shard the model over (with pipeline stages (dp x sp, pp, t), whose pp ranks hold the same rows), and ``rows``,
+    which dispatch splits the rows over along its "dp" dimension: the training mesh itself, or under Ulysses
+    (dp, sp[, pp][, tp]) over the same ranks, whose sp ranks hold the same rows (and, with tp, the same heads, and with
+    pp, the same stages) and split each micro-batch's tokens."""
 
     training: DeviceMesh
     rows: DeviceMesh
@@ -52,10 +52,10 @@ class RoleMeshes:
     def build(cls, device: torch.device, layout: LayoutShape, training: DeviceMesh | None = None) -> RoleMeshes:
         """Every rank of the group calls this alike (it creates process groups); ``training``: one already built."""
         if training is None and layout.pp > 1:
-            training = pipeline_mesh(device, layout.dp, layout.pp, layout.t)
+            training = pipeline_mesh(device, layout.fsdp, layout.pp, layout.t)
         elif training is None:
             training = training_mesh(device, layout.fsdp, layout.t)
-        rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp, layout.t)
+        rows = training if layout.sp == 1 else row_mesh(device, layout.dp, layout.sp, layout.t, layout.pp)
         return cls(training=training, rows=rows)
 
     @property

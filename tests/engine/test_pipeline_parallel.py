@@ -1,9 +1,11 @@
 """Pipeline parallelism (engine/pipeline.py) against one process, fp32, gloo, Ray ranks: the actor's log-prob pass and
 two optimizer steps of its update, with the model split into 2 stages (1F1B), 4 stages on 2 ranks (interleaved 1F1B),
-and composed with FSDP2 (pp 2 x dp 2) and tensor parallelism (pp 2 x tp 2), for two families (tiny-llama; tiny-qwen2,
-whose head shares the embedding's weight: the first and the last stage each hold a copy, kept equal), and a mixture
-of experts with its routers' balancing loss (tiny-qwen3-moe). Log-probs, the loss, the gradient norm (the balancing
-loss and the expert loads) and every parameter after the steps equal the unsplit model's (relative 1e-5)."""
+and composed with FSDP2 (pp 2 x dp 2), tensor parallelism (pp 2 x tp 2) and Ulysses (pp 2 x sp 2: each stage's
+slice of a micro-batch's tokens goes to the next stage's rank of its sp index), for two families (tiny-llama;
+tiny-qwen2, whose head shares the embedding's weight: the first and the last stage each hold a copy, kept equal),
+and a mixture of experts with its routers' balancing loss (tiny-qwen3-moe). Log-probs, the loss, the gradient norm
+(the balancing loss and the expert loads) and every parameter after the steps equal the unsplit model's (relative
+1e-5)."""
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,9 +30,10 @@ from hybridflow.engine.checkpoint import load_training_state, save_training_stat
 from hybridflow.engine.pipeline import PipelinedModel, pipeline_mesh
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.engine.tensor_parallel import training_mesh
+from hybridflow.hybrid_engine.layout_shape import LayoutShape
 from hybridflow.models import load_causal_lm, resolve_model_path
 from hybridflow.protocol import DataProto
-from hybridflow.workers.sharded_model import build_trainable
+from hybridflow.workers.sharded_model import RoleMeshes, build_trainable
 
 LAYERS = 4  # 4 stages of one layer each under interleaved 1F1B on 2 ranks
 ROWS = 8  # per data-parallel rank: 2 mini-batches of 4 rows, micro-batches of 2 (2 per stage and step)
@@ -90,8 +93,13 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 class PipelineActor(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def build(self, config, dp: int, pp: int, tp: int, stages_per_rank: int) -> None:
+    def build(self, config, dp: int, pp: int, tp: int, stages_per_rank: int, sp: int = 1) -> None:
         self.mesh = pipeline_mesh(self.device, dp, pp, tp) if pp > 1 else training_mesh(self.device, dp, tp)
+        self.rows = self.mesh
+        sp_group = None
+        if sp > 1:  # (dp x sp, pp, tp) for FSDP2 and the stages, (dp, sp, pp, tp) for the rows
+            meshes = RoleMeshes.build(self.device, LayoutShape(dp=dp, t=tp, tg=1, sp=sp, pp=pp))
+            self.mesh, self.rows, sp_group = meshes.training, meshes.rows, meshes.sp_group
         trained = build_trainable(
             load_causal_lm,
             config.model.path,
@@ -104,14 +112,14 @@ class PipelineActor(Worker):
             self.mesh,
             stages_per_rank,
         )
-        self.actor = PolicyEngine(trained, config.actor, dp_group=self.mesh["dp"].get_group())
+        self.actor = PolicyEngine(trained, config.actor, dp_group=self.rows["dp"].get_group(), sp_group=sp_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def log_probs_and_update(self, batch: DataProto) -> tuple[torch.Tensor, dict, dict, torch.Tensor | None]:
         """This dp rank's rows: their old log-probs, then the update (2 optimizer steps) on them; the metrics, every
         parameter after it, and the experts the old-log-prob pass routed each token to (R2, which the update
         replays; None without routing replay)."""
-        dp_mesh = self.mesh["dp"]
+        dp_mesh = self.rows["dp"]
         rows = batch.chunk(dp_mesh.size())[dp_mesh.get_local_rank()]
         old = self.actor.compute_log_prob(rows, temperature=1.0, with_entropy=False).batch
         rows.batch[OLD_LOG_PROBS] = old[OLD_LOG_PROBS]
@@ -143,7 +151,7 @@ def groups(local_ray):
         pool.release()
 
 
-LAYOUTS = {  # name: (dp, pp, tp, stages per rank, rows per micro-batch)
+LAYOUTS = {  # name: (dp, pp, tp, stages per rank, rows per micro-batch[, sp])
     "pp2-1f1b": (1, 2, 1, 1, 2),
     "pp2-interleaved": (1, 2, 1, 2, 2),
     "pp2-dp2": (2, 2, 1, 1, 2),
@@ -152,6 +160,8 @@ LAYOUTS = {  # name: (dp, pp, tp, stages per rank, rows per micro-batch)
     # one micro-batch per optimizer step, fewer than the stages: an empty one makes up the schedule's count
     "pp2-one-micro-batch": (1, 2, 1, 1, 4),
     "pp2-interleaved-3-micro-batches": (1, 2, 1, 2, 3),
+    "pp2-sp2": (1, 2, 1, 1, 2, 2),
+    "pp2-sp2-interleaved": (1, 2, 1, 2, 2, 2),
 }
 
 
@@ -173,20 +183,22 @@ def tied_copy(name: str) -> str:
 
 # both families in the four layouts the design names (1F1B, interleaved, with d = 2 and with t = 2); the schedules'
 # edge cases and LoRA on one family (what differs between the families, qwen2's attention biases, is in the four)
-CASES = [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout in list(LAYOUTS)[:4]] + [
-    ("tiny-llama", layout) for layout in [*list(LAYOUTS)[4:], "pp2-1f1b-lora", "pp2-tp2-lora"]
-]
+CASES = (
+    [(family, layout) for family in ("tiny-llama", "tiny-qwen2") for layout in list(LAYOUTS)[:4]]
+    + [("tiny-llama", layout) for layout in [*list(LAYOUTS)[4:], "pp2-1f1b-lora", "pp2-tp2-lora"]]
+    + [("tiny-qwen2", "pp2-sp2")]
+)
 # a mixture of experts with its routers' balancing loss (weight 0.5): every stage adds its layers' routing statistics
 # to what it sends on, the last computes the loss, whose gradient reaches each stage's routers back through the sends
 BALANCED = ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
 CASES += [
     ("tiny-qwen3-moe", f"{layout}-balanced")
-    for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-dp2", "pp2-one-micro-batch")
+    for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-dp2", "pp2-one-micro-batch", "pp2-sp2")
 ]
 # R2: the old-log-prob pass records the experts of every token in every layer, each stage adding its layers' columns
 # to what it sends on; the update replays them in each stage
 R2 = ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_aux_loss_coef=0")
-CASES += [("tiny-qwen3-moe", f"{layout}-r2") for layout in ("pp2-1f1b", "pp2-dp2-interleaved")]
+CASES += [("tiny-qwen3-moe", f"{layout}-r2") for layout in ("pp2-1f1b", "pp2-dp2-interleaved", "pp2-sp2")]
 
 
 @pytest.mark.parametrize("family, layout", CASES)
@@ -196,15 +208,18 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     """With LoRA (rank 4 on every linear layer): the adapters train, the frozen base stays, in stages as unsplit."""
     variant = next((v for v in ("-lora", "-balanced", "-r2") if layout.endswith(v)), "")
     lora, balanced, recorded = variant == "-lora", variant == "-balanced", variant == "-r2"
-    dp, pp, tp, stages_per_rank, micro_batch = LAYOUTS[layout.removesuffix(variant)]
+    dp, pp, tp, stages_per_rank, micro_batch, *split = LAYOUTS[layout.removesuffix(variant)]
+    sp = split[0] if split else 1
     extra = {"-lora": LORA, "-balanced": BALANCED, "-r2": R2}.get(variant, ())
     config = actor_config(model_dir(family), actor_config_factory, micro_batch, *extra)
+    ulysses = f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={sp}"
+    split_config = actor_config(model_dir(family), actor_config_factory, micro_batch, *extra, ulysses)
     batch = rollout(load_causal_lm(config.model.path).config.vocab_size, ROWS * dp)
     ordered, where = one_process_order(batch, dp)
     groups[1].build(config, 1, 1, 1, 1)
     [(want_log_probs, want_metrics, want_parameters, want_routes)] = groups[1].log_probs_and_update(ordered)
-    staged = groups[dp * pp * tp]
-    staged.build(config, dp, pp, tp, stages_per_rank)
+    staged = groups[dp * sp * pp * tp]
+    staged.build(split_config, dp, pp, tp, stages_per_rank, sp)
     results = staged.log_probs_and_update(batch)
     keys = ["actor/pg_loss", "actor/grad_norm"]
     if balanced:  # the balancing loss and each layer's busiest expert, as the unsplit model's
@@ -213,10 +228,11 @@ def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_param
     for key in keys:  # the driver's mean over ranks is the mini-batch's
         assert sum(r[1][key] for r in results) / len(results) == pytest.approx(want_metrics[key], rel=1e-5), key
     for rank, (log_probs, _, parameters, routes) in enumerate(results):
-        torch.testing.assert_close(log_probs, want_log_probs[where[rank // (pp * tp)]], rtol=1e-5, atol=1e-6)
+        mine = where[rank // (sp * pp * tp)]  # the rows of this rank's dp index
+        torch.testing.assert_close(log_probs, want_log_probs[mine], rtol=1e-5, atol=1e-6)
         if recorded:  # every stage's layers' columns, as the unsplit pass routed them
-            assert routes.shape == want_routes[where[rank // (pp * tp)]].shape and bool((routes >= 0).any())
-            assert torch.equal(routes, want_routes[where[rank // (pp * tp)]])
+            assert routes.shape == want_routes[mine].shape and bool((routes >= 0).any())
+            assert torch.equal(routes, want_routes[mine])
         for name, value in parameters.items():  # a tied head is the embedding's copy
             want = want_parameters.get(name, want_parameters.get(tied_copy(name)))
             torch.testing.assert_close(value, want, rtol=1e-5, atol=1e-6, msg=name)

@@ -142,11 +142,11 @@ class DataParallelWeights(Worker):
 
 class PipelinedSwitch(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def switch_pipelined_and_generate(self, path: str, pp: int, t: int, tg: int, pg: int = 1) -> dict:
-        """Pipeline stages of the trained model in the (dp, pp, t) layout switched to generation groups of pg x tg
-        (pg = 1: every rank generates with every layer)."""
+    def switch_pipelined_and_generate(self, path: str, pp: int, t: int, tg: int, pg: int = 1, sp: int = 1) -> dict:
+        """Pipeline stages of the trained model in the (dp x sp, pp, t) layout switched to generation groups of
+        pg x tg (pg = 1: every rank generates with every layer)."""
         torch.set_num_threads(1)
-        shape = LayoutShape(dp=self.world_size // (pp * t), t=t, tg=tg, pp=pp, pg=pg)
+        shape = LayoutShape(dp=self.world_size // (pp * t * sp), t=t, tg=tg, pp=pp, pg=pg, sp=sp)
         layouts = ActorLayouts.build(self.device, shape)
 
         def shard(part):
@@ -326,11 +326,18 @@ def deep_expected(deep_path):
 
 
 @pytest.mark.parametrize(
-    "dp, pp, t, tg, pg, deep",
-    [(1, 2, 1, 1, 2, False), (2, 2, 1, 1, 2, False), (1, 2, 2, 2, 2, False), (1, 4, 1, 1, 2, True)],
+    "dp, pp, t, tg, pg, deep, sp",
+    [
+        (1, 2, 1, 1, 2, False, 1),
+        (2, 2, 1, 1, 2, False, 1),
+        (1, 2, 2, 2, 2, False, 1),
+        (1, 4, 1, 1, 2, True, 1),
+        (1, 2, 1, 1, 2, False, 2),  # Ulysses beside the stages: FSDP2 over the 2 sp ranks of each stage
+        (1, 2, 1, 1, 1, False, 2),
+    ],
 )
 def test_generation_stages_gather_only_their_layers_with_the_predicted_bytes(
-    groups, path, expected, deep_path, deep_expected, dp, pp, t, tg, pg, deep
+    groups, path, expected, deep_path, deep_expected, dp, pp, t, tg, pg, deep, sp
 ):
     """Generation in pg stages (§5.3's regrouping over p): the n = pp / pg ranks whose training stages make one
     generation stage exchange those stages' layers (1/tg of each split weight) and nothing else of the layers; every
@@ -339,7 +346,7 @@ def test_generation_stages_gather_only_their_layers_with_the_predicted_bytes(
     generating together), and each generation group generates what one process does."""
     path, (weights, responses) = (deep_path, deep_expected) if deep else (path, expected)
     layers = 4 if deep else 2
-    outputs = groups[dp * pp * t].switch_pipelined_and_generate(path, pp, t, tg, pg)
+    outputs = groups[dp * sp * pp * t].switch_pipelined_and_generate(path, pp, t, tg, pg, sp)
     n = pp // pg
 
     def stage_of_weight(name: str) -> int:
@@ -365,7 +372,9 @@ def test_generation_stages_gather_only_their_layers_with_the_predicted_bytes(
         block = range(stage // n * n, stage // n * n + n)  # the training stages of this rank's generation stage
         assert gen_stage == stage // n
         report = out["report"]
-        own = predicted_switch_bytes(nbytes(stage, True), nbytes(stage, False), dp=dp, t=t, tg=tg, method="hybridflow")
+        own = predicted_switch_bytes(
+            nbytes(stage, True), nbytes(stage, False), dp=dp * sp, t=t, tg=tg, method="hybridflow"
+        )
         from_stages = sum(
             generation_shard(other) if other in block else generation_shard(other, layer=False)
             for other in range(pp)
@@ -380,7 +389,7 @@ def test_generation_stages_gather_only_their_layers_with_the_predicted_bytes(
         for index, down in zip(out["held_layers"], out["down"]):
             torch.testing.assert_close(down, first_layer_slice_of(weights, index, tg, gen_tp), rtol=0, atol=0)
         by_group.setdefault(gen_dp, []).append(out["responses"])
-    assert len(by_group) == dp * pp * t // (tg * pg)
+    assert len(by_group) == dp * sp * pp * t // (tg * pg)
     for same_prompts in by_group.values():
         assert len(same_prompts) == tg * pg and all(torch.equal(r, same_prompts[0]) for r in same_prompts)
     assert torch.equal(torch.cat([by_group[g][0] for g in sorted(by_group)]), responses)

@@ -94,7 +94,7 @@ def test_the_switch_with_stages_brings_the_other_stages_generation_shards_by_han
     assert own_stage + other_stage == 2416
 
 
-def test_stages_are_candidates_where_the_layers_split_evenly_and_never_with_ulysses():
+def test_stages_are_candidates_where_the_layers_split_evenly_beside_each_tensor_and_ulysses_split():
     cluster = replace(cluster_preset("a100-80g"), devices_per_node=4)
     big = ModelShape(
         name="b", layers=16, hidden=1024, heads=16, kv_heads=8, ffn=4096, vocab=1000, tied_embeddings=False
@@ -102,11 +102,12 @@ def test_stages_are_candidates_where_the_layers_split_evenly_and_never_with_ulys
 
     def stages(shape: ModelShape, role: Role = Role.Critic) -> set[tuple[int, int]]:
         layouts = layouts_for(role, shape, 4, cluster)
-        assert all(layout.sp == 1 for layout in layouts if layout.pp > 1)
-        return {(layout.t, layout.pp) for layout in layouts if layout.pp > 1}
+        return {(layout.t, layout.pp) for layout in layouts if layout.pp > 1 and layout.sp == 1}
 
     assert stages(big) == {(1, 2), (1, 4), (2, 2)}
     assert stages(replace(big, layers=6)) == {(1, 2), (2, 2)}  # 4 stages do not split 6 layers
+    ulysses = {(lay.sp, lay.pp) for lay in layouts_for(Role.Critic, big, 4, cluster) if lay.pp > 1 and lay.sp > 1}
+    assert ulysses == {(2, 2)}  # 2 stages whose 2 sp ranks split each micro-batch's tokens
     assert stages(replace(big, layers=5)) == set()
     assert stages(big, Role.RewardModel) == set() and stages(big, Role.Rollout) == set()
     pipelined = [layout for layout in layouts_for(Role.ActorRollout, big, 4, cluster) if layout.pp > 1]

@@ -25,6 +25,14 @@ def test_grpo_at_pp_2_equals_pp_1(local_ray, tmp_path):
     grpo_equals_data_parallel(tmp_path, "pipeline", PP_1)
 
 
+def test_grpo_at_pp_2_with_ulysses_equals_dp_4(local_ray, tmp_path):
+    """4 ranks: the actor and its reference in 2 stages whose 2 sp ranks each split every micro-batch's tokens (one
+    data-parallel rank), against 4 data-parallel ranks; every rank generates (4 generation groups in both)."""
+    sp_keys = [f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size" for role in ("actor", "ref")]
+    both = ("trainer.n_workers_per_node=4", *(f"{key}=2" for key in sp_keys))
+    grpo_equals_data_parallel(tmp_path, "pipeline", [*PP_1, *(f"{key}=1" for key in sp_keys)], both)
+
+
 def test_grpo_with_interleaved_stages_equals_pp_1(local_ray, tmp_path):
     """4 stages of a 4-layer tiny-llama on 2 ranks (interleaved 1F1B), the actor's and the reference's."""
     path = resolve_model_path("tiny-llama", num_hidden_layers=4)

@@ -229,14 +229,14 @@ def test_pipeline_sizes_become_each_roles_layout():
             "actor_rollout_ref.ref.pipeline_model_parallel_size",
             "run on packed rows",
         ),
-        (
+        (  # a reward model's scores in stages read each row whole on a rank
             [
-                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
-                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "reward_model.pipeline_model_parallel_size=2",
+                "reward_model.ulysses_sequence_parallel_size=2",
                 "trainer.n_workers_per_node=4",
             ],
-            "actor_rollout_ref.actor.pipeline_model_parallel_size",
-            "do not combine yet",
+            "reward_model.ulysses_sequence_parallel_size",
+            "a sequence score's pass in stages",
         ),
         (  # 4 prompts x 2 samples on one data-parallel rank, micro-batches of 8: one, for 2 stages
             [
@@ -254,6 +254,25 @@ def test_pipeline_errors_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError, match=words) as error:
         plan_of("trainer.n_workers_per_node=2", *overrides)
     assert error.value.key == key
+
+
+def test_pipeline_stages_and_ulysses_combine():
+    """pp 2 x sp 2 over 4 ranks: FSDP2 over the 2 sp ranks of each stage, rank = (sp_index * pp + pp_index); the rows
+    whole on every rank (dp = 1), and the actor generating on every rank."""
+    run_plan = make_run_plan(
+        load_config(
+            overrides=[
+                "trainer.n_workers_per_node=4",
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2",
+                "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+            ]
+        )
+    )
+    layout = run_plan.actor_layout
+    assert (layout.dp, layout.sp, layout.pp, layout.fsdp) == (1, 2, 2, 2)
+    assert layout.pipeline_ranks().tolist() == [[[0], [1]], [[2], [3]]]
+    assert layout.generation_ranks().tolist() == [[0], [1], [2], [3]]
 
 
 def test_generation_stages_regroup_the_training_stages():

@@ -46,3 +46,26 @@ def test_the_sequence_parallel_key_makes_the_layout(files, tmp_path):
     plan = SFT.check(load_sft_config([*arguments(files, tmp_path / "run"), "engine.ulysses_sequence_parallel_size=2"]))
     assert (plan.layout.dp, plan.layout.sp, plan.layout.t) == (1, 2, 1)
     assert not ray.is_initialized()
+
+
+def test_a_reward_model_in_stages_refuses_ulysses_before_ray(tmp_path):
+    """``hybridflow rm`` reads each pair's scores at one token a row: in pipeline stages under Ulysses no rank holds
+    it whole, so the layout is refused before Ray, naming the key."""
+    from hybridflow.data.io import write_rows
+    from hybridflow.trainer.commands.rm import RM
+    from hybridflow.trainer.setup.rm_config import load_rm_config
+
+    pair = {"prompt": [{"role": "user", "content": "1+1?"}], "chosen": "2", "rejected": "3"}
+    train = write_rows([pair] * 8, tmp_path / "train.jsonl")
+    args = [
+        f"data.train_files=[{train}]",
+        "data.train_batch_size=4",
+        "trainer.n_workers_per_node=4",
+        "engine.micro_batch_size_per_gpu=1",
+        "engine.pipeline_model_parallel_size=2",
+        "engine.ulysses_sequence_parallel_size=2",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    with pytest.raises(ConfigError, match=r"^config key 'engine.ulysses_sequence_parallel_size'.*in stages"):
+        RM.check(load_rm_config(args))
+    assert not ray.is_initialized()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from hybridflow.algorithms.objectives import OBJECTIVES
+from hybridflow.algorithms.objectives import OBJECTIVES, SEQUENCE_SCORES
 from hybridflow.controller import RayResourcePool, RayWorkerGroup, RoleSpec
 from hybridflow.controller.ray_runtime import tuning_env
 from hybridflow.data import PromptDataLoader
@@ -41,6 +41,7 @@ from hybridflow.trainer.setup.role_parts import PARALLEL_SIZES
 from hybridflow.trainer.setup.run_dir import changed_keys, check_run_directory
 from hybridflow.trainer.setup.run_plan import (
     check_micro_batches_fill_stages,
+    check_scores_in_stages,
     model_dir_or_name,
     parallel_shape,
     resolve_model_dir,
@@ -102,6 +103,7 @@ def check_supervised_config(config: Any, pool: str, objective: Any) -> Supervise
         )
     if layout.pp > 1:
         check_supervised_stages(config, objective, layout)
+        check_scores_in_stages(layout, objective.output == SEQUENCE_SCORES, "engine.ulysses_sequence_parallel_size")
     check_lora_targets("model", config.model.lora, model_path)
     placement = Placement({pool: [trainer.n_workers_per_node] * trainer.nnodes}, {})
     if trainer.device == "cuda" and not torch.cuda.is_available():

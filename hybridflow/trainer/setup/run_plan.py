@@ -214,12 +214,6 @@ def parallel_shape(
         except ValueError as error:
             raise ConfigError(sp_key, str(error)) from None
     check_pipeline_stages(model_path, pp, vpp, (pp_key, vpp_key), packed)
-    if pp > 1 and sp > 1:
-        raise ConfigError(
-            pp_key,
-            f"{pp} with {sp_key}={sp}: pipeline and sequence parallelism do not combine yet",
-            "set one of them to 1",
-        )
     return LayoutShape(dp=world // (t * sp * pp), t=t, tg=1, sp=sp, pp=pp)
 
 
@@ -393,8 +387,20 @@ def role_layouts(
                 packed=(part.packs(config), part.key("use_remove_padding")),
             )
             shape = _with_experts(config, role, shape, part.model(config, paths)[1])
+            check_scores_in_stages(shape, role is Role.RewardModel, part.key(SEQUENCE_PARALLEL))
         layouts[role] = _actor_layout(config, shape) if role is Role.ActorRollout else shape
     return layouts
+
+
+def check_scores_in_stages(shape: LayoutShape, scores: bool, sp_key: str) -> None:
+    """A model that gives sequence scores (a reward model) runs its stages without Ulysses: ConfigError naming
+    ``sp_key`` otherwise (the response tokens' passes take both)."""
+    if scores and shape.pp > 1 and shape.sp > 1:
+        raise ConfigError(
+            sp_key,
+            f"{shape.sp} with pipeline stages: a sequence score's pass in stages runs each row whole on a rank",
+            "set it to 1, or the pipeline size to 1",
+        )
 
 
 def _with_experts(config: HybridFlowConfig, role: Role, shape: LayoutShape, model_path: str) -> LayoutShape:
