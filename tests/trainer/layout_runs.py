@@ -74,9 +74,12 @@ def grpo_equals_data_parallel(
     return runs
 
 
-def ppo_equals_data_parallel_and_resumes_there(tmp_path, mode: str, baseline: list[str]) -> None:
+def ppo_equals_data_parallel_and_resumes_there(
+    tmp_path, mode: str, baseline: list[str], both: tuple[str, ...] = ()
+) -> None:
     """PPO with GAE (the actor, its reference and the critic split) against the baseline, 4 steps of a dense reward;
-    then the split run's checkpoint of step 2 resumes in the baseline's layout to the split run's steps 3 and 4."""
+    then the split run's checkpoint of step 2 resumes in the baseline's layout to the split run's steps 3 and 4.
+    ``both``: overrides of every run."""
     files = task_files(tmp_path)
     reward = tmp_path / "dense_reward.py"
     reward.write_text(DENSE_REWARD)
@@ -86,7 +89,7 @@ def ppo_equals_data_parallel_and_resumes_there(tmp_path, mode: str, baseline: li
 
     def run(run_dir, *extra) -> int:
         scoring = f"custom_reward_function.path={reward}"
-        return cli(["train", *args(files, run_dir, mode), scoring, *whole_batch, *extra])
+        return cli(["train", *args(files, run_dir, mode), scoring, *whole_batch, *both, *extra])
 
     data_parallel, split = tmp_path / "baseline", tmp_path / "split"
     assert run(data_parallel, *baseline) == 0

@@ -33,6 +33,17 @@ def test_grpo_at_pp_2_with_ulysses_equals_dp_4(local_ray, tmp_path):
     grpo_equals_data_parallel(tmp_path, "pipeline", [*PP_1, *(f"{key}=1" for key in sp_keys)], both)
 
 
+def test_ppo_at_pp_2_with_ulysses_equals_dp_4_and_resumes_there(local_ray, tmp_path):
+    """PPO with GAE on 4 ranks: the actor, its reference and the critic in 2 stages of 2 sp ranks, against 4
+    data-parallel ranks; the checkpoint of step 2 resumes at dp 4."""
+    sp_keys = [
+        *(f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size" for role in ("actor", "ref")),
+        "critic.ulysses_sequence_parallel_size",
+    ]
+    both = ("trainer.n_workers_per_node=4", *(f"{key}=2" for key in sp_keys))
+    ppo_equals_data_parallel_and_resumes_there(tmp_path, "pipeline", [*PP_1, *(f"{key}=1" for key in sp_keys)], both)
+
+
 def test_grpo_with_interleaved_stages_equals_pp_1(local_ray, tmp_path):
     """4 stages of a 4-layer tiny-llama on 2 ranks (interleaved 1F1B), the actor's and the reference's."""
     path = resolve_model_path("tiny-llama", num_hidden_layers=4)
