@@ -5,6 +5,7 @@ packing, Ulysses slicing and pipeline stages as the token passes of forward.py.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,14 @@ def head_module(model: nn.Module) -> nn.Module:
     return model.get_submodule(min(names, key=len))
 
 
+class ScoreOutputs(NamedTuple):
+    """A training pass's sequence scores (B,), and under Ulysses which slice of the micro-batch this rank ran (None:
+    all of it), for the routers' balancing loss over the slices (engine/moe.py)."""
+
+    scores: torch.Tensor
+    shard: ResponseShard | None
+
+
 def sequence_scores(
     model: nn.Module,
     batch: DataProto,
@@ -59,15 +68,23 @@ def sequence_scores(
         return model.share_from_last(
             pipelined_scores(model, [batch], remove_padding, sp_group, pad_token_id=pad_token_id)
         )[0]
+    return score_outputs(model, batch, pad_token_id, remove_padding, sp_group).scores
+
+
+def score_outputs(
+    model: nn.Module,
+    batch: DataProto,
+    pad_token_id: int,
+    remove_padding: bool,
+    sp_group: dist.ProcessGroup | None = None,
+) -> ScoreOutputs:
+    """``sequence_scores`` of a model without stages, with the slice this rank ran under Ulysses."""
     tensors = batch.batch
     ids, mask = tensors[INPUT_IDS], tensors[ATTENTION_MASK]
     sp = sp_of_packed(sp_group, remove_padding)
     if not remove_padding:
-        return (
-            model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False)
-            .logits[:, 0]
-            .float()
-        )
+        scores = model(input_ids=ids, attention_mask=mask, position_ids=tensors[POSITION_IDS], use_cache=False).logits
+        return ScoreOutputs(scores[:, 0].float(), None)
     packed, positions = scored_tokens(batch, pad_token_id)
     shards, start = None, 0
     if sp > 1:
@@ -80,11 +97,11 @@ def sequence_scores(
         hook.remove()
     token_scores = outputs[-1][0, :, 0]  # the head's output at every packed token (of this rank's slice)
     if shards is None:
-        return token_scores[positions].float()
+        return ScoreOutputs(token_scores[positions].float(), None)
     width = packed.input_ids.shape[1]
     held = (positions >= start) & (positions < start + width)
     shard = ResponseShard(held, sp_group, shards.real_in(start, width))
-    return shard.whole(token_scores[positions[held] - start].float())
+    return ScoreOutputs(shard.whole(token_scores[positions[held] - start].float()), shard)
 
 
 def scored_tokens(batch: DataProto, pad_token_id: int) -> tuple[PackedBatch, torch.Tensor]:

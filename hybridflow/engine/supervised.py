@@ -28,7 +28,7 @@ from hybridflow.engine.forward import ResponseOutputs, batched_log_probs, log_pr
 from hybridflow.engine.lora import adapters_off
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.sequence_parallel import sp_size
-from hybridflow.engine.sequence_scores import batched_scores, pipelined_scores, sequence_scores
+from hybridflow.engine.sequence_scores import ScoreOutputs, batched_scores, pipelined_scores, score_outputs
 from hybridflow.engine.update import run_updates
 from hybridflow.protocol import DataProto
 
@@ -80,12 +80,12 @@ class SupervisedEngine:
         with adapters_off(self.model):
             yield self.model
 
-    def _forward(self, micro: DataProto) -> torch.Tensor | ResponseOutputs:
+    def _forward(self, micro: DataProto) -> ScoreOutputs | ResponseOutputs:
         """The model's outputs on a micro-batch, with gradients: the sequence scores of a scoring objective, else the
         outputs that predict the answer tokens."""
         remove_padding = self.config.use_remove_padding
         if self.objective.output == SEQUENCE_SCORES:
-            return sequence_scores(self.model, micro, self.pad_token_id, remove_padding, self.sp_group)
+            return score_outputs(self.model, micro, self.pad_token_id, remove_padding, self.sp_group)
         return response_outputs(self.model, micro, remove_padding, self.sp_group)
 
     def _all_rows(self, model: nn.Module, data: DataProto, output: str) -> torch.Tensor:
@@ -111,10 +111,10 @@ class SupervisedEngine:
         return {"staged": functools.partial(pipelined_scores, pad_token_id=self.pad_token_id)}
 
     def _micro_loss(
-        self, micro: DataProto, agg: LossAggregation, outputs: torch.Tensor | ResponseOutputs
+        self, micro: DataProto, agg: LossAggregation, outputs: torch.Tensor | ScoreOutputs | ResponseOutputs
     ) -> tuple[torch.Tensor, dict]:
-        if self.objective.output == SEQUENCE_SCORES:
-            forward = ForwardOutputs(scores=outputs)
+        if self.objective.output == SEQUENCE_SCORES:  # the stages' pass gives the scores alone
+            forward = ForwardOutputs(scores=outputs.scores if isinstance(outputs, ScoreOutputs) else outputs)
         else:
             forward = ForwardOutputs(log_probs=log_probs_of(outputs, micro)[0])
         return self.objective.loss(forward, micro.batch, agg)

@@ -41,7 +41,7 @@ from hybridflow.engine.forward import (
     response_outputs,
 )
 from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
-from hybridflow.engine.moe import aux_loss_coefficient, balancing_loss_and_metrics, recording_routers
+from hybridflow.engine.moe import balancing_loss_and_metrics, recording_routers
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
 from hybridflow.engine.sequence_parallel import sp_size
@@ -238,8 +238,6 @@ def _backward(
             loss, values = micro_loss(micro_batch, agg, outputs)
             if routers is not None:
                 shard = getattr(outputs, "shard", None)  # Ulysses: this rank's slice of the micro-batch
-                if config.ulysses_sequence_parallel_size > 1 and shard is None:
-                    _refuse_router_loss(model, config, "sequence parallelism over sequence scores")
                 balance, balance_metrics = routers.loss_and_metrics(prefix, shard)
                 # over the data-parallel ranks a mean, as FSDP takes it: the loss's sum scaling below leaves it out
                 loss = loss + routers.coefficient * balance / (len(micro_batches) * world_size)
@@ -247,11 +245,3 @@ def _backward(
             (loss * world_size).backward()
             results.append({key: _to_float(value) for key, value in values.items()})
     return results
-
-
-def _refuse_router_loss(model: nn.Module, config: UpdateConfig, layout: str) -> None:
-    if aux_loss_coefficient(model, config.router_aux_loss_coef):
-        raise NotImplementedError(
-            f"the routers' balancing loss is computed over one rank's whole micro-batch; with {layout} a rank holds "
-            "a part of it: set router_aux_loss_coef=0 for this layout"
-        )
