@@ -135,12 +135,12 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
     for expert, count in enumerate(counts[first : first + held]):
         if count:
             routed = rows[start : start + count]
-            gate_up = F.linear(routed, experts.gate_up[expert])
+            gate_up = experts.matrices.gate_up[expert](routed)
             if experts.gate_up_adapter is not None:
                 experts.gate_up_adapter.add_to(gate_up, routed, expert)
             gate, up = gate_up.chunk(2, dim=-1)
             hidden = F.silu(gate) * up
-            output = F.linear(hidden, experts.down[expert])
+            output = experts.matrices.down[expert](hidden)
             if experts.down_adapter is not None:
                 experts.down_adapter.add_to(output, hidden, expert)
             outputs.append(output)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from hybridflow.models.adapters import LORA_A, LORA_B, expert_factors, split_adapter_name
-from hybridflow.rollout.native.linear import AdapterBlock, ExpertLowRank, LowRank, Matrix
+from hybridflow.rollout.native.linear import AdapterBlock, ExpertLowRank, ExpertMatrices, LowRank, Matrix
 from hybridflow.rollout.native.parallel import TensorParallelGroup
 from hybridflow.rollout.native.spec import ModelSpec
 from hybridflow.rollout.native.stages import ONE_STAGE, PipelineStageGroup
@@ -41,6 +41,10 @@ class Experts:
     round_weights: bool = False  # the chosen weights rounded to the hidden dtype (ModelSpec.round_routing_weights)
     gate_up_adapter: ExpertLowRank | None = None  # a LoRA policy's adapters on gate_up, served (``load_adapters``)
     down_adapter: ExpertLowRank | None = None
+    matrices: ExpertMatrices = field(init=False)  # each expert's gate_up and down, as the forward multiplies them
+
+    def __post_init__(self) -> None:
+        self.matrices = ExpertMatrices(self.gate_up, self.down)
 
 
 @dataclass
@@ -196,7 +200,7 @@ class Weights:
             per_layer.append("self_attn.o_proj.bias")
         return names + [f"model.layers.{i}.{p}" for i in self.held_layers for p in per_layer]
 
-    def target(self, name: str) -> tuple[torch.Tensor, Matrix | None] | None:
+    def target(self, name: str) -> tuple[torch.Tensor, Matrix | ExpertMatrices | None] | None:
         """Where HF parameter `name` is copied: (tensor or slice of a fused one, its Matrix if any); None: ignored
         (a buffer the forward recomputes, a bias another tensor-parallel rank adds, a layer another stage holds)."""
         if name.endswith(_IGNORED_SUFFIXES) or not self.tp.holds(name):
@@ -229,8 +233,8 @@ class Weights:
             direct["mlp.down_proj.weight"] = (layer.down.weight, layer.down)
         else:
             direct["mlp.gate.weight"] = (layer.experts.router, None)
-            direct["mlp.experts.gate_up_proj"] = (layer.experts.gate_up, None)
-            direct["mlp.experts.down_proj"] = (layer.experts.down, None)
+            direct["mlp.experts.gate_up_proj"] = (layer.experts.gate_up, layer.experts.matrices)
+            direct["mlp.experts.down_proj"] = (layer.experts.down, layer.experts.matrices)
         for p, rows in slices.items():
             direct[f"self_attn.{p}_proj.weight"] = (layer.qkv.weight[rows], layer.qkv)
             if layer.qkv.bias is not None:

@@ -7,6 +7,8 @@ from rollout_helpers import QUESTIONS, engine_config, greedy, perturbed, prompts
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.hf import HFRollout
 from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.native.linear import ExpertMatrices, cpu_packs_bf16
+from hybridflow.rollout.native.model import routed_mlp
 
 
 def test_after_load_weights_the_engine_generates_like_the_updated_model(tiny):
@@ -54,3 +56,30 @@ def test_bf16_engine_after_load_weights_equals_one_built_from_the_updated_model(
     )
     assert torch.equal(got["responses"], expected["responses"])
     assert torch.equal(got["rollout_log_probs"], expected["rollout_log_probs"])
+
+
+@pytest.mark.skipif(not cpu_packs_bf16(), reason="this CPU's oneDNN packs no bf16 weights: experts use F.linear")
+def test_bf16_experts_run_through_packed_weights_that_follow_every_load():
+    """A bf16 mixture's experts multiply through oneDNN's packed copies of their weights (linear.py ``Matrix``): the
+    routed MLP gives, bit for bit, what plain ``F.linear`` on the weights gives, before and after a load of new
+    weights (a stale packed copy would give the old weights' products)."""
+    model = load_causal_lm("tiny-qwen3-moe", dtype=torch.bfloat16).eval()
+    engine = NativeRollout(model, load_tokenizer("tiny-qwen3-moe"), engine_config=engine_config()).engine
+    experts = engine.weights.layers[0].experts
+    x = torch.randn(16, experts.router.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+
+    def with_plain_products() -> torch.Tensor:
+        packed = experts.matrices
+        experts.matrices = ExpertMatrices(experts.gate_up, experts.down)  # never repacked: F.linear
+        try:
+            return routed_mlp(experts, x)
+        finally:
+            experts.matrices = packed
+
+    assert all(matrix.packed is not None for matrix in experts.matrices.gate_up)
+    assert torch.equal(routed_mlp(experts, x), with_plain_products())
+    before = routed_mlp(experts, x)
+    engine.weights.load((name, tensor) for name, tensor in perturbed(model).named_parameters() if ".experts." in name)
+    after = routed_mlp(experts, x)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, with_plain_products())
