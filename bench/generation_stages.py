@@ -14,7 +14,9 @@ tokens, ``--new-tokens`` new tokens each (no stop token), timed after a warm-up 
 - alone: one rank holds every layer and generates every prompt (one core).
 
 Printed: tokens/s of each case and the ratios, and each rank's weight and KV-cache bytes: pg 2 trades the speed of
-a replica per rank for half the memory a rank needs. The load average is printed with the results.
+a replica per rank for half the memory a rank needs; beside them the planner's generation seconds for pg 1 and pg 2
+(planner/cost.py ``generation_seconds``, the ``cpu`` preset, calibrated where ``hybridflow plan --calibrate`` has
+measured this machine). The load average is printed with the results.
 """
 
 from __future__ import annotations
@@ -77,6 +79,27 @@ def _case(rank: int, mode: str, prompts: int, new_tokens: int, repeats: int, ini
         dist.destroy_process_group()
 
 
+def predicted_seconds(pg: int, prompts: int, new_tokens: int) -> float:
+    """The planner's seconds for the call at pg on 2 ranks (pp = 2: the stages generation regroups)."""
+    from hybridflow.controller import Role
+    from hybridflow.hybrid_engine.layout_shape import LayoutShape
+    from hybridflow.models import model_config
+    from hybridflow.planner.cluster import cluster_preset
+    from hybridflow.planner.cost import generation_seconds
+    from hybridflow.planner.workload import Workload, shape_from_hf
+
+    shape = shape_from_hf(model_config(resolve_model_path(MODEL)), MODEL)
+    workload = Workload(
+        models={Role.ActorRollout: shape},
+        prompts=prompts,
+        n=1,
+        prompt_length=PROMPT_TOKENS,
+        response_length=new_tokens,
+        micro_batch=1,
+    )
+    return generation_seconds(shape, LayoutShape(dp=1, t=1, tg=1, pp=2, pg=pg), workload, cluster_preset("cpu"))
+
+
 def measure(mode: str, prompts: int, new_tokens: int, repeats: int) -> list[list[float]]:
     """Per rank: [seconds of a call, weight bytes, KV-cache bytes]."""
     with tempfile.TemporaryDirectory() as directory:
@@ -104,6 +127,8 @@ def main() -> None:
             f"{mode:<6} {seconds:>8.2f} {tokens / seconds:>9.0f} {baseline / seconds:>7.2f}x {weights:>16.1f} "
             f"{cache:>14.1f}"
         )
+    one, two = (predicted_seconds(pg, args.prompts, args.new_tokens) for pg in (1, 2))
+    print(f"planner: pg 1 {one:.2f} s, pg 2 {two:.2f} s ({one / two:.2f}x pg 1's tokens/s at pg 2)")
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
