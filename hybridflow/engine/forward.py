@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -26,9 +25,16 @@ from torch import nn
 from hybridflow.algorithms import entropy_from_logits, log_probs_from_logits
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES, ROUTED_EXPERTS
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
-from hybridflow.engine.packing import PackedBatch, SequenceShards, accepts_logits_to_keep, pack, packed_forward
+from hybridflow.engine.packing import (
+    PackedBatch,
+    SequenceShards,
+    accepts_logits_to_keep,
+    pack,
+    packed_forward,
+    sequence_slice,
+)
 from hybridflow.engine.pipeline import PipelinedModel
-from hybridflow.engine.sequence_parallel import sp_size, sum_over
+from hybridflow.engine.sequence_parallel import ResponseShard, all_gather_slices, sp_size
 from hybridflow.lengths import PromptSharing, prompt_sharing, row_lengths
 from hybridflow.models.routing import RouteReplay, replaying_routes, routes_into, rows_of_tokens
 from hybridflow.protocol import DataProto
@@ -37,23 +43,6 @@ from hybridflow.protocol import DataProto
 def packed_prompt_sharing(data: DataProto, remove_padding: bool) -> PromptSharing | None:
     """Which rows share a prompt, for micro-batches that keep them together: only a packed pass computes it once."""
     return prompt_sharing(data) if remove_padding else None
-
-
-@dataclass(frozen=True)
-class ResponseShard:
-    """Under sequence parallelism: which of the M kept outputs this rank computed (the rest are other sp ranks')."""
-
-    mine: torch.Tensor  # (M,) bool
-    group: dist.ProcessGroup
-    real_tokens: int  # of this rank's slice of the packed tokens, those that are not the padding evening them
-
-    def whole(self, values: torch.Tensor) -> torch.Tensor:
-        """This rank's (M_r, ...) values -> every rank's (M, ...), summed over the sp group (differentiable: the
-        backward sums every rank's gradient, so each local value receives sp times the gradient of the loss every rank
-        computes alike; FSDP's mean over the dp x sp ranks divides it back)."""
-        full = values.new_zeros((self.mine.shape[0], *values.shape[1:]))
-        full = full.index_put((self.mine.nonzero()[:, 0],), values)
-        return sum_over(full, self.group)
 
 
 class ResponseOutputs(NamedTuple):
@@ -168,7 +157,7 @@ def _sharded_outputs(
         routes = routes[start : start + width]
 
     def gathered_rows(recorded: torch.Tensor) -> torch.Tensor:  # every rank's slice, in the packed order
-        return to_rows(_gathered_slices(recorded, group))
+        return to_rows(all_gather_slices(recorded, group))
 
     with replaying_routes(model, routes, replay), routes_into(model, record, gathered_rows):
         if accepts_logits_to_keep(model):
@@ -176,14 +165,6 @@ def _sharded_outputs(
         else:
             outputs = packed_forward(model, local, shards=shards)[0, keep[held] - start]
     return outputs, ResponseShard(held, group, shards.real_in(start, width))
-
-
-def _gathered_slices(recorded: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Every sp rank's slice of a packed sequence's recorded routes, concatenated in rank order."""
-    wide = recorded.to(torch.int32)  # gloo gathers no int16
-    slices = [torch.empty_like(wide) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(slices, wide, group=group)
-    return torch.cat(slices).to(recorded.dtype)
 
 
 def _to_rows(values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -308,7 +289,7 @@ def pipelined_outputs(
     balancing loss from micro-batch i's routing statistics, added to its loss (``PipelinedModel.run``).
     ``record_routes`` (forward only): receives each micro-batch's routes as ``response_outputs``', on the rank holding
     the last stage (the stages carry them there). ``sp_group`` (Ulysses): each rank's stages run its slice of every
-    micro-batch (``PipelinedModel.sequence_slice``), and the outputs are those among the slice's, as
+    micro-batch (packing.py ``sequence_slice``), and the outputs are those among the slice's, as
     ``response_outputs``' under Ulysses."""
     check_pipelined(remove_padding)
     packed = [packed_responses(micro) for micro in micro_batches]
@@ -317,7 +298,7 @@ def pipelined_outputs(
         routes = [micro.batch[ROUTED_EXPERTS][p.kept] for micro, (p, _) in zip(micro_batches, packed)]
     shards = [None] * len(packed)
     if sp_size(sp_group) > 1:  # which of the kept outputs this rank's slice computes
-        _, start, width = model.sequence_slice([p for p, _ in packed], sp_group)
+        _, start, width = sequence_slice([p for p, _ in packed], sp_group)
         real = [min(max(p.input_ids.shape[1] - start, 0), width) for p, _ in packed]  # the slice's, not filler
         shards = [
             ResponseShard((keep >= start) & (keep < start + width), sp_group, tokens)
@@ -338,7 +319,7 @@ def pipelined_outputs(
         results, recorded = zip(*results)
         for micro, (p, _), chosen in zip(micro_batches, packed, recorded):
             if sp_size(sp_group) > 1:  # every slice's, in the packed order, the padding cut
-                chosen = _gathered_slices(chosen, sp_group)[: p.input_ids.shape[1]]
+                chosen = all_gather_slices(chosen, sp_group)[: p.input_ids.shape[1]]
             record_routes.append(rows_of_tokens(chosen, p.token_position, micro.batch[ATTENTION_MASK]))
     return [outputs(i, logits) for i, logits in enumerate(results)]
 

@@ -116,3 +116,15 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+def gradient_square_sum(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a whole gradient, in float64: a DTensor's local shard's, summed over the mesh
+    dimensions that shard it (its copies on the others counted once)."""
+    if not isinstance(grad, DTensor):
+        return grad.double().pow(2).sum()
+    square = grad.to_local().double().pow(2).sum()
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_shard():
+            dist.all_reduce(square, group=grad.device_mesh.get_group(dim))
+    return square

@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 from hybridflow.algorithms.router_loss import balancing_loss_of, expert_loads_of, routing_statistics
-from hybridflow.engine.forward import ResponseShard
-from hybridflow.engine.sequence_parallel import sum_over
+from hybridflow.engine.sequence_parallel import ResponseShard, sum_over
 from hybridflow.models.routing import configured_balancing_weight, routers
 
 

@@ -40,7 +40,7 @@ hundred tokens on (the same shapes, one layer: 8 rows x 256 tokens 12.5 ms again
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -325,3 +325,37 @@ def packed_forward(
             "set use_remove_padding=false"
         )
     return output
+
+
+def slice_packed(packed: PackedBatch, start: int, width: int) -> PackedBatch:
+    """The ``width`` packed tokens from ``start`` (the segments still describe the whole sequence, which attention
+    gathers under Ulysses)."""
+    if width == packed.input_ids.shape[1]:
+        return packed
+    cut = slice(start, start + width)
+    return replace(packed, input_ids=packed.input_ids[:, cut], position_ids=packed.position_ids[:, cut])
+
+
+def empty_packed(like: PackedBatch) -> PackedBatch:
+    """A micro-batch of no rows (``pad_packed`` fills it with filler tokens)."""
+    ids = like.input_ids.new_zeros(1, 0)
+    index = like.segments.index.new_zeros(0, 1)
+    responses = like.response_valid.shape[1]
+    return PackedBatch(
+        input_ids=ids,
+        position_ids=ids.clone(),
+        segments=Segments(index=index, real=like.segments.real.new_zeros(0)),
+        response_index=like.response_index.new_zeros(0, responses),
+        response_valid=like.response_valid.new_zeros(0, responses),
+        kept=like.kept.new_zeros(0, like.kept.shape[1]),
+        token_position=like.token_position.new_zeros(0, like.kept.shape[1]),
+    )
+
+
+def sequence_slice(packed: list[PackedBatch], sp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
+    """(length, start, width): a pipelined pass pads every micro-batch's packed tokens to ``length`` (a multiple of
+    the ``sp_group``'s ranks), and under Ulysses this rank runs the ``width`` of them from ``start``."""
+    sp = dist.get_world_size(sp_group) if sp_group is not None else 1
+    length = -(-max(p.input_ids.shape[1] for p in packed) // sp) * sp
+    width = length // sp
+    return length, (dist.get_rank(sp_group) if sp > 1 else 0) * width, width

@@ -5,7 +5,8 @@ A stage (pipeline_stages.py) is a copy of the transformers model that keeps its 
 others become ``AbsentLayer``, so every parameter keeps the unsplit model's name: checkpoints do not depend on the
 layout), the embedding on the first stage, and the final norm and the head on the last. Each rank holds one stage
 (1F1B) or ``stages_per_rank`` of them, stage ``rank + k * pp`` (interleaved). Every stage is sharded as the unsplit
-model is (tensor parallelism over "tp", FSDP2 over "dp"), so the mesh is (dp, pp, tp).
+model is (tensor parallelism over "tp", FSDP2 over "dp"), so the mesh is (dp, pp, tp); under Ulysses its "dp" holds
+the dp x sp ranks, and each stage's sp ranks run their slices of every micro-batch.
 
 Every rank of a pp group holds the same rows. A pass packs each micro-batch (``packing.pack``) on every stage alike,
 and pads them all to one length with filler tokens in a row of their own (``pad_packed``): torch's schedules fix the
@@ -23,7 +24,6 @@ step and stay equal, as the one tensor of the unsplit model does. The gradient n
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -32,20 +32,28 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
-from torch.distributed.tensor import DTensor
 
-from hybridflow.engine.fsdp import full_parameters
-from hybridflow.engine.packing import PackedBatch, Segments, SequenceShards, pad_packed
+from hybridflow.engine.fsdp import full_parameters, gradient_square_sum
+from hybridflow.engine.packing import (
+    PackedBatch,
+    SequenceShards,
+    empty_packed,
+    pad_packed,
+    sequence_slice,
+    slice_packed,
+)
 from hybridflow.engine.pipeline_stages import (
     PIPELINE_DIM,
+    LossOfOutputs,
     MicroInputs,
     RoutingShape,
     decoder_layer_index,
     local_stages,
+    schedule_loss,
     split_stage,
 )
 from hybridflow.engine.pipeline_tied import TIED_HEAD, TiedWeights, tied_weights
-from hybridflow.engine.sequence_parallel import sp_size, sum_over
+from hybridflow.engine.sequence_parallel import sp_size
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, routers
 from hybridflow.models.split_sizes import expert_count
 
@@ -74,46 +82,6 @@ def pipeline_mesh(device: torch.device, dp: int, pp: int, tp: int) -> DeviceMesh
     """The (dp, pp, tp) mesh over the process group's ranks, rank = (dp_index * pp + pp_index) * tp + tp_index: the pp
     (and tp) ranks of one dp index hold the same rows."""
     return init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", PIPELINE_DIM, "tp"))
-
-
-def _square_sum(grad: torch.Tensor) -> torch.Tensor:
-    """The sum of squares of a whole gradient, in float64: a DTensor's local shard's, summed over the mesh
-    dimensions that shard it (its copies on the others counted once)."""
-    if not isinstance(grad, DTensor):
-        return grad.double().pow(2).sum()
-    square = grad.to_local().double().pow(2).sum()
-    for dim, placement in enumerate(grad.placements):
-        if placement.is_shard():
-            dist.all_reduce(square, group=grad.device_mesh.get_group(dim))
-    return square
-
-
-def _slice(packed: PackedBatch, start: int, width: int) -> PackedBatch:
-    """The ``width`` packed tokens from ``start`` (the segments still describe the whole sequence, which attention
-    gathers under Ulysses)."""
-    if width == packed.input_ids.shape[1]:
-        return packed
-    cut = slice(start, start + width)
-    return dataclasses.replace(packed, input_ids=packed.input_ids[:, cut], position_ids=packed.position_ids[:, cut])
-
-
-def _empty_packed(like: PackedBatch) -> PackedBatch:
-    """A micro-batch of no rows (``pad_packed`` fills it with filler tokens)."""
-    ids = like.input_ids.new_zeros(1, 0)
-    index = like.segments.index.new_zeros(0, 1)
-    responses = like.response_valid.shape[1]
-    return PackedBatch(
-        input_ids=ids,
-        position_ids=ids.clone(),
-        segments=Segments(index=index, real=like.segments.real.new_zeros(0)),
-        response_index=like.response_index.new_zeros(0, responses),
-        response_valid=like.response_valid.new_zeros(0, responses),
-        kept=like.kept.new_zeros(0, like.kept.shape[1]),
-        token_position=like.token_position.new_zeros(0, like.kept.shape[1]),
-    )
-
-
-LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class PipelinedModel(nn.Module):
@@ -216,15 +184,6 @@ class PipelinedModel(nn.Module):
             )
         return stages
 
-    @staticmethod
-    def sequence_slice(packed: list[PackedBatch], sp_group: dist.ProcessGroup | None) -> tuple[int, int, int]:
-        """(length, start, width): a pass pads every micro-batch's packed tokens to ``length`` (a multiple of the
-        ``sp_group``'s ranks), and under Ulysses this rank runs the ``width`` of them from ``start``."""
-        sp = sp_size(sp_group)
-        length = -(-max(p.input_ids.shape[1] for p in packed) // sp) * sp
-        width = length // sp
-        return length, (dist.get_rank(sp_group) if sp > 1 else 0) * width, width
-
     def micro_batch_count(self, count: int) -> int:
         """The micro-batches a schedule runs for ``count`` of them: at least one per pp rank (1F1B), and a multiple
         of the pp size (interleaved 1F1B runs them in rounds of that size)."""
@@ -253,46 +212,20 @@ class PipelinedModel(nn.Module):
         mixture): balance(i, statistics) is added to micro-batch i's loss, from the whole model's routing statistics
         of its real tokens (``StageForward``). ``record`` (forward only, a mixture): each micro-batch's outputs come
         with the experts every MoE layer routed each of its packed tokens to, (tokens, L, k). ``sp_group`` (Ulysses):
-        every micro-batch padded to one length (``sequence_slice``), this rank's stages run its slice of the tokens,
-        whose selected positions give the outputs (``select`` still indexes the whole micro-batch), what stages send
-        each other is the slice's, the routes recorded are the slice's, and the routing statistics are summed over the
-        group before the balancing loss."""
+        every micro-batch padded to one length (packing.py ``sequence_slice``), this rank's stages run its slice of
+        the tokens, whose selected positions give the outputs (``select`` still indexes the whole micro-batch), what
+        stages send each other is the slice's, the routes recorded are the slice's, and the routing statistics are
+        summed over the group before the balancing loss."""
         if balance is not None and (loss is None or self.routing is None):
             raise ValueError("a balancing loss is added to a training pass's loss, of a model with MoE layers")
         if record and (loss is not None or self.routing is None):
             raise ValueError("routes are recorded by a forward-only pass, of a model with MoE layers")
         given = len(packed)
-        count = self.micro_batch_count(given)
-        empty = _empty_packed(packed[0])
-        length, start, width = self.sequence_slice(packed, sp_group)
-        real = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
-        self.inputs.real_tokens = [min(max(r - start, 0), width) for r in real]  # of this rank's slice
-        packed = list(packed) + [empty] * (count - given)
-        select = list(select) + [select[0].new_zeros(0)] * (count - given)
-        self.inputs.packed = [_slice(pad_packed(p, length), start, width) for p in packed]
-        self.inputs.select = [s[(s >= start) & (s < start + width)] - start for s in select]
-        self.inputs.shards = SequenceShards(sp_group, length, length) if sp_size(sp_group) > 1 else None
+        count, width = self._take(packed, select, routes, replay, sp_group)
         self.inputs.routing = self.routing if balance is not None else None
         self.inputs.recording = self.routing if record else None
-        if routes is not None:  # the padding that evens the micro-batches routes itself
-            pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
-            self.inputs.routes, self.inputs.replay = [pad(r)[start : start + width] for r in routes], replay
         stages = self._pipeline_stages(width, training=loss is not None)
-
-        def loss_fn(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
-            index = int(target.reshape(-1)[0])
-            statistics = None
-            if balance is not None:
-                output, statistics = output
-            if index >= given:  # an empty micro-batch: no loss, but a gradient (of zeros) for everything sent
-                zero = output.sum() * 0.0
-                return zero if statistics is None else zero + statistics.sum() * 0.0
-            value = loss(index, output)
-            if statistics is not None and sp_size(sp_group) > 1:  # every slice's, the whole micro-batch's
-                statistics = sum_over(statistics, sp_group)
-            return value if statistics is None else value + balance(index, statistics)
-
-        step_loss = loss_fn if loss else None
+        step_loss = None if loss is None else schedule_loss(loss, balance, given, sp_group)
         if len(stages) > 1:
             schedule = ScheduleInterleaved1F1B(stages, count, loss_fn=step_loss, scale_grads=False)
         else:
@@ -311,14 +244,38 @@ class PipelinedModel(nn.Module):
             last = [s for s in stages if s.is_last]
             return list(last[0].output_chunks)[:given] if last else None
         finally:
-            self.inputs.packed, self.inputs.select, self.inputs.routes, self.inputs.replay = [], [], [], None
-            self.inputs.real_tokens, self.inputs.routing, self.inputs.recording = [], None, None
-            self.inputs.shards = None
+            self.inputs.clear()
             # the schedules may leave a stage's weights gathered (interleaved 1F1B under FSDP2): the next pass must
             # gather them anew, after the optimizer step
             for module in self.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+    def _take(
+        self,
+        packed: list[PackedBatch],
+        select: list[torch.Tensor],
+        routes: list[torch.Tensor] | None,
+        replay: RouteReplay | None,
+        sp_group: dist.ProcessGroup | None,
+    ) -> tuple[int, int]:
+        """Set ``inputs`` to a pass's micro-batches, made up to the schedule's count with empty ones, padded to one
+        length and cut to this rank's slice under Ulysses (with their selected positions, real tokens and routes);
+        returns the count and the tokens each micro-batch has on this rank."""
+        given = len(packed)
+        count = self.micro_batch_count(given)
+        length, start, width = sequence_slice(packed, sp_group)
+        real = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
+        self.inputs.real_tokens = [min(max(r - start, 0), width) for r in real]  # of this rank's slice
+        packed = list(packed) + [empty_packed(packed[0])] * (count - given)
+        select = list(select) + [select[0].new_zeros(0)] * (count - given)
+        self.inputs.packed = [slice_packed(pad_packed(p, length), start, width) for p in packed]
+        self.inputs.select = [s[(s >= start) & (s < start + width)] - start for s in select]
+        self.inputs.shards = SequenceShards(sp_group, length, length) if sp_size(sp_group) > 1 else None
+        if routes is not None:  # the padding that evens the micro-batches routes itself
+            pad = lambda r: nn.functional.pad(r, (0, 0, 0, 0, 0, length - r.shape[0]), value=-1)  # noqa: E731
+            self.inputs.routes, self.inputs.replay = [pad(r)[start : start + width] for r in routes], replay
+        return count, width
 
     def grad_norm_and_clip(self, max_norm: float) -> float:
         """The gradient norm over every stage (the tied head counted once), after scaling the gradients down to
@@ -327,7 +284,7 @@ class PipelinedModel(nn.Module):
         square = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.parameters():
             if p.grad is not None and p is not duplicate:
-                square += _square_sum(p.grad)
+                square += gradient_square_sum(p.grad)
         dist.all_reduce(square, group=self.group)
         total = float(square) ** 0.5
         coefficient = max_norm / (total + 1e-6)

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hybridflow.algorithms.router_loss import routing_statistics
 from hybridflow.engine.fsdp import AbsentLayer, decoder_layers
 from hybridflow.engine.packing import PackedBatch, SequenceShards, use_packed_attention
+from hybridflow.engine.sequence_parallel import sp_size, sum_over
 from hybridflow.models.routing import ROUTE_DTYPE, RouteReplay, experts_modules, replaying_routes, routers
 
 PIPELINE_DIM = "pp"  # the mesh dimension over which stages are split
+LossOfOutputs = Callable[[int, torch.Tensor], torch.Tensor]  # (micro-batch index, the last stage's output) -> loss
 _LAYER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -94,6 +98,11 @@ class MicroInputs:
     routing: RoutingShape | None = None
     recording: RoutingShape | None = None
     shards: SequenceShards | None = None  # Ulysses: the whole sequence each rank's slice belongs to
+
+    def clear(self) -> None:
+        """No pass under way."""
+        self.packed, self.select, self.real_tokens, self.routes = [], [], [], []
+        self.replay = self.routing = self.recording = self.shards = None
 
 
 class StageForward:
@@ -210,3 +219,26 @@ def split_stage(model: nn.Module, stage: int, num_stages: int, inputs: MicroInpu
     # an instance attribute: FSDP2 and the schedule call the module (its hooks run), which calls this
     part.forward = StageForward(stack, head if last else None, first, inputs, moe_layers, routers(part))
     return part
+
+
+def schedule_loss(
+    loss: LossOfOutputs, balance: LossOfOutputs | None, given: int, sp_group: dist.ProcessGroup | None
+) -> Callable[[torch.Tensor | tuple[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]:
+    """The schedule's loss of the last stage's output for a micro-batch (its index the target): ``loss`` of the
+    ``given`` ones, plus ``balance`` of the routing statistics (summed over the slices under Ulysses); zero, with a
+    gradient for everything sent, for the empty ones that make up the count."""
+
+    def loss_fn(output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        index = int(target.reshape(-1)[0])
+        statistics = None
+        if balance is not None:
+            output, statistics = output
+        if index >= given:
+            zero = output.sum() * 0.0
+            return zero if statistics is None else zero + statistics.sum() * 0.0
+        value = loss(index, output)
+        if statistics is not None and sp_size(sp_group) > 1:  # every slice's, the whole micro-batch's
+            statistics = sum_over(statistics, sp_group)
+        return value if statistics is None else value + balance(index, statistics)
+
+    return loss_fn

@@ -12,6 +12,8 @@ or key/value heads. A repeat's backward sums the replicas' gradients: the exact 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -119,3 +121,29 @@ def row_mesh(device: torch.device, dp: int, sp: int, tp: int = 1, pp: int = 1) -
 def sp_size(group: dist.ProcessGroup | None) -> int:
     """The ranks of a sequence-parallel group (None: 1, no sequence parallelism)."""
     return dist.get_world_size(group) if group is not None else 1
+
+
+def all_gather_slices(sliced: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Every rank's slice of a sequence (its first dimension), concatenated in rank order (int16 travels as int32:
+    gloo gathers no int16)."""
+    wide = sliced.to(torch.int32) if sliced.dtype == torch.int16 else sliced
+    slices = [torch.empty_like(wide) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(slices, wide, group=group)
+    return torch.cat(slices).to(sliced.dtype)
+
+
+@dataclass(frozen=True)
+class ResponseShard:
+    """Under sequence parallelism: which of the M kept outputs this rank computed (the rest are other sp ranks')."""
+
+    mine: torch.Tensor  # (M,) bool
+    group: dist.ProcessGroup
+    real_tokens: int  # of this rank's slice of the packed tokens, those that are not the padding evening them
+
+    def whole(self, values: torch.Tensor) -> torch.Tensor:
+        """This rank's (M_r, ...) values -> every rank's (M, ...), summed over the sp group (differentiable: the
+        backward sums every rank's gradient, so each local value receives sp times the gradient of the loss every rank
+        computes alike; FSDP's mean over the dp x sp ranks divides it back)."""
+        full = values.new_zeros((self.mine.shape[0], *values.shape[1:]))
+        full = full.index_put((self.mine.nonzero()[:, 0],), values)
+        return sum_over(full, self.group)

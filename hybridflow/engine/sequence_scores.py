@@ -14,7 +14,6 @@ from torch import nn
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.engine.dynamic_batch import micro_batch_groups, restore_order, split_by_groups
 from hybridflow.engine.forward import (
-    ResponseShard,
     check_pipelined,
     local_slice,
     packed_prompt_sharing,
@@ -22,7 +21,7 @@ from hybridflow.engine.forward import (
 )
 from hybridflow.engine.packing import PackedBatch, pack, packed_forward
 from hybridflow.engine.pipeline import PipelinedModel
-from hybridflow.engine.sequence_parallel import sp_size
+from hybridflow.engine.sequence_parallel import ResponseShard, sp_size
 from hybridflow.lengths import row_lengths
 from hybridflow.models.loading import HEAD_NAME
 from hybridflow.protocol import DataProto
