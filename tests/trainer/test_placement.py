@@ -324,6 +324,14 @@ PG = "actor_rollout_ref.rollout.pipeline_model_parallel_size"
             ],
             "a rollout pool of its own generates with every layer",
         ),
+        (
+            [
+                f"{PG}=2",
+                "actor_rollout_ref.actor.pipeline_model_parallel_size=2",
+                "actor_rollout_ref.rollout.multi_turn.enable=true",
+            ],
+            "multi-turn rollout generates on one rank",
+        ),
     ],
 )
 def test_generation_stage_errors_name_the_key(overrides, words):
