@@ -118,7 +118,7 @@ def pipelined_scores(
     micro_batches: list[DataProto],
     remove_padding: bool,
     sp_group: dist.ProcessGroup | None = None,
-    loss: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    loss: Callable[[int, ScoreOutputs], torch.Tensor] | None = None,
     *,
     pad_token_id: int,
     balance: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
@@ -133,7 +133,7 @@ def pipelined_scores(
     def scores(outputs: torch.Tensor) -> torch.Tensor:
         return outputs[:, 0].float()
 
-    staged_loss = None if loss is None else (lambda index, outputs: loss(index, scores(outputs)))
+    staged_loss = None if loss is None else (lambda index, outputs: loss(index, ScoreOutputs(scores(outputs), None)))
     results = model.run(
         [packed for packed, _ in scored], [positions for _, positions in scored], staged_loss, balance=balance
     )

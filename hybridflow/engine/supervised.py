@@ -111,10 +111,10 @@ class SupervisedEngine:
         return {"staged": functools.partial(pipelined_scores, pad_token_id=self.pad_token_id)}
 
     def _micro_loss(
-        self, micro: DataProto, agg: LossAggregation, outputs: torch.Tensor | ScoreOutputs | ResponseOutputs
+        self, micro: DataProto, agg: LossAggregation, outputs: ScoreOutputs | ResponseOutputs
     ) -> tuple[torch.Tensor, dict]:
-        if self.objective.output == SEQUENCE_SCORES:  # the stages' pass gives the scores alone
-            forward = ForwardOutputs(scores=outputs.scores if isinstance(outputs, ScoreOutputs) else outputs)
+        if self.objective.output == SEQUENCE_SCORES:
+            forward = ForwardOutputs(scores=outputs.scores)
         else:
             forward = ForwardOutputs(log_probs=log_probs_of(outputs, micro)[0])
         return self.objective.loss(forward, micro.batch, agg)

@@ -86,7 +86,10 @@ class Weights:
         return self.stages.held_layers(self.spec.num_layers)
 
     def _layer(self, index: int) -> LayerWeights | None:
-        """The layer of Hugging Face index ``index`` (None: another pipeline stage holds it)."""
+        """The layer of Hugging Face index ``index`` (None: another pipeline stage holds it); IndexError for an index
+        the model does not have."""
+        if not 0 <= index < self.model_layers:
+            raise IndexError(f"layer {index}: the model has {self.model_layers} decoder layers")
         held = self.held_layers
         return self.layers[index - held.start] if index in held else None
 

@@ -39,6 +39,8 @@ def test_load_weights_casts_to_the_engine_dtype_and_rejects_unknown_names(tiny):
         rollout.load_weights([("model.layers.0.mlp.extra.weight", norm)])
     with pytest.raises(ValueError):
         rollout.load_weights([("model.norm.weight", norm[:-1])])
+    with pytest.raises(IndexError, match="the model has 2 decoder layers"):  # not another stage's: no such layer
+        rollout.load_weights([("model.layers.7.input_layernorm.weight", norm)])
 
 
 def test_bf16_engine_after_load_weights_equals_one_built_from_the_updated_model():
