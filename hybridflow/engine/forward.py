@@ -31,6 +31,7 @@ from hybridflow.engine.packing import (
     accepts_logits_to_keep,
     pack,
     packed_forward,
+    real_in_slice,
     sequence_slice,
 )
 from hybridflow.engine.pipeline import PipelinedModel
@@ -299,7 +300,7 @@ def pipelined_outputs(
     shards = [None] * len(packed)
     if sp_size(sp_group) > 1:  # which of the kept outputs this rank's slice computes
         _, start, width = sequence_slice([p for p, _ in packed], sp_group)
-        real = [min(max(p.input_ids.shape[1] - start, 0), width) for p, _ in packed]  # the slice's, not filler
+        real = [real_in_slice(p.input_ids.shape[1], start, width) for p, _ in packed]  # the slice's, not filler
         shards = [
             ResponseShard((keep >= start) & (keep < start + width), sp_group, tokens)
             for (_, keep), tokens in zip(packed, real)

@@ -219,7 +219,12 @@ class SequenceShards:
 
     def real_in(self, start: int, width: int) -> int:
         """Of the slice of ``width`` tokens from ``start``, those that are real (not padding to a multiple of sp)."""
-        return min(max(self.total - start, 0), width)
+        return real_in_slice(self.total, start, width)
+
+
+def real_in_slice(real: int, start: int, width: int) -> int:
+    """Of a sequence whose first ``real`` tokens are real (the rest padding), those in the ``width`` from ``start``."""
+    return min(max(real - start, 0), width)
 
 
 def ulysses_attention(

@@ -39,6 +39,7 @@ from hybridflow.engine.packing import (
     SequenceShards,
     empty_packed,
     pad_packed,
+    real_in_slice,
     sequence_slice,
     slice_packed,
 )
@@ -266,7 +267,7 @@ class PipelinedModel(nn.Module):
         count = self.micro_batch_count(given)
         length, start, width = sequence_slice(packed, sp_group)
         real = [p.input_ids.shape[1] for p in packed] + [0] * (count - given)
-        self.inputs.real_tokens = [min(max(r - start, 0), width) for r in real]  # of this rank's slice
+        self.inputs.real_tokens = [real_in_slice(r, start, width) for r in real]  # of this rank's slice
         packed = list(packed) + [empty_packed(packed[0])] * (count - given)
         select = list(select) + [select[0].new_zeros(0)] * (count - given)
         self.inputs.packed = [slice_packed(pad_packed(p, length), start, width) for p in packed]
