@@ -21,9 +21,17 @@ Gradients: FSDP2 averages a gradient over the dp ranks, and each rank's loss car
 contributions of every token its group sent it; it is summed over the replicas and divided by the dp size in the
 backward of the weight's use (``_ReplicaMean``), which gives the same gradient. Forgetting the division is the known
 pitfall: expert gradients come out dp times too large.
+
+LoRA on the experts (peft's ``target_parameters``): peft's wrapper adds every expert's B_e A_e to the whole weight,
+which no rank holds. Here the wrappers' forward is this one, and a rank adds to the experts it holds their own
+scaling · B_e A_e (engine/lora.py ``expert_adapter_delta``). The adapters stay whole, ordinary parameters sharded by
+FSDP2 over all data-parallel ranks: a rank's gradient of A_e and B_e comes from the tokens its group sent expert e (zero
+where it does not hold e), and FSDP2's mean over the dp ranks is then what ``_ReplicaMean`` gives the expert weights.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -31,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from hybridflow.engine.lora import expert_adapter_delta, expert_adapters
 from hybridflow.models.routing import EXPERT_WEIGHTS, experts_modules
 
 
@@ -97,13 +106,15 @@ def expert_parallel_forward(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     mesh: DeviceMesh,
+    adapters: Mapping[str, nn.Module] | None = None,
 ) -> torch.Tensor:
-    """The experts' output (T, H) for this rank's tokens ``hidden`` (T, H): see the module docstring."""
+    """The experts' output (T, H) for this rank's tokens ``hidden`` (T, H): see the module docstring. ``adapters``:
+    peft's wrapper of each adapted expert weight, by the weight's name."""
     group, ep = mesh["ep"].get_group(), mesh["ep"].size()
     replicas = mesh["edp"].get_group() if mesh["edp"].size() > 1 else None
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    local_gate_up = _ReplicaMean.apply(gate_up.to_local(), replicas, mesh.size())
-    local_down = _ReplicaMean.apply(down.to_local(), replicas, mesh.size())
+    local_gate_up, local_down = (
+        _held_weight(experts, name, (adapters or {}).get(name), mesh, replicas) for name in EXPERT_WEIGHTS
+    )
     per_rank = local_gate_up.shape[0]  # experts on each rank
     k = top_k_index.shape[1]
     chosen = top_k_index.reshape(-1)  # (T·k,): pair p is token p // k's choice p % k
@@ -134,14 +145,33 @@ def expert_parallel_forward(
     return combined.index_add(0, tokens, returned * weights[:, None])
 
 
+def _held_weight(
+    experts: nn.Module, name: str, adapter: nn.Module | None, mesh: DeviceMesh, replicas: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's experts of the weight ``name`` (its rows of the DTensor), their adapters' products added."""
+    held = _ReplicaMean.apply(getattr(experts, name).to_local(), replicas, mesh.size())
+    delta = None
+    if adapter is not None:
+        delta = expert_adapter_delta(adapter, mesh["ep"].get_local_rank() * held.shape[0], held.shape[0])
+    return held if delta is None else held + delta.to(held.dtype)
+
+
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """Split every experts module's weights over ``mesh``'s "ep" ranks (replicated over "edp") and route its tokens
     there; returns the expert weights, which FSDP2 must leave alone. The weights must be the same on every rank
-    (loaded from one directory), each rank keeping its own experts' rows."""
+    (loaded from one directory), each rank keeping its own experts' rows. Adapters on the experts (peft's wrappers
+    around them) are added on each rank to the experts it holds."""
     ep = mesh["ep"].size()
     modules = experts_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no mixture-of-experts layers to split over {ep} ranks")
+    held_by = {}  # each experts module's id -> (what its MoE block calls: the module or peft's outermost wrapper,
+    # the wrappers by weight name)
+    for block in model.modules():
+        called = getattr(block, "experts", None)
+        if isinstance(called, nn.Module):
+            inner, adapters = expert_adapters(called)
+            held_by[id(inner)] = (called, adapters)
     weights: set[nn.Parameter] = set()
     for module in modules:
         check_experts(module, ep)
@@ -151,13 +181,16 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> set[nn.Paramete
             parameter = nn.Parameter(sharded, requires_grad=whole.requires_grad)
             setattr(module, name, parameter)
             weights.add(parameter)
-        module.forward = _bound_forward(module, mesh)
+        if id(module) not in held_by:
+            raise ValueError(f"{type(module).__name__} is not the experts of a MoE block (no block's .experts)")
+        called, adapters = held_by[id(module)]
+        called.forward = _bound_forward(module, mesh, adapters)
     return weights
 
 
-def _bound_forward(module: nn.Module, mesh: DeviceMesh):
+def _bound_forward(module: nn.Module, mesh: DeviceMesh, adapters: Mapping[str, nn.Module]):
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        return expert_parallel_forward(module, hidden_states, top_k_index, top_k_weights, mesh)
+        return expert_parallel_forward(module, hidden_states, top_k_index, top_k_weights, mesh, adapters)
 
     return forward
 

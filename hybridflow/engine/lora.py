@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hybridflow.models.adapters import LORA_A, LORA_B, adapted_layer, adapter_delta, adapter_name
+from hybridflow.models.adapters import LORA_A, LORA_B, adapted_layer, adapter_delta, adapter_name, expert_factors
 from hybridflow.validation import require
 
 ALL_LINEAR = "all-linear"  # every linear layer of the decoder (not the output head), as peft reads it
@@ -178,6 +178,28 @@ def adapted_weights(model: nn.Module) -> dict[str, str]:
         if isinstance(module, BaseTunerLayer):
             adapted[name] = f"{base_name(name)}.{getattr(module, 'parameter_name', None) or 'weight'}"
     return adapted
+
+
+def expert_adapters(wrapped: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]]:
+    """(the experts module, peft's wrapper of each of its adapted weights by the weight's name) of what a MoE block
+    holds as its experts: peft nests one wrapper per adapted parameter around the module (none: no adapters)."""
+    wrappers = {}
+    while isinstance(getattr(wrapped, "base_layer", None), nn.Module):
+        wrappers[wrapped.parameter_name] = wrapped
+        wrapped = wrapped.base_layer
+    return wrapped, wrappers
+
+
+def expert_adapter_delta(wrapper: nn.Module, first: int, count: int) -> torch.Tensor | None:
+    """scaling · B_e A_e (count, out, in) of experts ``first``..``first + count`` of a peft ``target_parameters``
+    wrapper (in its adapters' dtype); None while its adapters are off (``adapters_off``). What an expert-parallel
+    rank adds to the experts it holds, the forward peft's own wrapper would run needing all of them."""
+    if wrapper.disable_adapters or ADAPTER not in wrapper.active_adapters:
+        return None
+    lora_a, lora_b = wrapper.lora_A[ADAPTER].weight, wrapper.lora_B[ADAPTER].weight
+    per_expert_a, per_expert_b = expert_factors(lora_a, lora_b, wrapper.num_experts)
+    held = slice(first, first + count)
+    return wrapper.scaling[ADAPTER] * torch.bmm(per_expert_b[held], per_expert_a[held])
 
 
 def _lora_part(name: str) -> tuple[str, str] | None:

@@ -100,8 +100,6 @@ def build_sharded(
     if expert_parallel > 1:
         if mesh is not None and (PIPELINE_DIM in (mesh.mesh_dim_names or ()) or mesh["tp"].size() > 1):
             raise ValueError("expert parallelism runs on data-parallel ranks alone (no tensor or pipeline split)")
-        if lora is not None and lora.enabled and lora.target_parameters:
-            raise ValueError("adapters on experts (lora.target_parameters) need every expert on every rank (ep = 1)")
         dp_mesh = data_parallel_mesh(device) if mesh is None else mesh["dp"]
         experts = apply_expert_parallel(module, expert_mesh(device, dp_mesh.size(), expert_parallel))
         # FSDP2 through the process group, not shared memory (engine/host_collectives.py), whose buffers assume ranks

@@ -134,10 +134,6 @@ EXPERT_LORA = "actor_rollout_ref.model.lora.target_parameters"
     [
         (["actor_rollout_ref.model.path=tiny-llama"], r"\['experts.down_proj'\] name no expert weight.*not a mixture"),
         (["actor_rollout_ref.model.lora.dropout=0.1"], "must be 0 with target_parameters"),
-        (
-            ["actor_rollout_ref.actor.expert_model_parallel_size=2"],
-            "experts split over expert_model_parallel_size=2 ranks are not supported",
-        ),
     ],
 )
 def test_adapters_on_experts_are_checked_before_ray(arithmetic_files, overrides, message):
@@ -150,6 +146,8 @@ def test_adapters_on_experts_are_checked_before_ray(arithmetic_files, overrides,
         f"{EXPERT_LORA}=[experts.down_proj]",
     ]
     assert check_config(load_config(args)).layouts[Role.ActorRollout].dp == 2  # Mixtral's experts take adapters
+    split = load_config([*args, "actor_rollout_ref.actor.expert_model_parallel_size=2"])
+    assert check_config(split).layouts[Role.ActorRollout].ep == 2  # and keep them with their experts split
     with pytest.raises(ConfigError, match=rf"lora.(target_parameters|dropout).*{message}"):
         check_config(load_config([*args, *overrides]))
 

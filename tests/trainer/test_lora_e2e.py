@@ -46,7 +46,14 @@ def sharp_tiny_model(directory, name: str = "tiny-llama"):
 
 
 @pytest.mark.parametrize(
-    "model, extra", [("tiny-llama", []), ("tiny-olmoe", EXPERT_ADAPTERS)], ids=["dense", "experts"]
+    "model, extra",
+    [
+        ("tiny-llama", []),
+        ("tiny-olmoe", EXPERT_ADAPTERS),
+        # the experts split over the 2 ranks, each adding the adapters of those it holds
+        ("tiny-olmoe", [*EXPERT_ADAPTERS, "actor_rollout_ref.actor.expert_model_parallel_size=2"]),
+    ],
+    ids=["dense", "experts", "experts-ep2"],
 )
 def test_lora_grpo_learns_checkpoints_its_adapters_and_exports_them(
     local_ray, arithmetic_files, tmp_path, capsys, model, extra

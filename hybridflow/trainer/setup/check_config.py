@@ -197,11 +197,9 @@ def _check_router_replay(cfg: HybridFlowConfig, plan: RunPlan) -> None:
     )
 
 
-def check_lora_targets(
-    section: str, lora: LoraConfig, model_dir: str, critic: bool = False, expert_parallel: int = 1
-) -> None:
+def check_lora_targets(section: str, lora: LoraConfig, model_dir: str, critic: bool = False) -> None:
     """LoRA's target modules are layers this model has, its target parameters expert weights it has (read from a
-    copy built on the meta device), and experts with adapters are not split over ranks."""
+    copy built on the meta device)."""
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     from hybridflow.engine.lora import expert_weight_names, heads, linear_layer_names, target_problem
@@ -225,12 +223,6 @@ def check_lora_targets(
         + (f"its expert weights are {sorted(experts)}" if experts else "it is not a mixture of experts"),
         "name some of them, or set it to []",
     )
-    _check(
-        expert_parallel == 1,
-        key,
-        f"adapters on experts split over expert_model_parallel_size={expert_parallel} ranks are not supported",
-        "set expert_model_parallel_size=1, or target_parameters=[] (attention adapters work with expert parallelism)",
-    )
 
 
 def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
@@ -239,7 +231,6 @@ def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
         "actor_rollout_ref.model",
         arr.model.lora,
         plan.paths.actor_model,
-        expert_parallel=arr.actor.expert_model_parallel_size,
     )
     if plan.needs(Role.Critic):
         check_lora_targets(
@@ -247,7 +238,6 @@ def _check_lora(cfg: HybridFlowConfig, plan: RunPlan) -> None:
             cfg.critic.model.lora,
             plan.paths.critic_model,
             critic=True,
-            expert_parallel=cfg.critic.expert_model_parallel_size,
         )
 
 
