@@ -50,20 +50,20 @@ def expert_mesh(device: torch.device, dp: int, ep: int) -> DeviceMesh:
     return init_device_mesh(device.type, (dp // ep, ep), mesh_dim_names=("edp", "ep"))
 
 
-def check_experts(module: nn.Module, ep: int) -> None:
-    """Refuse an experts module this forward does not compute as the family does, or whose experts ``ep`` does not
-    split evenly."""
+def check_experts(module: nn.Module, ep: int, what: str = "expert parallel size") -> None:
+    """Refuse an experts module this forward does not compute as the family does, or whose experts ``ep`` ranks (of
+    ``what``: expert or tensor parallelism) do not split evenly."""
     layout = {
         name: getattr(module, name, None) for name in ("has_gate", "has_bias", "is_transposed", "is_concatenated")
     }
     if layout != {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}:
         raise ValueError(
-            f"{type(module).__name__}: expert parallelism runs gated experts stored [gate; up] without biases "
+            f"{type(module).__name__}: a {what} above 1 runs gated experts stored [gate; up] without biases "
             f"(Qwen3-MoE, OLMoE, Mixtral); this one is {layout}"
         )
     experts = module.gate_up_proj.shape[0]
     if experts % ep:
-        raise ValueError(f"{type(module).__name__}: expert parallel size {ep} does not divide its {experts} experts")
+        raise ValueError(f"{type(module).__name__}: {what} {ep} does not divide its {experts} experts")
 
 
 class _Exchange(torch.autograd.Function):
@@ -129,20 +129,29 @@ def expert_parallel_forward(
     ids = torch.empty(sum(receive_list), dtype=chosen.dtype, device=chosen.device)
     dist.all_to_all_single(ids, chosen[order].contiguous(), receive_list, send_list, group=group)
     local = ids - dist.get_rank(group) * per_rank
-    by_expert = torch.argsort(local, stable=True)
-    sizes = torch.bincount(local, minlength=per_rank).tolist()
-    outputs, start = [], 0
-    sorted_rows = rows[by_expert]
-    for expert, size in enumerate(sizes):  # every one of its experts, also on zero rows
-        x = sorted_rows[start : start + size]
-        gated = experts._apply_gate(nn.functional.linear(x, local_gate_up[expert].to(x.dtype)))
-        outputs.append(nn.functional.linear(gated, local_down[expert].to(x.dtype)))
-        start += size
-    computed = torch.empty_like(sorted_rows).index_copy(0, by_expert, torch.cat(outputs))  # back in received order
+    computed = held_experts_output(experts, rows, local, local_gate_up, local_down)
     returned = _Exchange.apply(computed, receive_list, send_list, group)  # in the order the pairs were sent
     weights = top_k_weights.reshape(-1)[order].to(returned.dtype)
     combined = torch.zeros_like(hidden)
     return combined.index_add(0, tokens, returned * weights[:, None])
+
+
+def held_experts_output(
+    experts: nn.Module, rows: torch.Tensor, local: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Each of ``rows`` (N, H) through its expert ``local`` (N,) among the ones this rank holds (``gate_up`` and
+    ``down``, (n, 2I, H) and (n, H, I)), in the rows' order. Every held expert runs, also on zero rows, so that the
+    backward reaches the same collectives on every rank."""
+    by_expert = torch.argsort(local, stable=True)
+    sizes = torch.bincount(local, minlength=gate_up.shape[0]).tolist()
+    outputs, start = [], 0
+    sorted_rows = rows[by_expert]
+    for expert, size in enumerate(sizes):
+        x = sorted_rows[start : start + size]
+        gated = experts._apply_gate(nn.functional.linear(x, gate_up[expert].to(x.dtype)))
+        outputs.append(nn.functional.linear(gated, down[expert].to(x.dtype)))
+        start += size
+    return torch.empty_like(sorted_rows).index_copy(0, by_expert, torch.cat(outputs))
 
 
 def _held_weight(

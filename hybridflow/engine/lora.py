@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,13 +190,21 @@ def expert_adapters(wrapped: nn.Module) -> tuple[nn.Module, dict[str, nn.Module]
     return wrapped, wrappers
 
 
-def expert_adapter_delta(wrapper: nn.Module, first: int, count: int) -> torch.Tensor | None:
+def expert_adapter_delta(
+    wrapper: nn.Module,
+    first: int,
+    count: int,
+    shared: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
     """scaling · B_e A_e (count, out, in) of experts ``first``..``first + count`` of a peft ``target_parameters``
-    wrapper (in its adapters' dtype); None while its adapters are off (``adapters_off``). What an expert-parallel
-    rank adds to the experts it holds, the forward peft's own wrapper would run needing all of them."""
+    wrapper (in its adapters' dtype); None while its adapters are off (``adapters_off``). What a rank holding some
+    of the experts (expert or tensor parallelism) adds to them, the forward peft's own wrapper would run needing all
+    of them. ``shared``: applied to A and B first (tensor parallelism sums their gradients over its ranks there)."""
     if wrapper.disable_adapters or ADAPTER not in wrapper.active_adapters:
         return None
     lora_a, lora_b = wrapper.lora_A[ADAPTER].weight, wrapper.lora_B[ADAPTER].weight
+    if shared is not None:
+        lora_a, lora_b = shared(lora_a), shared(lora_b)
     per_expert_a, per_expert_b = expert_factors(lora_a, lora_b, wrapper.num_experts)
     held = slice(first, first + count)
     return wrapper.scaling[ADAPTER] * torch.bmm(per_expert_b[held], per_expert_a[held])

@@ -61,22 +61,16 @@ def check_sequence_parallel_size(config: PretrainedConfig, size: int, key: str, 
         )
 
 
-def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str, generation: bool = False) -> None:
-    """``check_split_sizes`` with the sizes of a Hugging Face config. A mixture of experts is split in generation
-    only (each rank its share of the experts); training splits its experts by expert parallelism instead."""
-    experts = expert_count(config)
-    if size > 1 and experts and not generation:
-        raise ValueError(
-            f"{size}: tensor parallelism does not split a mixture of experts' layers in training (set it to 1; "
-            "expert_model_parallel_size splits the experts over data-parallel ranks)"
-        )
+def check_tensor_parallel_size(config: PretrainedConfig, size: int, key: str) -> None:
+    """``check_split_sizes`` with the sizes of a Hugging Face config (a mixture: each rank its share of the
+    experts)."""
     check_split_sizes(
         size,
         key,
         heads=config.num_attention_heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         intermediate_size=config.intermediate_size,
-        experts=experts,
+        experts=expert_count(config),
     )
 
 

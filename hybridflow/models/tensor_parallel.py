@@ -36,6 +36,12 @@ class LayerSplit:
     """A mixture's expert weights (E, out, in), split by expert (dimension 0): each rank runs its own experts on
     the tokens routed to them, and one all-reduce sums the experts' outputs as a row-parallel layer's. Their LoRA
     adapters travel whole (peft's layout interleaves the experts' B columns); the engine takes its experts' rows."""
+    head_norms: tuple[str, ...] = ()
+    """Norms over each head's features (Qwen3's q/k norms): whole on every rank, each rank normalising its own heads;
+    training sums their weights' gradients over the ranks."""
+    all_head_norms: tuple[str, ...] = ()
+    """Norms over all of a projection's heads together (OLMoE's q/k norms): their weight split with the heads
+    (dimension 0), the sums of squares summed over the ranks."""
 
     def shard_dim(self, name: str) -> int | None:
         """The dimension along which Hugging Face tensor ``name`` (or a LoRA adapter's ``<layer>.lora_A`` /
@@ -43,6 +49,8 @@ class LayerSplit:
         if self.experts and name.endswith(self.experts):
             return 0
         module, _, kind = name.rpartition(".")
+        if module.endswith(self.all_head_norms):  # weight (heads x head size,)
+            return 0
         if module.endswith(self.column):  # weight (out, in), bias (out,), a LoRA B (out, r): split the outputs
             return None if kind == LORA_A else 0
         if module.endswith(self.row) and kind in ("weight", LORA_A):
@@ -60,15 +68,25 @@ LLAMA = LayerSplit(
     row=("self_attn.o_proj", "mlp.down_proj"),
 )
 # a mixture of experts (Mixtral, Qwen3-MoE, OLMoE): attention as Llama's, the experts split between the ranks, the
-# router whole. Generation only: training splits experts by expert parallelism (engine/expert_parallel.py) instead
+# router whole
 MIXTURE = LayerSplit(
     column=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     row=("self_attn.o_proj",),
     experts=("mlp.experts.gate_up_proj", "mlp.experts.down_proj"),
 )
+# Qwen3-MoE normalises each head's q and k on its own
+QWEN3_MOE = LayerSplit(
+    column=MIXTURE.column,
+    row=MIXTURE.row,
+    experts=MIXTURE.experts,
+    head_norms=("self_attn.q_norm", "self_attn.k_norm"),
+)
 # OLMoE normalises all of q's heads together (and all of k's): each rank holds its heads' part of the norms' weights
 OLMOE = LayerSplit(
-    column=(*MIXTURE.column, "self_attn.q_norm", "self_attn.k_norm"), row=MIXTURE.row, experts=MIXTURE.experts
+    column=MIXTURE.column,
+    row=MIXTURE.row,
+    experts=MIXTURE.experts,
+    all_head_norms=("self_attn.q_norm", "self_attn.k_norm"),
 )
 UNSPLIT = LayerSplit(column=(), row=())  # a layer on one rank: any family, nothing split
 LAYER_SPLITS: dict[str, LayerSplit] = {
@@ -76,7 +94,7 @@ LAYER_SPLITS: dict[str, LayerSplit] = {
     "qwen2": LLAMA,
     "mistral": LLAMA,
     "mixtral": MIXTURE,
-    "qwen3_moe": MIXTURE,
+    "qwen3_moe": QWEN3_MOE,
     "olmoe": OLMOE,
 }
 

@@ -298,22 +298,24 @@ def layouts_for(role: Role, shape: ModelShape, devices: int, cluster: ClusterSpe
     node; the actor's tg divides t; Ulysses over sp ranks, t x sp in a node, each rank with at least one head;
     pipeline stages over pp ranks beside each of those (pp dividing the layers, t x sp x pp the devices, across
     nodes too), the actor generating in pg stages for every pg dividing pp;
-    the reward model is data-parallel only. A mixture of experts is neither split by t (``splits_over``) nor put in
-    stages here: a trained one splits its experts over ep of its dp ranks, or runs Ulysses (ep = 1: the two do not
-    combine); a rollout pool's generation groups split its experts, each whole on one rank."""
+    the reward model is data-parallel only. A mixture of experts is not put in stages here: it splits its experts
+    between t ranks (whole experts on each, as generation groups of tg do), over ep of its dp ranks where it trains,
+    or runs Ulysses (ep = 1: the three do not combine)."""
     in_node = [size for size in range(1, min(devices, cluster.devices_per_node) + 1) if devices % size == 0]
     if role is Role.RewardModel:
         return [LayoutShape.over(devices)]
     if role is Role.Rollout:  # replicas of tg ranks (a mixture's experts split over them, each whole on one)
-        return [LayoutShape.over(devices, tg, tg) for tg in in_node if shape.generation_splits_over(tg)]
+        return [LayoutShape.over(devices, tg, tg) for tg in in_node if shape.splits_over(tg)]
     sizes = [t for t in in_node if shape.splits_over(t)]
     tgs = {t: [tg for tg in range(1, t + 1) if t % tg == 0] if role is Role.ActorRollout else [1] for t in sizes}
-    if shape.experts:  # its experts over ep of the dp ranks, or Ulysses beside ep = 1 (the two do not combine)
+    if shape.experts:  # its experts over ep of the dp ranks or t ranks, or Ulysses (none of them combine)
         splits = [1, *shape.expert_splits(devices)] if role in TRAINED else [1]
         ulysses = [sp for sp in in_node if sp > 1 and shape.shares_heads(sp)]
-        return [LayoutShape(dp=devices, t=1, tg=1, ep=ep) for ep in splits] + [
-            LayoutShape(dp=devices // sp, t=1, tg=1, sp=sp) for sp in ulysses
-        ]
+        return (
+            [LayoutShape(dp=devices, t=1, tg=1, ep=ep) for ep in splits]
+            + [LayoutShape(dp=devices // t, t=t, tg=tg) for t in sizes if t > 1 for tg in tgs[t]]
+            + [LayoutShape(dp=devices // sp, t=1, tg=1, sp=sp) for sp in ulysses]
+        )
     shapes = [
         (t, sp, 1) for t in sizes for sp in in_node if t * sp in in_node and shape.shares_heads(sp * t)
     ]  # (t, 1) for every t in sizes, and the Ulysses sizes beside each

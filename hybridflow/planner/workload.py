@@ -91,17 +91,10 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * bytes_per_value
 
     def splits_over(self, t: int) -> bool:
-        """Whole query and key/value heads and equal MLP slices on each of t ranks (models/split_sizes.py); a mixture
-        of experts is not split (expert parallelism splits its experts instead)."""
-        if self.experts and t > 1:
-            return False
-        return not indivisible_sizes(t, heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn)
-
-    def generation_splits_over(self, tg: int) -> bool:
-        """Whole query and key/value heads on each of tg generation ranks, and equal MLP slices or, a mixture's, an
-        equal share of whole experts (the native engine's groups, rollout/native/parallel.py)."""
+        """Whole query and key/value heads on each of t ranks, and equal MLP slices or, a mixture's, an equal share
+        of whole experts (models/split_sizes.py): training's split and the native engine's generation groups."""
         sizes = dict(heads=self.heads, kv_heads=self.kv_heads, intermediate_size=self.ffn, experts=self.experts)
-        return not indivisible_sizes(tg, **sizes)
+        return not indivisible_sizes(t, **sizes)
 
     def expert_splits(self, dp: int) -> list[int]:
         """The expert-parallel sizes over ``dp`` data-parallel ranks: those dividing both them and the experts."""

@@ -193,7 +193,7 @@ CASES = (
 BALANCED = ("actor_rollout_ref.actor.router_aux_loss_coef=0.5",)
 CASES += [
     ("tiny-qwen3-moe", f"{layout}-balanced")
-    for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-dp2", "pp2-one-micro-batch", "pp2-sp2")
+    for layout in ("pp2-1f1b", "pp2-interleaved", "pp2-dp2", "pp2-one-micro-batch", "pp2-sp2", "pp2-tp2")
 ]
 # R2: the old-log-prob pass records the experts of every token in every layer, each stage adding its layers' columns
 # to what it sends on; the update replays them in each stage

@@ -8,13 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.distributed as dist
-from lora_helpers import lora_model
+from lora_helpers import EXPERTS, lora_model
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
 from hybridflow.engine.fsdp import shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_layer_plan, training_mesh
-from hybridflow.models import load_causal_lm
+from hybridflow.models import load_causal_lm, resolve_model_path
+from hybridflow.models.routing import experts_modules
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.models.tensor_parallel import layer_split
 from hybridflow.trainer.setup.config import default_config
@@ -35,13 +36,13 @@ def batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def load(path: str, lora: bool) -> torch.nn.Module:
-    """The tiny model, seeded; with ``lora``, adapters of rank 4 on every linear layer, B moved off zero so
-    that A has gradients too (tests/lora_helpers.py)."""
+    """The tiny model, seeded; with ``lora``, adapters of rank 4 on every linear layer (and a mixture's experts),
+    B moved off zero so that A has gradients too (tests/lora_helpers.py)."""
     torch.manual_seed(0)
     model = load_causal_lm(path, dtype=torch.float32)
     if not lora:
         return model
-    return lora_model(model, seed=1)
+    return lora_model(model, seed=1, parameters=EXPERTS if experts_modules(model) else None)
 
 
 class ParallelStep(Worker):
@@ -96,8 +97,8 @@ def groups(local_ray):
 @pytest.mark.parametrize("dp, tp, lora", [(2, 1, False), (1, 2, False), (2, 2, False), (1, 2, True), (2, 2, True)])
 def test_a_step_in_the_training_layout_matches_one_process(groups, tiny_path, dp, tp, lora):
     """With LoRA: the adapters' gradients (all that trains) split with their layers, as one process's."""
-    loss, grads, (input_ids, weights) = one_process(tiny_path, lora)
     group = groups[dp * tp]
+    loss, grads, (input_ids, weights) = one_process(tiny_path, lora)
     group.build(tiny_path, dp, tp, lora)
     if lora:  # a column-split layer's B and a row-split layer's A split over both; the other over dp only
         prefix = "base_model.model.model.layers.0"
@@ -112,11 +113,36 @@ def test_a_step_in_the_training_layout_matches_one_process(groups, tiny_path, dp
     else:
         q_proj = "model.layers.0.self_attn.q_proj.weight"
         assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
+    _equal_to_one_process(group, loss, grads, input_ids, weights)
+
+
+def _equal_to_one_process(group, loss: float, grads: dict, input_ids: torch.Tensor, weights: torch.Tensor) -> None:
     for rank_loss, rank_grads in group.loss_and_grads(input_ids, weights):
         assert rank_loss == pytest.approx(loss, rel=1e-5)
         assert rank_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(rank_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-olmoe"])
+@pytest.mark.parametrize("dp, tp, lora", [(1, 2, False), (2, 2, False), (2, 2, True)])
+def test_a_mixture_s_experts_split_between_tp_ranks_train_as_one_process(groups, model, dp, tp, lora):
+    """Each tp rank holds half of every MoE layer's experts (and FSDP2 half of that over dp); with LoRA on the
+    experts too, their adapters whole on every rank: loss and every trained gradient as one process's."""
+    path = str(resolve_model_path(model))
+    group = groups[dp * tp]
+    loss, grads, (input_ids, weights) = one_process(path, lora)
+    group.build(path, dp, tp, lora)
+    prefix = "base_model.model.model.layers.0.mlp.experts" if lora else "model.layers.0.mlp.experts"
+    gate_up = f"{prefix}.base_layer.base_layer.gate_up_proj" if lora else f"{prefix}.gate_up_proj"
+    whole = load_causal_lm(path, dtype=torch.float32).model.layers[0].mlp.experts.gate_up_proj.numel()
+    assert group.local_numel(gate_up) == [whole // (dp * tp)] * (dp * tp)  # split by expert, then by FSDP2
+    if lora:  # the experts' adapters whole on each tp rank, sharded over dp
+        adapters = [name for name in grads if ".experts." in name]
+        assert len(adapters) == 2 * 2 * 2  # A and B of both expert weights in both layers
+        for name in adapters:
+            assert group.local_numel(name) == [grads[name].numel() // dp] * (dp * tp), name
+    _equal_to_one_process(group, loss, grads, input_ids, weights)
 
 
 def test_a_layout_that_splits_heads_is_refused(tiny_path):

@@ -30,7 +30,18 @@ def test_row_parallel_biases():
 def test_each_family_has_llamas_layer_or_a_mixture_s_and_others_are_refused():
     assert list(LAYER_SPLITS) == ["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "olmoe"]
     assert all(layer_split(name) is LLAMA for name in ("llama", "qwen2", "mistral"))
-    assert layer_split("mixtral") is layer_split("qwen3_moe") is MIXTURE
+    assert layer_split("mixtral") is MIXTURE
+    for family in ("qwen3_moe", "olmoe"):  # a mixture's, with q/k norms (per head, or over every head)
+        split = layer_split(family)
+        assert (split.column, split.row, split.experts) == (MIXTURE.column, MIXTURE.row, MIXTURE.experts)
+    assert (
+        layer_split("qwen3_moe").head_norms
+        == layer_split("olmoe").all_head_norms
+        == (
+            "self_attn.q_norm",
+            "self_attn.k_norm",
+        )
+    )
     with pytest.raises(ValueError, match="no tensor-parallel plan for model type 'gpt2'; plans: llama, qwen2, mistral"):
         layer_split("gpt2")
 
@@ -46,7 +57,7 @@ def test_a_mixture_splits_its_experts_whole_and_keeps_their_adapters_whole():
     assert MIXTURE.shard_dim("model.layers.1.self_attn.q_proj.weight") == 0
     assert MIXTURE.shard_dim("model.layers.1.self_attn.o_proj.weight") == 1
     # Qwen3-MoE's q/k norms are per head (every rank holds the same); OLMoE's span every head (each rank its heads')
-    assert MIXTURE.shard_dim("model.layers.1.self_attn.q_norm.weight") is None
+    assert layer_split("qwen3_moe").shard_dim("model.layers.1.self_attn.q_norm.weight") is None
     assert layer_split("olmoe").shard_dim("model.layers.1.self_attn.k_norm.weight") == 0
 
 

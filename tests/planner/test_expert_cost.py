@@ -37,7 +37,8 @@ def test_a_mixtures_shape_counts_every_expert_and_multiplies_by_k():
     assert MOE.expert_params == 2 * 4 * mlp
     assert MOE.read_params(1) == MOE.layer_params - MOE.expert_params // 2  # one token reaches 2 of the 4 experts
     assert MOE.read_params(2) == MOE.layer_params  # two reach them all
-    assert not MOE.splits_over(2) and MOE.expert_splits(8) == [2, 4] and DENSE.expert_splits(8) == []
+    assert MOE.expert_splits(8) == [2, 4] and DENSE.expert_splits(8) == []
+    assert MOE.splits_over(2) and not replace(MOE, experts=3).splits_over(2)  # whole experts on each of t ranks
 
 
 def test_the_shape_of_a_hugging_face_mixture_counts_its_weights():
@@ -86,14 +87,18 @@ def test_split_experts_in_memory_and_in_the_switch_by_hand():
     assert switch_bytes_received(MOE, LayoutShape(dp=4, t=1, tg=1)) == pytest.approx(no_split)
 
 
-def test_a_mixture_is_laid_out_data_parallel_with_its_experts_split_where_it_trains():
-    """Data-parallel, its 4 experts split over 2 or 4 of the ranks where it trains, or Ulysses over 2 (its 2 heads)
-    with the experts whole; never split by t nor in stages."""
+def test_a_mixture_is_laid_out_with_its_experts_split_over_ep_or_t_or_whole_under_ulysses():
+    """Data-parallel, its 4 experts split over 2 or 4 of the ranks where it trains, or between t = 2 ranks (its 2
+    heads; the actor generating in groups of 1 or 2), or Ulysses over 2 with the experts whole; never in stages."""
     cluster = replace(CLUSTER, devices_per_node=8)
     trained = layouts_for(Role.ActorRollout, MOE, 8, cluster)
-    expected = [(8, 1, 1, 1, e) for e in (1, 2, 4)] + [(4, 1, 2, 1, 1)]
-    assert [(lay.dp, lay.t, lay.sp, lay.pp, lay.ep) for lay in trained] == expected
-    assert [(lay.sp, lay.ep) for lay in layouts_for(Role.RefPolicy, MOE, 8, cluster)] == [(1, 1), (2, 1)]
+    expected = [(8, 1, 1, 1, 1, e) for e in (1, 2, 4)] + [(4, 2, tg, 1, 1, 1) for tg in (1, 2)] + [(4, 1, 1, 2, 1, 1)]
+    assert [(lay.dp, lay.t, lay.tg, lay.sp, lay.pp, lay.ep) for lay in trained] == expected
+    assert [(lay.t, lay.sp, lay.ep) for lay in layouts_for(Role.RefPolicy, MOE, 8, cluster)] == [
+        (1, 1, 1),
+        (2, 1, 1),
+        (1, 2, 1),
+    ]
     assert any(lay.t > 1 for lay in layouts_for(Role.ActorRollout, DENSE, 8, cluster))
 
 

@@ -65,14 +65,20 @@ def test_the_native_engine_refuses_a_model_it_does_not_run_before_ray(arithmetic
     "key",
     ["actor_rollout_ref.rollout.tensor_model_parallel_size", "actor_rollout_ref.actor.tensor_model_parallel_size"],
 )
-def test_tensor_parallelism_over_a_mixture_of_experts_is_refused_before_ray(key):
-    moe_actor = ["actor_rollout_ref.model.path=tiny-mixtral", "trainer.n_workers_per_node=2"]
-    if key.endswith("rollout.tensor_model_parallel_size"):  # generation groups of 2 need training groups of 2
-        moe_actor.append("actor_rollout_ref.actor.tensor_model_parallel_size=2")
-    with pytest.raises(
-        ConfigError, match=r"tensor_model_parallel_size.*2: tensor parallelism does not split a mixture"
-    ):
-        make_run_plan(load_config([*moe_actor, f"{key}=2"]))
+def test_tensor_parallelism_splits_a_mixture_in_training_and_generation(key):
+    """Training splits Mixtral's, Qwen3-MoE's and OLMoE's experts between its tp ranks, and generation groups of 2
+    split them too; 3 ranks do not split 4 experts."""
+    for model in ("tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"):
+        moe_actor = [f"actor_rollout_ref.model.path={model}", "trainer.n_workers_per_node=2"]
+        if key.endswith("rollout.tensor_model_parallel_size"):  # generation groups of 2 need training groups of 2
+            moe_actor.append("actor_rollout_ref.actor.tensor_model_parallel_size=2")
+        layout = make_run_plan(load_config([*moe_actor, f"{key}=2"])).layouts[Role.ActorRollout]
+        assert (layout.dp, layout.t) == (1, 2)
+    three = ["actor_rollout_ref.model.path=tiny-mixtral", "trainer.n_workers_per_node=3", f"{key}=3"]
+    if key.endswith("rollout.tensor_model_parallel_size"):
+        three.append("actor_rollout_ref.actor.tensor_model_parallel_size=3")
+    with pytest.raises(ConfigError, match=r"tensor_model_parallel_size=3 does not divide .*num_experts"):
+        make_run_plan(load_config(three))
 
 
 REPLAY = "actor_rollout_ref.actor.router_replay.mode"

@@ -136,18 +136,23 @@ def test_a_mixtures_balancing_loss_at_sp_2_is_the_whole_micro_batch_s(local_ray,
     """Tiny Qwen3-MoE, its routers' balancing loss weighing 0.5 in the update: at sp = 2 each rank's routers see its
     slice of each micro-batch (the last slice padded to even them), and the slices' statistics summed over the pair
     make the loss, each layer's expert load, the gradient norm and the weights after the step equal one rank's running
-    the whole micro-batches."""
+    the whole micro-batches; and so do they with tensor parallelism beside (t = 2 x sp = 2)."""
     path = str(resolve_model_path("tiny-qwen3-moe"))
     config = actor_config_factory(path, LR, "actor_rollout_ref.actor.router_aux_loss_coef=0.5")
-    layouts = {"sp=1": LayoutShape(dp=1, t=1, tg=1), "sp=2": LayoutShape(dp=1, t=1, tg=1, sp=2)}
+    layouts = {
+        "sp=1": LayoutShape(dp=1, t=1, tg=1),
+        "sp=2": LayoutShape(dp=1, t=1, tg=1, sp=2),
+        "t=2 sp=2": LayoutShape(dp=1, t=2, tg=2, sp=2),  # each rank also holds half of the experts
+    }
     results = {name: _actor_run(config, layout, rollout_batch) for name, layout in layouts.items()}
     _, _, whole, whole_weights, initial, _ = results["sp=1"]
-    _, _, split, split_weights, _, _ = results["sp=2"]
     keys = [key for key in whole if "router_aux_loss" in key or "expert_load_max" in key]
     assert len(keys) == 3 and whole["actor/router_aux_loss"] > 2  # the loss and 2 layers' loads; k = 2 if balanced
-    for key in [*keys, "actor/pg_loss", "actor/grad_norm"]:
-        assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), key
-    _assert_same_steps(split_weights, whole_weights, initial)
+    for name in ("sp=2", "t=2 sp=2"):
+        _, _, split, split_weights, _, _ = results[name]
+        for key in [*keys, "actor/pg_loss", "actor/grad_norm"]:
+            assert split[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), (name, key)
+        _assert_same_steps(split_weights, whole_weights, initial)
 
 
 def _critic_run(config, layout: LayoutShape, batch):

@@ -6,7 +6,8 @@ Which modules of a decoder layer are split, column-wise or row-wise, is the tabl
 models/tensor_parallel.py (the native engine and the hybrid engine's switch read the same table);
 here it becomes DTensor styles, and the model code stays free of parallelism. Embeddings, norms and
 the LM head stay replicated within a tp group (sharded by FSDP2 over dp only): the decoder layers hold
-almost all of the weights and compute. Pipeline parallelism is out of scope.
+almost all of the weights and compute. A mixture's experts split whole between the ranks (experts.py), its router
+stays whole.
 """
 
 from __future__ import annotations
@@ -14,10 +15,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from hybridflow.engine.fsdp import decoder_layers
 from hybridflow.engine.lora import ADAPTER
+from hybridflow.engine.tensor_parallel.experts import split_experts
+from hybridflow.engine.tensor_parallel.norms import AllHeadNorm
 from hybridflow.models.split_sizes import check_tensor_parallel_size
 from hybridflow.models.tensor_parallel import LayerSplit, layer_split
 
@@ -30,8 +39,17 @@ def training_mesh(device: torch.device, dp: int, tp: int) -> DeviceMesh:
 def decoder_layer_plan(split: LayerSplit) -> dict[str, ParallelStyle]:
     """A decoder layer's DTensor plan: ColwiseParallel for the column-split modules (a bias is split
     along its output dimension with them), RowwiseParallel for the row-split ones. Hugging Face's
-    attention reshapes with -1 heads, so it runs on the rank's local heads."""
-    return {name: ColwiseParallel() for name in split.column} | {name: RowwiseParallel() for name in split.row}
+    attention reshapes with -1 heads, so it runs on the rank's local heads. A per-head norm (its input
+    (batch, tokens, heads, head size)) keeps its weight whole, the input sharded along the heads: torch's
+    SequenceParallel style, whose backward sums the weight's gradient over the ranks. A norm over all heads
+    splits its weight with them (norms.py)."""
+    head_norms = {name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in split.head_norms}
+    return (
+        {name: ColwiseParallel() for name in split.column}
+        | {name: RowwiseParallel() for name in split.row}
+        | head_norms
+        | {name: AllHeadNorm() for name in split.all_head_norms}
+    )
 
 
 def lora_layer_plan(layer: nn.Module, split: LayerSplit) -> dict[str, ParallelStyle]:
@@ -55,15 +73,20 @@ def lora_layer_plan(layer: nn.Module, split: LayerSplit) -> dict[str, ParallelSt
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place); a LoRA
-    model's adapters split with the layers they wrap (``lora_layer_plan``)."""
+    """Shard every decoder layer of ``model`` over ``tp_mesh`` with its family's plan (in place), a mixture's
+    experts split between the ranks; a LoRA model's adapters split with the layers they wrap (``lora_layer_plan``)."""
     tp = tp_mesh.size()
     if tp == 1:  # nothing to split: any family
         return model
     split = layer_split(model.config.model_type)
     check_tensor_parallel_size(model.config, tp, "tensor_model_parallel_size")
     for layer in decoder_layers(model):
+        frozen = {name for name, parameter in layer.named_parameters() if not parameter.requires_grad}
         parallelize_module(layer, tp_mesh, lora_layer_plan(layer, split))
+        for name, parameter in layer.named_parameters():  # SequenceParallel's new parameters all require gradients
+            parameter.requires_grad_(name not in frozen)
+        if split.experts:
+            split_experts(layer, tp_mesh)
     return model
 
 

@@ -254,13 +254,13 @@ def check_micro_batches_fill_stages(rows_per_step: int, micro_batch: int, pp: in
         )
 
 
-def check_splits_evenly(model_path: str, size: int, key: str, generation: bool = False) -> None:
-    """Whole heads and equal MLP slices per rank when ``size`` ranks split the model's layers (for
-    ``generation``: a mixture's experts too)."""
+def check_splits_evenly(model_path: str, size: int, key: str) -> None:
+    """Whole heads and equal MLP slices (a mixture's: whole experts) per rank when ``size`` ranks split the model's
+    layers."""
     if size == 1:
         return
     try:
-        check_tensor_parallel_size(model_config(model_path), size, key, generation=generation)
+        check_tensor_parallel_size(model_config(model_path), size, key)
     except ValueError as error:
         raise ConfigError(key, str(error)) from None
 
@@ -370,7 +370,7 @@ def role_layouts(
     for role in roles:
         world, part = placement.world_size(role), ROLE_PARTS[role]
         if role is Role.Rollout:
-            check_splits_evenly(paths.actor_model, _generation_size(config), TG_KEY, generation=True)
+            check_splits_evenly(paths.actor_model, _generation_size(config), TG_KEY)
             layouts[role] = _rollout_layout(config, world, placement.role_pool[role])
             continue
         shape = LayoutShape(dp=world, t=1, tg=1)
