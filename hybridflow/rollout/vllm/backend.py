@@ -33,6 +33,13 @@ def _check(run: BackendCheck) -> None:
         problem is None, "name", f"vllm is chosen, but {problem}", f"install it: {INSTALL_HINT}; or rollout.name=native"
     )
     model = run.model_config
+    require(
+        model.model_type != "mixtral",
+        "name",
+        f"vllm cannot load {run.model_name}: vLLM 0.32 reads Mixtral's experts by their transformers 4 names "
+        "(block_sparse_moe.experts.N.w1), and transformers 5 writes them fused (mlp.experts.gate_up_proj)",
+        "use rollout.name=native or hf for it (Qwen3-MoE and OLMoE load in vLLM)",
+    )
     settings: VllmEngineConfig = run.settings
     longest = settings.max_model_len or model.max_position_embeddings
     require(
