@@ -10,7 +10,10 @@ default dtype (bf16 where the host has bf16 matmul units), the load average prin
 
 1. Generation (bench/rollout.py's workload 64x64: 64 chat-templated arithmetic prompts, ``--new-tokens`` tokens each,
    EOS ignored): the native engine, vLLM-CPU and transformers' ``generate`` on both models; tokens/s, each backend
-   against ``generate`` and the MoE against the dense model. A backend that cannot run the MoE says why.
+   against ``generate`` and the MoE against the dense model. A backend that cannot run the MoE says why (vLLM does
+   not load the upcycled Mixtral), so a third model is timed for generation: a random Qwen3-MoE of the upcycled
+   model's shape (its layers, widths, heads, E experts of the dense MLP's width, k a token; per-head q/k norms beside),
+   which vLLM-CPU loads: the engines' speeds on a mixture, not a model's answers.
 2. Training: the actor update's forward and backward (the packed pass, engine/forward.py) over 64 rows of a prompt
    and ``--new-tokens`` response tokens, on a plain model in the compute dtype; MoE over dense.
 3. Routing replay: the rollout generates 64 samples in bf16 with the native engine, recording each token's experts;
@@ -93,6 +96,35 @@ def generation(models: dict[str, Path], names: list[str], new_tokens: int, repea
                 results[(label, name)] = min(results.get((label, name), float("inf")), seconds)
         del backends, model
     return results
+
+
+def qwen3_moe_like(dense: Path, out: Path, experts: int, top_k: int) -> Path:
+    """A seeded random Qwen3-MoE of the upcycled model's shape with the dense model's tokenizer, saved to ``out``."""
+    from transformers import AutoConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = AutoConfig.from_pretrained(dense)
+    config = Qwen3MoeConfig(
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.hidden_size // shape.num_attention_heads,
+        intermediate_size=shape.intermediate_size,
+        moe_intermediate_size=shape.intermediate_size,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=shape.bos_token_id,
+        eos_token_id=shape.eos_token_id,
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    load_tokenizer(str(dense)).save_pretrained(out)
+    return out
 
 
 def training_rows(tokenizer, rows: int, response: int, seed: int = 0) -> DataProto:
@@ -189,11 +221,11 @@ def main() -> None:
         models = {"dense": dense, f"moe {args.experts}x{args.top_k}": moe}
         parts = args.parts.split(",")
         start = time.time()
-        gen = (
-            generation(models, args.backends.split(","), args.new_tokens, args.repeats, dtype)
-            if "generation" in parts
-            else None
-        )
+        gen = None
+        if "generation" in parts:
+            like = qwen3_moe_like(dense, Path(tmp) / "qwen3-moe", args.experts, args.top_k)
+            shapes = {**models, f"qwen3-moe {args.experts}x{args.top_k} (random)": like}
+            gen = generation(shapes, args.backends.split(","), args.new_tokens, args.repeats, dtype)
         print(f"generation measured in {time.time() - start:.0f} s; load average {os.getloadavg()}", flush=True)
         train = training(models, args.rows, args.new_tokens, args.repeats, dtype) if "training" in parts else None
         print(f"training measured; load average {os.getloadavg()}", flush=True)
@@ -203,7 +235,7 @@ def main() -> None:
             gaps[spread] = routing_replay(moved, args.new_tokens)
     labels = list(models)
     if gen is not None:
-        print_generation(gen, labels, args.backends.split(","), 64 * args.new_tokens, args.new_tokens, dtype)
+        print_generation(gen, list(shapes), args.backends.split(","), 64 * args.new_tokens, args.new_tokens, dtype)
     if train is not None:
         print(f"\n## Training: forward + backward, {args.rows} rows, packed, {dtype}\n")
         print("| model | seconds | vs dense |\n| --- | --- | --- |")

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS
+from hybridflow.models.split_sizes import expert_count
 from hybridflow.protocol import DataProto
 from hybridflow.rollout.base import Rollout, SamplingParams, assemble_batch, stop_and_pad_ids
 from hybridflow.rollout.vllm.config import VllmEngineConfig
@@ -98,7 +99,7 @@ class VllmRollout(Rollout):
         # ends by a kill, which skips the cleanup of anything left for its exit)
         with tempfile.TemporaryDirectory(prefix="hybridflow-vllm-") as config_dir:
             model.config.save_pretrained(config_dir)
-            self.llm = _start_engine(config_dir, dtype, engine_config)
+            self.llm = _start_engine(config_dir, dtype, engine_config, mixture=expert_count(model.config) > 0)
         self.cache = CacheMemory(self.llm)
         self._requests: VllmRequestEngine | None = None
         self.load_weights((name, param.detach()) for name, param in model.named_parameters())
@@ -218,14 +219,31 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig):
-    """vLLM's offline engine for the model described in ``config_dir``, in this process, with placeholder weights."""
+def _expert_group_made() -> None:
+    """vLLM keeps the model-parallel groups its first engine in a process made, and makes an expert-parallel group
+    only for a mixture of experts: an engine for a mixture after one for a dense model found none (an AssertionError
+    at its first forward, "expert parallel group is not initialized"). Then the groups are made again, with it."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    try:
+        parallel_state.get_ep_group()
+    except AssertionError:
+        parallel_state.destroy_model_parallel()
+
+
+def _start_engine(config_dir: str, dtype: torch.dtype, config: VllmEngineConfig, mixture: bool = False):
+    """vLLM's offline engine for the model described in ``config_dir``, in this process, with placeholder weights
+    (``mixture``: the model has experts)."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     with _process_state_kept():
         from vllm import LLM
 
         _quiet_benign_warnings()
+        if mixture:
+            _expert_group_made()
         return LLM(
             model=config_dir,
             load_format="dummy",  # placeholder weights; the caller loads the real ones
