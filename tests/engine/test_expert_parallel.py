@@ -28,7 +28,7 @@ from tests.conftest import fp32_actor_config
 
 WORLD = 4
 # each model's sizes: one expert per rank for two families, two a rank for every model
-EP_SIZES = {"qwen3_moe": (1, 2, 4), "olmoe": (1, 2, 4), "one_pair": (1, 2), "mixtral": (1, 2), "lora": (1, 2, 4)}
+EP_SIZES = {"qwen3_moe": (1, 2, 4), "olmoe": (1, 2, 4), "one_pair": (1, 2), "mixtral": (1, 2), "lora": (1, 2)}
 # tiny-qwen3-moe with LoRA on q_proj and on every expert (peft's target_parameters): the adapters train, the base not
 EXPERT_LORA = [
     "actor_rollout_ref.model.lora.rank=4",
