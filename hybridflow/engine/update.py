@@ -237,8 +237,8 @@ def _backward(
             outputs = forward(micro_batch)
             loss, values = micro_loss(micro_batch, agg, outputs)
             if routers is not None:
-                shard = getattr(outputs, "shard", None)  # Ulysses: this rank's slice of the micro-batch
-                balance, balance_metrics = routers.loss_and_metrics(prefix, shard)
+                # Ulysses: this rank's slice of the micro-batch (ResponseOutputs' and ScoreOutputs' shard)
+                balance, balance_metrics = routers.loss_and_metrics(prefix, outputs.shard)
                 # over the data-parallel ranks a mean, as FSDP takes it: the loss's sum scaling below leaves it out
                 loss = loss + routers.coefficient * balance / (len(micro_batches) * world_size)
                 values = {**values, **balance_metrics}

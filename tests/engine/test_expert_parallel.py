@@ -4,7 +4,8 @@ and ep = 4 (one expert per rank) give the same log-probs, gradients (relative 1e
 steps of the actor's update and weights gathered by the switch to generation, fp32, for three MoE families (Qwen3-MoE
 with tied embeddings, OLMoE, and Mixtral: tiny-llama upcycled, whose experts start equal), for Qwen3-MoE with LoRA on
 its experts (each rank adds the adapters of the experts it holds), and for a model whose first layer sends every token
-to the same two experts, so that a rank receives no token at all."""
+to the same two experts, so that a rank receives no token at all. Qwen3-MoE's cases run in the fast tier, the other
+families' in the slow tier (a second set of ranks)."""
 
 import datetime
 
@@ -29,6 +30,7 @@ from tests.conftest import fp32_actor_config
 WORLD = 4
 # each model's sizes: one expert per rank for two families, two a rank for every model
 EP_SIZES = {"qwen3_moe": (1, 2, 4), "olmoe": (1, 2, 4), "one_pair": (1, 2), "mixtral": (1, 2), "lora": (1, 2)}
+OTHER_FAMILIES = ("olmoe", "one_pair", "mixtral")  # run apart, in the slow tier (the fast tier's time)
 # tiny-qwen3-moe with LoRA on q_proj and on every expert (peft's target_parameters): the adapters train, the base not
 EXPERT_LORA = [
     "actor_rollout_ref.model.lora.rank=4",
@@ -92,7 +94,7 @@ def _run(rank: int, path: str, config, batch, ep: int) -> dict:
     )
 
 
-def _ranks(rank: int, init_file: str, models: dict, batch, out: str) -> None:
+def _ranks(rank: int, init_file: str, models: dict, batch, out: str, balancing: bool) -> None:
     # a collective that waits 5 minutes fails the test, instead of holding the suite (this test once hung when ranks
     # disagreed on whether a dropped model's shared-memory collectives still existed: host_collectives_for now agrees)
     timeout = datetime.timedelta(minutes=5)
@@ -106,7 +108,7 @@ def _ranks(rank: int, init_file: str, models: dict, batch, out: str) -> None:
             results[name] = {ep: _run(rank, path, config, batch, ep) for ep in EP_SIZES[name]}
         # the balancing loss at a weight of 0.5 and at 0, each rank's 2 rows in one micro-batch
         whole = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2"]
-        for coefficient, sizes in ((0.5, (1, 2)), (0.0, (1,))):
+        for coefficient, sizes in ((0.5, (1, 2)), (0.0, (1,))) if balancing else ():
             extra = [*whole, f"actor_rollout_ref.actor.router_aux_loss_coef={coefficient}"]
             config = fp32_actor_config(models["qwen3_moe"], 1e-2, *extra)
             results[f"aux {coefficient}"] = {ep: _run(rank, models["qwen3_moe"], config, batch, ep) for ep in sizes}
@@ -125,20 +127,30 @@ def _zero_first_router(tmp_path) -> str:
     return str(tmp_path / "model")
 
 
+def _spawn(directory, models: dict, batch, balancing: bool) -> list[dict]:
+    out = str(directory / "results.pt")
+    mp.spawn(_ranks, args=(str(directory / "init"), models, batch, out, balancing), nprocs=WORLD)
+    return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, rollout_batch) -> list[dict]:
-    batch = rollout_batch[ROWS]
+    """Qwen3-MoE plain, with LoRA, and with the balancing loss."""
+    path = str(resolve_model_path("tiny-qwen3-moe"))
     directory = tmp_path_factory.mktemp("expert_parallel")
+    return _spawn(directory, {"qwen3_moe": path, "lora": path}, rollout_batch[ROWS], balancing=True)
+
+
+@pytest.fixture(scope="module")
+def other_families(tmp_path_factory, rollout_batch) -> list[dict]:
+    """OLMoE, the model whose first router sends every token to two experts, and the upcycled Mixtral."""
+    directory = tmp_path_factory.mktemp("expert_parallel_families")
     models = {
-        "qwen3_moe": str(resolve_model_path("tiny-qwen3-moe")),
-        "lora": str(resolve_model_path("tiny-qwen3-moe")),
         "olmoe": str(resolve_model_path("tiny-olmoe")),
         "one_pair": _zero_first_router(directory),
         "mixtral": str(upcycle(resolve_model_path("tiny-llama"), directory / "mixtral", experts=4, top_k=2)),
     }
-    out = str(directory / "results.pt")
-    mp.spawn(_ranks, args=(str(directory / "init"), models, batch, out), nprocs=WORLD)
-    return [torch.load(f"{out}.{rank}") for rank in range(WORLD)]
+    return _spawn(directory, models, rollout_batch[ROWS], balancing=False)
 
 
 def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -146,9 +158,17 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert ((actual - expected).abs().max() / scale) < 1e-5, what
 
 
-@pytest.mark.parametrize("model, ep", [(model, ep) for model, sizes in EP_SIZES.items() for ep in sizes[1:]])
-def test_experts_split_over_ranks_train_as_on_every_rank(results, model, ep):
-    for rank, by_model in enumerate(results):
+@pytest.mark.parametrize(
+    "model, ep",
+    [
+        pytest.param(model, ep, marks=pytest.mark.slow if model in OTHER_FAMILIES else ())
+        for model, sizes in EP_SIZES.items()
+        for ep in sizes[1:]
+    ],
+)
+def test_experts_split_over_ranks_train_as_on_every_rank(request, model, ep):
+    runs = request.getfixturevalue("other_families" if model in OTHER_FAMILIES else "results")
+    for rank, by_model in enumerate(runs):
         plain, split = by_model[model][1], by_model[model][ep]
         assert plain["split"] == 0 and split["split"] == 4  # gate_up_proj and down_proj of both layers
         _close(split["log_probs"], plain["log_probs"], f"rank {rank} log-probs")

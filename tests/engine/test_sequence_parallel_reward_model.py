@@ -17,6 +17,8 @@ from tests.data.test_preference_dataset import CONFIG as DATA
 from tests.engine.test_pipeline_reward_model import FP32, scores_and_steps, worker
 from tests.engine.test_preference_engine import PAIRS
 
+pytestmark = pytest.mark.slow  # Ray worker groups of 1 and 2 ranks: the fast tier's time
+
 
 @pytest.fixture(scope="module")
 def mixture_reward_model_dir(tmp_path_factory):
