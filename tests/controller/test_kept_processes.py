@@ -84,6 +84,7 @@ def test_a_kept_process_serves_the_next_pool_of_its_shape_as_a_new_process(keepi
     assert set(pids(other)).isdisjoint(pids(first))
 
 
+@pytest.mark.slow  # the fast tier keeps reuse itself; the limits' cases start 4-5 pools each
 def test_a_process_with_a_running_thread_or_a_failed_run_is_not_kept(keeping):
     keeping(4)
     before = kept_process_counts()
@@ -100,6 +101,7 @@ def test_a_process_with_a_running_thread_or_a_failed_run_is_not_kept(keeping):
     assert set(pids(third)).isdisjoint(pids(second))
 
 
+@pytest.mark.slow  # the fast tier keeps reuse itself; the limits' cases start 4-5 pools each
 def test_kept_processes_are_bounded_and_give_their_cpus_to_a_pool_that_needs_them(keeping):
     keeping(2)
     first = run_group(1)

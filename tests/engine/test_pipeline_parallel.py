@@ -201,7 +201,24 @@ R2 = ("actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.
 CASES += [("tiny-qwen3-moe", f"{layout}-r2") for layout in ("pp2-1f1b", "pp2-dp2-interleaved", "pp2-sp2")]
 
 
-@pytest.mark.parametrize("family, layout", CASES)
+# the fast tier: each schedule, composition and variant once (the tied head on tiny-qwen2); the slow tier: the rest
+FAST = {
+    ("tiny-llama", "pp2-1f1b"),
+    ("tiny-llama", "pp2-interleaved"),
+    ("tiny-llama", "pp2-dp2"),
+    ("tiny-llama", "pp2-tp2"),
+    ("tiny-llama", "pp2-sp2"),
+    ("tiny-llama", "pp2-1f1b-lora"),
+    ("tiny-qwen2", "pp2-1f1b"),
+    ("tiny-qwen3-moe", "pp2-1f1b-balanced"),
+    ("tiny-qwen3-moe", "pp2-1f1b-r2"),
+}
+assert FAST <= set(CASES)
+
+
+@pytest.mark.parametrize(
+    "family, layout", [case if case in FAST else pytest.param(*case, marks=pytest.mark.slow) for case in CASES]
+)
 def test_pipeline_stages_give_the_unsplit_log_probs_loss_gradient_norm_and_parameters(
     groups, family, layout, actor_config_factory
 ):
