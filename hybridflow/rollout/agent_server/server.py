@@ -332,6 +332,50 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+class PromptStopServer(uvicorn.Server):
+    """uvicorn's server, stopped as soon as ``stop()`` asks: the end of every generation call waits for it.
+
+    uvicorn looks at ``should_exit`` every 0.1 s, then closes its connections and sleeps another 0.1 s before
+    waiting, again in steps of 0.1 s, for them to go: 0.15-0.2 s at the end of each call (docs/log/rollout.md §38).
+    Here ``stop()`` wakes the main loop (which still ticks every 0.1 s meanwhile, as uvicorn's does, for the date
+    header), and the close waits in steps of 2 ms only while a connection or a request is still open, at most the
+    config's ``timeout_graceful_shutdown``, after which the requests left are cancelled."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self._wake: asyncio.Event | None = None
+
+    def stop(self) -> None:
+        self.should_exit = True
+        if self._wake is not None:
+            self._wake.set()
+
+    async def main_loop(self) -> None:
+        self._wake = asyncio.Event()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()  # no new connections
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):
+            connection.shutdown()  # an idle one closes now, a busy one after its answer
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.timeout_graceful_shutdown or 0.0)
+        while (state.connections or state.tasks) and loop.time() < deadline:
+            await asyncio.sleep(0.002)
+        for task in list(state.tasks):
+            task.cancel(msg="the agent endpoint stopped")
+        for server in self.servers:
+            await server.wait_closed()
+
+
 class AgentServer:
     """The endpoint of one generation call: ``async with server.running():`` serves it in the current event loop on
     ``config.host``; ``base_url`` is where agents reach it. Leaving the block stops it and closes its port."""
@@ -362,7 +406,7 @@ class AgentServer:
         sock.listen(1024)
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        server = uvicorn.Server(
+        server = PromptStopServer(
             uvicorn.Config(
                 self.app,
                 log_level="warning",
@@ -382,7 +426,7 @@ class AgentServer:
                 await asyncio.sleep(0.005)
             yield self
         finally:
-            server.should_exit = True
+            server.stop()
             try:
                 await asyncio.wait_for(task, timeout=10)
             except Exception as error:  # noqa: BLE001

@@ -323,3 +323,20 @@ def test_streamed_log_probs_cover_every_token_as_unstreamed_ones_do(tokenizer, t
     assert len(whole) == n
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in whole]
     assert [e.logprob for e in whole] == pytest.approx([-(k + 1) / 100 for k in range(n)])
+
+
+def test_stopping_closes_kept_alive_connections_and_the_port(tokenizer):
+    """Leaving ``running()`` (server.py ``PromptStopServer``: no polling) closes the connection a client keeps alive
+    after its answer and the listening port; the serving thread ends."""
+    with httpx.Client(timeout=30) as http:
+        with LiveEndpoint(tokenizer, {0: [f"fine{EOS}"]}) as endpoint:
+            session = endpoint.open_session()
+            url = f"{endpoint.session_url(session)}/chat/completions"
+            response = http.post(url, json=GOOD, headers={"Authorization": f"Bearer {session.key}"})
+            assert response.status_code == 200 and response.headers.get("connection") != "close"
+            host, port = endpoint.base_url.removeprefix("http://").rsplit(":", 1)
+        assert not endpoint._thread.is_alive()
+        with pytest.raises(ConnectionRefusedError), socket.create_connection((host, int(port)), timeout=5):
+            pass
+        with pytest.raises(httpx.TransportError):  # the kept connection is gone, and no new one is accepted
+            http.post(url, json=GOOD, headers={"Authorization": f"Bearer {session.key}"})
