@@ -86,7 +86,7 @@ def _square(x: torch.Tensor) -> torch.Tensor:
     return x * x
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 processes: the slow tier
 def test_all_reduce_driven_by_one_dp_compute_proto_call(world_size, pool):
     group = RayWorkerGroup(pool([world_size]), RoleSpec(SumWorker, kwargs={"scale": 2.0}))
     assert group.whoami()[-1][:2] == (world_size - 1, world_size)
