@@ -39,6 +39,7 @@ hundred tokens on (the same shapes, one layer: 8 rows x 256 tokens 12.5 ms again
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, replace
 
@@ -274,11 +275,15 @@ def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.matmul(probs, v).view(b, h, length, d)
 
 
+@functools.lru_cache(maxsize=16)
 def causal_bias(length: int, device: torch.device) -> torch.Tensor:
-    """(L, L) float32: -inf where the key comes after the query, 0 elsewhere."""
-    return torch.zeros(length, length, device=device).masked_fill_(
-        torch.ones(length, length, dtype=torch.bool, device=device).triu_(1), float("-inf")
-    )
+    """(L, L) float32: -inf where the key comes after the query, 0 elsewhere. Kept for the next calls (every layer of a
+    pass asks for its length's; only read, never written): making it took three passes over L x L a layer. Made outside
+    inference mode, so that a no-grad pass's bias serves a training pass too."""
+    with torch.inference_mode(False):
+        return torch.zeros(length, length, device=device).masked_fill_(
+            torch.ones(length, length, dtype=torch.bool, device=device).triu_(1), float("-inf")
+        )
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

@@ -8,7 +8,7 @@ import torch
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine import packing
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine.packing import grouped_causal_attention, pack, packed_forward, pad_packed
+from hybridflow.engine.packing import causal_bias, grouped_causal_attention, pack, packed_forward, pad_packed
 from hybridflow.engine.reference import FrozenPolicyEngine
 from hybridflow.lengths import computed_lengths
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
@@ -222,3 +222,14 @@ def test_filler_tokens_leave_every_real_output_unchanged():
     torch.testing.assert_close(padded[:, : plain.shape[1]], plain, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="cannot be padded"):
         pad_packed(packed, 3)
+
+
+def test_the_causal_bias_is_made_once_per_length_and_serves_a_training_pass_after_an_inference_one():
+    with torch.inference_mode():
+        first = causal_bias(5, torch.device("cpu"))  # a no-grad pass asks first
+    assert not first.is_inference() and causal_bias(5, torch.device("cpu")) is first
+    expected = torch.tensor([[0.0 if key <= query else float("-inf") for key in range(5)] for query in range(5)])
+    assert torch.equal(first, expected)
+    scores = torch.randn(2, 5, 5, requires_grad=True)
+    torch.add(first, scores, alpha=0.5).softmax(-1).sum().backward()  # a training pass reads it
+    assert scores.grad is not None and torch.equal(first, expected)
