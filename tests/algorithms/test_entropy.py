@@ -39,6 +39,18 @@ def test_entropy_of_bf16_logits_is_computed_in_float32():
     torch.testing.assert_close(h, torch.full((2, 3), math.log(8.0)))
 
 
+def test_entropy_over_a_real_vocabulary_is_float32_accurate():
+    """SmolLM2's 49,152 tokens, bf16 logits: within 1e-4 of a float64 reference (a batched matmul contracting the
+    probabilities with the logits lost 1e-3 here on CPU)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = (3 * torch.randn(64, 49_152, generator=gen)).bfloat16()
+    z = logits.double()
+    reference = torch.logsumexp(z, -1) - (z.softmax(-1) * z).sum(-1)
+    for chunk in [None, 16]:
+        got = entropy_from_logits(logits, chunk_size=chunk)
+        assert (got.double() - reference).abs().max() < 1e-4
+
+
 def test_log_probs_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)], [5.0, 5.0]]])
     labels = torch.tensor([[1, 0]])
