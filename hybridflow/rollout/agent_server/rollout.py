@@ -54,8 +54,9 @@ from hybridflow.rollout.agent.state import Trajectory
 from hybridflow.rollout.agent_server.branch_rows import branch_trajectory, left_padded, other_branch_rows
 from hybridflow.rollout.agent_server.config import AgentServerConfig
 from hybridflow.rollout.agent_server.environment_runner import EnvironmentRunner
+from hybridflow.rollout.agent_server.listener import AgentServer
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
-from hybridflow.rollout.agent_server.server import AgentServer, build_app
+from hybridflow.rollout.agent_server.server import build_app
 from hybridflow.rollout.agent_server.sessions import Session, SessionTable, agents_of
 from hybridflow.rollout.agent_server.turns import ArrivalGate, TurnRunner
 from hybridflow.rollout.base import BackendWrapper, Rollout, SamplingParams

@@ -16,9 +16,10 @@ from hybridflow.protocol import DataProto
 from hybridflow.rollout.agent.chat import ChatFormat
 from hybridflow.rollout.agent.parsers import TOOL_CALL_FORMATS
 from hybridflow.rollout.agent_server.config import AgentServerConfig
+from hybridflow.rollout.agent_server.listener import AgentServer
 from hybridflow.rollout.agent_server.rendering import MessageRenderer
 from hybridflow.rollout.agent_server.rollout import AgentFunctionRollout
-from hybridflow.rollout.agent_server.server import AgentServer, build_app
+from hybridflow.rollout.agent_server.server import build_app
 from hybridflow.rollout.agent_server.sessions import Session, SessionTable
 from hybridflow.rollout.agent_server.turns import TurnRunner
 from hybridflow.rollout.base import Rollout, SamplingParams

@@ -326,7 +326,7 @@ def test_streamed_log_probs_cover_every_token_as_unstreamed_ones_do(tokenizer, t
 
 
 def test_stopping_closes_kept_alive_connections_and_the_port(tokenizer):
-    """Leaving ``running()`` (server.py ``PromptStopServer``: no polling) closes the connection a client keeps alive
+    """Leaving ``running()`` (listener.py ``PromptStopServer``: no polling) closes the connection a client keeps alive
     after its answer and the listening port; the serving thread ends."""
     with httpx.Client(timeout=30) as http:
         with LiveEndpoint(tokenizer, {0: [f"fine{EOS}"]}) as endpoint:
