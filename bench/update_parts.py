@@ -1,0 +1,123 @@
+"""The actor update timed by part without the profiler (run by hand, not a test).
+
+    .venv/bin/python bench/update_parts.py                 # bench/update_profile.py's batch: 32 samples, 1 rank
+    .venv/bin/python bench/update_parts.py --repeats 8 --override actor_rollout_ref.actor.optim.lr=1e-6
+
+The profiler's table (bench/update_profile.py) charges to the ops that fill fresh buffers the page faults its own
+records cause; here nothing is profiled. The actor is built as bench/update_profile.py builds it (FSDP2 on one gloo
+rank, bf16 compute, the workers' allocator settings), and each part's wall time is summed over an update by wrapping
+the function that runs it: the forward (the policy engine's ``outputs``), the loss on its outputs, the backward
+(``Tensor.backward``, FSDP2's reduce inside it, also shown alone), gradient clipping and the optimizer step. The
+update's total and MFU are the engine's own; then the same forward on a plain bf16 copy of the model (no FSDP2).
+Each repeat is printed (the first is a warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from update_profile import reexec_with_allocator_settings  # noqa: E402
+
+
+def wrap(owner, name: str, totals: dict[str, float], key: str | None = None) -> None:
+    """``owner.name`` replaced by a version that adds its wall time to ``totals[key or name]``."""
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key or name] += time.perf_counter() - start
+
+    setattr(owner, name, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--override", action="append", default=[], help="a config key=value")
+    args = parser.parse_args()
+    reexec_with_allocator_settings()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29671 + os.getpid() % 1000))
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group  # it calls foreach_reduce
+    from train_passes import grpo_batch
+
+    import hybridflow.engine.update as update
+    from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
+    from hybridflow.engine.forward import response_outputs
+    from hybridflow.engine.policy import PolicyEngine
+    from hybridflow.models import load_causal_lm
+    from hybridflow.trainer.setup.config import load_config
+    from hybridflow.workers.sharded_model import build_trainable
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(args.threads)
+    arr = load_config(
+        [
+            "actor_rollout_ref.model.path=smollm2-135m-instruct",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.samples}",
+            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={args.samples}",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            *args.override,
+        ]
+    ).actor_rollout_ref
+    trained = build_trainable(
+        load_causal_lm, arr.model.path, arr.model, arr.actor.fsdp, arr.actor.optim, torch.device("cpu"), 0, 100
+    )
+    engine = PolicyEngine(trained, arr.actor)
+    data = grpo_batch(args.samples, 4)
+    data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
+
+    parts: dict[str, float] = defaultdict(float)
+    wrap(engine, "outputs", parts, "forward")
+    wrap(engine, "_micro_loss", parts, "loss")
+    wrap(torch.Tensor, "backward", parts, "backward")
+    wrap(param_group, "foreach_reduce", parts, "FSDP reduce (in backward)")
+    wrap(update, "grad_norm_and_clip", parts, "clipping")
+    wrap(trained.optimizer, "step", parts, "optimizer step")
+    print(
+        f"load average {os.getloadavg()[0]:.2f}; {args.samples} samples, 1 rank, {args.threads} threads; peak "
+        f"{engine.meter.peak / 1e12:.3f} TFLOP/s (bf16 matmul, measured now)",
+        flush=True,
+    )
+    totals, mfus = [], []
+    for repeat in range(args.repeats + 1):
+        parts.clear()
+        start = time.perf_counter()
+        out = engine.update_policy(data, len(data), 1.0, seed=0)
+        totals.append(time.perf_counter() - start)
+        mfus.append(out.meta_info[METRICS]["perf/mfu_update"])
+        shown = " ".join(f"{name} {seconds:.3f}" for name, seconds in parts.items())
+        print(f"{'warm-up' if repeat == 0 else f'repeat {repeat}'}: update {totals[-1]:.3f} s ({shown})", flush=True)
+    print(f"median update {statistics.median(totals[1:]):.3f} s, MFU {statistics.median(mfus[1:]):.3f}")
+
+    plain = load_causal_lm(arr.model.path, dtype=torch.bfloat16)
+    plain.train()
+    seconds = []
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        response_outputs(plain, data, True)
+        seconds.append(time.perf_counter() - start)
+    print(f"the forward on a plain bf16 model (no FSDP2): median {statistics.median(seconds[1:]):.3f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
