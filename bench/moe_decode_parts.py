@@ -5,10 +5,11 @@
 
 SmolLM2-135M's widths (hidden 576, each expert an MLP of 1,536), seeded random bf16 weights packed for oneDNN as the
 engine packs them (rollout/native/linear.py), ``--rows`` decode rows routed by a random router. Timed, in
-microseconds (the mean of 300 calls after 20 warm-up ones): the routing (router, softmax, top-k, the sort by expert),
-the rows' gather, the experts' products (each expert's gate/up and down on its rows), SiLU and the product, the
-weighted sum back; against one dense MLP on all the rows and one product pair over all the routed rows at once (what
-the experts' products would cost at the same FLOPs in one call).
+microseconds (the mean of 300 calls after 20 warm-up ones): the routing (the engine's ``route_tokens``: router,
+softmax, top-k, the sort by expert), the rows' gather, the experts' products (each expert's gate/up and down on its
+rows), SiLU and the product, the weighted sum back, and the engine's whole ``routed_mlp``; against one dense MLP on
+all the rows and one product pair over all the routed rows at once (what the experts' products would cost at the
+same FLOPs in one call).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.native.linear import ExpertMatrices, Matrix
+from hybridflow.rollout.native.linear import Matrix
+from hybridflow.rollout.native.model import route_tokens, routed_mlp
+from hybridflow.rollout.native.weights import Experts
 
 HIDDEN, WIDTH = 576, 1536  # SmolLM2-135M
 
@@ -48,7 +51,8 @@ def main() -> None:
 
     router = weights(args.experts, HIDDEN) * 50
     gate_up, down = weights(args.experts, 2 * WIDTH, HIDDEN), weights(args.experts, HIDDEN, WIDTH)
-    experts = ExpertMatrices(gate_up, down)
+    layer = Experts(router=router, gate_up=gate_up, down=down, top_k=args.top_k)  # Mixtral's routing (renormalised)
+    experts = layer.matrices
     experts.repack()
     dense_gate_up, dense_down = Matrix(weights(2 * WIDTH, HIDDEN)), Matrix(weights(HIDDEN, WIDTH))
     dense_gate_up.repack()
@@ -56,14 +60,10 @@ def main() -> None:
     x = torch.randn(args.rows, HIDDEN, generator=generator).to(dtype)
 
     def route():
-        probs = torch.softmax(F.linear(x, router).float(), dim=-1)
-        chosen_weights, chosen = probs.topk(args.top_k, dim=-1)
-        chosen_weights = (chosen_weights / chosen_weights.sum(-1, keepdim=True)).to(dtype)
-        order = torch.argsort(chosen.reshape(-1), stable=True)
-        counts = torch.bincount(chosen.reshape(-1), minlength=args.experts).tolist()
-        return chosen_weights, order, counts, order // args.top_k
+        return route_tokens(layer, x)
 
-    chosen_weights, order, counts, tokens = route()
+    chosen_weights, order, counts = route()
+    tokens = order // args.top_k
     rows = x[tokens]
     starts = [sum(counts[:e]) for e in range(args.experts)]
     chunks = [rows[s : s + c] for s, c in zip(starts, counts)]
@@ -80,7 +80,7 @@ def main() -> None:
         return dense_down(F.silu(gate) * up)
 
     parts = {
-        "routing": timed(route),
+        "routing (the engine's route_tokens)": timed(route),
         "gather": timed(lambda: x[tokens]),
         "experts' gate/up products": timed(lambda: [experts.gate_up[e](c) for e, c in enumerate(chunks)]),
         "experts' down products": timed(lambda: [experts.down[e](h) for e, h in enumerate(hiddens)]),
@@ -92,6 +92,7 @@ def main() -> None:
     print("| part | us |\n| --- | --- |")
     for name, micros in parts.items():
         print(f"| {name} | {micros:.0f} |")
+    print(f"| the whole routed MLP (the engine's routed_mlp) | {timed(lambda: routed_mlp(layer, x)):.0f} |")
     print(f"| one dense MLP on the {args.rows} rows | {timed(lambda: dense(x)):.0f} |")
     print(f"| one product pair over all {len(rows)} routed rows | {timed(lambda: dense(rows)):.0f} |")
 

@@ -115,17 +115,7 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
     order, as transformers does. Under tensor parallelism only this rank's experts run: the caller sums the ranks'
     outputs. ``record``: the tokens' chosen experts (N, k) are appended to it (routing replay)."""
     shape, flat = x.shape, x.reshape(-1, x.shape[-1])
-    probs = torch.softmax(F.linear(flat, experts.router).float(), dim=-1)
-    weights, chosen = probs.topk(experts.top_k, dim=-1)
-    if record is not None:
-        record.append(chosen)
-    if experts.renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if experts.round_weights:
-        weights = weights.to(flat.dtype)
-    pairs = chosen.reshape(-1)
-    order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
-    counts = torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()
+    weights, order, counts = route_tokens(experts, flat, record)
     first, held = experts.first, experts.gate_up.shape[0]  # this rank's experts (all of them on one rank)
     start = sum(counts[:first])
     mine = order[start : start + sum(counts[first : first + held])]  # the pairs routed to them, by expert
@@ -150,6 +140,24 @@ def routed_mlp(experts: Experts, x: torch.Tensor, record: list | None = None) ->
         scaled = (torch.cat(outputs) * weights.reshape(-1)[mine, None]).to(flat.dtype)
         combined.index_add_(0, tokens, scaled)
     return combined.reshape(shape)
+
+
+def route_tokens(
+    experts: Experts, flat: torch.Tensor, record: list | None = None
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """``routed_mlp``'s routing of (N, H) tokens: each token's top-k weights (N, k), the (token, choice) pairs ordered
+    by expert (N * k,), and each expert's count of pairs. ``record``: the chosen experts (N, k) are appended."""
+    probs = torch.softmax(F.linear(flat, experts.router).float(), dim=-1)
+    weights, chosen = probs.topk(experts.top_k, dim=-1)
+    if record is not None:
+        record.append(chosen)
+    if experts.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if experts.round_weights:
+        weights = weights.to(flat.dtype)
+    pairs = chosen.reshape(-1)
+    order = torch.argsort(pairs, stable=True)  # (token, choice) pairs by expert
+    return weights, order, torch.bincount(pairs, minlength=experts.router.shape[0]).tolist()
 
 
 def _logits(weights: Weights, x: torch.Tensor) -> torch.Tensor:
