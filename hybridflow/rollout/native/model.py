@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridflow.rollout.native import ragged_attention
+from hybridflow.rollout.native import fused_layers, ragged_attention
 from hybridflow.rollout.native.kv_cache import KVCache
 from hybridflow.rollout.native.spec import ModelSpec
 from hybridflow.rollout.native.weights import Experts, LayerWeights, Weights
@@ -276,6 +276,12 @@ def _decode_hidden(
     scale = d**-0.5
     mark = None if record is None else len(record)
     x = weights.stages.received(weights.embed[tokens])  # (B, H)
+    if ragged and fused_layers.fits(weights):  # the same numbers, the work between matmuls fused
+        normed = rms_norm(x, weights.layers[0].input_norm, spec.rms_norm_eps)
+        x = fused_layers.decode_layers(
+            weights, rope.cos, rope.sin, cache, x, normed, positions.long(), slots, lengths, width, scale
+        )
+        return weights.stages.from_last(weights.stages.passed_on(x))
     for i, layer in enumerate(weights.layers):
         qkv = _qkv(weights, layer, x)
         qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)

@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "ragged_decode.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("ragged_decode.cpp", "fused_decode.cpp")]
 logger = logging.getLogger(__name__)
 
 _module: ModuleType | None = None
@@ -40,10 +40,17 @@ def _cpu_tag() -> str:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    flags = ["-O3", "-march=native", "-fopenmp"]
+    # fused_decode.cpp uses ATen's vector types as torch's own kernels on this CPU do (its exponential among them)
+    capability = torch.backends.cpu.get_cpu_capability()
+    # -ffp-contract=off: no product and sum fused into one rounding where torch's ops round twice
+    flags = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+    if capability in ("AVX2", "AVX512"):
+        flags += [f"-DCPU_CAPABILITY_{capability}", f"-DCPU_CAPABILITY={capability}"]
+    else:
+        flags += ["-DCPU_CAPABILITY=DEFAULT"]
     return load(
         name=f"hybridflow_ragged_decode_{_cpu_tag()}",
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         verbose=False,
@@ -60,6 +67,14 @@ def available() -> bool:
             _failure = f"{type(error).__name__}: {error}".splitlines()[0]
             logger.warning("ragged decode attention unavailable (%s); attending over whole cache rows", _failure)
     return _module is not None
+
+
+def module() -> ModuleType:
+    """The built module (the ragged kernel's passes and fused_layers.py's ops); RuntimeError where it could not be
+    built."""
+    if not available():
+        raise RuntimeError(f"the ragged decode kernel is unavailable: {_failure}")
+    return _module
 
 
 def unavailable_reason() -> str | None:

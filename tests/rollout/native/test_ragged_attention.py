@@ -113,19 +113,18 @@ def test_an_extend_over_packed_real_tokens_equals_the_padded_one(tiny):
 
 
 def test_extend_packs_only_short_spans(tiny, monkeypatch):
-    """Up to RAGGED_EXTEND_MAX_TOKENS new tokens per row go through the kernel (once per layer); a longer span
-    takes the padded rows and SDPA, whose blocked products are faster there."""
+    """Up to RAGGED_EXTEND_MAX_TOKENS new tokens per row go packed through the kernel; a longer span takes the
+    padded rows and SDPA, whose blocked products are faster there."""
     _, hf_model, tokenizer = tiny
     engine = NativeRollout(hf_model, tokenizer, engine_config=engine_config()).engine
     limit = model.RAGGED_EXTEND_MAX_TOKENS
     engine.prepare(3, limit + 8)
     calls = []
-    kernel = ragged_attention.decode_attention
-    monkeypatch.setattr(ragged_attention, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    layers = hf_model.config.num_hidden_layers
-    for span, kernel_calls in ((limit, layers), (limit + 1, 0)):
+    padded = model._extend_padded
+    monkeypatch.setattr(model, "_extend_padded", lambda *a, **k: calls.append(1) or padded(*a, **k))
+    for span, padded_calls in ((limit, 0), (limit + 1, 1)):
         calls.clear()
         tokens = torch.randint(0, hf_model.config.vocab_size, (2, span), generator=torch.Generator().manual_seed(2))
         lengths, starts, slots = torch.tensor([span, 3]), torch.tensor([0, 5]), torch.tensor([0, 1])
         model.extend(engine.weights, engine.rope, engine.cache, tokens, lengths, starts, slots, 2, ragged=True)
-        assert len(calls) == kernel_calls
+        assert len(calls) == padded_calls

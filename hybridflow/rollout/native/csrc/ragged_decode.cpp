@@ -15,10 +15,14 @@
 #include <ATen/ops/empty.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "ragged_decode.h"
+
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 
+namespace hybridflow {
 namespace {
 
 // float32 of a stored value; bfloat16 is the upper half of a float32, widened by a shift (vectorises)
@@ -158,7 +162,7 @@ void scores_kernel(const scalar_t* q, const scalar_t* k, const int64_t* lengths,
           const float* qg = query + g * dim;
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-          for (int64_t d = 0; d < dim; ++d) sum += qg[d] * row[d];
+          for (int64_t d = 0; d < dim; ++d) sum = std::fma(qg[d], row[d], sum);
           out[g * width + t] = sum;
         }
       }
@@ -188,13 +192,15 @@ void values_kernel(const float* probs, const scalar_t* v, const int64_t* lengths
         const float w = p[g * width + t];
         float* ag = acc + g * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) ag[d] += w * row[d];
+        for (int64_t d = 0; d < dim; ++d) ag[d] = std::fma(w, row[d], ag[d]);
       }
     }
     scalar_t* op = out + task * groups * dim;
     for (int64_t i = 0; i < groups * dim; ++i) op[i] = static_cast<scalar_t>(acc[i]);
   });
 }
+
+}  // namespace
 
 void check_layer(const at::Tensor& cache, const at::Tensor& q, const at::Tensor& lengths) {
   TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1 && cache.stride(2) == cache.size(3),
@@ -223,6 +229,8 @@ void check_slots_and_lengths(const at::Tensor& slots, const at::Tensor& lengths,
   }
 }
 
+namespace {
+
 // Calls use(groups, dim) as std::integral_constant values: the query's own (G, D) when the kernels have a build
 // for it (its loops unrolled at compile time), else (0, 0), the build that reads both at run time.
 template <typename Use>
@@ -243,9 +251,11 @@ void with_shape(int64_t groups, int64_t dim, Use use) {
   else use(Any{}, Any{});
 }
 
+}  // namespace
+
 // q (B, Hkv, G, D); k_layer (S, Hkv, T, D); lengths (B,) with 1 <= lengths <= T; width >= max(lengths);
 // slots (B,): the cache slot of each query (several may share one: consecutive tokens of a sequence in an extend).
-at::Tensor scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tensor slots, int64_t width,
+at::Tensor ragged_scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tensor slots, int64_t width,
                   double scale) {
   check_layer(k_layer, q, lengths);
   check_slots_and_lengths(slots, lengths, q.size(0), k_layer.size(0), width, k_layer.size(2));
@@ -265,7 +275,7 @@ at::Tensor scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tens
 }
 
 // probs (B, Hkv, G, width) float32; v_layer (S, Hkv, T, D); returns (B, Hkv, G, D) in the cache's dtype.
-at::Tensor values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots) {
+at::Tensor ragged_values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots) {
   TORCH_CHECK(probs.dim() == 4 && probs.is_contiguous() && probs.scalar_type() == at::kFloat,
               "probs must be a contiguous float32 (B, Hkv, G, width) tensor");
   auto out = at::empty({probs.size(0), probs.size(1), probs.size(2), v_layer.size(3)}, v_layer.options());
@@ -284,9 +294,10 @@ at::Tensor values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::
   return out;
 }
 
-}  // namespace
+}  // namespace hybridflow
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("scores", &scores, "scale * q.k over each sequence's real length; -inf beyond");
-  m.def("values", &values, "probs-weighted sum of each sequence's real value rows");
+  m.def("scores", &hybridflow::ragged_scores, "scale * q.k over each sequence's real length; -inf beyond");
+  m.def("values", &hybridflow::ragged_values, "probs-weighted sum of each sequence's real value rows");
+  hybridflow::register_fused(m);
 }
