@@ -20,7 +20,7 @@ class NativeEngineConfig:
     # while generating, use as many torch threads as cores other processes leave free (at most the worker's
     # threads): a thread sharing its core with a busy process stalls every op (rollout/native/cpu_share.py)
     follow_free_cores: bool
-    # decode attends over each sequence's real length with a small C++ kernel (compiled on first use, about 20 s;
+    # decode attends over each sequence's real length with a small C++ kernel (compiled on first use, about 25 s;
     # rollout/native/ragged_attention.py) instead of over its cache slot's whole preallocated row; CPU only, and
     # whole rows where no compiler is found
     ragged_decode: bool

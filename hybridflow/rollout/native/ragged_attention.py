@@ -5,7 +5,10 @@ conversations decoding at any moment are much shorter; torch's batched matmuls o
 (and multiply) every preallocated position, and over a slice of the rows they copy it first
 (docs/results.md). A small C++ kernel (csrc/ragged_decode.cpp, compiled on first use with
 torch's extension builder, then cached) reads keys and values in place, position 0..length-1 of each
-slot, and sums products in float32; torch's softmax runs between its two passes.
+slot, and sums products in float32. In float32 and bfloat16 one call runs both passes and, between them, the
+softmax torch's kernel computes (the same numbers: scores and probabilities rounded to the dtype, as the whole-row
+path's batched matmuls round them), each (sequence, kv head) on one thread, with its values fetched while its
+scores are computed; other dtypes run the passes apart with torch's softmax between them.
 
 The build needs a C++ compiler; where there is none (or it fails), ``available()`` is False with the
 reason in ``unavailable_reason()``, and the engine attends over whole rows as before.
@@ -21,7 +24,9 @@ from types import ModuleType
 
 import torch
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("ragged_decode.cpp", "fused_decode.cpp")]
+SOURCES = [
+    Path(__file__).parent / "csrc" / name for name in ("ragged_decode.cpp", "ragged_attend.cpp", "fused_decode.cpp")
+]
 logger = logging.getLogger(__name__)
 
 _module: ModuleType | None = None
@@ -58,7 +63,7 @@ def _build() -> ModuleType:
 
 
 def available() -> bool:
-    """Whether the kernel is built and loaded (building it on the first call: about 10 s on 2 cores)."""
+    """Whether the kernel is built and loaded (building it on the first call: about 25 s on 2 cores)."""
     global _module, _failure
     if _module is None and _failure is None:
         try:
@@ -103,6 +108,8 @@ def decode_attention(
         slots = torch.arange(q.shape[0], device=q.device)
     if width is None:
         width = int(lengths.max())
+    if q.dtype in (torch.float32, torch.bfloat16):  # the same numbers as below, in one call (no scores tensor)
+        return _module.attend(q.contiguous(), keys, values, lengths, slots, width, scale)
     scores = _module.scores(q.contiguous(), keys, lengths, slots, width, scale)  # (B, Hkv, G, width) float32
     # scores and probabilities rounded to q's dtype, as the batched matmuls over whole rows round them (bf16): the
     # two paths then differ by the order of the float32 sums alone, and generation by which one ran hardly at all

@@ -128,3 +128,22 @@ def test_extend_packs_only_short_spans(tiny, monkeypatch):
         lengths, starts, slots = torch.tensor([span, 3]), torch.tensor([0, 5]), torch.tensor([0, 1])
         model.extend(engine.weights, engine.rope, engine.cache, tokens, lengths, starts, slots, 2, ragged=True)
         assert len(calls) == padded_calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("groups, dim", [(3, 64), (7, 128), (2, 24)])  # compile-time shapes; read at run time
+@pytest.mark.parametrize("positions", [1, 17, 130])  # widths below, past and well past a vector of 16
+def test_the_one_call_attention_is_the_two_passes_bit_for_bit(dtype, groups, dim, positions):
+    """The kernel's one call (scores, torch's softmax steps, values in one task) against its two passes with
+    torch.softmax between them, rounded as decode_attention rounds: the same bits."""
+    kernels = ragged_attention.module()
+    generator = torch.Generator().manual_seed(groups * dim + positions)
+    keys = (torch.randn(11, 2, positions, dim, generator=generator) * 2).to(dtype)
+    values = torch.randn(11, 2, positions, dim, generator=generator).to(dtype)
+    q = (torch.randn(9, 2, groups, dim, generator=generator) * 2).to(dtype)
+    lengths = torch.randint(1, positions + 1, (9,), generator=generator)
+    slots = torch.randperm(11, generator=generator)[:9]
+    width, scale = int(lengths.max()), dim**-0.5
+    scores = kernels.scores(q, keys, lengths, slots, width, scale)
+    two_passes = kernels.values(torch.softmax(scores.to(dtype), dim=-1).float(), values, lengths, slots)
+    assert torch.equal(kernels.attend(q, keys, values, lengths, slots, width, scale), two_passes)

@@ -4,8 +4,8 @@
 // Bit for bit what model.py's torch ops compute, not merely close: every elementwise op rounds to the tensor's
 // dtype where torch's does (bf16 products and sums are computed in float32 and rounded to nearest even, as
 // torch's Vectorized<BFloat16> kernels do), the exponential is ATen's own vectorised one (Sleef, built for the CPU
-// capability torch dispatches to here), and the two reductions whose order a loop would change (RMSNorm's mean of
-// squares, the attention's softmax) are torch's own calls.
+// capability torch dispatches to here), RMSNorm's mean of squares is torch's own call, and the attention is
+// ragged_decode.cpp's one-call form (its softmax follows torch's kernel step for step).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -15,7 +15,6 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mean.h>
-#include <ATen/ops/softmax.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
@@ -104,10 +103,7 @@ at::Tensor rope_store_attend(const at::Tensor& qkv, const at::Tensor& cos, const
       }
     });
   });
-  auto scores = ragged_scores(q, k_layer, lengths, slots, width, scale);
-  // as ragged_attention.py: scores and probabilities rounded to the cache's dtype around torch's softmax
-  auto probs = at::softmax(scores.to(qkv.scalar_type()), -1).to(at::kFloat);
-  return ragged_values(probs, v_layer, lengths, slots).view({batch, q_heads * dim});
+  return ragged_attend(q, k_layer, v_layer, lengths, slots, width, scale).view({batch, q_heads * dim});
 }
 
 // x + delta rounded to x's dtype (the residual stream), and RMSNorm of it: normalised in float32, rounded, then

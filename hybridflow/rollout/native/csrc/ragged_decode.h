@@ -12,6 +12,8 @@ void check_slots_and_lengths(const at::Tensor& slots, const at::Tensor& lengths,
 at::Tensor ragged_scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, at::Tensor slots, int64_t width,
                          double scale);
 at::Tensor ragged_values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots);
+at::Tensor ragged_attend(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots,
+                         int64_t width, double scale);
 void register_fused(pybind11::module& m);  // fused_decode.cpp's functions, in the same module
 
 }  // namespace hybridflow
