@@ -11,8 +11,10 @@ scheduling between them are the rest). Each op's self time is charged to a kind:
 
 - matmul: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``linear`` and oneDNN's packed bf16 linear (the projections, the
   MLP, the head, decode attention's two batched products);
-- attention: SDPA and its kernels (prefill), and the ragged kernel;
-- elementwise: norms, rotary, activations, adds and multiplies, softmax, casts;
+- attention: SDPA and its kernels (prefill), and the ragged kernel (with the rotary embedding and the KV store
+  where decode's layers run fused: rollout/native/fused_layers.py);
+- elementwise: norms, rotary, activations, adds and multiplies, softmax, casts (and the fused residual add with
+  RMSNorm, and SiLU x up);
 - memory: indexing, gathers, copies, concatenation, new tensors (the KV cache's writes among them);
 - sampling: top-k/top-p, the random draws, log-softmax of the logits;
 - other: everything else.
@@ -38,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from rollout import arithmetic_prompts, engine_flops, matmul_peak, timed  # noqa: E402  (bench/rollout.py)
 
 from hybridflow.models import load_causal_lm, load_tokenizer, parse_dtype  # noqa: E402
-from hybridflow.rollout.native import NativeRollout  # noqa: E402
+from hybridflow.rollout.native import NativeRollout, ragged_attention  # noqa: E402
 from hybridflow.rollout.native import model as native_model  # noqa: E402
 from hybridflow.rollout.sampling import SamplingParams  # noqa: E402
 from hybridflow.trainer.setup.config import default_config  # noqa: E402
@@ -53,7 +55,7 @@ KINDS = {
         "aten::matmul",
         "_linear_pointwise",
     ),
-    "attention": ("scaled_dot_product", "flash_attention", "_efficient_attention", "ragged"),
+    "attention": ("scaled_dot_product", "flash_attention", "_efficient_attention", "ragged", "rope_store_attend"),
     "sampling": ("topk", "multinomial", "exponential", "log_softmax", "argmax", "cumsum", "sort", "rand"),
     "memory": (
         "index",
@@ -109,6 +111,13 @@ KINDS = {
     ),
 }
 PHASES = ("prefill", "decode")
+# the C++ module's calls (ragged_attention.module()), marked so that the profiler charges them to a kind
+KERNELS = {
+    "attend": "ragged::attend",
+    "rope_store_attend": "fused::rope_store_attend",
+    "add_rms_norm": "fused::add_rms_norm",
+    "silu_mul": "fused::silu_mul",
+}
 
 
 def kind_of(name: str) -> str:
@@ -165,8 +174,12 @@ def main() -> None:
     peak, _ = matmul_peak(dtype)
 
     originals = {phase: getattr(native_model, phase) for phase in PHASES}
+    kernels = ragged_attention.module() if ragged_attention.available() else None
+    kernel_originals = {name: getattr(kernels, name) for name in KERNELS} if kernels is not None else {}
     for phase in PHASES:
         setattr(native_model, phase, marked(originals[phase], phase))
+    for name, function in kernel_originals.items():
+        setattr(kernels, name, marked(function, KERNELS[name]))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             with record_function("call"):
@@ -174,6 +187,8 @@ def main() -> None:
     finally:
         for phase, function in originals.items():
             setattr(native_model, phase, function)
+        for name, function in kernel_originals.items():
+            setattr(kernels, name, function)
     events = prof.events()
     ranges: dict[str, list[tuple[int, int]]] = {phase: [] for phase in PHASES}
     call = None

@@ -121,31 +121,65 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delt
   auto squares = at::empty({rows, hidden}, x.options().dtype(at::kFloat));
   float_or_bf16(x, [&](auto tag) {
     using scalar_t = decltype(tag);
+    using Vec = Vectorized<scalar_t>;
     const scalar_t* a = x.data_ptr<scalar_t>();
     const scalar_t* d = delta.data_ptr<scalar_t>();
     scalar_t* s = sum.data_ptr<scalar_t>();
     float* sq = squares.data_ptr<float>();
-    for (int64_t i = 0; i < rows * hidden; ++i) {
-      s[i] = narrow<scalar_t>(widen(a[i]) + widen(d[i]));
-      const float f = widen(s[i]);
-      sq[i] = f * f;
-    }
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin * hidden; i < end * hidden;) {
+        if (i + Vec::size() <= end * hidden) {  // vectors: the sum rounded as torch's add, then squared in float32
+          const Vec total = Vec::loadu(a + i) + Vec::loadu(d + i);
+          total.store(s + i);
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            (total * total).store(sq + i);
+          } else {
+            auto [low, high] = at::vec::convert_to_float<scalar_t>(total);
+            (low * low).store(sq + i);
+            (high * high).store(sq + i + Vectorized<float>::size());
+          }
+          i += Vec::size();
+        } else {
+          s[i] = narrow<scalar_t>(widen(a[i]) + widen(d[i]));
+          const float f = widen(s[i]);
+          sq[i] = f * f;
+          ++i;
+        }
+      }
+    });
   });
   auto mean = at::mean(squares, {-1}, true);  // (N, 1) float32, torch's order of summation
   auto normed = at::empty_like(x);
   float_or_bf16(x, [&](auto tag) {
     using scalar_t = decltype(tag);
+    using Vec = Vectorized<scalar_t>;
+    using FloatVec = Vectorized<float>;
     const scalar_t* s = sum.data_ptr<scalar_t>();
     const scalar_t* w = weight.data_ptr<scalar_t>();
     const float* m = mean.data_ptr<float>();
     scalar_t* out = normed.data_ptr<scalar_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float inverse = 1.0f / std::sqrt(m[r] + static_cast<float>(eps));
-      for (int64_t j = 0; j < hidden; ++j) {
-        const scalar_t scaled = narrow<scalar_t>(widen(s[r * hidden + j]) * inverse);
-        out[r * hidden + j] = narrow<scalar_t>(widen(w[j]) * widen(scaled));
+    at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const float inverse = 1.0f / std::sqrt(m[r] + static_cast<float>(eps));
+        const scalar_t* sr = s + r * hidden;
+        scalar_t* o = out + r * hidden;
+        int64_t j = 0;
+        for (; j + Vec::size() <= hidden; j += Vec::size()) {  // x * inverse rounded, then times the weight rounded
+          if constexpr (std::is_same_v<scalar_t, float>) {
+            (Vec::loadu(w + j) * (Vec::loadu(sr + j) * FloatVec(inverse))).store(o + j);
+          } else {
+            auto [low, high] = at::vec::convert_to_float<scalar_t>(Vec::loadu(sr + j));
+            const Vec scaled =
+                at::vec::convert_from_float<scalar_t>(low * FloatVec(inverse), high * FloatVec(inverse));
+            (Vec::loadu(w + j) * scaled).store(o + j);
+          }
+        }
+        for (; j < hidden; ++j) {
+          const scalar_t scaled = narrow<scalar_t>(widen(sr[j]) * inverse);
+          o[j] = narrow<scalar_t>(widen(w[j]) * widen(scaled));
+        }
       }
-    }
+    });
   });
   return {sum, normed};
 }
