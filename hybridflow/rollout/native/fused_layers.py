@@ -10,7 +10,8 @@ gate/up product, SiLU(gate) * up, the down product and the residual add: at 64 s
 
 with the fused ops of csrc/fused_decode.cpp (built into ragged_attention.py's module), which compute bit for bit
 what the torch ops compute (tests/rollout/native/test_fused_layers.py compares them with torch.equal). Dense layers
-only: a family with q/k norms, clipped q/k/v or experts runs model.py's loop.
+only: a family with q/k norms, clipped q/k/v or experts runs model.py's loop. Prefill and the padded extend use the
+last two ops too (model.py `_output_and_mlp`), where ``fits``.
 """
 
 from __future__ import annotations

@@ -99,6 +99,11 @@ def _output_and_mlp(
 ) -> torch.Tensor:
     """Residual stream after the attention output projection and the SwiGLU MLP (or mixture of experts): (..., H).
     ``record``: a mixture of experts appends its tokens' chosen experts (``routed_mlp``)."""
+    if layer.experts is None and fused_layers.fits(weights):  # the same numbers, the add, norm and SiLU fused
+        ops, shape = ragged_attention.module(), x.shape
+        output = weights.tp.all_reduce(layer.o(attn)).reshape(-1, shape[-1])
+        x, normed = ops.add_rms_norm(x.reshape(-1, shape[-1]), output, layer.post_norm, weights.spec.rms_norm_eps)
+        return (x + weights.tp.all_reduce(layer.down(ops.silu_mul(layer.gate_up(normed))))).view(shape)
     x = x + weights.tp.all_reduce(layer.o(attn))
     normed = rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)
     if layer.experts is not None:

@@ -134,6 +134,40 @@ def test_decode_and_extend_steps_equal_the_unfused_loop(name, dtype, monkeypatch
     assert ran and all(torch.equal(a, b) for a, b in zip(fused, unfused))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
+def test_prefill_and_padded_extend_equal_the_unfused_mlp(name, dtype, ops, monkeypatch):
+    """Prefill and the padded extend run each layer's residual add, post-attention norm and SiLU x up through the
+    fused ops (the rest as model.py writes it): the same logits and cache as the torch ops."""
+    engine = _engine(name, dtype)
+    engine.prepare(6, 64)
+    generator = torch.Generator().manual_seed(5)
+    vocab = engine.weights.embed.shape[0]
+    weights, rope, cache = engine.weights, engine.rope, engine.cache
+    calls = []
+    norm = ops.add_rms_norm
+    monkeypatch.setattr(ops, "add_rms_norm", lambda *a: calls.append(1) or norm(*a))
+
+    def both(step):
+        before_k, before_v = cache.k.clone(), cache.v.clone()
+        calls.clear()
+        fused = step(), cache.k.clone(), cache.v.clone()
+        assert len(calls) == engine.weights.spec.num_layers
+        cache.k.copy_(before_k)
+        cache.v.copy_(before_v)
+        with monkeypatch.context() as patch:
+            patch.setattr(fused_layers, "fits", lambda weights: False)
+            unfused = step(), cache.k.clone(), cache.v.clone()
+        return all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+    tokens = torch.randint(0, vocab, (3, 12), generator=generator)
+    lengths, slots = torch.tensor([12, 5, 9]), torch.tensor([0, 2, 1])
+    assert both(lambda: model.prefill(weights, rope, cache, tokens, lengths, slots))
+    tokens = torch.randint(0, vocab, (2, 7), generator=generator)
+    lengths, starts, slots = torch.tensor([7, 3]), torch.tensor([12, 5]), torch.tensor([0, 2])
+    assert both(lambda: model.extend(weights, rope, cache, tokens, lengths, starts, slots, 5))  # padded rows
+
+
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-olmoe"])
 def test_experts_and_q_k_norms_take_the_unfused_loop(name):
     assert not fused_layers.fits(_engine(name, torch.float32).weights)
