@@ -59,8 +59,7 @@ class AgentServerConfig:
     max_requests_per_second: float  # per session, averaged over a burst of that many requests (429 above)
     max_branches_per_session: int  # conversations a session may start (a history the client edited starts one)
     # the sessions' first turns wait for each other until all are in or none arrives for this long, so that the
-    # engine prefills them together (0: each goes to the engine as it arrives, and those that arrive during a step
-    # join at the next: faster when the agents share the engine's cores, docs/log/rollout.md §41)
+    # engine prefills them together
     first_turn_window_s: float
     verifiers: VerifiersConfig  # a verifiers environment's episodes as the agents (their sessions are external)
 
