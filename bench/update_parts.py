@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from update_profile import reexec_with_allocator_settings  # noqa: E402
+from update_profile import MODEL, policy_engine, reexec_with_allocator_settings  # noqa: E402
 
 
 def wrap(owner, name: str, totals: dict[str, float], key: str | None = None) -> None:
@@ -62,26 +62,11 @@ def main() -> None:
     import hybridflow.engine.update as update
     from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
     from hybridflow.engine.forward import response_outputs
-    from hybridflow.engine.policy import PolicyEngine
     from hybridflow.models import load_causal_lm
-    from hybridflow.trainer.setup.config import load_config
-    from hybridflow.workers.sharded_model import build_trainable
 
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(args.threads)
-    arr = load_config(
-        [
-            "actor_rollout_ref.model.path=smollm2-135m-instruct",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.samples}",
-            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={args.samples}",
-            "actor_rollout_ref.actor.optim.lr=1e-5",
-            *args.override,
-        ]
-    ).actor_rollout_ref
-    trained = build_trainable(
-        load_causal_lm, arr.model.path, arr.model, arr.actor.fsdp, arr.actor.optim, torch.device("cpu"), 0, 100
-    )
-    engine = PolicyEngine(trained, arr.actor)
+    trained, engine = policy_engine(args.samples, args.override)
     data = grpo_batch(args.samples, 4)
     data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]
 
@@ -108,7 +93,7 @@ def main() -> None:
         print(f"{'warm-up' if repeat == 0 else f'repeat {repeat}'}: update {totals[-1]:.3f} s ({shown})", flush=True)
     print(f"median update {statistics.median(totals[1:]):.3f} s, MFU {statistics.median(mfus[1:]):.3f}")
 
-    plain = load_causal_lm(arr.model.path, dtype=torch.bfloat16)
+    plain = load_causal_lm(MODEL, dtype=torch.bfloat16)
     plain.train()
     seconds = []
     for _ in range(args.repeats + 1):

@@ -45,6 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV  # noqa: E402
 
+MODEL = "smollm2-135m-instruct"
+
 
 def reexec_with_allocator_settings() -> None:
     if all(os.environ.get(key) == value for key, value in ALLOCATOR_ENV.items()):
@@ -187,6 +189,31 @@ def time_gradient_copy_in() -> list[float]:
     return seconds
 
 
+def policy_engine(micro: int, overrides: list[str]):
+    """(the trainable model, its PolicyEngine) as the actor builds them: SmolLM2, micro-batches of ``micro``
+    samples, lr 1e-5, any config ``overrides``, on this process's rank (the process group already started)."""
+    import torch
+
+    from hybridflow.engine.policy import PolicyEngine
+    from hybridflow.models import load_causal_lm
+    from hybridflow.trainer.setup.config import load_config
+    from hybridflow.workers.sharded_model import build_trainable
+
+    arr = load_config(
+        [
+            f"actor_rollout_ref.model.path={MODEL}",
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={micro}",
+            "actor_rollout_ref.actor.optim.lr=1e-5",
+            *overrides,
+        ]
+    ).actor_rollout_ref
+    trained = build_trainable(
+        load_causal_lm, arr.model.path, arr.model, arr.actor.fsdp, arr.actor.optim, torch.device("cpu"), 0, 100
+    )
+    return trained, PolicyEngine(trained, arr.actor)
+
+
 def profile_rank(rank: int, args: argparse.Namespace) -> None:
     """One rank's updates and profile; rank 0 prints (every rank runs the same passes and collectives)."""
     import torch
@@ -194,29 +221,13 @@ def profile_rank(rank: int, args: argparse.Namespace) -> None:
     from train_passes import grpo_batch
 
     from hybridflow.batch_keys import METRICS, OLD_LOG_PROBS
-    from hybridflow.engine.policy import PolicyEngine
     from hybridflow.lengths import balanced_order, packed_lengths
-    from hybridflow.models import load_causal_lm
-    from hybridflow.trainer.setup.config import load_config
-    from hybridflow.workers.sharded_model import build_trainable
 
     dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
     say = print if rank == 0 else (lambda *_, **__: None)
     torch.set_num_threads(args.threads)
     micro = args.micro or args.samples
-    arr = load_config(
-        [
-            "actor_rollout_ref.model.path=smollm2-135m-instruct",
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
-            f"actor_rollout_ref.actor.log_prob_micro_batch_size_per_gpu={micro}",
-            "actor_rollout_ref.actor.optim.lr=1e-5",
-            *args.override,
-        ]
-    ).actor_rollout_ref
-    trained = build_trainable(
-        load_causal_lm, arr.model.path, arr.model, arr.actor.fsdp, arr.actor.optim, torch.device("cpu"), 0, 100
-    )
-    engine = PolicyEngine(trained, arr.actor)
+    trained, engine = policy_engine(micro, args.override)
     vocab = trained.model.config.vocab_size
     batch = grpo_batch(args.samples, 4)
     # as the trainer splits a batch (PPOTrainer.rank_order): whole prompts per rank, about as many tokens on each

@@ -11,7 +11,7 @@ gate/up product, SiLU(gate) * up, the down product and the residual add: at 64 s
 with the fused ops of csrc/fused_decode.cpp (built into ragged_attention.py's module), which compute bit for bit
 what the torch ops compute (tests/rollout/native/test_fused_layers.py compares them with torch.equal). Dense layers
 only: a family with q/k norms, clipped q/k/v or experts runs model.py's loop. Prefill and the padded extend use the
-last two ops too (model.py `_output_and_mlp`), where ``fits``.
+last two ops too (``output_and_mlp``, from model.py's `_output_and_mlp`), where ``fits``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from hybridflow.rollout.native import ragged_attention
 from hybridflow.rollout.native.kv_cache import KVCache
-from hybridflow.rollout.native.weights import Weights
+from hybridflow.rollout.native.weights import LayerWeights, Weights
 
 _DTYPES = (torch.bfloat16, torch.float32)
 
@@ -66,3 +66,12 @@ def decode_layers(
         else:
             x = x + down
     return x
+
+
+def output_and_mlp(weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """model.py's `_output_and_mlp` for a dense layer, (..., H): the residual add with the post-attention norm, and
+    SiLU x up, fused (any rows: prefill's and the padded extend's (Bp, T, H))."""
+    ops, shape = ragged_attention.module(), x.shape
+    output = weights.tp.all_reduce(layer.o(attn)).reshape(-1, shape[-1])
+    x, normed = ops.add_rms_norm(x.reshape(-1, shape[-1]), output, layer.post_norm, weights.spec.rms_norm_eps)
+    return (x + weights.tp.all_reduce(layer.down(ops.silu_mul(layer.gate_up(normed))))).view(shape)

@@ -94,16 +94,12 @@ def _group_norm(x: torch.Tensor, weight: torch.Tensor, spec: ModelSpec) -> torch
     return rms_norm(groups, weight, spec.rms_norm_eps).flatten(-2)
 
 
-def _output_and_mlp(
-    weights: Weights, layer: LayerWeights, x: torch.Tensor, attn: torch.Tensor, record: list | None = None
-) -> torch.Tensor:
+def _output_and_mlp(weights: Weights, layer: LayerWeights, x, attn, record=None, fused: bool = False) -> torch.Tensor:
     """Residual stream after the attention output projection and the SwiGLU MLP (or mixture of experts): (..., H).
-    ``record``: a mixture of experts appends its tokens' chosen experts (``routed_mlp``)."""
-    if layer.experts is None and fused_layers.fits(weights):  # the same numbers, the add, norm and SiLU fused
-        ops, shape = ragged_attention.module(), x.shape
-        output = weights.tp.all_reduce(layer.o(attn)).reshape(-1, shape[-1])
-        x, normed = ops.add_rms_norm(x.reshape(-1, shape[-1]), output, layer.post_norm, weights.spec.rms_norm_eps)
-        return (x + weights.tp.all_reduce(layer.down(ops.silu_mul(layer.gate_up(normed))))).view(shape)
+    ``record``: a mixture of experts appends its tokens' chosen experts (``routed_mlp``). ``fused``:
+    ``fused_layers.fits(weights)``, asked once per forward by the caller."""
+    if fused and layer.experts is None:  # the same numbers, the add, norm and SiLU fused
+        return fused_layers.output_and_mlp(weights, layer, x, attn)
     x = x + weights.tp.all_reduce(layer.o(attn))
     normed = rms_norm(x, layer.post_norm, weights.spec.rms_norm_eps)
     if layer.experts is not None:
@@ -196,6 +192,7 @@ def prefill(
     query_pos = torch.arange(start, start + t, device=tokens.device).repeat(g)  # (G*T,): q rows are (g, t)
     visible = torch.arange(start + t, device=tokens.device)[None, :] <= query_pos[:, None]  # (G*T, start+T)
     mark = None if record is None else len(record)
+    fused = fused_layers.fits(weights)
     x = weights.stages.received(weights.embed[tokens])  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
         q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
@@ -208,7 +205,7 @@ def prefill(
         q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
-        x = _output_and_mlp(weights, layer, x, attn, record)
+        x = _output_and_mlp(weights, layer, x, attn, record, fused)
     x = weights.stages.passed_on(x)
     _whole_routes(weights, record, mark)
     last = x[torch.arange(b, device=x.device), lengths - 1]  # (Bp, H)
@@ -265,28 +262,29 @@ def _decode_hidden(
     b = tokens.shape[0]
     hq, hkv, g, d = spec.num_heads, spec.num_kv_heads, spec.group_size, spec.head_dim
     t = cache.max_len
-    cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
     if slots is not None and not ragged:
         raise ValueError("decode over chosen slots needs ragged=True (whole rows are read as slots 0..B-1)")
-    index = cache.decode_index(positions, slots)
+    scale = d**-0.5
+    fused = fused_layers.fits(weights)
+    x = weights.stages.received(weights.embed[tokens])  # (B, H)
     if ragged:  # what every layer's attention reads, computed once for the step
         lengths = (positions + 1).to(torch.int64)
         width = int(lengths.max())
         if slots is None:
             slots = torch.arange(b, device=tokens.device)
+        if fused:  # the same numbers, the work between matmuls fused (rotary, the cache writes and attention inside)
+            normed = rms_norm(x, weights.layers[0].input_norm, spec.rms_norm_eps)
+            x = fused_layers.decode_layers(
+                weights, rope.cos, rope.sin, cache, x, normed, positions.long(), slots, lengths, width, scale
+            )
+            return weights.stages.from_last(weights.stages.passed_on(x))
     else:
         hidden = torch.arange(t, device=tokens.device)[None, :] > positions[:, None]  # (B, T)
         bias = torch.zeros(b, 1, t, dtype=weights.embed.dtype, device=tokens.device)
         bias = bias.masked_fill_(hidden[:, None], float("-inf")).repeat_interleave(hkv, dim=0)  # (B*Hkv, 1, T)
-    scale = d**-0.5
+    cos, sin = rope.cos[positions][:, None], rope.sin[positions][:, None]  # (B, 1, D)
+    index = cache.decode_index(positions, slots)
     mark = None if record is None else len(record)
-    x = weights.stages.received(weights.embed[tokens])  # (B, H)
-    if ragged and fused_layers.fits(weights):  # the same numbers, the work between matmuls fused
-        normed = rms_norm(x, weights.layers[0].input_norm, spec.rms_norm_eps)
-        x = fused_layers.decode_layers(
-            weights, rope.cos, rope.sin, cache, x, normed, positions.long(), slots, lengths, width, scale
-        )
-        return weights.stages.from_last(weights.stages.passed_on(x))
     for i, layer in enumerate(weights.layers):
         qkv = _qkv(weights, layer, x)
         qk = rotate(qkv[:, : spec.q_size + spec.kv_size].view(b, hq + hkv, d), cos, sin)  # (B, Hq+Hkv, D)
@@ -301,7 +299,7 @@ def _decode_hidden(
             q = qk[:, :hq].reshape(b * hkv, g, d)
             scores = torch.baddbmm(bias, q, keys.transpose(1, 2), alpha=scale)  # (B*Hkv, G, T)
             attn = torch.bmm(scores.softmax(dim=-1), values)  # (B*Hkv, G, D)
-        x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size), record)
+        x = _output_and_mlp(weights, layer, x, attn.reshape(b, spec.q_size), record, fused)
     x = weights.stages.passed_on(x)
     _whole_routes(weights, record, mark)
     return weights.stages.from_last(x)
@@ -379,6 +377,7 @@ def _extend_padded(
     visible = torch.arange(context, device=device)[None, None, :] <= query_pos[:, :, None]  # (Bp, G*T, ctx)
     heads = torch.arange(hkv, device=device)
     padded = None if record is None else []  # every (row, offset)'s experts; the real tokens' kept
+    fused = fused_layers.fits(weights)
     x = weights.stages.received(weights.embed[tokens])  # (Bp, T, H)
     for i, layer in enumerate(weights.layers):
         q, k, v = _qkv(weights, layer, x).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
@@ -391,7 +390,7 @@ def _extend_padded(
         q = q.permute(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)  # (Bp, Hkv, G*T, D)
         attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible[:, None])
         attn = attn.view(b, hkv, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, spec.q_size)
-        x = _output_and_mlp(weights, layer, x, attn, padded)
+        x = _output_and_mlp(weights, layer, x, attn, padded, fused)
     x = weights.stages.passed_on(x)
     if record is not None:
         _whole_routes(weights, padded, 0)
