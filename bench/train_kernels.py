@@ -10,7 +10,11 @@ the ratio to the group's first variant, all measured in this run:
 - causal attention of 32 packed rows x 77 tokens, 9 query / 3 kv heads of 64, bf16, forward and
   backward: SDPA (CPU flash kernel), SDPA's math backend, and the engine's matmul attention
   (`engine/packing.py`), also with its causal bias made again each call (as before it was kept per length);
-- one AdamW step over smollm2-135m's parameters: the for-loop, foreach and fused implementations.
+- one AdamW step over smollm2-135m's parameters: the for-loop, foreach and fused implementations;
+- RMSNorm (847 x 576) and SiLU(gate) * up (847 x 1536), bf16, forward and backward: transformers' ops against the
+  fused kernels (kernels/elementwise.py);
+- smollm2-135m's forward and backward on bench/train_passes.py's packed batch of 32 samples (847 tokens), bf16:
+  transformers' modules against the same model with ``fuse_elementwise`` (engine/fused_modules.py).
 
 It runs with the allocator settings of hybridflow's workers (re-executing itself with them), as
 the engine does; `--default-allocator` keeps glibc's defaults, under which every freshly
@@ -31,8 +35,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridflow.algorithms.entropy import ENTROPY_CHUNK, LOG_PROB_CHUNK, entropy_from_logits, log_probs_from_logits
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
+from hybridflow.engine.forward import response_outputs
+from hybridflow.engine.fused_modules import fuse_elementwise
 from hybridflow.engine.packing import causal_bias, grouped_causal_attention
+from hybridflow.kernels import elementwise
 from hybridflow.models import load_causal_lm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_passes import grpo_batch  # noqa: E402
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -121,6 +131,65 @@ def adamw(repeats: int) -> None:
     )
 
 
+def backward_of(fn: Callable[..., torch.Tensor], grad: torch.Tensor, *inputs: torch.Tensor) -> Callable[[], None]:
+    """fn(*inputs) and its backward, the inputs' gradients dropped after each call (none accumulates)."""
+
+    def run() -> None:
+        fn(*inputs).backward(grad)
+        for tensor in inputs:
+            tensor.grad = None
+
+    return run
+
+
+def fused_elementwise(repeats: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+
+    def tensor(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).bfloat16().requires_grad_()
+
+    norm = load_causal_lm("smollm2-135m-instruct", dtype=torch.bfloat16).model.norm
+    x, grad = tensor(847, 576), torch.randn(847, 576, generator=generator).bfloat16()
+    weight, eps = norm.weight.detach().clone().requires_grad_(), norm.variance_epsilon
+    report(
+        "RMSNorm, 847 x 576, bf16, forward + backward",
+        {
+            "transformers' ops": backward_of(lambda h, w: norm(h), grad, x, norm.weight),
+            "fused (engine)": backward_of(lambda h, w: elementwise.rms_norm(h, w, eps), grad, x, weight),
+        },
+        repeats,
+    )
+    gate, up, grad = tensor(847, 1536), tensor(847, 1536), torch.randn(847, 1536, generator=generator).bfloat16()
+    report(
+        "SiLU(gate) * up, 847 x 1536, bf16, forward + backward",
+        {
+            "torch's ops": backward_of(lambda g, u: F.silu(g) * u, grad, gate, up),
+            "fused (engine)": backward_of(elementwise.silu_mul, grad, gate, up),
+        },
+        repeats,
+    )
+
+
+def decoder_pass(repeats: int) -> None:
+    data = grpo_batch(32, 4)
+    plain = load_causal_lm("smollm2-135m-instruct", dtype=torch.bfloat16).train()
+    fused = load_causal_lm("smollm2-135m-instruct", dtype=torch.bfloat16).train()
+    count = fuse_elementwise(fused)
+
+    def step(model: torch.nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            response_outputs(model, data, True).logits.float().mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    report(
+        "smollm2-135m forward + backward, 32 packed samples (847 tokens), bf16",
+        {"transformers' modules": step(plain), f"{count} modules fused (engine)": step(fused)},
+        repeats,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -134,6 +203,8 @@ def main() -> None:
     log_prob_math(args.repeats)
     attention(args.repeats)
     adamw(args.repeats)
+    fused_elementwise(args.repeats)
+    decoder_pass(args.repeats)
 
 
 if __name__ == "__main__":

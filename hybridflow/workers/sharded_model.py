@@ -19,6 +19,7 @@ from hybridflow.engine.checkpoint import save_training_state
 from hybridflow.engine.config import FSDPConfig, TrainedModelConfig
 from hybridflow.engine.expert_parallel import apply_expert_parallel, expert_mesh
 from hybridflow.engine.fsdp import data_parallel_mesh, shard_model
+from hybridflow.engine.fused_modules import fuse_elementwise
 from hybridflow.engine.lora import LoraConfig, apply_lora, lora_scaling, save_adapter_config
 from hybridflow.engine.optim import OptimConfig, TrainedModel
 from hybridflow.engine.pipeline import PIPELINE_DIM, build_pipelined, pipeline_mesh
@@ -91,6 +92,8 @@ def build_sharded(
     quiet_libraries()
     torch.manual_seed(seed)  # heads that are freshly initialised come out the same on every rank
     module = load(path, dtype=torch.float32)
+    if device.type == "cpu":
+        fuse_elementwise(module)  # the same numbers, faster (engine/fused_modules.py)
     if gradient_checkpointing:
         enable_activation_checkpointing(module)
     module.config.use_cache = False

@@ -8,7 +8,7 @@ gate/up product, SiLU(gate) * up, the down product and the residual add: at 64 s
     the qkv product -> rope_store_attend -> the output product -> add_rms_norm -> the gate/up product -> silu_mul
     -> the down product -> add_rms_norm (with the next layer's input norm)
 
-with the fused ops of csrc/fused_decode.cpp (built into ragged_attention.py's module), which compute bit for bit
+with the fused ops of kernels/csrc/fused_decode.cpp (built into kernels/build.py's module), which compute bit for bit
 what the torch ops compute (tests/rollout/native/test_fused_layers.py compares them with torch.equal). Dense layers
 only: a family with q/k norms, clipped q/k/v or experts runs model.py's loop. Prefill and the padded extend use the
 last two ops too (``output_and_mlp``, from model.py's `_output_and_mlp`), where ``fits``.

@@ -1,4 +1,4 @@
-"""The fused decode ops (csrc/fused_decode.cpp, rollout/native/fused_layers.py): bit for bit the torch ops of
+"""The fused decode ops (kernels/csrc/fused_decode.cpp, rollout/native/fused_layers.py): bit for bit the torch ops of
 model.py's loop, op by op and through whole decode and extend steps of the dense families in bf16 and fp32."""
 
 import pytest

@@ -134,4 +134,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("values", &hybridflow::ragged_values, "probs-weighted sum of each sequence's real value rows");
   m.def("attend", &hybridflow::ragged_attend, "both passes and the softmax between them, in one call");
   hybridflow::register_fused(m);
+  hybridflow::register_training(m);
 }

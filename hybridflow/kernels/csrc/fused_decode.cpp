@@ -1,4 +1,4 @@
-// A decode step's work between the matmuls, fused (rollout/native/fused_decode.py): the rotary embedding, the
+// A decode step's work between the matmuls, fused (rollout/native/fused_layers.py): the rotary embedding, the
 // key/value store and the attention of a layer in one call; the residual add with the next RMSNorm; SiLU(gate) * up.
 //
 // Bit for bit what model.py's torch ops compute, not merely close: every elementwise op rounds to the tensor's
@@ -19,25 +19,14 @@
 
 #include <cmath>
 
+#include "elementwise.h"
 #include "ragged_decode.h"
 
 namespace hybridflow {
 namespace {
 
 using at::vec::Vectorized;
-
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-template <typename scalar_t>
-inline scalar_t narrow(float x) { return static_cast<scalar_t>(x); }  // BFloat16: round to nearest even
-
-// Calls use(value) with a value of the tensor's dtype: float32 and bfloat16, the engine's compute dtypes
-template <typename Use>
-void float_or_bf16(const at::Tensor& tensor, Use use) {
-  if (tensor.scalar_type() == at::kBFloat16) use(c10::BFloat16{});
-  else if (tensor.scalar_type() == at::kFloat) use(float{});
-  else TORCH_CHECK(false, "the fused decode ops take float32 or bfloat16 tensors, not ", tensor.scalar_type());
-}
+using namespace elementwise;
 
 // x * cos + rotate_half(x) * sin over one head of D values, each product and the sum rounded to scalar_t (model.py
 // `rotate`: x * cos, cat(-x2, x1) * sin, then their sum, three torch ops); out may not alias x
@@ -185,35 +174,21 @@ std::vector<at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& delt
 }
 
 // SiLU(gate) * up of a (N, 2I) gate | up product: (N, I). Vectorized as torch's silu and mul kernels are (in float32
-// with ATen's exponential, rounded after each op); elements past the last full pair of vectors go through the scalar
-// formula torch uses for them.
+// with ATen's exponential, rounded after each op), row by row (torch's loops over the strided gate half go row by
+// row): elements past a row's last full pair of vectors go through the scalar formula torch uses for them.
 template <typename scalar_t>
 void silu_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t inner) {
   using Vec = Vectorized<scalar_t>;
-  constexpr int64_t step = 2 * Vec::size();  // torch's vectorised loops take two vectors at a time
-  const int64_t whole = inner - inner % step;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* gate = in + r * 2 * inner;
       const scalar_t* up = gate + inner;
       scalar_t* o = out + r * inner;
-      for (int64_t j = 0; j < whole; j += Vec::size()) {
-        Vec activated;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          const Vec g = Vec::loadu(gate + j);  // as torch: no rounding between ops
-          activated = g / (Vec(1) + g.neg().exp());
-        } else {
-          auto [g0, g1] = at::vec::convert_to_float<scalar_t>(Vec::loadu(gate + j));
-          const Vectorized<float> one(1.0f);
-          activated = at::vec::convert_from_float<scalar_t>(g0 / (one + g0.neg().exp()), g1 / (one + g1.neg().exp()));
-        }
-        (activated * Vec::loadu(up + j)).store(o + j);
-      }
-      for (int64_t j = whole; j < inner; ++j) {
-        const float g = widen(gate[j]);
-        const scalar_t activated = narrow<scalar_t>(g / (1.0f + std::exp(-g)));
-        o[j] = narrow<scalar_t>(widen(activated) * widen(up[j]));
-      }
+      silu_span(
+          gate, inner, [&](int64_t j, const Vec& activated) { (activated * Vec::loadu(up + j)).store(o + j); },
+          [&](int64_t j, float activated) {
+            o[j] = narrow<scalar_t>(widen(narrow<scalar_t>(activated)) * widen(up[j]));
+          });
     }
   });
 }

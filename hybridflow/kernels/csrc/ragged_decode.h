@@ -14,6 +14,7 @@ at::Tensor ragged_scores(at::Tensor q, at::Tensor k_layer, at::Tensor lengths, a
 at::Tensor ragged_values(at::Tensor probs, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots);
 at::Tensor ragged_attend(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer, at::Tensor lengths, at::Tensor slots,
                          int64_t width, double scale);
-void register_fused(pybind11::module& m);  // fused_decode.cpp's functions, in the same module
+void register_fused(pybind11::module& m);     // fused_decode.cpp's functions, in the same module
+void register_training(pybind11::module& m);  // train_elementwise.cpp's
 
 }  // namespace hybridflow

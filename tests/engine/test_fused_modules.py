@@ -1,0 +1,94 @@
+"""engine/fused_modules.py: a model's RMSNorms and SiLU MLPs through the fused kernels give transformers' numbers bit
+for bit, through whole forward and backward passes of the tiny families the engine trains, packed as the update packs
+its rows; modules that compute otherwise keep their own forward."""
+
+import pytest
+import torch
+from torch import nn
+
+from hybridflow.engine.fused_modules import fuse_elementwise
+from hybridflow.engine.packing import pack, packed_forward
+from hybridflow.kernels import build
+from hybridflow.models import load_causal_lm
+
+PROMPT, RESPONSE = 8, 6
+
+
+def _rows(generator: torch.Generator, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Four rows as the update sees them (two sharing a prompt): prompts left-padded, responses right-padded."""
+    prompts = torch.tensor([5, 5, 8, 3])[:, None]
+    responses = torch.tensor([6, 2, 4, 1])[:, None]
+    columns = torch.arange(PROMPT + RESPONSE)
+    mask = ((columns >= PROMPT - prompts) & (columns < PROMPT + responses)).long()
+    ids = torch.randint(3, vocab, mask.shape, generator=generator)
+    ids[1, :PROMPT] = ids[0, :PROMPT]
+    ids = ids * mask
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def _forward_backward(model: nn.Module, ids, mask, positions) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = packed_forward(model, pack(ids, mask, positions, RESPONSE))
+    weights = torch.linspace(-1, 1, logits.numel()).view_as(logits)
+    (logits.float() * weights).sum().backward()
+    return logits.detach(), {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
+def test_fused_model_is_transformers_bit_for_bit(name, dtype):
+    assert build.available(), build.unavailable_reason()
+    generator = torch.Generator().manual_seed(0)
+    plain = load_causal_lm(name, dtype=dtype).train()
+    fused = load_causal_lm(name, dtype=dtype).train()
+    fused.load_state_dict(plain.state_dict())
+    layers = plain.config.num_hidden_layers
+    count = fuse_elementwise(fused)
+    assert count >= 2 * layers + 1  # at least two norms a layer and the final one (and q/k norms, dense MLPs)
+    assert fuse_elementwise(fused) == count  # idempotent
+    rows = _rows(generator, plain.config.vocab_size)
+
+    expected_logits, expected_grads = _forward_backward(plain, *rows)
+    logits, grads = _forward_backward(fused, *rows)
+    assert torch.equal(logits, expected_logits)
+    assert grads.keys() == expected_grads.keys()
+    for key, grad in expected_grads.items():
+        assert torch.equal(grads[key], grad), key
+
+
+def test_fused_forwards_run_the_kernels_and_step_aside_for_other_inputs(monkeypatch):
+    """The fused forwards call the kernels on CPU float tensors, and transformers' forward on other dtypes."""
+    model = load_causal_lm("tiny-llama", dtype=torch.float32)
+    fuse_elementwise(model)
+    norm, mlp = model.model.norm, model.model.layers[0].mlp
+    calls = []
+    from hybridflow.kernels import elementwise
+
+    for fn in ("rms_norm", "silu_mul"):
+        original = getattr(elementwise, fn)
+        monkeypatch.setattr(elementwise, fn, lambda *a, _f=original, _n=fn: calls.append(_n) or _f(*a))
+    hidden = torch.randn(2, 3, model.config.hidden_size)
+    norm(hidden), mlp(hidden)
+    assert calls == ["rms_norm", "silu_mul"]
+    calls.clear()
+    with torch.no_grad():
+        expected = type(norm).forward(norm.double(), hidden.double())
+        assert torch.equal(norm(hidden.double()), expected)  # float64: transformers' own forward
+        mlp.double()(hidden.double())
+    assert calls == []
+
+
+def test_other_norms_keep_their_forward():
+    """A norm that computes otherwise (Gemma's scales by 1 + weight) is left alone."""
+
+    class OtherNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4))
+
+        def forward(self, hidden_states):
+            return hidden_states * (1 + self.weight)
+
+    model = nn.Sequential(OtherNorm())
+    assert fuse_elementwise(model) == 0
+    assert "forward" not in vars(model[0])

@@ -1,0 +1,90 @@
+"""The training pass's fused RMSNorm and SiLU x up (kernels/elementwise.py, csrc/train_elementwise.cpp): forward and
+backward bit for bit transformers' modules and autograd's backward through them, in bf16 and fp32, on one and two
+threads, at shapes with scalar tails and with more elements than one thread's span of torch's elementwise loops."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from hybridflow.kernels import build, elementwise
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert build.available(), build.unavailable_reason()
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 40), (1, 847, 576), (7, 130)])
+def test_rms_norm_forward_and_backward_are_transformers_bit_for_bit(threads, dtype, shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    hidden = shape[-1]
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=generator) * 0.3 + 1)
+    x = (torch.randn(*shape, generator=generator) * 3).to(dtype).requires_grad_()
+    grad = torch.randn(*shape, generator=generator).to(dtype)
+    expected = norm(x)
+    expected.backward(grad)
+    expected_dx, expected_dweight = x.grad, norm.weight.grad
+
+    x.grad = None
+    weight = norm.weight.detach().clone().requires_grad_()
+    out = elementwise.rms_norm(x, weight, 1e-5)
+    out.backward(grad)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, expected_dx)
+    assert torch.equal(weight.grad, expected_dweight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 40), (33, 1001), (1, 40, 1536)])  # 33 x 1001: two spans, both with tails
+def test_silu_mul_forward_and_backward_are_torch_s_bit_for_bit(threads, dtype, shape):
+    generator = torch.Generator().manual_seed(sum(shape))
+    gate = (torch.randn(*shape, generator=generator) * 4).to(dtype).requires_grad_()
+    up = torch.randn(*shape, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(*shape, generator=generator).to(dtype)
+    expected = F.silu(gate) * up
+    expected.backward(grad)
+    expected_grads = gate.grad, up.grad
+
+    gate.grad = up.grad = None
+    out = elementwise.silu_mul(gate, up)
+    out.backward(grad)
+    assert torch.equal(out, expected)
+    assert torch.equal(gate.grad, expected_grads[0])
+    assert torch.equal(up.grad, expected_grads[1])
+
+
+def test_backward_takes_a_non_contiguous_gradient():
+    """Autograd may hand a function a gradient view (a transpose's backward): the kernels take contiguous copies."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 24, generator=generator, requires_grad=True)
+    weight = torch.randn(24, generator=generator, requires_grad=True)
+    elementwise.rms_norm(x, weight, 1e-6).t().sum(0).backward(torch.arange(6.0))
+    norm = LlamaRMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    y = x.detach().clone().requires_grad_()
+    norm(y).t().sum(0).backward(torch.arange(6.0))
+    assert torch.equal(x.grad, y.grad) and torch.equal(weight.grad, norm.weight.grad)
+
+
+def test_fits_only_plain_cpu_tensors_of_one_supported_dtype():
+    x = torch.ones(2, 4)
+    assert elementwise.fits(x, torch.nn.Parameter(torch.ones(4)))
+    assert not elementwise.fits(x, torch.ones(4, dtype=torch.bfloat16))  # mixed dtypes
+    assert not elementwise.fits(x.half(), torch.ones(4).half())
+    assert not elementwise.fits(x.double(), torch.ones(4).double())
