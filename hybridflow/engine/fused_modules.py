@@ -1,11 +1,13 @@
 """A transformers model's RMSNorms and SiLU MLPs run through the fused CPU kernels (kernels/elementwise.py).
 
-On a 2-core CPU, transformers' RMSNorm took 15 % of the actor's forward and backward (SmolLM2-135M, 847 packed
-tokens, bf16: 61 norms, 4.1 ms each; SiLU x up 2.7 ms a layer), nearly all of it passes over float32 copies of the
-activations. ``fuse_elementwise`` gives each such module a forward that calls the fused function instead, where its
-inputs fit (plain CPU tensors, float32 or bfloat16, the C++ module built) and transformers' own forward otherwise
-(a DTensor under tensor parallelism, a GPU, another dtype). The numbers are the same bit for bit, forward and
-backward (tests/engine/test_fused_modules.py), so nothing about a run changes but its speed.
+transformers' RMSNorm is about 8 torch ops forward and 15 backward, most of them passes over float32 copies of the
+activations: on 2 cores, 1.6 ms forward and backward at SmolLM2-135M's width and 847 tokens, 61 of them in a pass of
+1.3 s. ``fuse_elementwise`` gives each such module a forward that calls the fused function instead (0.8 ms; the pass
+0.94x: bench/train_kernels.py, docs/log/training.md §42), where its inputs fit (plain CPU tensors, float32 or
+bfloat16, the C++ module built), and transformers' own forward otherwise (a DTensor under tensor parallelism, a GPU,
+another dtype). SiLU x up, bound by its exponential, gains memory (SiLU(gate) is not kept), not time. The numbers are
+the same bit for bit, forward and backward (tests/engine/test_fused_modules.py), so nothing about a run changes but
+its speed.
 
 Which modules: those whose class's ``forward`` is, line for line, transformers' Llama RMSNorm or Llama MLP (with
 SiLU as its activation): Llama, Mistral, Qwen2 and Qwen3's, and the dense MLPs of the MoE families. A family that

@@ -127,19 +127,27 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor
     scalar_t* wp = weight_grad ? weight_products.data_ptr<scalar_t>() : nullptr;
     using L = Lanes<scalar_t>;
     using FloatVec = typename L::FloatVec;
+    // dh = dy * weight rounded (the weight product's backward), widened: 32 values from (i, j), or one
+    const auto weighted = [&](int64_t i, int64_t j) {
+      auto [g0, g1] = L::load(g + i);
+      auto [w0, w1] = L::load(w + j);
+      return L::round(g0 * w0, g1 * w1);
+    };
+    const auto weighted_one = [&](int64_t i, int64_t j) {
+      return widen(narrow<scalar_t>(widen(g[i]) * widen(w[j])));
+    };
     at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const FloatVec scale(inv[r]);
         int64_t j = 0;
         for (; j + L::size <= hidden; j += L::size) {
           const int64_t i = r * hidden + j;
-          auto [g0, g1] = L::load(g + i);
-          auto [w0, w1] = L::load(w + j);
-          auto [dh0, dh1] = L::round(g0 * w0, g1 * w1);
+          auto [dh0, dh1] = weighted(i, j);
           auto [f0, f1] = L::load(a + i);
           (dh0 * f0).store(rp + i);
           (dh1 * f1).store(rp + i + FloatVec::size());
           if (weight_grad) {
+            auto [g0, g1] = L::load(g + i);
             auto [n0, n1] = L::round(f0 * scale, f1 * scale);
             L::store(wp + i, g0 * n0, g1 * n1);
           }
@@ -147,7 +155,7 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor
         for (; j < hidden; ++j) {
           const int64_t i = r * hidden + j;
           const float f = widen(a[i]);
-          rp[i] = widen(narrow<scalar_t>(widen(g[i]) * widen(w[j]))) * f;
+          rp[i] = weighted_one(i, j) * f;
           if (weight_grad) wp[i] = narrow<scalar_t>(widen(g[i]) * widen(narrow<scalar_t>(f * inv[r])));
         }
       }
@@ -166,9 +174,7 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor
         int64_t j = 0;
         for (; j + L::size <= hidden; j += L::size) {
           const int64_t i = r * hidden + j;
-          auto [g0, g1] = L::load(g + i);
-          auto [w0, w1] = L::load(w + j);
-          auto [dh0, dh1] = L::round(g0 * w0, g1 * w1);
+          auto [dh0, dh1] = weighted(i, j);
           auto [f0, f1] = L::load(a + i);
           if (split) {
             L::store(d + i, dh0 * scale, dh1 * scale);
@@ -180,7 +186,7 @@ std::vector<at::Tensor> rms_norm_backward(const at::Tensor& dy, const at::Tensor
         for (; j < hidden; ++j) {
           const int64_t i = r * hidden + j;
           const float f = widen(a[i]);
-          const float dh = widen(narrow<scalar_t>(widen(g[i]) * widen(w[j])));
+          const float dh = weighted_one(i, j);
           if (split) {
             d[i] = narrow<scalar_t>(dh * inv[r]);
             ds[i] = narrow<scalar_t>(per_square * (2.0f * f));

@@ -8,7 +8,7 @@
 - linear.py    Matrix: a weight matrix, pre-packed for oneDNN on CPU in bf16
 - model.py     prefill / decode forwards (RMSNorm, rotary, GQA attention, SwiGLU)
 - ragged_attention.py  decode attention over each sequence's real length (C++ in kernels/csrc/, built on first use)
-- fused_layers.py      decode's layers with the work between the matmuls fused (kernels/csrc/fused_decode.cpp), bit for bit
+- fused_layers.py      decode's layers with the work between the matmuls fused (kernels/csrc/fused_decode.cpp)
 - kv_cache.py  KVCache: preallocated slots, in-place writes
 - sampler.py   greedy / temperature / top-k / top-p with per-request counter-based randomness
 - engine.py    Engine: the continuous-batching loop, shared prefill of identical prompts
