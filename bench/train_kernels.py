@@ -9,12 +9,13 @@ the ratio to the group's first variant, all measured in this run:
   against the row chunks the engine uses (`algorithms/entropy.py`);
 - causal attention of 32 packed rows x 77 tokens, 9 query / 3 kv heads of 64, bf16, forward and
   backward: SDPA (CPU flash kernel), SDPA's math backend, and the engine's matmul attention
-  (`engine/packing.py`), also with its causal bias made again each call (as before it was kept per length);
+  (`engine/packing.py`, its scale, mask and softmax one fused kernel each way), also with torch's ops for those
+  and with its causal bias made again each call (as before it was kept per length);
 - one AdamW step over smollm2-135m's parameters: the for-loop, foreach and fused implementations;
 - RMSNorm (847 x 576) and SiLU(gate) * up (847 x 1536), bf16, forward and backward: transformers' ops against the
   fused kernels (kernels/elementwise.py);
 - smollm2-135m's forward and backward on bench/train_passes.py's packed batch of 32 samples (847 tokens), bf16:
-  transformers' modules against the same model with ``fuse_elementwise`` (engine/fused_modules.py).
+  torch's ops alone, against ``fuse_elementwise`` (engine/fused_modules.py) and the attention's fused softmax.
 
 It runs with the allocator settings of hybridflow's workers (re-executing itself with them), as
 the engine does; `--default-allocator` keeps glibc's defaults, under which every freshly
@@ -24,10 +25,11 @@ allocated large buffer is page-faulted in and the unchunked variants look severa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +106,20 @@ def attention(repeats: int) -> None:
         causal_bias.cache_clear()
         grouped_causal_attention(q, k, v, 64**-0.5).backward(grad)
 
+    def fused_softmax() -> None:
+        grouped_causal_attention(q, k, v, 64**-0.5).backward(grad)
+
+    def torch_softmax() -> None:  # the scale, mask and softmax as torch's ops (before the fused kernel)
+        with torch_ops_alone():
+            grouped_causal_attention(q, k, v, 64**-0.5).backward(grad)
+
     report(
         "Causal attention, 32 rows x 77 tokens, 9/3 heads of 64, bf16, forward + backward (one layer)",
         {
             "SDPA (default: CPU flash kernel)": sdpa(None),
             "SDPA, math backend": sdpa(SDPBackend.MATH),
-            "matmul attention (engine)": lambda: grouped_causal_attention(q, k, v, 64**-0.5).backward(grad),
+            "matmul attention (engine: the fused softmax)": fused_softmax,
+            "matmul attention, torch's softmax": torch_softmax,
             "matmul attention, its causal bias made again each call": remade_bias,
         },
         repeats,
@@ -129,6 +139,16 @@ def adamw(repeats: int) -> None:
     report(
         f"One AdamW step over {count / 1e6:.0f} M fp32 parameters", {k: o.step for k, o in optimizers.items()}, repeats
     )
+
+
+@contextlib.contextmanager
+def torch_ops_alone() -> Iterator[None]:
+    """No fused kernel takes any tensor (kernels/elementwise.py ``fits``): torch's ops, as before them."""
+    fits, elementwise.fits = elementwise.fits, lambda *tensors: False
+    try:
+        yield
+    finally:
+        elementwise.fits = fits
 
 
 def backward_of(fn: Callable[..., torch.Tensor], grad: torch.Tensor, *inputs: torch.Tensor) -> Callable[[], None]:
@@ -176,16 +196,20 @@ def decoder_pass(repeats: int) -> None:
     fused = load_causal_lm("smollm2-135m-instruct", dtype=torch.bfloat16).train()
     count = fuse_elementwise(fused)
 
-    def step(model: torch.nn.Module) -> Callable[[], None]:
+    def step(model: torch.nn.Module, fused_kernels: bool) -> Callable[[], None]:
         def run() -> None:
-            response_outputs(model, data, True).logits.float().mean().backward()
+            with contextlib.nullcontext() if fused_kernels else torch_ops_alone():
+                response_outputs(model, data, True).logits.float().mean().backward()
             model.zero_grad(set_to_none=True)
 
         return run
 
     report(
         "smollm2-135m forward + backward, 32 packed samples (847 tokens), bf16",
-        {"transformers' modules": step(plain), f"{count} modules fused (engine)": step(fused)},
+        {
+            "torch's ops alone": step(plain, False),
+            f"{count} modules fused and the attention's softmax (engine)": step(fused, True),
+        },
         repeats,
     )
 

@@ -29,7 +29,8 @@ gradients equal the unshared computation. Measured (bench/train_passes.py, smoll
 ``forward.py`` asks the model for the LM head's output at those positions only.
 
 Within the rows, short rows (the common case in RL: a few hundred tokens) use attention written
-out as two batched matmuls around a float32 softmax: SDPA's CPU flash kernel is slow on such
+out as two batched matmuls around a float32 softmax (on the CPU its scale, mask, softmax and rounding are one fused
+kernel each way, the same bits: kernels/elementwise.py ``causal_softmax``): SDPA's CPU flash kernel is slow on such
 shapes (bench/train_kernels.py: 32 rows x 77 tokens, 9 query / 3 kv heads, bf16, forward +
 backward: flash 35 ms, SDPA's math backend 20 ms, this 7.5 ms per layer). Rows longer than
 ``MATMUL_ATTENTION_MAX_LENGTH``, or whose score matrices would be large, use SDPA: its flash kernel wins from a few
@@ -55,6 +56,7 @@ from hybridflow.engine.sequence_parallel import (
     gather_sequence_scatter_heads,
     heads_for_sp,
 )
+from hybridflow.kernels import elementwise
 from hybridflow.lengths import prompt_leaders
 
 PACKED_ATTENTION = "packed_sdpa"
@@ -267,11 +269,15 @@ def grouped_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     hkv = k.shape[1]
     groups = h // hkv
     scores = torch.matmul(q.reshape(b, hkv, groups * length, d), k.transpose(-1, -2))  # (b, Hkv, G*L, L)
-    scores = scores.view(b, hkv, groups, length, length)
-    # scale, causal mask and float32 in one pass: bias + scale * scores with a bias of -inf above the diagonal and
-    # 0 elsewhere gives the bits of scores.float() * scale masked to -inf (x + 0 == x; the multiply-add rounds once)
-    scores = torch.add(causal_bias(length, q.device), scores, alpha=scale)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, groups * length, length)
+    bias = causal_bias(length, q.device)
+    if scores.dtype == v.dtype and elementwise.fits(scores):  # the same bits in one pass each way
+        probs = elementwise.causal_softmax(scores, bias, scale)
+    else:
+        scores = scores.view(b, hkv, groups, length, length)
+        # scale, causal mask and float32 in one pass: bias + scale * scores with a bias of -inf above the diagonal and
+        # 0 elsewhere gives the bits of scores.float() * scale masked to -inf (x + 0 == x; the multiply-add rounds once)
+        scores = torch.add(bias, scores, alpha=scale)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, groups * length, length)
     return torch.matmul(probs, v).view(b, h, length, d)
 
 

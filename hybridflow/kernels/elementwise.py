@@ -1,10 +1,13 @@
-"""RMSNorm and SiLU(gate) * up as autograd functions over one fused C++ kernel each way (csrc/train_elementwise.cpp).
+"""The training pass's work between its matmuls as autograd functions over one fused C++ kernel each way
+(csrc/train_elementwise.cpp): RMSNorm, SiLU(gate) * up, and the packed attention's scaled causal softmax.
 
 transformers' RMSNorm is about 8 torch ops forward and 15 backward, most of them passes over float32 copies of the
 (tokens, hidden) activations; SiLU x up is 2 forward and 4 backward, and keeps SiLU(gate) for the backward. Here each
 is one pass forward and one or two backward (plus torch's own reductions on the products the backward needs), and
 SiLU x up keeps only its inputs. The values are bit for bit those of the torch ops and of autograd's backward through
 them (tests/kernels/test_elementwise.py): a model computes the same numbers with the fused functions or without.
+The attention's softmax (engine/packing.py) is torch.softmax(bias + scale * scores) in float32, then rounded: four
+passes over the (rows, heads, L, L) scores forward and four backward, in one each here.
 """
 
 from __future__ import annotations
@@ -55,6 +58,21 @@ class _SiLUMul(torch.autograd.Function):
         return tuple(build.module().silu_mul_backward(grad.contiguous(), gate, up))
 
 
+class _CausalSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+        probs, probs32 = build.module().causal_softmax_forward(scores.reshape(-1, scores.shape[-1]), bias, scale)
+        ctx.save_for_backward(probs32)
+        ctx.scale = scale
+        return probs.view(scores.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (probs32,) = ctx.saved_tensors
+        rows = grad.reshape(probs32.shape).contiguous()
+        return build.module().causal_softmax_backward(rows, probs32, ctx.scale).view(grad.shape), None, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama-style RMSNorm of x (..., H): weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype); x and
     weight of one dtype, float32 or bfloat16, on the CPU (``fits``)."""
@@ -64,6 +82,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, two tensors of one shape and dtype (float32 or bfloat16) on the CPU (``fits``)."""
     return _SiLUMul.apply(gate, up)
+
+
+def causal_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """torch.softmax(torch.add(bias, scores, alpha=scale), -1).to(scores.dtype) for contiguous scores (..., L, L)
+    whose rows are queries at positions 0..L-1 in turn (engine/packing.py's grouped (rows, kv heads, G * L, L)),
+    bias (L, L) float32; float32 or bfloat16 scores on the CPU (``fits``)."""
+    return _CausalSoftmax.apply(scores.contiguous(), bias, scale)
 
 
 def fits(*tensors: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from hybridflow.engine.packing import causal_bias
 from hybridflow.kernels import build, elementwise
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -88,3 +89,25 @@ def test_fits_only_plain_cpu_tensors_of_one_supported_dtype():
     assert not elementwise.fits(x, torch.ones(4, dtype=torch.bfloat16))  # mixed dtypes
     assert not elementwise.fits(x.half(), torch.ones(4).half())
     assert not elementwise.fits(x.double(), torch.ones(4).double())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(32, 3, 3, 77), (2, 1, 2, 5), (3, 2, 1, 40), (2, 3, 3, 130)])  # (b, kv heads, G, L)
+def test_causal_softmax_forward_and_backward_are_torch_s_bit_for_bit(threads, dtype, shape):
+    """engine/packing.py's attention softmax: bias + scale * scores in float32, softmax, rounded; and its backward."""
+    rows, kv_heads, groups, length = shape
+    generator = torch.Generator().manual_seed(length)
+    scores = (torch.randn(rows, kv_heads, groups * length, length, generator=generator) * 8).to(dtype)
+    scores.requires_grad_()
+    bias = causal_bias(length, torch.device("cpu"))
+    grad = torch.randn(scores.shape, generator=generator).to(dtype)
+    scaled = torch.add(bias, scores.view(rows, kv_heads, groups, length, length), alpha=64**-0.5)
+    expected = torch.softmax(scaled, dim=-1).to(dtype).view(scores.shape)
+    expected.backward(grad)
+    expected_grad = scores.grad
+
+    scores.grad = None
+    probs = elementwise.causal_softmax(scores, bias, 64**-0.5)
+    probs.backward(grad)
+    assert torch.equal(probs, expected)
+    assert torch.equal(scores.grad, expected_grad)
