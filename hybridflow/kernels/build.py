@@ -17,7 +17,13 @@ import torch
 
 SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("ragged_decode.cpp", "ragged_attend.cpp", "fused_decode.cpp", "train_elementwise.cpp")
+    for name in (
+        "ragged_decode.cpp",
+        "ragged_attend.cpp",
+        "fused_decode.cpp",
+        "train_elementwise.cpp",
+        "train_softmax.cpp",
+    )
 ]
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
 """The training pass's work between its matmuls as autograd functions over one fused C++ kernel each way
-(csrc/train_elementwise.cpp): RMSNorm, SiLU(gate) * up, and the packed attention's scaled causal softmax.
+(csrc/train_elementwise.cpp, csrc/train_softmax.cpp): RMSNorm, SiLU(gate) * up, and the packed attention's scaled
+causal softmax.
 
 transformers' RMSNorm is about 8 torch ops forward and 15 backward, most of them passes over float32 copies of the
 (tokens, hidden) activations; SiLU x up is 2 forward and 4 backward, and keeps SiLU(gate) for the backward. Here each

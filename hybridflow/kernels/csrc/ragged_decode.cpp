@@ -135,4 +135,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attend", &hybridflow::ragged_attend, "both passes and the softmax between them, in one call");
   hybridflow::register_fused(m);
   hybridflow::register_training(m);
+  hybridflow::register_training_softmax(m);
 }
