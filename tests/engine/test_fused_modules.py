@@ -52,7 +52,13 @@ def test_fused_model_is_transformers_bit_for_bit(name, dtype, monkeypatch):
     with monkeypatch.context() as torch_ops_alone:  # the packed attention's softmax too (engine/packing.py)
         torch_ops_alone.setattr(elementwise, "fits", lambda *tensors: False)
         expected_logits, expected_grads = _forward_backward(plain, *rows)
+    calls = []  # the fused run must run every kernel, not fall back to torch's ops unseen
+    for fn in ("rms_norm", "silu_mul", "causal_softmax"):
+        original = getattr(elementwise, fn)
+        monkeypatch.setattr(elementwise, fn, lambda *a, _f=original, _n=fn: calls.append(_n) or _f(*a))
     logits, grads = _forward_backward(fused, *rows)
+    assert {"rms_norm", "causal_softmax"} <= set(calls)
+    assert "silu_mul" in calls or name == "tiny-qwen3-moe"  # its MLPs are experts (engine/moe.py), not Llama MLPs
     assert torch.equal(logits, expected_logits)
     assert grads.keys() == expected_grads.keys()
     for key, grad in expected_grads.items():
