@@ -92,8 +92,8 @@ class UpdateConfig:
     # FSDP2 in the update: free each layer's gathered weights after its forward and gather them again for its backward
     # and for every micro-batch (true), or gather them once per mini-batch and keep them through its micro-batches
     # (false: one all-gather and cast per mini-batch instead of two per micro-batch, the same numbers; the whole model
-    # is held in param_dtype while a mini-batch trains)
-    reshard_after_forward: bool
+    # is held in param_dtype while a mini-batch trains); null: false on CPU, true on a GPU
+    reshard_after_forward: bool | None
     optim: OptimConfig  # AdamW and its learning-rate schedule
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 
@@ -239,8 +239,8 @@ class SFTEngineConfig:
     grad_clip: float  # max global grad norm; steps with a non-finite norm are skipped
     # FSDP2: free each layer's gathered weights after its forward (true) or keep them through the micro-batches of a
     # step (false: one all-gather and cast per step instead of two per micro-batch; the whole model is held in
-    # param_dtype while a step trains)
-    reshard_after_forward: bool
+    # param_dtype while a step trains); null: false on CPU, true on a GPU
+    reshard_after_forward: bool | None
     fsdp: FSDPConfig  # FSDP2's compute and gradient-reduction dtypes
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ from hybridflow.engine.forward import (
     pipelined_outputs,
     response_outputs,
 )
-from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip
+from hybridflow.engine.fsdp import gathered_through_backward, grad_norm_and_clip, keeps_gathered_weights
 from hybridflow.engine.moe import balancing_loss_and_metrics, recording_routers
 from hybridflow.engine.optim import TrainedModel
 from hybridflow.engine.pipeline import PipelinedModel
@@ -229,7 +229,7 @@ def _backward(
         staged(model, micro_batches, config.use_remove_padding, sp_group, loss=staged_loss, balance=balancing)
         return model.share_from_last([metrics[i] for i in range(len(micro_batches))] if metrics else None)
     results = []
-    keep = not config.reshard_after_forward
+    keep = keeps_gathered_weights(config.reshard_after_forward, next(model.parameters()).device)
     with gathered_through_backward(model, keep=keep), recording_routers(model, config.router_aux_loss_coef) as routers:
         for micro_batch in micro_batches:
             if routers is not None:

@@ -9,7 +9,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridflow.engine.config import FSDPConfig
-from hybridflow.engine.fsdp import data_parallel_mesh, decoder_layers, full_parameters, grad_norm_and_clip, shard_model
+from hybridflow.engine.fsdp import (
+    data_parallel_mesh,
+    decoder_layers,
+    full_parameters,
+    grad_norm_and_clip,
+    keeps_gathered_weights,
+    shard_model,
+)
 from hybridflow.engine.host_collectives import ALL_GATHER_EVENT, REDUCE_SCATTER_EVENT
 from hybridflow.engine.policy import PolicyEngine
 from hybridflow.models import load_causal_lm
@@ -50,7 +57,8 @@ def _ranks(rank: int, tiny_path: str, init_file: str, configs: dict, batch, out:
         dist.destroy_process_group()
 
 
-SETTINGS = [(True, True), (False, True), (False, False)]  # (reshard_after_forward, host_collectives)
+# (reshard_after_forward, host_collectives); None, the default, keeps the weights gathered on CPU
+SETTINGS = [(True, True), (False, True), (None, False)]
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +71,7 @@ def ranks(tiny_path, tmp_path_factory, rollout_batch, actor_config_factory) -> d
             tiny_path,
             1e-2,
             "actor_rollout_ref.actor.fsdp.param_dtype=bf16",
-            f"actor_rollout_ref.actor.reshard_after_forward={str(reshard).lower()}",
+            f"actor_rollout_ref.actor.reshard_after_forward={'null' if reshard is None else str(reshard).lower()}",
             f"actor_rollout_ref.actor.fsdp.host_collectives={str(shared).lower()}",
         )
         for reshard, shared in SETTINGS
@@ -78,9 +86,9 @@ def test_keeping_weights_gathered_and_shared_memory_collectives_change_no_bit(ra
     runs = ranks["updates"]
     default_gathers, default_shared, layers, default_state = runs[True, True]
     kept_gathers, kept_shared, _, kept_state = runs[False, True]
-    gloo_gathers, gloo_shared, _, gloo_state = runs[False, False]
+    gloo_gathers, gloo_shared, _, gloo_state = runs[None, False]  # and the default setting: kept on CPU
     micro_batches = 2
-    # by default, each micro-batch: every layer and the root gather in forward, and the layers again in backward;
+    # resharding (true), each micro-batch: every layer and the root gather in forward, and the layers again in backward;
     # kept: every layer and the root gather once, in the first forward
     assert default_gathers == micro_batches * (2 * layers + 1)
     assert kept_gathers == gloo_gathers == layers + 1
@@ -123,3 +131,10 @@ def test_gradient_norm_is_the_global_one_and_clips_only_above_the_limit(ranks):
     assert same  # below the limit every gradient is left as it was, bit for bit
     assert abs(norm - expected_norm) < 1e-5 * expected_norm  # the norm before clipping is returned
     assert quartered < 1e-6
+
+
+def test_null_keeps_the_gathered_weights_on_cpu_only():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert keeps_gathered_weights(None, cpu) and not keeps_gathered_weights(None, gpu)
+    for device in (cpu, gpu):  # a setting is followed as given
+        assert keeps_gathered_weights(False, device) and not keeps_gathered_weights(True, device)

@@ -44,11 +44,7 @@ class Matrix:
         """Bring the packed copy up to date with `weight` (call after writing into it)."""
         if not self.pack:
             return
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)
-        if self.packed is None:
-            self.packed = packed
-        else:
-            self.packed.copy_(packed)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _BATCH_HINT)  # nothing else holds the old
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
