@@ -11,11 +11,14 @@ the ratio to the group's first variant, all measured in this run:
   backward: SDPA (CPU flash kernel), SDPA's math backend, and the engine's matmul attention
   (`engine/packing.py`, its scale, mask and softmax one fused kernel each way), also with torch's ops for those
   and with its causal bias made again each call (as before it was kept per length);
+- the same attention as the update runs it on bench/train_passes.py's packed batch (847 tokens), from the packed
+  tokens into rows and back: torch's ops (index_select, copies, index_add_ backward) against the fused moves
+  (kernels/packed_rows.py) and softmax;
 - one AdamW step over smollm2-135m's parameters: the for-loop, foreach and fused implementations;
 - RMSNorm (847 x 576) and SiLU(gate) * up (847 x 1536), bf16, forward and backward: transformers' ops against the
   fused kernels (kernels/elementwise.py);
 - smollm2-135m's forward and backward on bench/train_passes.py's packed batch of 32 samples (847 tokens), bf16:
-  torch's ops alone, against ``fuse_elementwise`` (engine/fused_modules.py) and the attention's fused softmax.
+  torch's ops alone, against ``fuse_elementwise`` (engine/fused_modules.py) and the attention's fused kernels.
 
 It runs with the allocator settings of hybridflow's workers (re-executing itself with them), as
 the engine does; `--default-allocator` keeps glibc's defaults, under which every freshly
@@ -36,10 +39,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hybridflow.algorithms.entropy import ENTROPY_CHUNK, LOG_PROB_CHUNK, entropy_from_logits, log_probs_from_logits
+from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPONSES
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.engine.forward import response_outputs
 from hybridflow.engine.fused_modules import fuse_elementwise
-from hybridflow.engine.packing import causal_bias, grouped_causal_attention
+from hybridflow.engine.packing import causal_bias, grouped_causal_attention, pack, packed_sdpa_attention
 from hybridflow.kernels import elementwise
 from hybridflow.models import load_causal_lm
 
@@ -126,6 +130,35 @@ def attention(repeats: int) -> None:
     )
 
 
+def packed_attention(repeats: int) -> None:
+    """One layer's packed attention as the update runs it: from the packed tokens into rows and back."""
+    tensors = grpo_batch(32, 4).batch
+    packed = pack(tensors[INPUT_IDS], tensors[ATTENTION_MASK], tensors[POSITION_IDS], tensors[RESPONSES].shape[1])
+    tokens = packed.input_ids.shape[1]
+    generator = torch.Generator().manual_seed(0)
+
+    def by_token(heads: int) -> torch.Tensor:  # (1, heads, N, 64) laid out by token, as the projections leave it
+        return torch.randn(1, tokens, heads, 64, generator=generator).bfloat16().transpose(1, 2).requires_grad_()
+
+    q, k, v = by_token(9), by_token(3), by_token(3)
+    grad = torch.randn(1, tokens, 9, 64, generator=generator).bfloat16()
+
+    def run() -> None:
+        packed_sdpa_attention(None, q, k, v, None, packed_segments=packed.segments)[0].backward(grad)
+
+    def torch_ops() -> None:
+        with torch_ops_alone():
+            run()
+
+    rows, longest = packed.segments.index.shape
+    report(
+        f"Packed attention, {tokens} tokens in {rows} rows of up to {longest}, 9/3 heads of 64, bf16, forward + "
+        "backward (one layer)",
+        {"torch's ops (index_select, copies, index_add_; softmax)": torch_ops, "engine (fused moves and softmax)": run},
+        repeats,
+    )
+
+
 def adamw(repeats: int) -> None:
     params = [p.detach().clone().requires_grad_() for p in load_causal_lm("smollm2-135m-instruct").parameters()]
     for p in params:
@@ -208,7 +241,7 @@ def decoder_pass(repeats: int) -> None:
         "smollm2-135m forward + backward, 32 packed samples (847 tokens), bf16",
         {
             "torch's ops alone": step(plain, False),
-            f"{count} modules fused and the attention's softmax (engine)": step(fused, True),
+            f"{count} modules fused and the attention's kernels (engine)": step(fused, True),
         },
         repeats,
     )
@@ -226,6 +259,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f}; best of {args.repeats}; torch {torch.__version__}; {allocator}")
     log_prob_math(args.repeats)
     attention(args.repeats)
+    packed_attention(args.repeats)
     adamw(args.repeats)
     fused_elementwise(args.repeats)
     decoder_pass(args.repeats)

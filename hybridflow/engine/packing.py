@@ -56,7 +56,7 @@ from hybridflow.engine.sequence_parallel import (
     gather_sequence_scatter_heads,
     heads_for_sp,
 )
-from hybridflow.kernels import elementwise
+from hybridflow.kernels import elementwise, packed_rows
 from hybridflow.lengths import prompt_leaders
 
 PACKED_ATTENTION = "packed_sdpa"
@@ -195,12 +195,17 @@ def packed_sdpa_attention(
     def by_rows(x: torch.Tensor) -> torch.Tensor:  # (1, h, N, d) -> (b, h, L, d)
         return x[0].index_select(1, flat).unflatten(1, (rows, longest)).transpose(0, 1)
 
-    q, k, v = by_rows(query), by_rows(key), by_rows(value)
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     short = (
         longest <= MATMUL_ATTENTION_MAX_LENGTH
         and rows * query.shape[1] * longest * longest <= MATMUL_ATTENTION_MAX_SCORES
     )
+    if short and dropout == 0.0 and elementwise.fits(query, key, value):  # the same bits, one pass each way
+        q = packed_rows.rows(query, flat, rows)
+        k = packed_rows.rows(key, flat, rows, transpose=True).transpose(-1, -2)  # the layout the scores' matmul takes
+        out = grouped_causal_attention(q, k, packed_rows.rows(value, flat, rows), scale)
+        return packed_rows.tokens(out, packed_segments.real), None
+    q, k, v = by_rows(query), by_rows(key), by_rows(value)
     if short and dropout == 0.0:
         out = grouped_causal_attention(q, k, v, scale)
     else:

@@ -23,6 +23,7 @@ SOURCES = [
         "fused_decode.cpp",
         "train_elementwise.cpp",
         "train_softmax.cpp",
+        "packed_rows.cpp",
     )
 ]
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from torch import nn
 
 from hybridflow.engine.fused_modules import fuse_elementwise
 from hybridflow.engine.packing import pack, packed_forward
-from hybridflow.kernels import build, elementwise
+from hybridflow.kernels import build, elementwise, packed_rows
 from hybridflow.models import load_causal_lm
 
 PROMPT, RESPONSE = 8, 6
@@ -37,7 +37,8 @@ def _forward_backward(model: nn.Module, ids, mask, positions) -> tuple[torch.Ten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
 def test_fused_model_is_transformers_bit_for_bit(name, dtype, monkeypatch):
-    """With its norms, MLPs and the packed attention's softmax fused, against the same model on torch's ops alone."""
+    """With its norms, MLPs, the packed attention's softmax and its moves into rows and back fused, against the same
+    model on torch's ops alone."""
     assert build.available(), build.unavailable_reason()
     generator = torch.Generator().manual_seed(0)
     plain = load_causal_lm(name, dtype=dtype).train()
@@ -49,15 +50,16 @@ def test_fused_model_is_transformers_bit_for_bit(name, dtype, monkeypatch):
     assert fuse_elementwise(fused) == count  # idempotent
     rows = _rows(generator, plain.config.vocab_size)
 
-    with monkeypatch.context() as torch_ops_alone:  # the packed attention's softmax too (engine/packing.py)
+    with monkeypatch.context() as torch_ops_alone:  # the packed attention's kernels too (engine/packing.py)
         torch_ops_alone.setattr(elementwise, "fits", lambda *tensors: False)
         expected_logits, expected_grads = _forward_backward(plain, *rows)
     calls = []  # the fused run must run every kernel, not fall back to torch's ops unseen
-    for fn in ("rms_norm", "silu_mul", "causal_softmax"):
-        original = getattr(elementwise, fn)
-        monkeypatch.setattr(elementwise, fn, lambda *a, _f=original, _n=fn: calls.append(_n) or _f(*a))
+    kernels = [(elementwise, "rms_norm"), (elementwise, "silu_mul"), (elementwise, "causal_softmax")]
+    for module, fn in kernels + [(packed_rows, "rows"), (packed_rows, "tokens")]:
+        original = getattr(module, fn)
+        monkeypatch.setattr(module, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     logits, grads = _forward_backward(fused, *rows)
-    assert {"rms_norm", "causal_softmax"} <= set(calls)
+    assert {"rms_norm", "causal_softmax", "rows", "tokens"} <= set(calls)
     assert "silu_mul" in calls or name == "tiny-qwen3-moe"  # its MLPs are experts (engine/moe.py), not Llama MLPs
     assert torch.equal(logits, expected_logits)
     assert grads.keys() == expected_grads.keys()

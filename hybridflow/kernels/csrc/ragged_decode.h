@@ -17,5 +17,6 @@ at::Tensor ragged_attend(at::Tensor q, at::Tensor k_layer, at::Tensor v_layer, a
 void register_fused(pybind11::module& m);     // fused_decode.cpp's functions, in the same module
 void register_training(pybind11::module& m);  // train_elementwise.cpp's
 void register_training_softmax(pybind11::module& m);  // train_softmax.cpp's
+void register_packed_rows(pybind11::module& m);  // packed_rows.cpp's
 
 }  // namespace hybridflow
