@@ -63,6 +63,7 @@ class Engine:
         self.min_shared_prefix = config.min_shared_prefix  # shorter common prefixes are not worth a separate forward
         self.follow_free_cores = config.follow_free_cores
         self.ragged_decode = config.ragged_decode
+        self.keep_cache = config.keep_cache
         self.cache: KVCache | None = None
         self.rope: model.RotaryTables | None = None
         self.stats = EngineStats()
@@ -83,8 +84,12 @@ class Engine:
         return self.ragged_decode and self.device.type == "cpu" and ragged_attention.available()
 
     def release_cache(self) -> None:
-        """Free the KV cache (the next `generate` allocates it again)."""
-        self.cache = None
+        """After a generation call: free the KV cache (the next call allocates it again), or keep it for the next call
+        of its shape (``keep_cache``; null: on CPU). A kept cache's stale keys and values are finite, and no call reads
+        them: each call's sequences write their positions before attending to them."""
+        keep = self.device.type == "cpu" if self.keep_cache is None else self.keep_cache
+        if not keep:
+            self.cache = None
 
     def prepare(self, num_slots: int, max_len: int) -> None:
         """A KV cache of ``num_slots`` slots of at least ``max_len`` positions (kept when it already is one),

@@ -1,11 +1,16 @@
 """The native engine's KV cache on CPU: zeros that the OS commits only where written (an anonymous mapping), so a
-cache sized for the longest conversation the budgets allow costs what its sequences use, and goes with its tensor."""
+cache sized for the longest conversation the budgets allow costs what its sequences use, and goes with its tensor;
+kept between calls, it gives what a new one gives."""
 
 import gc
 import resource
 
+import pytest
 import torch
+from rollout_helpers import QUESTIONS, engine_config, prompts_of, sampled
 
+from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.kv_cache import lazy_zeros
 
 MIB = 2**20
@@ -35,3 +40,28 @@ def test_lazy_zeros_are_zeros_committed_only_where_written():
 def test_lazy_zeros_of_a_float32_tensor_and_an_empty_one():
     assert torch.equal(lazy_zeros((3, 5), torch.float32, "cpu"), torch.zeros(3, 5))
     assert lazy_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
+
+
+@pytest.mark.parametrize("ragged", [True, False], ids=["real-lengths", "whole-rows"])
+def test_a_cache_kept_between_calls_gives_what_a_new_one_gives(ragged):
+    """On CPU the engine keeps its cache after a call (keep_cache null) and the next call of its shape reuses it, stale
+    keys and values in it: every output is as from a new engine's new cache. keep_cache=false frees it."""
+    model = load_causal_lm("tiny-llama", dtype=torch.float32).eval()
+    tokenizer = load_tokenizer("tiny-llama")
+    first, second = prompts_of(tokenizer, QUESTIONS), prompts_of(tokenizer, QUESTIONS[::-1])  # one cache shape
+    params = sampled(seed=3, max_new_tokens=8)
+    kept = NativeRollout(model, tokenizer, engine_config=engine_config(ragged_decode=ragged))
+    kept.generate_sequences(first, params)
+    kept.release_cache()
+    cache = kept.engine.cache
+    assert cache is not None and cache.k.any()  # kept, holding the first call's keys
+    got = kept.generate_sequences(second, params).batch
+    assert kept.engine.cache is cache  # reused, not made again
+    fresh = NativeRollout(model, tokenizer, engine_config=engine_config(ragged_decode=ragged))
+    expected = fresh.generate_sequences(second, params).batch
+    assert set(got.keys()) == set(expected.keys())
+    for key in expected.keys():
+        assert torch.equal(got[key], expected[key]), key
+    fresh.engine.keep_cache = False
+    fresh.release_cache()
+    assert fresh.engine.cache is None
