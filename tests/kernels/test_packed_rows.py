@@ -31,13 +31,30 @@ def _slots(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]
     return index, real_by_token, next_token
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+def _equal_with_gradients(got, expected, leaf, expected_leaf, generator) -> None:
+    """The same values, and after the same backward the same gradients, signs of zeros included."""
+    assert torch.equal(got, expected)
+    grad = _values(got.shape, got.dtype, generator)
+    got.backward(grad)
+    expected.backward(grad)
+    assert torch.equal(leaf.grad, expected_leaf.grad)
+    assert torch.equal(leaf.grad.signbit(), expected_leaf.grad.signbit())
+
+
 def _values(shape, dtype, generator) -> torch.Tensor:
     values = torch.randn(shape, generator=generator).to(dtype)
     values.view(-1)[::7] = -0.0  # signed zeros: index_add_ into zeros makes them +0
     return values
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transpose", [False, True])
 def test_rows_are_index_select_and_their_gradient_index_add(transpose, dtype, threads):
@@ -45,50 +62,29 @@ def test_rows_are_index_select_and_their_gradient_index_add(transpose, dtype, th
     generator = torch.Generator().manual_seed(0)
     slots, _, tokens = _slots(generator)
     heads, d = 3, 40  # d over one task's span of 32
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for layout in ("tokens first", "heads first"):  # q after rotary is laid out by token; either must work
-            base = _values((tokens, heads, d) if layout == "tokens first" else (heads, tokens, d), dtype, generator)
-            x = (base.transpose(0, 1) if layout == "tokens first" else base)[None].requires_grad_()
-            expected_x = x.detach().clone().requires_grad_()
-            got = packed_rows.rows(x, slots, ROWS, transpose=transpose)
-            expected = expected_x[0].index_select(1, slots).unflatten(1, (ROWS, LENGTH)).transpose(0, 1)
-            if transpose:
-                expected = expected.transpose(-1, -2)
-            assert got.is_contiguous()
-            assert torch.equal(got, expected)
-            grad = _values(got.shape, dtype, generator)
-            got.backward(grad)
-            expected.backward(grad)
-            assert torch.equal(x.grad, expected_x.grad)
-            assert torch.equal(x.grad.signbit(), expected_x.grad.signbit())
-    finally:
-        torch.set_num_threads(previous)
+    for layout in ("tokens first", "heads first"):  # q after rotary is laid out by token; either must work
+        base = _values((tokens, heads, d) if layout == "tokens first" else (heads, tokens, d), dtype, generator)
+        x = (base.transpose(0, 1) if layout == "tokens first" else base)[None].requires_grad_()
+        expected_x = x.detach().clone().requires_grad_()
+        got = packed_rows.rows(x, slots, ROWS, transpose=transpose)
+        expected = expected_x[0].index_select(1, slots).unflatten(1, (ROWS, LENGTH)).transpose(0, 1)
+        if transpose:
+            expected = expected.transpose(-1, -2)
+        assert got.is_contiguous()
+        _equal_with_gradients(got, expected, x, expected_x, generator)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tokens_take_each_ones_slot_and_scatter_the_gradient_back(dtype, threads):
     generator = torch.Generator().manual_seed(1)
     _, real, tokens = _slots(generator)
     heads, d = 4, 16
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        y = _values((ROWS, heads, LENGTH, d), dtype, generator).requires_grad_()
-        expected_y = y.detach().clone().requires_grad_()
-        got = packed_rows.tokens(y, real)
-        expected = expected_y.transpose(1, 2).flatten(0, 1).index_select(0, real)[None]
-        assert got.shape == (1, tokens, heads, d)
-        assert torch.equal(got, expected)
-        grad = _values(got.shape, dtype, generator)
-        got.backward(grad)
-        expected.backward(grad)
-        assert torch.equal(y.grad, expected_y.grad)
-        assert torch.equal(y.grad.signbit(), expected_y.grad.signbit())
-    finally:
-        torch.set_num_threads(previous)
+    y = _values((ROWS, heads, LENGTH, d), dtype, generator).requires_grad_()
+    expected_y = y.detach().clone().requires_grad_()
+    got = packed_rows.tokens(y, real)
+    expected = expected_y.transpose(1, 2).flatten(0, 1).index_select(0, real)[None]
+    assert got.shape == (1, tokens, heads, d)
+    _equal_with_gradients(got, expected, y, expected_y, generator)
 
 
 def test_an_index_outside_the_tokens_is_refused():
