@@ -6,5 +6,5 @@ the callers run those torch ops.
 
 - build.py        the one module of csrc/*.cpp: built once per machine and CPU kind, then loaded
 - elementwise.py  RMSNorm, SiLU(gate) * up and the causal softmax as autograd functions over csrc/train_*.cpp
-- packed_rows.py  q, k and v from the packed tokens into the attention's rows, and its output back (csrc/packed_rows.cpp)
+- packed_rows.py  q, k, v from the packed tokens into the attention's rows, and its output back (csrc/packed_rows.cpp)
 """
