@@ -79,8 +79,9 @@ def test_samples_do_not_depend_on_how_requests_are_interleaved(tiny):
 
 
 def test_release_cache_frees_it_and_the_next_generation_reallocates(tiny):
+    """With keep_cache=false (CPU keeps it by default: test_kv_cache.py)."""
     _, model, tokenizer = tiny
-    rollout = NativeRollout(model, tokenizer, engine_config=engine_config())
+    rollout = NativeRollout(model, tokenizer, engine_config=engine_config(keep_cache=False))
     prompts = prompts_of(tokenizer, QUESTIONS[:3])
     first = rollout.generate_sequences(prompts, greedy(5)).batch["responses"]
     assert rollout.engine.cache is not None
