@@ -8,22 +8,9 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hybridflow.engine.packing import causal_bias
-from hybridflow.kernels import build, elementwise
+from hybridflow.kernels import elementwise
 
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def built():
-    assert build.available(), build.unavailable_reason()
-
-
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
