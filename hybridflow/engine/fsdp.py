@@ -112,8 +112,9 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
         local = norm.full_tensor() if isinstance(norm, DTensor) else norm
         # torch's clip_grad_norm_ multiplies by min(max_norm / (norm + 1e-6), 1): skip its pass over every
         # gradient when that factor is 1 (nothing changes) or not finite (the step is skipped anyway)
-        if bool(max_norm / (local + 1e-6) < 1.0):
-            torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
+        coefficient = torch.clamp(max_norm / (local + 1e-6), max=1.0)
+        if bool(coefficient < 1.0):
+            scale_local_shards(grads, coefficient)
         return float(local)
     # tensor-parallel layers live on the (dp, tp) mesh, the rest on dp alone: torch cannot stack their
     # norms, so each parameter's norm is reduced on its own mesh (a scalar each) and then combined
@@ -127,6 +128,15 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
         for grad in grads:
             grad.mul_(coefficient)
     return total
+
+
+@torch.no_grad()
+def scale_local_shards(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
+    """Multiply every gradient by ``coefficient`` (a scalar tensor) in place, each DTensor's local shard directly: the
+    products torch's ``clip_grads_with_norm_`` computes, bit for bit. Through DTensor's dispatch the multiply costs
+    a sharding propagation per gradient, 0.27 s the first time an update clips SmolLM2-135M's 272 gradients (the
+    GRPO step's second update, docs/log/training.md §44) and 0.02 s every time after."""
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)
 
 
 def gradient_square_sum(grad: torch.Tensor) -> torch.Tensor:
