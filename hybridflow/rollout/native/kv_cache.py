@@ -74,8 +74,17 @@ class KVCache:
         return self.k[layer, :batch].view(batch * hkv, t, d), self.v[layer, :batch].view(batch * hkv, t, d)
 
     def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
-        """Copy the first `length` positions of slots `src` into slots `dst`, in every layer."""
+        """Copy the first `length` positions of slots `src` into slots `dst`, in every layer (every source read as it
+        was before the call, where a slot is both a source and a destination)."""
         if not src or length == 0:
+            return
+        if set(src).isdisjoint(dst):
+            # one strided copy a pair, where an indexed assignment first gathers every copy into a new tensor and
+            # then scatters it: the agent endpoint's shared prompt prefix (330 positions of SmolLM2 into 64 slots)
+            # 87-126 ms -> 20 ms on 2 cores
+            for cache in (self.k, self.v):
+                for source, target in zip(src, dst):
+                    cache[:, target, :, :length].copy_(cache[:, source, :, :length])
             return
         src_t = torch.tensor(src, device=self.k.device)
         dst_t = torch.tensor(dst, device=self.k.device)

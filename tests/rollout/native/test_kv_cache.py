@@ -11,7 +11,8 @@ from rollout_helpers import QUESTIONS, engine_config, prompts_of, sampled
 
 from hybridflow.models import load_causal_lm, load_tokenizer
 from hybridflow.rollout.native import NativeRollout
-from hybridflow.rollout.native.kv_cache import lazy_zeros
+from hybridflow.rollout.native.kv_cache import KVCache, lazy_zeros
+from hybridflow.rollout.native.spec import ModelSpec
 
 MIB = 2**20
 
@@ -40,6 +41,43 @@ def test_lazy_zeros_are_zeros_committed_only_where_written():
 def test_lazy_zeros_of_a_float32_tensor_and_an_empty_one():
     assert torch.equal(lazy_zeros((3, 5), torch.float32, "cpu"), torch.zeros(3, 5))
     assert lazy_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
+
+
+def filled_cache() -> KVCache:
+    spec = ModelSpec(
+        num_layers=2,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+        vocab_size=16,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=10,
+    )
+    cache = KVCache(spec, num_slots=6, max_len=10, dtype=torch.bfloat16, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    return cache
+
+
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [([5, 5, 5, 5], [0, 1, 2, 3]), ([4, 5], [1, 0]), ([1, 2], [2, 3]), ([3, 0], [0, 3])],
+    ids=["one source, four copies", "two moves", "a chain", "a swap"],
+)
+def test_copy_slots_copies_each_source_as_it_was_before_the_call(src, dst):
+    cache = filled_cache()
+    k, v = cache.k.clone(), cache.v.clone()
+    cache.copy_slots(src, dst, length=7)
+    expected_k, expected_v = k.clone(), v.clone()
+    for source, target in zip(src, dst):  # every source read from the cache as it was (the chain and the swap)
+        expected_k[:, target, :, :7] = k[:, source, :, :7]
+        expected_v[:, target, :, :7] = v[:, source, :, :7]
+    assert torch.equal(cache.k, expected_k) and torch.equal(cache.v, expected_v)
 
 
 @pytest.mark.parametrize("ragged", [True, False], ids=["real-lengths", "whole-rows"])
