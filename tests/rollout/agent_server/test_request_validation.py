@@ -21,6 +21,7 @@ from hybridflow.rollout.agent_server.openai_api import (
     read_chat_request,
     read_responses_request,
 )
+from hybridflow.rollout.agent_server.openai_messages import check_tools, remembered_schema_problem
 
 MODEL, TEMPERATURE, TOP_P, TOP_K, VOCAB, BUDGET = "policy", 1.0, 1.0, -1, 1000, 64
 FAST = settings(max_examples=200, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
@@ -367,3 +368,16 @@ def test_the_hermes_parser_reads_any_text_into_calls_or_malformed_calls(text):
         if isinstance(call, ToolCall):
             assert isinstance(call.name, str) and isinstance(call.arguments, dict)
     assert bool(calls) == ("<tool_call>" in text)
+
+
+def test_a_tool_schema_checked_once_is_remembered_with_its_verdict():
+    valid = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    invalid = {"type": "function", "function": {"name": "g", "parameters": {"properties": {"x": {"pattern": "("}}}}}
+    remembered_schema_problem.cache_clear()
+    for _ in range(2):
+        assert check_tools([valid])[0]["function"]["name"] == "f"
+        with pytest.raises(ApiError) as refused:
+            check_tools([invalid])
+        assert refused.value.param == "tools[0]" and "not a valid JSON Schema" in str(refused.value.body())
+    info = remembered_schema_problem.cache_info()
+    assert (info.misses, info.hits) == (2, 2)  # each schema checked once, then its verdict reused
