@@ -84,10 +84,9 @@ class Engine:
         return self.ragged_decode and self.device.type == "cpu" and ragged_attention.available()
 
     def release_cache(self) -> None:
-        """After a generation call: free the KV cache (the next call allocates it again), or keep it for the next call
-        of its shape (``keep_cache``; null: on CPU). A kept cache's stale keys and values are finite and change no
-        result: decode over whole rows masks them as it masks a new cache's zeros, and the ragged kernel reads only the
-        positions each sequence wrote (tests/rollout/native/test_kv_cache.py)."""
+        """After a generation call: free the KV cache, or keep it for the next call of its shape (``keep_cache``; null:
+        on CPU). Its stale keys and values are finite and change no result: decode over whole rows masks them as a new
+        cache's zeros, the ragged kernel reads only what each sequence wrote (tests/rollout/native/test_kv_cache.py)."""
         keep = self.device.type == "cpu" if self.keep_cache is None else self.keep_cache
         if not keep:
             self.cache = None
