@@ -125,17 +125,16 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
     total = sum(squares) ** 0.5
     coefficient = max_norm / (total + 1e-6)
     if coefficient < 1.0 and total == total and total != float("inf"):
-        for grad in grads:
-            grad.mul_(coefficient)
+        scale_local_shards(grads, coefficient)
     return total
 
 
 @torch.no_grad()
-def scale_local_shards(grads: list[torch.Tensor], coefficient: torch.Tensor) -> None:
-    """Multiply every gradient by ``coefficient`` (a scalar tensor) in place, each DTensor's local shard directly: the
-    products torch's ``clip_grads_with_norm_`` computes, bit for bit. Through DTensor's dispatch the multiply costs
-    a sharding propagation per gradient, 0.27 s the first time an update clips SmolLM2-135M's 272 gradients (the
-    GRPO step's second update, docs/log/training.md §44) and 0.02 s every time after."""
+def scale_local_shards(grads: list[torch.Tensor], coefficient: torch.Tensor | float) -> None:
+    """Multiply every gradient by ``coefficient`` (a scalar) in place, each DTensor's local shard directly: the
+    products DTensor's own multiply (and torch's ``clip_grads_with_norm_``) computes, bit for bit. Through DTensor's
+    dispatch the multiply costs a sharding propagation per gradient, 0.27 s the first time an update clips
+    SmolLM2-135M's 272 gradients (the GRPO step's second update, docs/log/training.md §44), 0.02 s every time after."""
     torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coefficient)
 
 

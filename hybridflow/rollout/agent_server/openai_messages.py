@@ -14,7 +14,7 @@ from jsonschema.validators import Draft202012Validator, validator_for
 from hybridflow.request_json import RequestJsonError, read_request_json
 from hybridflow.rollout.agent_server.errors import bad_request
 
-SCHEMAS_REMEMBERED = 256  # distinct tool schemas whose check is kept (schema_problem)
+SCHEMAS_REMEMBERED = 256  # distinct tool schemas whose check is kept (remembered_schema_problem)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -115,32 +115,23 @@ def check_parameters_schema(parameters: Any, where: str, name: str) -> None:
     elif not isinstance(parameters.get("$schema", ""), str):
         problem = "names its dialect ('$schema') with a URI"
     else:
-        try:
-            canonical = json.dumps(parameters, sort_keys=True)
-        except (TypeError, ValueError):  # not JSON (a caller in Python): checked afresh
-            problem = schema_problem(parameters)
-        else:
-            problem = remembered_schema_problem(canonical)
+        problem = remembered_schema_problem(json.dumps(parameters, sort_keys=True))  # parsed from JSON: it dumps
     if problem:
         raise bad_request(f"{where}: the parameters of {name!r} {problem}", param=where, code="invalid_tool")
 
 
-def schema_problem(parameters: dict[str, Any]) -> str | None:
-    """What is wrong with a JSON Schema against the metaschema of its dialect, None if nothing."""
+@functools.lru_cache(maxsize=SCHEMAS_REMEMBERED)
+def remembered_schema_problem(schema_json: str) -> str | None:
+    """What is wrong with a JSON Schema (given as canonical JSON: sorted keys) against the metaschema of its dialect,
+    None if nothing; remembered: an agent sends the same tools with every request, and checking the calculator's
+    took 430 us of the endpoint's 1-1.2 ms a request, 5 us remembered (docs/log/rollout.md §42)."""
+    parameters = json.loads(schema_json)
     try:
         validator_for(parameters, default=Draft202012Validator).check_schema(parameters)
     except SchemaError as error:
         at = "".join(f"[{p!r}]" for p in error.absolute_path)
         return f"is not a valid JSON Schema: at parameters{at}: {error.message[:300]}"
     return None
-
-
-@functools.lru_cache(maxsize=SCHEMAS_REMEMBERED)
-def remembered_schema_problem(schema_json: str) -> str | None:
-    """``schema_problem`` of a schema given as canonical JSON (sorted keys), remembered: an agent sends the same
-    tools with every request, and checking the calculator's against the metaschema took 430 us of the endpoint's
-    1-1.2 ms a request, 5 us remembered (docs/log/rollout.md §42)."""
-    return schema_problem(json.loads(schema_json))
 
 
 def check_tools(tools: Any, param: str = "tools", *, flat: bool = False) -> list[dict[str, Any]]:
