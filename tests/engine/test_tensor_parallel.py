@@ -12,7 +12,7 @@ from lora_helpers import EXPERTS, lora_model
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hybridflow.controller import Dispatch, RayResourcePool, RayWorkerGroup, RoleSpec, Worker, register
-from hybridflow.engine.fsdp import shard_model
+from hybridflow.engine.fsdp import grad_norm_and_clip, shard_model
 from hybridflow.engine.tensor_parallel import apply_tensor_parallel, decoder_layer_plan, training_mesh
 from hybridflow.models import load_causal_lm, resolve_model_path
 from hybridflow.models.routing import experts_modules
@@ -68,6 +68,13 @@ class ParallelStep(Worker):
         return float(loss), grads
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def clip(self, max_norm: float) -> tuple[float, dict[str, torch.Tensor]]:
+        """grad_norm_and_clip on this layout's gradients (on two meshes: the split layers' (dp, tp), the rest's dp):
+        the norm it returns and every gradient after it, whole."""
+        norm = grad_norm_and_clip(self.model, max_norm)
+        return norm, {name: p.grad.full_tensor() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def local_numel(self, name: str) -> int:
         """Elements of parameter ``name`` this rank holds (its shard)."""
         return dict(self.model.named_parameters())[name].to_local().numel()
@@ -114,6 +121,27 @@ def test_a_step_in_the_training_layout_matches_one_process(groups, tiny_path, dp
         q_proj = "model.layers.0.self_attn.q_proj.weight"
         assert group.local_numel(q_proj) == [grads[q_proj].numel() // (dp * tp)] * (dp * tp)  # sharded over both
     _equal_to_one_process(group, loss, grads, input_ids, weights)
+
+
+@pytest.mark.parametrize("dp, tp", [(1, 2), (2, 2)])
+def test_clipping_in_the_training_layout_is_one_process_s(groups, tiny_path, dp, tp):
+    """The global norm over gradients on two meshes; below the limit nothing changes, above it every gradient is
+    scaled by max_norm / (norm + 1e-6), bit for bit on each rank, and as one process clips."""
+    group = groups[dp * tp]
+    _, grads, (input_ids, weights) = one_process(tiny_path, False)
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads.values()])).item()
+    group.build(tiny_path, dp, tp, False)
+    before = [rank_grads for _, rank_grads in group.loss_and_grads(input_ids, weights)]
+    for (norm, after), rank_before in zip(group.clip(10 * expected), before):  # below the limit
+        assert norm == pytest.approx(expected, rel=1e-5)
+        assert all(torch.equal(after[name], grad) for name, grad in rank_before.items())
+    max_norm = expected / 4
+    for (norm, after), rank_before in zip(group.clip(max_norm), before):
+        assert norm == pytest.approx(expected, rel=1e-5)
+        coefficient = max_norm / (norm + 1e-6)
+        for name, grad in rank_before.items():
+            assert torch.equal(after[name], grad * coefficient), name
+            torch.testing.assert_close(after[name], grads[name] * (max_norm / expected), rtol=1e-4, atol=1e-6)
 
 
 def _equal_to_one_process(group, loss: float, grads: dict, input_ids: torch.Tensor, weights: torch.Tensor) -> None:
