@@ -9,7 +9,9 @@ rank, bf16 compute, the workers' allocator settings), and each part's wall time 
 the function that runs it: the forward (the policy engine's ``outputs``), the loss on its outputs, the backward
 (``Tensor.backward``, FSDP2's reduce inside it, also shown alone), gradient clipping and the optimizer step. The
 update's total and MFU are the engine's own; then the same forward on a plain bf16 copy of the model (no FSDP2).
-Each repeat is printed (the first is a warm-up).
+Each repeat is printed (the first is a warm-up). One more update is run with each matmul (``mm``, ``addmm``, ``bmm``,
+``baddbmm``) timed as it runs (a dispatch mode; the matmuls' own wall time, whatever the mode costs around them): their
+seconds, their FLOP/s, and the MFU the update would reach if nothing but its matmuls ran, at their speed in place.
 """
 
 from __future__ import annotations
@@ -41,6 +43,32 @@ def wrap(owner, name: str, totals: dict[str, float], key: str | None = None) -> 
             totals[key or name] += time.perf_counter() - start
 
     setattr(owner, name, timed)
+
+
+def matmul_timer():
+    """A dispatch mode that sums the wall time and FLOPs of every matmul run while it is active (CPU ops run as they
+    are called). Made here: torch is imported after the allocator settings (``reexec_with_allocator_settings``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulTimer(TorchDispatchMode):
+        OPS = {"mm", "addmm", "bmm", "baddbmm"}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds, self.flops, self.calls = 0.0, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in self.OPS:
+                return func(*args, **(kwargs or {}))
+            start = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            a, b = args[-2], args[-1]  # (..., M, K) @ (..., K, N); addmm and baddbmm take the bias first
+            self.flops += 2 * a.numel() * b.shape[-1]
+            return out
+
+    return MatmulTimer()
 
 
 def main() -> None:
@@ -91,7 +119,16 @@ def main() -> None:
         mfus.append(out.meta_info[METRICS]["perf/mfu_update"])
         shown = " ".join(f"{name} {seconds:.3f}" for name, seconds in parts.items())
         print(f"{'warm-up' if repeat == 0 else f'repeat {repeat}'}: update {totals[-1]:.3f} s ({shown})", flush=True)
-    print(f"median update {statistics.median(totals[1:]):.3f} s, MFU {statistics.median(mfus[1:]):.3f}")
+    median, mfu = statistics.median(totals[1:]), statistics.median(mfus[1:])
+    print(f"median update {median:.3f} s, MFU {mfu:.3f}")
+    with matmul_timer() as matmuls:
+        engine.update_policy(data, len(data), 1.0, seed=0)
+    rate = matmuls.flops / matmuls.seconds
+    print(
+        f"its matmuls (one more update, each timed as it ran): {matmuls.calls} calls, {matmuls.seconds:.3f} s, "
+        f"{rate / 1e12:.3f} TFLOP/s ({rate / engine.meter.peak:.0%} of the peak); the MFU if nothing but them ran: "
+        f"{mfu * median / matmuls.seconds:.3f}"
+    )
 
     plain = load_causal_lm(MODEL, dtype=torch.bfloat16)
     plain.train()
