@@ -23,6 +23,7 @@ SOURCES = [
         "fused_decode.cpp",
         "train_elementwise.cpp",
         "train_softmax.cpp",
+        "train_rotary.cpp",
         "packed_rows.cpp",
     )
 ]

@@ -1,11 +1,12 @@
 """The training pass's work between its matmuls as autograd functions over one fused C++ kernel each way
-(csrc/train_elementwise.cpp, csrc/train_softmax.cpp): RMSNorm, SiLU(gate) * up, and the packed attention's scaled
-causal softmax.
+(csrc/train_elementwise.cpp, csrc/train_softmax.cpp, csrc/train_rotary.cpp): RMSNorm, SiLU(gate) * up, the rotary
+embedding, and the packed attention's scaled causal softmax.
 
 transformers' RMSNorm is about 8 torch ops forward and 15 backward, most of them passes over float32 copies of the
 (tokens, hidden) activations; SiLU x up is 2 forward and 4 backward, and keeps SiLU(gate) for the backward. Here each
 is one pass forward and one or two backward (plus torch's own reductions on the products the backward needs), and
-SiLU x up keeps only its inputs. The values are bit for bit those of the torch ops and of autograd's backward through
+SiLU x up keeps only its inputs; the rotary embedding (x * cos + rotate_half(x) * sin, six ops forward and about ten
+backward) is one pass each way. The values are bit for bit those of the torch ops and of autograd's backward through
 them (tests/kernels/test_elementwise.py): a model computes the same numbers with the fused functions or without.
 The attention's softmax (engine/packing.py) is torch.softmax(bias + scale * scores) in float32, then rounded: four
 passes over the (rows, heads, L, L) scores forward and four backward, in one each here.
@@ -59,6 +60,22 @@ class _SiLUMul(torch.autograd.Function):
         return tuple(build.module().silu_mul_backward(grad.contiguous(), gate, up))
 
 
+class _Rotary(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return build.module().rotary_forward(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos, sin = ctx.saved_tensors
+        # contiguous, as autograd's sum of the slices' gradients is: what comes next (a q/k norm's weight gradient,
+        # summed in its gradient's layout) sees the same layout
+        dx = torch.empty(grad.shape, dtype=grad.dtype)
+        build.module().rotary_backward(grad if grad.stride(-1) == 1 else grad.contiguous(), cos, sin, dx)
+        return dx, None, None
+
+
 class _CausalSoftmax(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
@@ -83,6 +100,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up, two tensors of one shape and dtype (float32 or bfloat16) on the CPU (``fits``)."""
     return _SiLUMul.apply(gate, up)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary embedding of q or k: x * cos + rotate_half(x) * sin, x (B, H, T, D) contiguous along D
+    (any layout otherwise), cos and sin (B, T, D) contiguous, broadcast over the heads; one dtype, float32 or bfloat16,
+    on the CPU (``fits``), cos and sin without gradients."""
+    return _Rotary.apply(x, cos, sin)
 
 
 def causal_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,6 +1,8 @@
-"""engine/fused_modules.py: a model's RMSNorms and SiLU MLPs through the fused kernels give transformers' numbers bit
-for bit, through whole forward and backward passes of the tiny families the engine trains, packed as the update packs
-its rows; modules that compute otherwise keep their own forward."""
+"""engine/fused_modules.py: a model's RMSNorms, SiLU MLPs and rotary embedding through the fused kernels give
+transformers' numbers bit for bit, through whole forward and backward passes of the tiny families the engine trains,
+packed as the update packs its rows; modules that compute otherwise keep their own forward."""
+
+import sys
 
 import pytest
 import torch
@@ -37,8 +39,8 @@ def _forward_backward(model: nn.Module, ids, mask, positions) -> tuple[torch.Ten
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe"])
 def test_fused_model_is_transformers_bit_for_bit(name, dtype, monkeypatch):
-    """With its norms, MLPs, the packed attention's softmax and its moves into rows and back fused, against the same
-    model on torch's ops alone."""
+    """With its norms, MLPs, rotary embedding, the packed attention's softmax and its moves into rows and back fused,
+    against the same model on torch's ops alone."""
     assert build.available(), build.unavailable_reason()
     generator = torch.Generator().manual_seed(0)
     plain = load_causal_lm(name, dtype=dtype).train()
@@ -54,12 +56,12 @@ def test_fused_model_is_transformers_bit_for_bit(name, dtype, monkeypatch):
         torch_ops_alone.setattr(elementwise, "fits", lambda *tensors: False)
         expected_logits, expected_grads = _forward_backward(plain, *rows)
     calls = []  # the fused run must run every kernel, not fall back to torch's ops unseen
-    kernels = [(elementwise, "rms_norm"), (elementwise, "silu_mul"), (elementwise, "causal_softmax")]
+    kernels = [(elementwise, n) for n in ("rms_norm", "silu_mul", "rotary", "causal_softmax")]
     for module, fn in kernels + [(packed_rows, "rows"), (packed_rows, "tokens")]:
         original = getattr(module, fn)
         monkeypatch.setattr(module, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     logits, grads = _forward_backward(fused, *rows)
-    assert {"rms_norm", "causal_softmax", "rows", "tokens"} <= set(calls)
+    assert {"rms_norm", "rotary", "causal_softmax", "rows", "tokens"} <= set(calls)
     assert "silu_mul" in calls or name == "tiny-qwen3-moe"  # its MLPs are experts (engine/moe.py), not Llama MLPs
     assert torch.equal(logits, expected_logits)
     assert grads.keys() == expected_grads.keys()
@@ -85,6 +87,27 @@ def test_fused_forwards_run_the_kernels_and_step_aside_for_other_inputs(monkeypa
         assert torch.equal(norm(hidden.double()), expected)  # float64: transformers' own forward
         mlp.double()(hidden.double())
     assert calls == []
+
+
+def test_the_family_s_rotary_is_fused_by_name_and_steps_aside_for_other_inputs(monkeypatch):
+    """The modeling module's ``apply_rotary_pos_emb`` gets the fused function once; it calls the kernel on CPU float
+    tensors of the attention's shapes and transformers' function otherwise (float64, cos with a gradient)."""
+    model = load_causal_lm("tiny-qwen2", dtype=torch.float32)
+    fuse_elementwise(model)
+    namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    fused = namespace.apply_rotary_pos_emb
+    unfused = fused.unfused
+    fuse_elementwise(model)
+    assert namespace.apply_rotary_pos_emb is fused  # idempotent: not wrapped twice
+    calls = []
+    monkeypatch.setattr(elementwise, "rotary", lambda *a, _f=elementwise.rotary: calls.append(1) or _f(*a))
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for args in [(q, k, cos, sin), (q.double(), k.double(), cos.double(), sin.double())]:
+        assert all(map(torch.equal, fused(*args), unfused(*args)))
+    assert len(calls) == 2  # q and k of the float32 call
+    fused(q, k, cos.requires_grad_(), sin)
+    assert len(calls) == 2
 
 
 def test_other_norms_keep_their_forward():

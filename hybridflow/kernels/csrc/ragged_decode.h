@@ -18,5 +18,6 @@ void register_fused(pybind11::module& m);     // fused_decode.cpp's functions, i
 void register_training(pybind11::module& m);  // train_elementwise.cpp's
 void register_training_softmax(pybind11::module& m);  // train_softmax.cpp's
 void register_packed_rows(pybind11::module& m);  // packed_rows.cpp's
+void register_training_rotary(pybind11::module& m);  // train_rotary.cpp's
 
 }  // namespace hybridflow
