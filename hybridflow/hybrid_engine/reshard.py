@@ -94,16 +94,21 @@ def generation_weights(
     report: SwitchReport,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     stage_gather_group: dist.ProcessGroup | None = None,
+    cast_whole: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, this rank's generation slice in ``dtype``) for every parameter and buffer,
     one at a time (those that FSDP2 alone shards gathered ``bucket_bytes`` at a time); ``report`` accumulates
     the bytes. A LoRA model's weights come merged. ``stage_gather_group``: with generation stages, the pp ranks whose
-    training stages make this rank's generation stage (``ActorLayouts``): only their decoder layers come."""
+    training stages make this rank's generation stage (``ActorLayouts``): only their decoder layers come.
+    ``cast_whole=False``: a tensor this rank holds whole (an unsharded model, or one rank's) comes as trained, for a
+    rollout that casts as it copies (``Rollout.load_casts``): the same values, without a cast copy of every weight."""
     if isinstance(model, PipelinedModel):
         yield from _over_stages(model, policy_parameters, dtype, gather_group, report, bucket_bytes, stage_gather_group)
         yield from _buffers(model.stages[0])  # every stage holds the same (the rotary embedding's)
         return
-    yield from _generation_slices(model, policy_parameters(model), dtype, gather_group, report, bucket_bytes)
+    yield from _generation_slices(
+        model, policy_parameters(model), dtype, gather_group, report, bucket_bytes, cast_whole=cast_whole
+    )
     yield from _buffers(model)
 
 
@@ -199,12 +204,18 @@ def _generation_slices(
     gather_group: dist.ProcessGroup | None,
     report: SwitchReport,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    cast_whole: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     buckets: dict[int, list[tuple[str, DTensor]]] = {}  # FSDP2-only shards by mesh, to gather together
     filled: dict[int, int] = {}  # the whole bytes in each mesh's bucket
     for name, param in named:
         if isinstance(param, DTensor) and param.device_mesh.size() == 1:  # its one shard is the whole tensor
             param = param.to_local()  # a plain tensor: DTensor's dispatch was a third of the one-rank cast's time
+        if not cast_whole and not isinstance(param, DTensor):  # the rollout casts it as it copies it in
+            report.whole += param.numel() * dtype.itemsize
+            report.held += param.numel() * dtype.itemsize
+            yield name, param.detach()
+            continue
         part = param.detach().to(dtype)
         if _sharded_by_rows_only(part) and part.device_mesh.size(_row_mesh_dim(part)) > 1:
             mesh, size = id(part.device_mesh), _nbytes(part)

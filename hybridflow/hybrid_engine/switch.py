@@ -104,7 +104,8 @@ class HybridEngine:
         stages = self.stage_gather_group
         scaling = lora_scaling(model)
         if scaling is None:
-            self.rollout.load_weights(generation_weights(model, *groups, stage_gather_group=stages))
+            cast = not self.rollout.load_casts
+            self.rollout.load_weights(generation_weights(model, *groups, stage_gather_group=stages, cast_whole=cast))
             return
         if not self.base_synced:
             self.rollout.load_base_weights(base_generation_weights(model, *groups, stage_gather_group=stages))

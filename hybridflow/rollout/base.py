@@ -51,6 +51,9 @@ class Rollout(ABC):
     """Generates responses for left-padded prompts; the batch layout is the same for every backend."""
 
     reload_needs_every_weight = False  # load_weights must be given every weight of the model each time
+    # load_weights casts each tensor as it copies it into the generator's own: whole weights may come in the trainer's
+    # dtype (hybrid_engine/reshard.py ``generation_weights``'s ``cast_whole``), a pass over them fewer than a cast first
+    load_casts = False
 
     @abstractmethod
     def generate_sequences(self, prompts: DataProto, params: SamplingParams) -> DataProto:
@@ -121,6 +124,7 @@ class BackendWrapper(Rollout):
         self.backend = backend
         self.engine = backend.request_engine()
         self.pad_token_id = backend.pad_token_id
+        self.load_casts = backend.load_casts
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.backend.load_weights(named_tensors)

@@ -88,6 +88,48 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
         assert torch.equal(second[name], weight), name
 
 
+def test_a_rollout_that_casts_as_it_loads_gets_the_weights_as_trained_and_the_same_bits(
+    tiny_path, rollout_batch, actor_config_factory
+):
+    """The native engine casts as it copies (``load_casts``): a one-process trainer sends it its fp32 weights
+    uncast, and a bf16 engine ends with the bits a cast first gives (the same log-probs, token for token)."""
+    trainer = _trainer(actor_config_factory(tiny_path, 0.5))
+    _step(trainer, rollout_batch)  # weights the generators do not start from
+    prompts = rollout_batch.select(batch_keys=["attention_mask", "position_ids"], deepcopy=True)
+    width = rollout_batch.batch["prompts"].shape[1]
+    prompts.batch["input_ids"] = rollout_batch.batch["prompts"].clone()
+    for key in ("attention_mask", "position_ids"):
+        prompts.batch[key] = prompts.batch[key][:, :width].contiguous()
+    outputs, received = {}, {}
+    for casts in (True, False):
+        generator = NativeRollout(
+            load_causal_lm(tiny_path, dtype=torch.float32),
+            load_tokenizer(tiny_path),
+            engine_config=default_config().actor_rollout_ref.rollout.native,
+            dtype=torch.bfloat16,
+        )
+        generator.load_casts = casts
+        load, dtypes = generator.load_weights, received.setdefault(casts, set())  # of the weights (not buffers)
+        generator.load_weights = lambda named, load=load, dtypes=dtypes: load(
+            (n, n.endswith(".weight") and dtypes.add(t.dtype) or t) for n, t in named
+        )
+        hybrid = HybridEngine(
+            trainer.trained,
+            generator,
+            torch.device("cpu"),
+            param_offload=False,
+            optimizer_offload=False,
+            dtype=torch.bfloat16,
+        )
+        outputs[casts] = hybrid.generate(prompts, GREEDY)
+    assert received == {True: {torch.float32}, False: {torch.bfloat16}}
+    for key in ("responses", "rollout_log_probs"):
+        assert torch.equal(outputs[True].batch[key], outputs[False].batch[key]), key
+    weight_mb = sum(p.numel() * 2 for p in trainer.model.parameters()) / 2**20  # as bf16, either way
+    for output in outputs.values():
+        assert output.meta_info[METRICS]["switch/generation_weights_mb"] == pytest.approx(weight_mb)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading moves state off a GPU; none here")
 def test_offload_round_trip_on_gpu():
     device = torch.device("cuda", torch.cuda.current_device())  # the index named: cuda != cuda:0 for torch.device

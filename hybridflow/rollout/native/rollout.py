@@ -52,6 +52,8 @@ class NativeRollout(Rollout):
     own tp_group; every rank of it makes the same calls too. None: this rank holds every layer.
     """
 
+    load_casts = True  # Weights.load copies into the engine's tensors, casting
+
     def __init__(
         self,
         model: nn.Module,
