@@ -16,6 +16,8 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <tuple>
+
 #include "elementwise.h"
 
 namespace hybridflow {
@@ -52,6 +54,17 @@ void over_rows(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos
   });
 }
 
+// Lanes j.. of a row's two halves, widened: the first half's (lo0, lo1) and the second's (hi0, hi1)
+template <typename scalar_t>
+struct Halves {
+  typename Lanes<scalar_t>::FloatVec lo0, lo1, hi0, hi1;
+
+  Halves(const scalar_t* row, int64_t j, int64_t half) {
+    std::tie(lo0, lo1) = Lanes<scalar_t>::load(row + j);
+    std::tie(hi0, hi1) = Lanes<scalar_t>::load(row + half + j);
+  }
+};
+
 // out = x * cos + rotate_half(x) * sin, each product rounded, then the sum
 at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rotary(x, cos, sin);
@@ -67,17 +80,12 @@ at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::
       int64_t j = 0;
       if (half % L::size == 0) {
         for (; j < half; j += L::size) {
-          auto [a0, a1] = L::load(xr + j);  // x1
-          auto [b0, b1] = L::load(xr + half + j);  // x2
-          auto [c0, c1] = L::load(c + j);
-          auto [d0, d1] = L::load(c + half + j);
-          auto [s0, s1] = L::load(s + j);
-          auto [t0, t1] = L::load(s + half + j);
-          auto [p0, p1] = L::round(a0 * c0, a1 * c1);  // x1 * cos
-          auto [q0, q1] = L::round(b0.neg() * s0, b1.neg() * s1);  // -x2 * sin
+          const Halves<scalar_t> x(xr, j, half), co(c, j, half), si(s, j, half);  // x: (x1, x2)
+          auto [p0, p1] = L::round(x.lo0 * co.lo0, x.lo1 * co.lo1);  // x1 * cos
+          auto [q0, q1] = L::round(x.hi0.neg() * si.lo0, x.hi1.neg() * si.lo1);  // -x2 * sin
           L::store(orow + j, p0 + q0, p1 + q1);
-          auto [u0, u1] = L::round(b0 * d0, b1 * d1);  // x2 * cos
-          auto [v0, v1] = L::round(a0 * t0, a1 * t1);  // x1 * sin
+          auto [u0, u1] = L::round(x.hi0 * co.hi0, x.hi1 * co.hi1);  // x2 * cos
+          auto [v0, v1] = L::round(x.lo0 * si.hi0, x.lo1 * si.hi1);  // x1 * sin
           L::store(orow + half + j, u0 + v0, u1 + v1);
         }
       }
@@ -110,17 +118,12 @@ void rotary_backward(const at::Tensor& g, const at::Tensor& cos, const at::Tenso
       int64_t j = 0;
       if (half % L::size == 0) {
         for (; j < half; j += L::size) {
-          auto [g0, g1] = L::load(gr + j);
-          auto [h0, h1] = L::load(gr + half + j);
-          auto [c0, c1] = L::load(c + j);
-          auto [d0, d1] = L::load(c + half + j);
-          auto [s0, s1] = L::load(s + j);
-          auto [t0, t1] = L::load(s + half + j);
-          auto [p0, p1] = L::round(g0 * c0, g1 * c1);  // g * cos, first half
-          auto [q0, q1] = L::round(h0 * t0, h1 * t1);  // (g * sin), second half: x1's slice gradient
+          const Halves<scalar_t> g(gr, j, half), co(c, j, half), si(s, j, half);
+          auto [p0, p1] = L::round(g.lo0 * co.lo0, g.lo1 * co.lo1);  // g * cos, first half
+          auto [q0, q1] = L::round(g.hi0 * si.hi0, g.hi1 * si.hi1);  // (g * sin), second half: x1's slice gradient
           L::store(drow + j, p0 + q0, p1 + q1);
-          auto [u0, u1] = L::round(h0 * d0, h1 * d1);  // g * cos, second half
-          auto [v0, v1] = L::round(g0 * s0, g1 * s1);  // (g * sin), first half, negated: x2's slice gradient
+          auto [u0, u1] = L::round(g.hi0 * co.hi0, g.hi1 * co.hi1);  // g * cos, second half
+          auto [v0, v1] = L::round(g.lo0 * si.lo0, g.lo1 * si.lo1);  // (g * sin), first half, negated: x2's
           L::store(drow + half + j, u0 + v0.neg(), u1 + v1.neg());
         }
       }
