@@ -37,19 +37,22 @@ void check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
               "cos and sin must have x's dtype");
 }
 
-// For each (b, h, t) row of x and out, with that row's cos and sin: row(x_row, out_row, c, s, half).
+// For each (b, h, t) row of x and out, with that row's cos and sin: row(x_row, out_row, cos_row, sin_row, half).
 template <typename scalar_t, typename Row>
-void over_rows(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos, Row row) {
+void over_rows(const at::Tensor& x, const at::Tensor& out, const at::Tensor& cos, const at::Tensor& sin, Row row) {
   const int64_t heads = x.size(1), tokens = x.size(2), dim = x.size(3);
   const int64_t rows = x.size(0) * heads * tokens;
   const scalar_t* xp = x.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
+  const scalar_t* cp = cos.data_ptr<scalar_t>();
+  const scalar_t* sp = sin.data_ptr<scalar_t>();
   const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
   const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t t = r % tokens, h = (r / tokens) % heads, b = r / (tokens * heads);
-      row(xp + b * xs0 + h * xs1 + t * xs2, op + b * os0 + h * os1 + t * os2, (b * tokens + t) * dim, dim / 2);
+      const int64_t at = (b * tokens + t) * dim;
+      row(xp + b * xs0 + h * xs1 + t * xs2, op + b * os0 + h * os1 + t * os2, cp + at, sp + at, dim / 2);
     }
   });
 }
@@ -72,20 +75,17 @@ at::Tensor rotary_forward(const at::Tensor& x, const at::Tensor& cos, const at::
   float_or_bf16(x, [&](auto tag) {
     using scalar_t = decltype(tag);
     using L = Lanes<scalar_t>;
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    over_rows<scalar_t>(x, out, cos, [&](const scalar_t* xr, scalar_t* orow, int64_t at, int64_t half) {
-      const scalar_t* c = cp + at;
-      const scalar_t* s = sp + at;
+    over_rows<scalar_t>(x, out, cos, sin, [&](const scalar_t* xr, scalar_t* orow, const scalar_t* c, const scalar_t* s,
+                                            int64_t half) {
       int64_t j = 0;
       if (half % L::size == 0) {
         for (; j < half; j += L::size) {
-          const Halves<scalar_t> x(xr, j, half), co(c, j, half), si(s, j, half);  // x: (x1, x2)
-          auto [p0, p1] = L::round(x.lo0 * co.lo0, x.lo1 * co.lo1);  // x1 * cos
-          auto [q0, q1] = L::round(x.hi0.neg() * si.lo0, x.hi1.neg() * si.lo1);  // -x2 * sin
+          const Halves<scalar_t> xs(xr, j, half), co(c, j, half), si(s, j, half);  // xs: (x1, x2)
+          auto [p0, p1] = L::round(xs.lo0 * co.lo0, xs.lo1 * co.lo1);  // x1 * cos
+          auto [q0, q1] = L::round(xs.hi0.neg() * si.lo0, xs.hi1.neg() * si.lo1);  // -x2 * sin
           L::store(orow + j, p0 + q0, p1 + q1);
-          auto [u0, u1] = L::round(x.hi0 * co.hi0, x.hi1 * co.hi1);  // x2 * cos
-          auto [v0, v1] = L::round(x.lo0 * si.hi0, x.lo1 * si.hi1);  // x1 * sin
+          auto [u0, u1] = L::round(xs.hi0 * co.hi0, xs.hi1 * co.hi1);  // x2 * cos
+          auto [v0, v1] = L::round(xs.lo0 * si.hi0, xs.lo1 * si.hi1);  // x1 * sin
           L::store(orow + half + j, u0 + v0, u1 + v1);
         }
       }
@@ -110,20 +110,17 @@ void rotary_backward(const at::Tensor& g, const at::Tensor& cos, const at::Tenso
   float_or_bf16(g, [&](auto tag) {
     using scalar_t = decltype(tag);
     using L = Lanes<scalar_t>;
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    over_rows<scalar_t>(g, dx, cos, [&](const scalar_t* gr, scalar_t* drow, int64_t at, int64_t half) {
-      const scalar_t* c = cp + at;
-      const scalar_t* s = sp + at;
+    over_rows<scalar_t>(g, dx, cos, sin, [&](const scalar_t* gr, scalar_t* drow, const scalar_t* c, const scalar_t* s,
+                                            int64_t half) {
       int64_t j = 0;
       if (half % L::size == 0) {
         for (; j < half; j += L::size) {
-          const Halves<scalar_t> g(gr, j, half), co(c, j, half), si(s, j, half);
-          auto [p0, p1] = L::round(g.lo0 * co.lo0, g.lo1 * co.lo1);  // g * cos, first half
-          auto [q0, q1] = L::round(g.hi0 * si.hi0, g.hi1 * si.hi1);  // (g * sin), second half: x1's slice gradient
+          const Halves<scalar_t> gs(gr, j, half), co(c, j, half), si(s, j, half);
+          auto [p0, p1] = L::round(gs.lo0 * co.lo0, gs.lo1 * co.lo1);  // g * cos, first half
+          auto [q0, q1] = L::round(gs.hi0 * si.hi0, gs.hi1 * si.hi1);  // (g * sin), second half: x1's slice gradient
           L::store(drow + j, p0 + q0, p1 + q1);
-          auto [u0, u1] = L::round(g.hi0 * co.hi0, g.hi1 * co.hi1);  // g * cos, second half
-          auto [v0, v1] = L::round(g.lo0 * si.lo0, g.lo1 * si.lo1);  // (g * sin), first half, negated: x2's
+          auto [u0, u1] = L::round(gs.hi0 * co.hi0, gs.hi1 * co.hi1);  // g * cos, second half
+          auto [v0, v1] = L::round(gs.lo0 * si.lo0, gs.lo1 * si.lo1);  // (g * sin), first half, negated: x2's
           L::store(drow + half + j, u0 + v0.neg(), u1 + v1.neg());
         }
       }
