@@ -88,6 +88,18 @@ def test_generate_between_updates_syncs_weights_and_leaves_training_unchanged(
         assert torch.equal(second[name], weight), name
 
 
+def _noting_dtypes(load_weights, dtypes: set):
+    """``load_weights`` that adds the dtype of every weight it is given (not the buffers) to ``dtypes``."""
+
+    def noted(named_tensors):
+        for name, tensor in named_tensors:
+            if name.endswith(".weight"):
+                dtypes.add(tensor.dtype)
+            yield name, tensor
+
+    return lambda named_tensors: load_weights(noted(named_tensors))
+
+
 def test_a_rollout_that_casts_as_it_loads_gets_the_weights_as_trained_and_the_same_bits(
     tiny_path, rollout_batch, actor_config_factory
 ):
@@ -109,10 +121,7 @@ def test_a_rollout_that_casts_as_it_loads_gets_the_weights_as_trained_and_the_sa
             dtype=torch.bfloat16,
         )
         generator.load_casts = casts
-        load, dtypes = generator.load_weights, received.setdefault(casts, set())  # of the weights (not buffers)
-        generator.load_weights = lambda named, load=load, dtypes=dtypes: load(
-            (n, n.endswith(".weight") and dtypes.add(t.dtype) or t) for n, t in named
-        )
+        generator.load_weights = _noting_dtypes(generator.load_weights, received.setdefault(casts, set()))
         hybrid = HybridEngine(
             trainer.trained,
             generator,
