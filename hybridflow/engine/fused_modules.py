@@ -103,18 +103,16 @@ def _fused_rotary(original):
     return apply_rotary_pos_emb
 
 
-def _fuse_rotary(namespace: types.ModuleType) -> bool:
-    """Give a modeling module's ``apply_rotary_pos_emb`` the fused version if it and its ``rotate_half`` are Llama's;
-    whether it has it now."""
+def _fuse_rotary(namespace: types.ModuleType) -> None:
+    """Give a modeling module's ``apply_rotary_pos_emb`` the fused version (once) if it and its ``rotate_half`` are
+    Llama's."""
     current = getattr(namespace, "apply_rotary_pos_emb", None)
     if current is None or hasattr(current, "unfused"):
-        return current is not None
+        return
     llama = getattr(modeling_llama.apply_rotary_pos_emb, "unfused", modeling_llama.apply_rotary_pos_emb)
     rotate_half = getattr(namespace, "rotate_half", None)
-    if _source(current) != _source(llama) or _source(rotate_half) != _source(modeling_llama.rotate_half):
-        return False
-    namespace.apply_rotary_pos_emb = _fused_rotary(current)
-    return True
+    if _source(current) == _source(llama) and _source(rotate_half) == _source(modeling_llama.rotate_half):
+        namespace.apply_rotary_pos_emb = _fused_rotary(current)
 
 
 def fuse_elementwise(model: nn.Module) -> int:

@@ -212,8 +212,8 @@ def _generation_slices(
         if isinstance(param, DTensor) and param.device_mesh.size() == 1:  # its one shard is the whole tensor
             param = param.to_local()  # a plain tensor: DTensor's dispatch was a third of the one-rank cast's time
         if not cast_whole and not isinstance(param, DTensor):  # the rollout casts it as it copies it in
-            report.whole += param.numel() * dtype.itemsize
-            report.held += param.numel() * dtype.itemsize
+            size = param.numel() * dtype.itemsize
+            report.whole, report.held = report.whole + size, report.held + size
             yield name, param.detach()
             continue
         part = param.detach().to(dtype)

@@ -8,11 +8,12 @@ import resource
 import pytest
 import torch
 from rollout_helpers import QUESTIONS, engine_config, prompts_of, sampled
+from transformers import AutoConfig
 
-from hybridflow.models import load_causal_lm, load_tokenizer
+from hybridflow.models import load_causal_lm, load_tokenizer, resolve_model_path
 from hybridflow.rollout.native import NativeRollout
 from hybridflow.rollout.native.kv_cache import KVCache, lazy_zeros
-from hybridflow.rollout.native.spec import ModelSpec
+from hybridflow.rollout.native.spec import spec_from_config
 
 MIB = 2**20
 
@@ -44,19 +45,7 @@ def test_lazy_zeros_of_a_float32_tensor_and_an_empty_one():
 
 
 def filled_cache() -> KVCache:
-    spec = ModelSpec(
-        num_layers=2,
-        hidden_size=32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-        vocab_size=16,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=10,
-    )
+    spec = spec_from_config(AutoConfig.from_pretrained(resolve_model_path("tiny-llama")))
     cache = KVCache(spec, num_slots=6, max_len=10, dtype=torch.bfloat16, device="cpu")
     generator = torch.Generator().manual_seed(0)
     cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
