@@ -25,6 +25,7 @@ SOURCES = [
         "train_softmax.cpp",
         "train_rotary.cpp",
         "packed_rows.cpp",
+        "sampling.cpp",
     )
 ]
 logger = logging.getLogger(__name__)

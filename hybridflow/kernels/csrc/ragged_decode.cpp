@@ -138,4 +138,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   hybridflow::register_training_softmax(m);
   hybridflow::register_packed_rows(m);
   hybridflow::register_training_rotary(m);
+  hybridflow::register_sampling(m);
 }

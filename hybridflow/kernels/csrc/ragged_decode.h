@@ -19,5 +19,6 @@ void register_training(pybind11::module& m);  // train_elementwise.cpp's
 void register_training_softmax(pybind11::module& m);  // train_softmax.cpp's
 void register_packed_rows(pybind11::module& m);  // packed_rows.cpp's
 void register_training_rotary(pybind11::module& m);  // train_rotary.cpp's
+void register_sampling(pybind11::module& m);  // sampling.cpp's
 
 }  // namespace hybridflow

@@ -1,11 +1,13 @@
-"""Shared prefill of the n samples of a prompt, seeding, top-k / top-p, and stopping on EOS."""
+"""Shared prefill of the n samples of a prompt, seeding, top-k / top-p, stopping on EOS, and the untruncated draw in
+one C++ call against torch's ops and a float64 reference."""
 
 import pytest
 import torch
 from rollout_helpers import QUESTIONS, engine_config, greedy, prompts_of, sampled
 
+from hybridflow.kernels import build as kernels
 from hybridflow.rollout.base import response_mask_from
-from hybridflow.rollout.native import NativeRollout
+from hybridflow.rollout.native import NativeRollout, sampler
 from hybridflow.rollout.native.sampler import sample, uniforms
 
 
@@ -92,7 +94,17 @@ def test_uniforms_are_uniform_and_depend_on_seed_request_and_step():
     assert torch.equal(u[7:8], uniforms(5, torch.tensor([7]), torch.tensor([0])))
 
 
-def test_sampler_frequencies_top_k_and_top_p():
+@pytest.fixture(params=["fused", "torch"])
+def draw_path(request, monkeypatch):
+    """The untruncated draw through the C++ kernel (kernels/csrc/sampling.cpp) or through torch's ops."""
+    if request.param == "fused":
+        assert kernels.available(), kernels.unavailable_reason()
+    else:
+        monkeypatch.setattr(sampler, "fused_draw_fits", lambda logits: False)
+    return request.param
+
+
+def test_sampler_frequencies_top_k_and_top_p(draw_path):
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     n = 20_000
     logits = probs.log().expand(n, 4)
@@ -112,7 +124,7 @@ def test_sampler_frequencies_top_k_and_top_p():
 
 
 @pytest.mark.parametrize("vocab", [1024, 1000, 999], ids=["blocks-of-1024", "blocks-of-8", "odd"])
-def test_inverse_cdf_draws_follow_the_distribution_and_skip_impossible_tokens(vocab):
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_impossible_tokens(vocab, draw_path):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(vocab, generator=generator) * 2
     logits[::3] = float("-inf")  # impossible tokens, spread over every block
@@ -125,3 +137,65 @@ def test_inverse_cdf_draws_follow_the_distribution_and_skip_impossible_tokens(vo
     freq = torch.bincount(tokens, minlength=vocab).float() / n
     assert (freq - probs).abs().max() < 0.01
     assert torch.allclose(log_probs, probs.log()[tokens], atol=1e-5)
+
+
+def float64_cdf(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The cumulative distribution of softmax(logits / temperature) in float64, ending at 1."""
+    cdf = torch.softmax(logits.double() / temperature, dim=-1).cumsum(-1)
+    return cdf / cdf[:, -1:]
+
+
+def interval(cdf: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token's cdf interval (lo, hi]."""
+    lo = torch.where(tokens > 0, cdf.gather(1, (tokens - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    return lo, cdf.gather(1, tokens[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("vocab", [49_152, 1_000, 5], ids=["smollm2", "tail-of-vectors", "tiny"])
+def test_untruncated_draw_is_the_float64_inverse_cdf_token(draw_path, dtype, vocab):
+    """Every draw takes the token whose float64 cdf interval holds u, or, within a rounding error of the boundary, its
+    neighbour; the log-probs equal float64's."""
+    generator = torch.Generator().manual_seed(vocab)
+    other, far = 0, 0
+    for seed in range(6):
+        logits = (torch.randn(64, vocab, generator=generator) * 4).to(dtype)
+        requests, steps = torch.arange(64), torch.full((64,), seed)
+        for temperature in (1.0, 0.7):
+            tokens, log_probs = sample(logits, sampled(seed=seed, temperature=temperature), requests, steps)
+            u = uniforms(seed, requests, steps).double()
+            cdf = float64_cdf(logits, temperature)
+            expected = torch.searchsorted(cdf, u[:, None])[:, 0].clamp(max=vocab - 1)
+            lo, hi = interval(cdf, tokens)  # a different token only where u lies within 1e-5 of its interval
+            other += int((tokens != expected).sum())
+            far += int(((tokens != expected) & ((u - hi > 1e-5) | (lo - u > 1e-5))).sum())
+            reference = torch.log_softmax(logits.double() / temperature, -1).gather(1, tokens[:, None])[:, 0]
+            torch.testing.assert_close(log_probs.double(), reference, rtol=1e-5, atol=2e-5)
+    assert far == 0
+    assert other <= 768 * 0.005  # boundary cases are rare: at most 0.5 % of the 768 draws
+
+
+def test_fused_draw_takes_no_masked_token_at_the_ends_of_the_distribution():
+    """u near 0 and near 1 with -inf logits at both ends of the vocabulary and around a block's edge: only tokens with
+    mass are drawn; a row of -inf only draws its first token with a NaN log-prob instead of failing."""
+    logits = torch.full((4, 3000), float("-inf"))
+    logits[:, 1500] = 0.0
+    logits[:, 1023] = 1.0  # the first block's last token
+    logits[:, 2049] = -1.0
+    logits[3] = float("-inf")
+    u = torch.tensor([1e-7, 0.78, 1 - 1e-7, 0.5])  # token 1500's interval is about (0.67, 0.91]
+    tokens, log_probs = kernels.module().sample_rows(logits, u, 1.0)
+    assert tokens[:3].tolist() == [1023, 1500, 2049]
+    expected = torch.log_softmax(logits[0].double(), -1)[[1023, 1500, 2049]].float()
+    torch.testing.assert_close(log_probs[:3], expected)
+    assert tokens[3].item() == 0 and log_probs[3].isnan()
+
+
+def test_fused_draw_refuses_mismatched_inputs():
+    logits = torch.zeros(4, 10)
+    with pytest.raises(RuntimeError, match="u must be a contiguous"):
+        kernels.module().sample_rows(logits, torch.full((3,), 0.5), 1.0)
+    with pytest.raises(RuntimeError, match="temperature must be > 0"):
+        kernels.module().sample_rows(logits, torch.full((4,), 0.5), 0.0)
+    with pytest.raises(RuntimeError, match="logits must be a contiguous"):
+        kernels.module().sample_rows(logits.t(), torch.full((10,), 0.5), 1.0)
