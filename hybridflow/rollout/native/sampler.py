@@ -148,7 +148,7 @@ def fused_draw_fits(logits: torch.Tensor) -> bool:
     in float32 or bfloat16, the kernels built. Its tokens follow the same distribution at the same numbers ``u``,
     summed in another order than torch's softmax (a draw within a rounding error of a boundary between two tokens
     may take the other), and it writes no (B, V) probabilities: ``sample`` at 32 / 64 / 256 x 49,152 bf16 logits on
-    2 cores, 1.0 / 1.9 / 8.7 ms -> 0.5 / 0.8 / 2.8 ms (docs/log/rollout.md §43)."""
+    2 cores, 1.0 / 1.9 / 8.7 ms -> 0.5 / 0.8 / 2.8 ms (docs/log/rollout.md §46)."""
     return (
         logits.device.type == "cpu"
         and logits.dim() == 2
