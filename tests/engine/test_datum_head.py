@@ -63,7 +63,10 @@ def assert_same_pass(split, plain):
         np.testing.assert_allclose(a.elementwise_loss, b.elementwise_loss, rtol=1e-6, atol=1e-6)
     assert split_grads.keys() == plain_grads.keys() and len(split_grads) > 0
     for name, grad in plain_grads.items():
-        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+        # the head's chunks sum in another order: fp32 rounding at the tensor's scale, which an entry near zero can
+        # exceed relative to itself (2.3x rtol=1e-5 on a Zen 4 host, within it on the Intel host)
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(split_grads[name], grad, rtol=1e-5, atol=1e-6 * scale + 1e-7, msg=name)
 
 
 @pytest.mark.parametrize("loss", datum_objectives())
