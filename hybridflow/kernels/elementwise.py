@@ -78,17 +78,20 @@ class _Rotary(torch.autograd.Function):
 
 class _CausalSoftmax(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-        probs, probs32 = build.module().causal_softmax_forward(scores.reshape(-1, scores.shape[-1]), bias, scale)
+    def forward(
+        ctx, scores: torch.Tensor, bias: torch.Tensor, scale: float, offsets: torch.Tensor, queries: int
+    ) -> torch.Tensor:
+        rows = scores.reshape(-1, scores.shape[-1])
+        probs, probs32 = build.module().causal_softmax_forward(rows, bias, scale, offsets, queries)
         ctx.save_for_backward(probs32)
         ctx.scale = scale
         return probs.view(scores.shape)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (probs32,) = ctx.saved_tensors
         rows = grad.reshape(probs32.shape).contiguous()
-        return build.module().causal_softmax_backward(rows, probs32, ctx.scale).view(grad.shape), None, None
+        return build.module().causal_softmax_backward(rows, probs32, ctx.scale).view(grad.shape), None, None, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,11 +112,19 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return _Rotary.apply(x, cos, sin)
 
 
-def causal_softmax(scores: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_softmax(
+    scores: torch.Tensor, bias: torch.Tensor, scale: float, offsets: torch.Tensor | None = None, queries: int = 0
+) -> torch.Tensor:
     """torch.softmax(torch.add(bias, scores, alpha=scale), -1).to(scores.dtype) for contiguous scores (..., L, L)
     whose rows are queries at positions 0..L-1 in turn (engine/packing.py's grouped (rows, kv heads, G * L, L)),
-    bias (L, L) float32; float32 or bfloat16 scores on the CPU (``fits``)."""
-    return _CausalSoftmax.apply(scores.contiguous(), bias, scale)
+    bias (L, L) float32; float32 or bfloat16 scores on the CPU (``fits``).
+
+    ``offsets`` (rows,) int64 and ``queries`` Q: scores (rows, kv heads, G * Q, L) whose row r's query j is at key
+    position offsets[r] + j, masked by the bias's row there (the last row past the end): a causal mask that starts
+    ``offsets[r]`` keys in (the responses' queries over their whole rows, engine/packing.py)."""
+    if offsets is None:
+        offsets, queries = torch.empty(0, dtype=torch.long, device=scores.device), scores.shape[-1]
+    return _CausalSoftmax.apply(scores.contiguous(), bias, scale, offsets.contiguous(), queries)
 
 
 def fits(*tensors: torch.Tensor) -> bool:

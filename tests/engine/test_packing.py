@@ -89,8 +89,15 @@ def test_shared_prompt_layout_by_hand():
     assert packed.segments.real.tolist() == [0, 1, 2, 3, 4 + 2, 8, 9]  # row 1's response is its slot 2
     assert packed.response_index[:, 0].tolist() == [1, 1, 5]  # both samples' first token follow the shared prompt
     assert computed_lengths(batch.batch["attention_mask"], ids, RESPONSE) == [4, 1, 2]
+    # the split: the prompts once each (rows 0 and 2 hold theirs), then every row's response tokens as queries
+    split = packed.segments.split
+    assert split.prompt_index.tolist() == [[0, 1], [5, 0]]
+    assert split.query_index.tolist() == [[2, 3], [4, 0], [6, 0]]
+    assert split.query_offset.tolist() == [2, 2, 1]  # each row's first response slot
+    assert split.real.tolist() == [0, 1, 4, 5, 6, 2, 8]  # 4 prompt slots (2 x 2), then 3 rows of 2 queries
     unshared = pack(ids, batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE, share_prompts=False)
     assert unshared.input_ids.shape[1] == 9
+    assert unshared.segments.split.prompt_index.shape == (3, 2)
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3-moe", "tiny-olmoe"])
@@ -233,3 +240,41 @@ def test_the_causal_bias_is_made_once_per_length_and_serves_a_training_pass_afte
     scores = torch.randn(2, 5, 5, requires_grad=True)
     torch.add(first, scores, alpha=0.5).softmax(-1).sum().backward()  # a training pass reads it
     assert scores.grad is not None and torch.equal(first, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("filler", [0, 9], ids=["as-packed", "with-filler"])
+def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
+    """The prompts once and the responses' queries alone give every token the output and gradients the full rows
+    give it (the same queries, keys and mask), with and without ``pad_packed``'s filler row: up to the rounding of
+    sums taken in another order (a key's gradient gathers its prompt row's and its rows' queries apart)."""
+    batch = make_grouped_batch()
+    packed = pack(batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE)
+    if filler:
+        packed = pad_packed(packed, packed.input_ids.shape[1] + filler)
+    n = packed.input_ids.shape[1]
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, n, 16, generator=generator).to(dtype) for h in (6, 2, 2))
+    grad = torch.randn(1, n, 6, 16, generator=generator).to(dtype)
+    split = packed.segments.split
+    assert split.scores(packed.segments.index.shape[1]) < packed.segments.index.numel() * packed.segments.index.shape[1]
+
+    def attend(segments):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out, _ = packing.packed_sdpa_attention(None, *inputs, None, scaling=0.25, packed_segments=segments)
+        out.backward(grad)
+        return out, [x.grad for x in inputs]
+
+    called = []
+    monkeypatch.setattr(packing, "_split_attention", lambda *a: called.append(1) or split_attention(*a))
+    split_attention = _original_split
+    out, grads = attend(packed.segments)
+    assert called, "the split layout was not taken"
+    full_out, full_grads = attend(dataclasses.replace(packed.segments, split=None))
+    rtol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: an ulp of the largest entries
+    assert_close_to_scale(out.float(), full_out.float(), rtol)
+    for got, expected in zip(grads, full_grads):
+        assert_close_to_scale(got.float(), expected.float(), rtol)
+
+
+_original_split = packing._split_attention

@@ -98,3 +98,36 @@ def test_causal_softmax_forward_and_backward_are_torch_s_bit_for_bit(threads, dt
     probs.backward(grad)
     assert torch.equal(probs, expected)
     assert torch.equal(scores.grad, expected_grad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(32, 3, 3, 30, 77), (2, 1, 2, 3, 5), (3, 2, 1, 17, 40)])  # (b, kv heads, G, Q, L)
+def test_causal_softmax_with_offset_queries_is_torch_s_bit_for_bit(threads, dtype, shape):
+    """The responses' queries over their whole rows: query j of row r at key position offsets[r] + j (the last key's
+    mask past the end), forward and backward equal to torch's ops on the bias's rows at those positions."""
+    rows, kv_heads, groups, queries, length = shape
+    generator = torch.Generator().manual_seed(length)
+    offsets = torch.randint(0, length, (rows,), generator=generator)
+    offsets[0] = length - 1  # queries past the last key
+    scores = (torch.randn(rows, kv_heads, groups * queries, length, generator=generator) * 8).to(dtype)
+    scores.requires_grad_()
+    bias = causal_bias(length, torch.device("cpu"))
+    positions = (offsets[:, None] + torch.arange(queries)).clamp(max=length - 1)  # (rows, Q)
+    row_bias = bias[positions][:, None, None]  # (rows, 1, 1, Q, L)
+    grad = torch.randn(scores.shape, generator=generator).to(dtype)
+    scaled = torch.add(row_bias, scores.view(rows, kv_heads, groups, queries, length), alpha=64**-0.5)
+    expected = torch.softmax(scaled, dim=-1).to(dtype).view(scores.shape)
+    expected.backward(grad)
+    expected_grad = scores.grad
+
+    scores.grad = None
+    probs = elementwise.causal_softmax(scores, bias, 64**-0.5, offsets, queries)
+    probs.backward(grad)
+    assert torch.equal(probs, expected)
+    assert torch.equal(scores.grad, expected_grad)
+
+
+def test_causal_softmax_refuses_offsets_that_do_not_divide_the_scores():
+    scores, bias = torch.zeros(2, 1, 3, 4), causal_bias(4, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="whole number of 2-query blocks"):
+        elementwise.causal_softmax(scores, bias, 1.0, torch.zeros(2, dtype=torch.long), 2)

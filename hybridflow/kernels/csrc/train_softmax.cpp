@@ -10,6 +10,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -44,16 +45,28 @@ inline float map2_reduce_sum(const float* x, const float* y, int64_t size, bool 
 }
 
 // The training attention's softmax (engine/packing.py grouped_causal_attention): scores (R, L) of the query rows of
-// (rows, kv heads, groups, L) products, each row's query at position r % L; bias (L, L) float32, 0 on and below the
-// diagonal, -inf above. Returns (probs, probs32): torch.softmax(torch.add(bias, scores, alpha=scale), -1) in float32
-// (kept for the backward, as autograd keeps it) and rounded to the scores' dtype. torch's add with alpha is one
-// multiply-add (its kernel's vec::fmadd) and its float32 softmax is ATen's vectorised reductions and maps, as here.
-std::tuple<at::Tensor, at::Tensor> causal_softmax_forward(const at::Tensor& scores, const at::Tensor& bias, double scale) {
+// (rows, kv heads, groups, Q) products over L keys; bias (L, L) float32, 0 on and below the diagonal, -inf above.
+// Query j of a row is at key position j (offsets empty: Q = L), or at offsets[row] + j (offsets (rows,) int64: the
+// queries of each row start offsets[row] keys in; positions past the last key take its mask row). Returns (probs,
+// probs32): torch.softmax(torch.add(bias_rows, scores, alpha=scale), -1) in float32 (kept for the backward, as
+// autograd keeps it) and rounded to the scores' dtype, bias_rows the bias's rows at the queries' positions. torch's
+// add with alpha is one multiply-add (its kernel's vec::fmadd) and its float32 softmax is ATen's vectorised
+// reductions and maps, as here.
+std::tuple<at::Tensor, at::Tensor> causal_softmax_forward(const at::Tensor& scores, const at::Tensor& bias, double scale,
+                                                          const at::Tensor& offsets, int64_t queries) {
   TORCH_CHECK(scores.dim() == 2 && scores.is_contiguous(), "scores must be a contiguous (R, L) tensor");
   const int64_t rows = scores.size(0), length = scores.size(1);
   TORCH_CHECK(bias.dim() == 2 && bias.size(0) == length && bias.size(1) == length && bias.is_contiguous() &&
                   bias.scalar_type() == at::kFloat,
               "bias must be a contiguous (L, L) float32 tensor");
+  const bool offset = offsets.numel() > 0;
+  TORCH_CHECK(!offset || (offsets.dim() == 1 && offsets.is_contiguous() && offsets.scalar_type() == at::kLong &&
+                          queries > 0 && rows % (offsets.size(0) * queries) == 0),
+              "offsets must be a contiguous (rows,) int64 tensor whose rows each hold a whole number of ", queries,
+              "-query blocks of the scores");
+  TORCH_CHECK(offset || queries == length, "without offsets the queries are the keys: ", queries, " != ", length);
+  const int64_t per_row = offset ? rows / offsets.size(0) : rows;
+  const int64_t* starts = offset ? offsets.data_ptr<int64_t>() : nullptr;
   auto probs32 = at::empty({rows, length}, scores.options().dtype(at::kFloat));
   auto probs = scores.scalar_type() == at::kFloat ? probs32 : at::empty_like(scores);
   float_or_bf16(scores, [&](auto tag) {
@@ -67,7 +80,8 @@ std::tuple<at::Tensor, at::Tensor> causal_softmax_forward(const at::Tensor& scor
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = in + r * length;
-        const float* bias_row = b + (r % length) * length;
+        const int64_t position = offset ? std::min(starts[r / per_row] + r % queries, length - 1) : r % length;
+        const float* bias_row = b + position * length;
         float* x = p32 + r * length;
         for (int64_t j = 0; j < length; ++j) x[j] = std::fma(widen(row[j]), alpha, bias_row[j]);
         const float max_val = at::vec::reduce_all<float>(
