@@ -78,44 +78,29 @@ def test_fits_only_plain_cpu_tensors_of_one_supported_dtype():
     assert not elementwise.fits(x.double(), torch.ones(4).double())
 
 
+# (b, kv heads, G, Q queries, L keys, queries offset per row)
+SOFTMAX_SHAPES = [(32, 3, 3, 77, 77, False), (2, 1, 2, 5, 5, False), (3, 2, 1, 40, 40, False)]
+SOFTMAX_SHAPES += [(2, 3, 3, 130, 130, False), (32, 3, 3, 30, 77, True), (2, 1, 2, 3, 5, True), (3, 2, 1, 17, 40, True)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(32, 3, 3, 77), (2, 1, 2, 5), (3, 2, 1, 40), (2, 3, 3, 130)])  # (b, kv heads, G, L)
+@pytest.mark.parametrize("shape", SOFTMAX_SHAPES)
 def test_causal_softmax_forward_and_backward_are_torch_s_bit_for_bit(threads, dtype, shape):
-    """engine/packing.py's attention softmax: bias + scale * scores in float32, softmax, rounded; and its backward."""
-    rows, kv_heads, groups, length = shape
+    """engine/packing.py's attention softmax: bias + scale * scores in float32, softmax, rounded; and its backward.
+    With offsets, the responses' queries over their whole rows: query j of row r at key position offsets[r] + j (the
+    last key's mask past the end), against torch's ops on the bias's rows at those positions."""
+    rows, kv_heads, groups, queries, length, offset = shape
     generator = torch.Generator().manual_seed(length)
-    scores = (torch.randn(rows, kv_heads, groups * length, length, generator=generator) * 8).to(dtype)
-    scores.requires_grad_()
     bias = causal_bias(length, torch.device("cpu"))
-    grad = torch.randn(scores.shape, generator=generator).to(dtype)
-    scaled = torch.add(bias, scores.view(rows, kv_heads, groups, length, length), alpha=64**-0.5)
-    expected = torch.softmax(scaled, dim=-1).to(dtype).view(scores.shape)
-    expected.backward(grad)
-    expected_grad = scores.grad
-
-    scores.grad = None
-    probs = elementwise.causal_softmax(scores, bias, 64**-0.5)
-    probs.backward(grad)
-    assert torch.equal(probs, expected)
-    assert torch.equal(scores.grad, expected_grad)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(32, 3, 3, 30, 77), (2, 1, 2, 3, 5), (3, 2, 1, 17, 40)])  # (b, kv heads, G, Q, L)
-def test_causal_softmax_with_offset_queries_is_torch_s_bit_for_bit(threads, dtype, shape):
-    """The responses' queries over their whole rows: query j of row r at key position offsets[r] + j (the last key's
-    mask past the end), forward and backward equal to torch's ops on the bias's rows at those positions."""
-    rows, kv_heads, groups, queries, length = shape
-    generator = torch.Generator().manual_seed(length)
-    offsets = torch.randint(0, length, (rows,), generator=generator)
-    offsets[0] = length - 1  # queries past the last key
+    offsets, mask = None, bias
+    if offset:
+        offsets = torch.randint(0, length, (rows,), generator=generator)
+        offsets[0] = length - 1  # queries past the last key
+        mask = bias[(offsets[:, None] + torch.arange(queries)).clamp(max=length - 1)][:, None, None]  # (b, 1, 1, Q, L)
     scores = (torch.randn(rows, kv_heads, groups * queries, length, generator=generator) * 8).to(dtype)
     scores.requires_grad_()
-    bias = causal_bias(length, torch.device("cpu"))
-    positions = (offsets[:, None] + torch.arange(queries)).clamp(max=length - 1)  # (rows, Q)
-    row_bias = bias[positions][:, None, None]  # (rows, 1, 1, Q, L)
     grad = torch.randn(scores.shape, generator=generator).to(dtype)
-    scaled = torch.add(row_bias, scores.view(rows, kv_heads, groups, queries, length), alpha=64**-0.5)
+    scaled = torch.add(mask, scores.view(rows, kv_heads, groups, queries, length), alpha=64**-0.5)
     expected = torch.softmax(scaled, dim=-1).to(dtype).view(scores.shape)
     expected.backward(grad)
     expected_grad = scores.grad
