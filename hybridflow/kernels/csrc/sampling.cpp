@@ -118,17 +118,16 @@ void draw_row(const scalar_t* row, int64_t vocab, float u, float temperature, in
   }
   // pass 3: the block whose cumulative sum reaches u * total, then the token within it
   const double target = static_cast<double>(u) * total;
-  double before = 0.0;
+  double sum = 0.0, before = 0.0;  // before: the mass ahead of the chosen block
   int64_t chosen = -1;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (block_sums[b] > 0.0) chosen = b;  // the last block with mass, where rounding leaves the target unreached
-    if (before + block_sums[b] >= target) {
+    if (block_sums[b] > 0.0) {  // the last block with mass, where rounding leaves the target unreached
       chosen = b;
-      break;
+      before = sum;
     }
-    before += block_sums[b];
+    if (sum + block_sums[b] >= target) break;
+    sum += block_sums[b];
   }
-  if (before >= target) before = 0.0;  // unreachable with u > 0; kept so that the scan below always ends in range
   const int64_t start = chosen * BLOCK, end = std::min(vocab, start + BLOCK);
   block_exponentials(row, start, end, temperature, scale, top, exps.data());
   int64_t pick = -1;
