@@ -43,7 +43,8 @@ from hybridflow.batch_keys import ATTENTION_MASK, INPUT_IDS, POSITION_IDS, RESPO
 from hybridflow.controller.ray_runtime import ALLOCATOR_ENV
 from hybridflow.engine.forward import response_outputs
 from hybridflow.engine.fused_modules import fuse_elementwise
-from hybridflow.engine.packing import causal_bias, grouped_causal_attention, pack, packed_sdpa_attention
+from hybridflow.engine.packing import pack, packed_sdpa_attention
+from hybridflow.engine.row_attention import causal_bias, grouped_causal_attention
 from hybridflow.kernels import elementwise
 from hybridflow.models import load_causal_lm
 

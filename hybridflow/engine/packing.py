@@ -25,9 +25,9 @@ keys and values collect the gradients of every row that attends to them, so valu
 gradients equal the unshared computation. Measured (bench/train_passes.py, smollm2, 32 samples =
 8 prompts x 4): update 2.58 s -> 1.57 s, old log-probs 0.80 s -> 0.50 s.
 
-Each row's attention computes only the outputs that are used (``PromptSplit``): every prompt once, as a row of its
-own, and then each row's response tokens as queries over the row's keys, the causal mask starting at the row's
-first response slot. The full rows would compute a shared prompt's queries in every row that holds it (only one
+Each row's attention computes only the outputs that are used (``row_attention.PromptSplit``): every prompt once, as
+a row of its own, and then each row's response tokens as queries over the row's keys, the causal mask starting at the
+row's first response slot. The full rows would compute a shared prompt's queries in every row that holds it (only one
 row's outputs are kept) and every row's L x L scores at the longest row's L. The same outputs, up to the order the
 sums round in (a key's gradient gathers the prompt row's and the rows' queries apart). Measured (bench/update_parts.py's
 batch, smollm2, 32 samples = 8 prompts x 4, the same update alternated in one process): 2.78 s -> 2.64 s.
@@ -47,9 +47,7 @@ hundred tokens on (the same shapes, one layer: 8 rows x 256 tokens 12.5 ms again
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,34 +57,23 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from hybridflow.engine.row_attention import (
+    PromptSplit,
+    fused_moves,
+    grouped_causal_attention,
+    split_attention,
+    torch_gather,
+    torch_moves,
+)
 from hybridflow.engine.sequence_parallel import (
     gather_heads_scatter_sequence,
     gather_sequence_scatter_heads,
     heads_for_sp,
 )
-from hybridflow.kernels import elementwise, packed_rows
+from hybridflow.kernels import elementwise
 from hybridflow.lengths import prompt_leaders
 
 PACKED_ATTENTION = "packed_sdpa"
-
-
-@dataclass(frozen=True)
-class PromptSplit:
-    """The queries of the same rows in two parts, so that attention computes only outputs that are used: each prompt
-    once, as a row of its own over its own tokens (p prompt rows, the longest of Lp tokens), and each row's response
-    tokens (Q at most) over the row's keys, its first query at key position ``query_offset``. Rows sharing a prompt
-    would otherwise each compute its queries, and every row the full (L, L) scores of its longest neighbour."""
-
-    prompt_index: torch.Tensor  # (p, Lp) packed position of each prompt's tokens; 0 after a prompt's end
-    query_index: torch.Tensor  # (b, Q) packed position of each row's response tokens; 0 after its last
-    query_offset: torch.Tensor  # (b,) the row's slot (key position) of its first response token
-    real: torch.Tensor  # (N,) each packed token's flat slot in the prompt rows (p * Lp) then the queries (b * Q)
-
-    def scores(self, keys: int) -> int:
-        """Score entries per head: the prompt rows' and the queries' over rows of ``keys`` slots."""
-        prompts, lp = self.prompt_index.shape
-        rows, queries = self.query_index.shape
-        return prompts * lp * lp + rows * queries * keys
 
 
 @dataclass(frozen=True)
@@ -280,70 +267,20 @@ def packed_sdpa_attention(
     )
     if short and dropout == 0.0:
         # the moves into rows and back: one pass each way through the C++ kernels where they fit (the same bits)
-        moves = _fused_moves if elementwise.fits(query, key, value) else _torch_moves
+        moves = fused_moves if elementwise.fits(query, key, value) else torch_moves
         gather, tokens = moves
         index = packed_segments.index
         k, v = gather(key, index, transpose=True), gather(value, index)
         split = packed_segments.split
         if split is not None and split.scores(longest) < rows * longest * longest:
-            return _split_attention(query, key, value, k, v, split, scale, moves), None
+            return split_attention(query, key, value, k, v, split, scale, moves), None
         return tokens(grouped_causal_attention(gather(query, index), k, v, scale), packed_segments.real), None
-    q, k, v = (_torch_gather(x, packed_segments.index) for x in (query, key, value))  # (b, h, L, d)
+    q, k, v = (torch_gather(x, packed_segments.index) for x in (query, key, value))  # (b, h, L, d)
     out = nn.functional.scaled_dot_product_attention(
         q, k, v, dropout_p=dropout, scale=scale, is_causal=True, enable_gqa=key.shape[1] != query.shape[1]
     )  # (b, H, L, d)
     out = out.transpose(1, 2).flatten(0, 1).index_select(0, packed_segments.real)  # (N, H, d)
     return out.unsqueeze(0), None
-
-
-def _fused_gather(x: torch.Tensor, index: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """x (1, h, N, d) -> (r, h, l, d) at the packed positions index (r, l), one pass (with ``transpose``, laid out as
-    the scores' matmul takes the keys)."""
-    out = packed_rows.rows(x, index.flatten(), index.shape[0], transpose)
-    return out.transpose(-1, -2) if transpose else out
-
-
-def _torch_gather(x: torch.Tensor, index: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """``_fused_gather`` with torch's ops."""
-    return x[0].index_select(1, index.flatten()).unflatten(1, index.shape).transpose(0, 1)
-
-
-def _torch_tokens(y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """``packed_rows.tokens`` with torch's ops: y (r, h, l, d) -> (1, N, h, d), token i from flat slot real[i]."""
-    return y.transpose(1, 2).flatten(0, 1).index_select(0, real).unsqueeze(0)
-
-
-def _fused_tokens(y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """y (r, h, l, d) -> (1, N, h, d), token i from flat slot real[i], one pass (``packed_rows.tokens``)."""
-    return packed_rows.tokens(y, real)
-
-
-_fused_moves = (_fused_gather, _fused_tokens)
-_torch_moves = (_torch_gather, _torch_tokens)
-
-
-def _split_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    split: PromptSplit,
-    scale: float,
-    moves: tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
-) -> torch.Tensor:
-    """``packed_sdpa_attention``'s short rows over ``split``: each prompt's tokens over its own, then each row's
-    response tokens over the row's keys and values k, v (b, Hkv, L, d) gathered from key and value; (1, N, H, d).
-    Every token's output is the one the full rows give it (the same query, keys and mask), up to the order its sums
-    round in."""
-    gather, tokens = moves
-    prompts = split.prompt_index
-    prompt_out = grouped_causal_attention(
-        gather(query, prompts), gather(key, prompts, transpose=True), gather(value, prompts), scale
-    )  # (p, H, Lp, d)
-    response_out = grouped_causal_attention(gather(query, split.query_index), k, v, scale, split.query_offset)
-    both = torch.cat([prompt_out.transpose(0, 1).flatten(1, 2), response_out.transpose(0, 1).flatten(1, 2)], dim=1)
-    return tokens(both.unsqueeze(0), split.real)  # both: (H, p * Lp + b * Q, d), one row of every output slot
 
 
 @dataclass(frozen=True)
@@ -392,45 +329,6 @@ def ulysses_attention(
 
 MATMUL_ATTENTION_MAX_SCORES = 1 << 26  # 64 M scores (256 MB in float32): above that, SDPA
 MATMUL_ATTENTION_MAX_LENGTH = 320  # tokens in the longest row: above that, SDPA (the module docstring's timings)
-
-
-def grouped_causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offsets: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Causal attention, q (b, H, L, d) and k/v (b, Hkv, L, d) -> (b, H, L, d), as matmuls.
-
-    The G = H/Hkv query heads of a kv head (consecutive, as transformers groups them) are folded
-    into the query axis, so keys and values are used as they are, not repeated. ``offsets`` (b,): q (b, H, Q, d) are
-    Q queries of each row from key position offsets[row] on (each sees the keys up to its own position) -> (b, H, Q, d).
-    """
-    b, h, queries, d = q.shape
-    hkv, length = k.shape[1], k.shape[2]
-    groups = h // hkv
-    scores = torch.matmul(q.reshape(b, hkv, groups * queries, d), k.transpose(-1, -2))  # (b, Hkv, G*Q, L)
-    bias = causal_bias(length, q.device)
-    if scores.dtype == v.dtype and elementwise.fits(scores):  # the same bits in one pass each way
-        probs = elementwise.causal_softmax(scores, bias, scale, offsets, queries)
-    else:
-        scores = scores.view(b, hkv, groups, queries, length)
-        if offsets is not None:  # each query's row of the causal bias
-            positions = (offsets[:, None] + torch.arange(queries, device=q.device)).clamp(max=length - 1)
-            bias = bias[positions][:, None, None]  # (b, 1, 1, Q, L)
-        # scale, causal mask and float32 in one pass: bias + scale * scores with a bias of -inf above the diagonal and
-        # 0 elsewhere gives the bits of scores.float() * scale masked to -inf (x + 0 == x; the multiply-add rounds once)
-        scores = torch.add(bias, scores, alpha=scale)
-        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, groups * queries, length)
-    return torch.matmul(probs, v).view(b, h, queries, d)
-
-
-@functools.lru_cache(maxsize=16)
-def causal_bias(length: int, device: torch.device) -> torch.Tensor:
-    """(L, L) float32: -inf where the key comes after the query, 0 elsewhere. Kept for the next calls (every layer of a
-    pass asks for its length's; only read, never written): making it took three passes over L x L a layer. Made outside
-    inference mode, so that a no-grad pass's bias serves a training pass too."""
-    with torch.inference_mode(False):
-        return torch.zeros(length, length, device=device).masked_fill_(
-            torch.ones(length, length, dtype=torch.bool, device=device).triu_(1), float("-inf")
-        )
 
 
 AttentionInterface.register(PACKED_ATTENTION, packed_sdpa_attention)

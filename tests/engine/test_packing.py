@@ -8,8 +8,9 @@ import torch
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
 from hybridflow.engine import packing
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
-from hybridflow.engine.packing import causal_bias, grouped_causal_attention, pack, packed_forward, pad_packed
+from hybridflow.engine.packing import pack, packed_forward, pad_packed
 from hybridflow.engine.reference import FrozenPolicyEngine
+from hybridflow.engine.row_attention import causal_bias, grouped_causal_attention
 from hybridflow.lengths import computed_lengths
 from hybridflow.models.loading import enable_activation_checkpointing, load_causal_lm, load_critic
 from hybridflow.protocol import DataProto
@@ -266,7 +267,7 @@ def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
         return out, [x.grad for x in inputs]
 
     called = []
-    monkeypatch.setattr(packing, "_split_attention", lambda *a: called.append(1) or split_attention(*a))
+    monkeypatch.setattr(packing, "split_attention", lambda *a: called.append(1) or split_attention(*a))
     split_attention = _original_split
     out, grads = attend(packed.segments)
     assert called, "the split layout was not taken"
@@ -277,4 +278,4 @@ def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
         assert_close_to_scale(got.float(), expected.float(), rtol)
 
 
-_original_split = packing._split_attention
+_original_split = packing.split_attention

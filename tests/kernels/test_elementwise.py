@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hybridflow.engine.packing import causal_bias
+from hybridflow.engine.row_attention import causal_bias
 from hybridflow.kernels import elementwise
 
 DTYPES = [torch.bfloat16, torch.float32]

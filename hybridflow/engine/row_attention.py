@@ -1,0 +1,123 @@
+"""Attention of the packed rows as batched matmuls (engine/packing.py ``packed_sdpa_attention`` runs it for short
+rows): the moves between the packed tokens and the rows, the grouped causal attention over rows, and the split of the
+rows into prompt rows and response queries (``PromptSplit``) that computes only the outputs that are used. Each move
+and the softmax run through the C++ kernels where they fit (kernels/elementwise.py ``fits``), the same bits as
+torch's ops."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hybridflow.kernels import elementwise, packed_rows
+
+
+@dataclass(frozen=True)
+class PromptSplit:
+    """The queries of the same rows in two parts, so that attention computes only outputs that are used: each prompt
+    once, as a row of its own over its own tokens (p prompt rows, the longest of Lp tokens), and each row's response
+    tokens (Q at most) over the row's keys, its first query at key position ``query_offset``. Rows sharing a prompt
+    would otherwise each compute its queries, and every row the full (L, L) scores of its longest neighbour."""
+
+    prompt_index: torch.Tensor  # (p, Lp) packed position of each prompt's tokens; 0 after a prompt's end
+    query_index: torch.Tensor  # (b, Q) packed position of each row's response tokens; 0 after its last
+    query_offset: torch.Tensor  # (b,) the row's slot (key position) of its first response token
+    real: torch.Tensor  # (N,) each packed token's flat slot in the prompt rows (p * Lp) then the queries (b * Q)
+
+    def scores(self, keys: int) -> int:
+        """Score entries per head: the prompt rows' and the queries' over rows of ``keys`` slots."""
+        prompts, lp = self.prompt_index.shape
+        rows, queries = self.query_index.shape
+        return prompts * lp * lp + rows * queries * keys
+
+
+def _fused_gather(x: torch.Tensor, index: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """x (1, h, N, d) -> (r, h, l, d) at the packed positions index (r, l), one pass (with ``transpose``, laid out as
+    the scores' matmul takes the keys)."""
+    out = packed_rows.rows(x, index.flatten(), index.shape[0], transpose)
+    return out.transpose(-1, -2) if transpose else out
+
+
+def torch_gather(x: torch.Tensor, index: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``_fused_gather`` with torch's ops."""
+    return x[0].index_select(1, index.flatten()).unflatten(1, index.shape).transpose(0, 1)
+
+
+def _torch_tokens(y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``packed_rows.tokens`` with torch's ops: y (r, h, l, d) -> (1, N, h, d), token i from flat slot real[i]."""
+    return y.transpose(1, 2).flatten(0, 1).index_select(0, real).unsqueeze(0)
+
+
+def _fused_tokens(y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """y (r, h, l, d) -> (1, N, h, d), token i from flat slot real[i], one pass (``packed_rows.tokens``)."""
+    return packed_rows.tokens(y, real)
+
+
+fused_moves = (_fused_gather, _fused_tokens)
+torch_moves = (torch_gather, _torch_tokens)
+
+
+def split_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    split: PromptSplit,
+    scale: float,
+    moves: tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]],
+) -> torch.Tensor:
+    """``packed_sdpa_attention``'s short rows over ``split``: each prompt's tokens over its own, then each row's
+    response tokens over the row's keys and values k, v (b, Hkv, L, d) gathered from key and value; (1, N, H, d).
+    Every token's output is the one the full rows give it (the same query, keys and mask), up to the order its sums
+    round in."""
+    gather, tokens = moves
+    prompts = split.prompt_index
+    prompt_out = grouped_causal_attention(
+        gather(query, prompts), gather(key, prompts, transpose=True), gather(value, prompts), scale
+    )  # (p, H, Lp, d)
+    response_out = grouped_causal_attention(gather(query, split.query_index), k, v, scale, split.query_offset)
+    both = torch.cat([prompt_out.transpose(0, 1).flatten(1, 2), response_out.transpose(0, 1).flatten(1, 2)], dim=1)
+    return tokens(both.unsqueeze(0), split.real)  # both: (H, p * Lp + b * Q, d), one row of every output slot
+
+
+def grouped_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal attention, q (b, H, L, d) and k/v (b, Hkv, L, d) -> (b, H, L, d), as matmuls.
+
+    The G = H/Hkv query heads of a kv head (consecutive, as transformers groups them) are folded
+    into the query axis, so keys and values are used as they are, not repeated. ``offsets`` (b,): q (b, H, Q, d) are
+    Q queries of each row from key position offsets[row] on (each sees the keys up to its own position) -> (b, H, Q, d).
+    """
+    b, h, queries, d = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    groups = h // hkv
+    scores = torch.matmul(q.reshape(b, hkv, groups * queries, d), k.transpose(-1, -2))  # (b, Hkv, G*Q, L)
+    bias = causal_bias(length, q.device)
+    if scores.dtype == v.dtype and elementwise.fits(scores):  # the same bits in one pass each way
+        probs = elementwise.causal_softmax(scores, bias, scale, offsets, queries)
+    else:
+        scores = scores.view(b, hkv, groups, queries, length)
+        if offsets is not None:  # each query's row of the causal bias
+            positions = (offsets[:, None] + torch.arange(queries, device=q.device)).clamp(max=length - 1)
+            bias = bias[positions][:, None, None]  # (b, 1, 1, Q, L)
+        # scale, causal mask and float32 in one pass: bias + scale * scores with a bias of -inf above the diagonal and
+        # 0 elsewhere gives the bits of scores.float() * scale masked to -inf (x + 0 == x; the multiply-add rounds once)
+        scores = torch.add(bias, scores, alpha=scale)
+        probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, groups * queries, length)
+    return torch.matmul(probs, v).view(b, h, queries, d)
+
+
+@functools.lru_cache(maxsize=16)
+def causal_bias(length: int, device: torch.device) -> torch.Tensor:
+    """(L, L) float32: -inf where the key comes after the query, 0 elsewhere. Kept for the next calls (every layer of a
+    pass asks for its length's; only read, never written): making it took three passes over L x L a layer. Made outside
+    inference mode, so that a no-grad pass's bias serves a training pass too."""
+    with torch.inference_mode(False):
+        return torch.zeros(length, length, device=device).masked_fill_(
+            torch.ones(length, length, dtype=torch.bool, device=device).triu_(1), float("-inf")
+        )
