@@ -33,6 +33,13 @@ class PromptSplit:
         rows, queries = self.query_index.shape
         return prompts * lp * lp + rows * queries * keys
 
+    def flash_scores(self, keys: int) -> float:
+        """``scores`` as SDPA's flash kernel computes them: a causal row only up to each query (half its square), the
+        queries with their explicit mask over every key of their row."""
+        prompts, lp = self.prompt_index.shape
+        rows, queries = self.query_index.shape
+        return prompts * lp * lp / 2 + rows * queries * keys
+
 
 def _fused_gather(x: torch.Tensor, index: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """x (1, h, N, d) -> (r, h, l, d) at the packed positions index (r, l), one pass (with ``transpose``, laid out as
@@ -55,6 +62,9 @@ def _fused_tokens(y: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
     """y (r, h, l, d) -> (1, N, h, d), token i from flat slot real[i], one pass (``packed_rows.tokens``)."""
     return packed_rows.tokens(y, real)
 
+
+# a response mask's entries per SDPA call (rows x queries x keys): SDPA may widen a boolean mask to the queries' dtype
+SDPA_MASK_ENTRIES = 1 << 24
 
 fused_moves = (_fused_gather, _fused_tokens)
 torch_moves = (torch_gather, _torch_tokens)
@@ -80,8 +90,53 @@ def split_attention(
         gather(query, prompts), gather(key, prompts, transpose=True), gather(value, prompts), scale
     )  # (p, H, Lp, d)
     response_out = grouped_causal_attention(gather(query, split.query_index), k, v, scale, split.query_offset)
+    return tokens(_joined(prompt_out, response_out), split.real)
+
+
+def sdpa_split_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, index: torch.Tensor, split: PromptSplit, scale: float
+) -> torch.Tensor:
+    """``packed_sdpa_attention``'s long rows (index (b, L): each row's packed positions) over ``split`` through SDPA:
+    each prompt causal over its own tokens, then each row's response tokens over the row's keys with a mask of their
+    causal rows (query j of a row sees its keys up to query_offset + j); (1, N, H, d). Rows sharing a prompt would
+    otherwise each compute its queries again: with n samples of a long prompt, most of the attention's work."""
+    gqa = key.shape[1] != query.shape[1]
+    prompts = split.prompt_index
+    prompt_out = torch.nn.functional.scaled_dot_product_attention(
+        torch_gather(query, prompts),
+        torch_gather(key, prompts),
+        torch_gather(value, prompts),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=gqa,
+    )  # (p, H, Lp, d)
+    q, k, v = torch_gather(query, split.query_index), torch_gather(key, index), torch_gather(value, index)
+    rows, _, queries, _ = q.shape
+    keys = torch.arange(index.shape[1], device=index.device)
+    last_key = split.query_offset[:, None] + torch.arange(queries, device=index.device)  # (b, Q)
+    step = max(1, SDPA_MASK_ENTRIES // (queries * len(keys)))
+    parts = []
+    for start in range(0, rows, step):  # the rows in groups whose mask stays small
+        mask = keys <= last_key[start : start + step, :, None]  # (rows of the group, Q, L)
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                q[start : start + step],
+                k[start : start + step],
+                v[start : start + step],
+                attn_mask=mask[:, None],
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+    response_out = parts[0] if len(parts) == 1 else torch.cat(parts)  # (b, H, Q, d)
+    return _torch_tokens(_joined(prompt_out, response_out), split.real)
+
+
+def _joined(prompt_out: torch.Tensor, response_out: torch.Tensor) -> torch.Tensor:
+    """The prompt rows' outputs (p, H, Lp, d) and the queries' (b, H, Q, d) as (1, H, p * Lp + b * Q, d): one row of
+    every output slot, in the order ``PromptSplit.real`` numbers them."""
     both = torch.cat([prompt_out.transpose(0, 1).flatten(1, 2), response_out.transpose(0, 1).flatten(1, 2)], dim=1)
-    return tokens(both.unsqueeze(0), split.real)  # both: (H, p * Lp + b * Q, d), one row of every output slot
+    return both.unsqueeze(0)
 
 
 def grouped_causal_attention(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hybridflow.batch_keys import METRICS, REF_LOG_PROB
-from hybridflow.engine import packing
+from hybridflow.engine import packing, row_attention
 from hybridflow.engine.forward import batched_log_probs, batched_values, response_log_probs, response_values
 from hybridflow.engine.packing import pack, packed_forward, pad_packed
 from hybridflow.engine.reference import FrozenPolicyEngine
@@ -60,9 +60,11 @@ def test_pack_layout_by_hand():
     assert packed.response_valid.tolist() == [[True, False, False, False, False], [False] * 5]
 
 
-def make_grouped_batch() -> DataProto:
+def make_grouped_batch(
+    prompts: tuple[int, ...] = (4, 2, 6), responses: tuple[int, ...] = (5, 1, 3, 0, 2, 5, 4, 4, 1)
+) -> DataProto:
     """GRPO-shaped: 3 prompts x 3 samples, the rows of a group shuffled apart, responses unequal (one empty)."""
-    batch = make_batch([4, 4, 4, 2, 2, 2, 6, 6, 6], [5, 1, 3, 0, 2, 5, 4, 4, 1], seed=3)
+    batch = make_batch([length for length in prompts for _ in range(3)], list(responses), seed=3)
     ids = batch.batch["input_ids"]
     for first in (0, 3, 6):
         ids[first + 1 : first + 3, :PROMPT] = ids[first, :PROMPT]
@@ -245,11 +247,21 @@ def test_the_causal_bias_is_made_once_per_length_and_serves_a_training_pass_afte
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("filler", [0, 9], ids=["as-packed", "with-filler"])
-def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
+@pytest.mark.parametrize(
+    "path, mask_entries",
+    [("split_attention", 0), ("sdpa_split_attention", 1 << 24), ("sdpa_split_attention", 20)],
+    ids=["matmul", "sdpa", "sdpa-by-row"],
+)
+def test_split_attention_equals_the_full_rows(dtype, filler, path, mask_entries, monkeypatch):
     """The prompts once and the responses' queries alone give every token the output and gradients the full rows
-    give it (the same queries, keys and mask), with and without ``pad_packed``'s filler row: up to the rounding of
-    sums taken in another order (a key's gradient gathers its prompt row's and its rows' queries apart)."""
-    batch = make_grouped_batch()
+    give it (the same queries, keys and mask), with and without ``pad_packed``'s filler row, on both paths (short rows
+    as matmuls, long rows through SDPA: here every row made long): up to the rounding of sums taken in another order
+    (a key's gradient gathers its prompt row's and its rows' queries apart)."""
+    sdpa = path == "sdpa_split_attention"
+    if sdpa:  # long prompts and short responses, where the split pays through SDPA; by-row: one row per SDPA call
+        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LENGTH", 0)
+        monkeypatch.setattr(row_attention, "SDPA_MASK_ENTRIES", mask_entries)
+    batch = make_grouped_batch((6, 6, 5), (2, 1, 2, 0, 1, 2, 2, 2, 1)) if sdpa else make_grouped_batch()
     packed = pack(batch.batch["input_ids"], batch.batch["attention_mask"], batch.batch["position_ids"], RESPONSE)
     if filler:
         packed = pad_packed(packed, packed.input_ids.shape[1] + filler)
@@ -257,8 +269,9 @@ def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, n, 16, generator=generator).to(dtype) for h in (6, 2, 2))
     grad = torch.randn(1, n, 6, 16, generator=generator).to(dtype)
+    rows, length = packed.segments.index.shape
     split = packed.segments.split
-    assert split.scores(packed.segments.index.shape[1]) < packed.segments.index.numel() * packed.segments.index.shape[1]
+    assert split.flash_scores(length) < rows * length * length / 2 if sdpa else split.scores(length) < rows * length**2
 
     def attend(segments):
         inputs = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -266,11 +279,19 @@ def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
         out.backward(grad)
         return out, [x.grad for x in inputs]
 
-    called = []
-    monkeypatch.setattr(packing, "split_attention", lambda *a: called.append(1) or split_attention(*a))
-    split_attention = _original_split
+    called, sdpa_calls = [], []
+    original, sdpa_function = getattr(packing, path), torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(packing, path, lambda *a: called.append(1) or original(*a))
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "scaled_dot_product_attention",
+        lambda *a, **k: sdpa_calls.append(1) or sdpa_function(*a, **k),
+    )
     out, grads = attend(packed.segments)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_function)
     assert called, "the split layout was not taken"
+    if sdpa:  # the prompts, then the queries in one call or (by row) one per row
+        assert len(sdpa_calls) == 1 + (split.query_index.shape[0] if mask_entries < 1 << 24 else 1)
     full_out, full_grads = attend(dataclasses.replace(packed.segments, split=None))
     rtol = 1e-6 if dtype == torch.float32 else 2e-2  # bf16: an ulp of the largest entries
     assert_close_to_scale(out.float(), full_out.float(), rtol)
@@ -278,4 +299,17 @@ def test_split_attention_equals_the_full_rows(dtype, filler, monkeypatch):
         assert_close_to_scale(got.float(), expected.float(), rtol)
 
 
-_original_split = packing.split_attention
+def test_long_rows_whose_prompts_are_short_keep_the_full_rows(monkeypatch):
+    """Through SDPA the full rows cost half their squares (the flash kernel stops at each query) and the split's
+    queries their whole rows: rows of a short prompt and a long response stay whole."""
+    monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LENGTH", 0)
+    prompt, response = 2, 12
+    ids = torch.arange(1, 1 + 2 * (prompt + response)).view(2, prompt + response)
+    mask = torch.ones_like(ids)
+    packed = pack(ids, mask, (mask.cumsum(1) - 1).clamp(min=0), response_length=response)
+    rows, length = packed.segments.index.shape
+    assert packed.segments.split.flash_scores(length) >= rows * length * length / 2
+    monkeypatch.setattr(packing, "sdpa_split_attention", lambda *a: pytest.fail("the split was taken"))
+    q, k, v = (torch.randn(1, 2, ids.numel(), 8) for _ in range(3))
+    out, _ = packing.packed_sdpa_attention(None, q, k, v, None, packed_segments=packed.segments)
+    assert out.shape == (1, ids.numel(), 2, 8)
