@@ -1,8 +1,8 @@
 """Attention of the packed rows as batched matmuls (engine/packing.py ``packed_sdpa_attention`` runs it for short
 rows): the moves between the packed tokens and the rows, the grouped causal attention over rows, and the split of the
-rows into prompt rows and response queries (``PromptSplit``) that computes only the outputs that are used. Each move
-and the softmax run through the C++ kernels where they fit (kernels/elementwise.py ``fits``), the same bits as
-torch's ops."""
+rows into prompt rows and response queries (``PromptSplit``) that computes only the outputs that are used, for short
+rows as matmuls and for long ones through SDPA (``sdpa_split_attention``). Each move and the softmax run through the
+C++ kernels where they fit (kernels/elementwise.py ``fits``), the same bits as torch's ops."""
 
 from __future__ import annotations
 
