@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from update_profile import policy_engine, reexec_with_allocator_settings  # noqa: E402
+from update_profile import one_rank, policy_engine  # noqa: E402
 
 
 def main() -> None:
@@ -35,9 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    reexec_with_allocator_settings()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29571 + os.getpid() % 1000))
+    one_rank(args.threads, port_base=29771)
     import torch
     import torch.distributed as dist
     from train_passes import grpo_batch
@@ -45,8 +43,6 @@ def main() -> None:
     from hybridflow.batch_keys import ATTENTION_MASK, OLD_LOG_PROBS, RESPONSE_MASK
     from hybridflow.engine.row_attention import PromptSplit
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.set_num_threads(args.threads)
     rows = args.prompts * args.samples
     _, engine = policy_engine(rows, [])
     data = grpo_batch(rows, args.samples, prompt_width=args.prompt_width, response_width=args.response_width)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from update_profile import MODEL, policy_engine, reexec_with_allocator_settings  # noqa: E402
+from update_profile import MODEL, one_rank, policy_engine  # noqa: E402
 
 
 def wrap(owner, name: str, totals: dict[str, float], key: str | None = None) -> None:
@@ -78,9 +78,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--override", action="append", default=[], help="a config key=value")
     args = parser.parse_args()
-    reexec_with_allocator_settings()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29671 + os.getpid() % 1000))
+    one_rank(args.threads, port_base=29671)
 
     import torch
     import torch.distributed as dist
@@ -92,8 +90,6 @@ def main() -> None:
     from hybridflow.engine.forward import response_outputs
     from hybridflow.models import load_causal_lm
 
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.set_num_threads(args.threads)
     trained, engine = policy_engine(args.samples, args.override)
     data = grpo_batch(args.samples, 4)
     data.batch[OLD_LOG_PROBS] = engine.compute_log_prob(data, 1.0, with_entropy=False).batch[OLD_LOG_PROBS]

@@ -54,6 +54,19 @@ def reexec_with_allocator_settings() -> None:
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **ALLOCATOR_ENV})
 
 
+def one_rank(threads: int, port_base: int) -> None:
+    """This process as an actor's only rank, as a worker runs it: the workers' allocator settings (re-executing with
+    them), a gloo group of one (its port from ``port_base`` and the pid) and ``threads`` torch threads."""
+    reexec_with_allocator_settings()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port_base + os.getpid() % 1000))
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.set_num_threads(threads)
+
+
 def label(fn, name: str):
     """``fn`` wrapped in a profiler range called ``name``."""
     import torch
