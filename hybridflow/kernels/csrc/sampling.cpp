@@ -121,10 +121,9 @@ void draw_row(const scalar_t* row, int64_t vocab, float u, float temperature, in
   double sum = 0.0, before = 0.0;  // before: the mass ahead of the chosen block
   int64_t chosen = -1;
   for (int64_t b = 0; b < blocks; ++b) {
-    if (block_sums[b] > 0.0) {  // the last block with mass, where rounding leaves the target unreached
-      chosen = b;
-      before = sum;
-    }
+    if (!(block_sums[b] > 0.0)) continue;  // no mass: never chosen (u = 0 reaches its target at once)
+    chosen = b;  // the last block with mass, where rounding leaves the target unreached
+    before = sum;
     if (sum + block_sums[b] >= target) break;
     sum += block_sums[b];
   }
@@ -144,7 +143,7 @@ void draw_row(const scalar_t* row, int64_t vocab, float u, float temperature, in
   *log_prob = static_cast<float>(scaled(row, start + pick, temperature, scale) - top - std::log(total));
 }
 
-// (tokens (B,) int64, log-probs (B,) float32) drawn from softmax(logits / temperature), row r at u[r] in (0, 1)
+// (tokens (B,) int64, log-probs (B,) float32) drawn from softmax(logits / temperature), row r at u[r] in [0, 1]
 std::vector<at::Tensor> sample_rows(const at::Tensor& logits, const at::Tensor& u, double temperature) {
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
               "logits must be a contiguous (B, V) tensor with V > 0");

@@ -176,8 +176,8 @@ def test_untruncated_draw_is_the_float64_inverse_cdf_token(draw_path, dtype, voc
 
 
 def test_fused_draw_takes_no_masked_token_at_the_ends_of_the_distribution():
-    """u near 0 and near 1 with -inf logits at both ends of the vocabulary and around a block's edge: only tokens with
-    mass are drawn; a row of -inf only draws its first token with a NaN log-prob instead of failing."""
+    """u near 0 and near 1 (and at 0 and 1) with -inf logits at both ends of the vocabulary and around a block's edge:
+    only tokens with mass are drawn; a row of -inf only draws its first token with a NaN log-prob instead of failing."""
     logits = torch.full((4, 3000), float("-inf"))
     logits[:, 1500] = 0.0
     logits[:, 1023] = 1.0  # the first block's last token
@@ -189,6 +189,11 @@ def test_fused_draw_takes_no_masked_token_at_the_ends_of_the_distribution():
     expected = torch.log_softmax(logits[0].double(), -1)[[1023, 1500, 2049]].float()
     torch.testing.assert_close(log_probs[:3], expected)
     assert tokens[3].item() == 0 and log_probs[3].isnan()
+    # u at 0 and 1 exactly, the first block without mass: the first and the last token with mass
+    logits[:2] = float("-inf")
+    logits[:2, [1500, 2049]] = 0.0
+    tokens, _ = kernels.module().sample_rows(logits[:2].contiguous(), torch.tensor([0.0, 1.0]), 1.0)
+    assert tokens.tolist() == [1500, 2049]
 
 
 def test_fused_draw_refuses_mismatched_inputs():
