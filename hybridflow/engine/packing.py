@@ -30,7 +30,9 @@ a row of its own, and then each row's response tokens as queries over the row's 
 row's first response slot. The full rows would compute a shared prompt's queries in every row that holds it (only one
 row's outputs are kept) and every row's L x L scores at the longest row's L. The same outputs, up to the order the
 sums round in (a key's gradient gathers the prompt row's and the rows' queries apart). Measured (bench/update_parts.py's
-batch, smollm2, 32 samples = 8 prompts x 4, the same update alternated in one process): 2.78 s -> 2.64 s.
+batch, smollm2, 32 samples = 8 prompts x 4, the same update alternated in one process): 2.78 s -> 2.64 s. Long rows
+(SDPA, below) take it too where it computes fewer scores (``PromptSplit.flash_scores``): bench/long_prompts.py, 8
+prompts of up to 1,024 tokens x 4 samples of up to 256: the update 1.35x, the old log-probs 1.31x.
 
 ``response_index`` / ``response_valid`` say which packed outputs predict the response tokens;
 ``forward.py`` asks the model for the LM head's output at those positions only.
@@ -43,9 +45,6 @@ backward: flash 35 ms, SDPA's math backend 20 ms, this 7.5 ms per layer). Rows l
 ``MATMUL_ATTENTION_MAX_LENGTH``, or whose score matrices would be large, use SDPA: its flash kernel wins from a few
 hundred tokens on (the same shapes, one layer: 8 rows x 256 tokens 12.5 ms against 17.3; 4 x 512 65.6 against 23.2;
 1 x 2,048 326 against 60; 1 x 4,096 1,423 against 197), and it keeps no score matrix for the backward.
-Both take the rows split into prompts and response queries (row_attention.py ``PromptSplit``) where it computes fewer
-scores: each prompt once instead of once per sample (SDPA, one layer, bf16, forward + backward, 8 prompts x 4
-samples of 1,024 + 256 tokens: 1.63 s -> 0.95 s).
 """
 
 from __future__ import annotations
@@ -265,6 +264,7 @@ def packed_sdpa_attention(
     _packed_calls += 1
     rows, longest = packed_segments.index.shape
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    split = packed_segments.split  # each prompt's queries once, where it computes fewer scores
     short = (
         longest <= MATMUL_ATTENTION_MAX_LENGTH
         and rows * query.shape[1] * longest * longest <= MATMUL_ATTENTION_MAX_SCORES
@@ -275,11 +275,9 @@ def packed_sdpa_attention(
         gather, tokens = moves
         index = packed_segments.index
         k, v = gather(key, index, transpose=True), gather(value, index)
-        split = packed_segments.split
         if split is not None and split.scores(longest) < rows * longest * longest:
             return split_attention(query, key, value, k, v, split, scale, moves), None
         return tokens(grouped_causal_attention(gather(query, index), k, v, scale), packed_segments.real), None
-    split = packed_segments.split
     if dropout == 0.0 and split is not None and split.flash_scores(longest) < rows * longest * longest / 2:
         return sdpa_split_attention(query, key, value, packed_segments.index, split, scale), None
     q, k, v = (torch_gather(x, packed_segments.index) for x in (query, key, value))  # (b, h, L, d)
