@@ -1,7 +1,7 @@
 """engine/host_collectives.py called as FSDP2 calls it, on 3 real gloo ranks (one spawn, for time): gloo's results
 (bitwise on a group of 2, to rounding on 3), through growing buffers and with one rank running ahead; no file left
-in /dev/shm; gloo kept when a rank is on another host or /dev/shm lacks room. On one rank, FSDP2's copies skipped
-with the same result. The FSDP2 update through shared memory: tests/engine/test_fsdp.py."""
+in /dev/shm; gloo kept when a rank is on another host or /dev/shm lacks room. One rank:
+tests/engine/test_one_rank_fsdp.py. The FSDP2 update through shared memory: tests/engine/test_fsdp.py."""
 
 import errno
 import gc
@@ -12,12 +12,11 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from hybridflow.engine import host_collectives
 from hybridflow.engine.host_collectives import (
     HostCollectives,
-    OneRankReduceScatter,
     SharedMemoryAllGather,
     SharedMemoryReduceScatter,
     host_collectives_for,
@@ -134,46 +133,3 @@ def test_shared_memory_collectives_give_gloo_results(tmp_path):
                 # bf16: one unit in the last place of values up to 4 (2 ** -6); fp32: a few of its own
                 tolerance = 2**-5 if got.dtype == torch.bfloat16 else 1e-6
                 torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
-
-
-def _one_rank(rank: int, init_file: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    torch.set_num_threads(1)
-    try:
-        results = {}
-        for skip_copies in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-            units = [model[0], model[2], model]
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            for unit in units:
-                fully_shard(unit, mp_policy=policy)
-            if skip_copies:
-                assert use_host_collectives(units, dist.group.WORLD) is None
-            results["initial"] = [p.full_tensor().clone() for p in model.parameters()]
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            inputs = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(1))
-            for step in range(2):
-                for micro in inputs.chunk(3 if step else 1):  # gradients accumulate over micro-batches
-                    model(micro).square().mean().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-            results[skip_copies] = [p.full_tensor().clone() for p in model.parameters()]
-        torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_one_rank_skips_fsdp_copies_and_changes_no_bit(tmp_path):
-    reduce = OneRankReduceScatter()  # FSDP2's order: the input, then an output of the same size: one buffer
-    first = reduce.allocate((6,), dtype=torch.float32, device=CPU)
-    assert reduce.allocate((6,), dtype=torch.float32, device=CPU) is first
-    second = reduce.allocate((6,), dtype=torch.float32, device=CPU)  # the next reduce-scatter: a new buffer
-    assert second is not first and reduce.allocate((6,), dtype=torch.float32, device=CPU) is second
-    out = str(tmp_path / "one-rank.pt")
-    mp.spawn(_one_rank, args=(str(tmp_path / "init-one"), out), nprocs=1)
-    results = torch.load(out)
-    for plain, skipped in zip(results[False], results[True]):
-        assert torch.equal(plain, skipped)
-    # the weights moved: two optimizer steps ran
-    assert all(not torch.equal(trained, initial) for trained, initial in zip(results[True], results["initial"]))
