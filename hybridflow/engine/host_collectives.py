@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-from hybridflow.engine.one_rank_fsdp import skip_one_rank_copies
+from hybridflow.engine.one_rank_fsdp import gather_in_one_pass
 
 SHARED_MEMORY_DIR = "/dev/shm"
 # profiler ranges around each collective (bench/update_profile.py and the tests find them by name)
@@ -271,6 +271,20 @@ class SharedMemoryAllGather(InPlaceAllGather):
         return True
 
 
+class OneRankReduceScatter(InPlaceReduceScatter):
+    """FSDP2's reduce-scatter on a group of one rank. FSDP2 then skips the collective but still copies the input
+    buffer (the gradients, cast to the reduce dtype) into a second buffer of the same size; handing out the input
+    as the output makes that copy a no-op (``copy_`` of a tensor onto itself), the same values without a pass over
+    every gradient. (``pending``: the input handed out; FSDP2 asks for the output next.)"""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        if pending is not None and pending.shape == torch.Size(size) and pending.dtype == dtype:
+            return pending
+        self.pending = torch.empty(*size, dtype=dtype, device=device)
+        return self.pending
+
+
 def shared_memory_needed(units: Sequence[FSDPModule], world: int) -> int:
     """Bytes of /dev/shm the collectives map at most, all ranks together: per rank two fp32 reduce-scatter inputs
     of the largest unit (its own parameters, unsharded), and two gathered outputs of it for the group."""
@@ -327,11 +341,15 @@ def host_collectives_for(group: dist.ProcessGroup) -> HostCollectives | None:
 def use_host_collectives(units: Sequence[FSDPModule], group: dist.ProcessGroup) -> HostCollectives | None:
     """Route the FSDP2 units' collectives on ``group`` through shared memory when its ranks share a CPU host with
     room in /dev/shm (collective: every rank of the group calls it). Returns None, leaving gloo, where they do not;
-    on a group of one rank, where nothing moves, the units skip FSDP2's copies instead (engine/one_rank_fsdp.py).
+    on a group of one rank, where nothing moves, the units skip FSDP2's copies instead (``OneRankReduceScatter``,
+    engine/one_rank_fsdp.py's gather).
     Models sharded over the same group (the actor, the reference) share one set of buffers."""
     world = dist.get_world_size(group)
     if world == 1:  # nothing to move between ranks: only FSDP2's copies to skip
-        skip_one_rank_copies(units)
+        one_rank_reduce = OneRankReduceScatter()
+        for unit in units:
+            unit.set_custom_reduce_scatter(one_rank_reduce)
+            gather_in_one_pass(unit)
         return None
     host = host_collectives_for(group)
     if host is None:

@@ -1,5 +1,6 @@
-"""engine/one_rank_fsdp.py: FSDP2 on one gloo rank with its copies skipped trains to the same bits as FSDP2's own
-path, and no weight is cast to a tensor of its own on the way to the gathered weights (one pass)."""
+"""FSDP2 on one gloo rank with its copies skipped (engine/one_rank_fsdp.py's gather, host_collectives.py's
+``OneRankReduceScatter``) trains to the same bits as FSDP2's own path, and no weight is cast to a tensor of its own on
+the way to the gathered weights (one pass)."""
 
 import torch
 import torch.distributed as dist
@@ -9,8 +10,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridflow.engine.fsdp import gathered_through_backward
-from hybridflow.engine.host_collectives import use_host_collectives
-from hybridflow.engine.one_rank_fsdp import OneRankReduceScatter
+from hybridflow.engine.host_collectives import OneRankReduceScatter, use_host_collectives
 
 CPU = torch.device("cpu")
 
